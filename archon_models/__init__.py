@@ -1,0 +1,13 @@
+"""Archon: torchtitan-style decoder-only models over packed sequences.
+
+Each model package registers its ModelSpec when its ``spec`` module is imported.
+The spec modules are imported directly, so no model package's ``__init__`` runs first.
+"""
+
+from archon_models.model_spec import (  # noqa: F401
+    ModelSpec,
+    get_model_spec,
+    get_supported_model_types,
+    is_supported_model,
+    register_model_spec,
+)

@@ -1,0 +1,45 @@
+"""The ``archon-port`` command line: argument handling only, the work is in the engine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from skill import __version__
+
+# One module per sub-command under skill/cli/, each defining
+# ``register(subparsers) -> None`` that adds its parser and sets ``func``
+# (``func(args) -> int`` returns the exit status).
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="archon-port",
+        description="Port a HuggingFace decoder-only architecture into Archon and prove it correct.",
+    )
+    parser.add_argument("--version", action="version", version=f"archon-port {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"skill.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from skill.cli import main
+
+sys.exit(main())
