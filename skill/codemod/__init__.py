@@ -1,0 +1,18 @@
+"""Source edits for the porting engine.
+
+Every change to an existing file goes through libcst (``cst``), so comments,
+formatting and hand edits survive, and every set of writes goes through a
+transaction (``workspace``), so a failure or Ctrl-C leaves the tree as it was.
+"""
+
+from skill.codemod.names import ModelNames, validate_model_name
+from skill.codemod.workspace import StagedTree, Workspace, WorkspaceError, transaction
+
+__all__ = [
+    "ModelNames",
+    "StagedTree",
+    "Workspace",
+    "WorkspaceError",
+    "transaction",
+    "validate_model_name",
+]

@@ -1,0 +1,455 @@
+"""libcst helpers: each takes module source and returns edited source.
+
+Every helper edits only the nodes it names and returns the input unchanged when the
+edit is already in place, so a step run twice changes nothing and comments and hand
+edits elsewhere in the file survive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import libcst as cst
+import libcst.matchers as m
+
+
+class CodemodError(ValueError):
+    """The source does not have the shape an edit expects."""
+
+
+def _parse(source: str) -> cst.Module:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        raise CodemodError(f"cannot parse source: {e}") from e
+
+
+def _replace_all(text: str, pairs: Sequence[tuple[str, str]]) -> str:
+    for old, new in pairs:
+        if old and old != new:
+            text = text.replace(old, new)
+    return text
+
+
+class _Renamer(cst.CSTTransformer):
+    def __init__(self, pairs: Sequence[tuple[str, str]]):
+        super().__init__()
+        self.pairs = pairs
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
+        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
+
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.SimpleString:
+        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
+
+    def leave_Comment(self, original_node: cst.Comment, updated_node: cst.Comment) -> cst.Comment:
+        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
+
+
+def rename_identifiers(source: str, pairs: Sequence[tuple[str, str]]) -> str:
+    """Rename every identifier, dotted module path, string and comment by substring pairs.
+
+    ``[("Qwen2", "Mistral"), ("QWEN2", "MISTRAL"), ("qwen2", "mistral")]`` turns
+    ``Qwen2Model`` into ``MistralModel``, ``archon_models.qwen2.model`` into
+    ``archon_models.mistral.model`` and ``QWEN2_SPEC`` into ``MISTRAL_SPEC``.
+    """
+    return _parse(source).visit(_Renamer(pairs)).code
+
+
+# --- imports -------------------------------------------------------------------------
+
+
+def _stmt_key(stmt: cst.CSTNode) -> str:
+    """A statement's code without comments or layout, for equality checks."""
+    module = cst.Module(body=[])
+    if isinstance(stmt, cst.SimpleStatementLine):
+        return " ; ".join(module.code_for_node(s) for s in stmt.body)
+    return module.code_for_node(stmt)
+
+
+def _is_import_line(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+    )
+
+
+def has_statement(source: str, statement: str) -> bool:
+    """Whether a module-level statement equal to ``statement`` (ignoring comments) exists."""
+    wanted = _stmt_key(cst.parse_statement(statement))
+    return any(_stmt_key(s) == wanted for s in _parse(source).body)
+
+
+def ensure_import_line(source: str, statement: str) -> str:
+    """Add ``statement`` after the last module-level import unless it is already there."""
+    module = _parse(source)
+    new_stmt = cst.parse_statement(statement)
+    wanted = _stmt_key(new_stmt)
+    body = list(module.body)
+    if any(_stmt_key(s) == wanted for s in body):
+        return source
+    last_import = max((i for i, s in enumerate(body) if _is_import_line(s)), default=-1)
+    if last_import < 0:
+        # after a module docstring, if any
+        last_import = 0 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else -1
+    if isinstance(new_stmt, cst.SimpleStatementLine):
+        new_stmt = new_stmt.with_changes(leading_lines=[])
+    body.insert(last_import + 1, new_stmt)
+    return module.with_changes(body=body).code
+
+
+def remove_statements(source: str, predicate) -> str:
+    """Drop the module-level statements for which ``predicate(code)`` is true."""
+    module = _parse(source)
+    empty = cst.Module(body=[])
+    body = [s for s in module.body if not predicate(_stmt_key(s) if _is_import_line(s) else empty.code_for_node(s))]
+    if len(body) == len(module.body):
+        return source
+    return module.with_changes(body=body).code
+
+
+# --- dict literals ---------------------------------------------------------------------
+
+
+def _target_code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _string_value(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        return node.evaluated_value if isinstance(node.evaluated_value, str) else None
+    if isinstance(node, cst.ConcatenatedString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _literal(value: str | None) -> cst.BaseExpression:
+    return cst.Name("None") if value is None else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
+
+
+def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:
+    found: list[cst.Dict] = []
+
+    class _Finder(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            if isinstance(node.value, cst.Dict) and any(_target_code(t.target) == target for t in node.targets):
+                found.append(node.value)
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            if isinstance(node.value, cst.Dict) and _target_code(node.target) == target:
+                found.append(node.value)
+
+    module.visit(_Finder())
+    if not found:
+        raise CodemodError(f"no dict literal assigned to {target!r}")
+    if len(found) > 1:
+        raise CodemodError(f"{len(found)} dict literals are assigned to {target!r}; expected one")
+    return found[0]
+
+
+def read_dict_literal(source: str, target: str) -> dict[str, str | None]:
+    """The string-keyed entries of the dict literal assigned to ``target``."""
+    result: dict[str, str | None] = {}
+    for element in _find_dict_literal(_parse(source), target).elements:
+        if not isinstance(element, cst.DictElement):
+            continue
+        key = _string_value(element.key)
+        if key is None:
+            continue
+        if m.matches(element.value, m.Name("None")):
+            result[key] = None
+        else:
+            result[key] = _string_value(element.value)
+    return result
+
+
+def edit_dict_literal(
+    source: str,
+    target: str,
+    set_entries: Mapping[str, str | None] | None = None,
+    remove: Iterable[str] = (),
+) -> str:
+    """Set, add or remove string entries of the dict literal assigned to ``target``.
+
+    Existing entries keep their place, comments and layout; new entries are appended
+    with the layout of the last one. Returns ``source`` unchanged when nothing differs.
+    """
+    set_entries = dict(set_entries or {})
+    remove = set(remove)
+    module = _parse(source)
+    original = _find_dict_literal(module, target)
+    elements: list[cst.BaseDictElement] = []
+    origins: list[int | None] = []
+    seen: set[str] = set()
+    changed = False
+    for position, element in enumerate(original.elements):
+        key = _string_value(element.key) if isinstance(element, cst.DictElement) else None
+        if key is not None and key in remove:
+            changed = True
+            continue
+        if key is not None and key in set_entries:
+            seen.add(key)
+            current = None if m.matches(element.value, m.Name("None")) else _string_value(element.value)
+            wanted = set_entries[key]
+            if current != wanted or (wanted is not None and m.matches(element.value, m.Name("None"))):
+                element = element.with_changes(value=_literal(wanted))
+                changed = True
+        elements.append(element)
+        origins.append(position)
+    template = next((e for e in reversed(elements) if isinstance(e, cst.DictElement)), None)
+    for key, value in set_entries.items():
+        if key in seen:
+            continue
+        changed = True
+        new = cst.DictElement(key=_literal(key), value=_literal(value))
+        if template is not None:
+            new = new.with_changes(
+                whitespace_before_colon=template.whitespace_before_colon,
+                whitespace_after_colon=template.whitespace_after_colon,
+            )
+        elements.append(new)
+        origins.append(None)
+    if not changed:
+        return source
+    elements = _relayout_commas(original, elements, origins)
+    new_dict = original.with_changes(elements=elements)
+    return module.deep_replace(original, new_dict).code
+
+
+def _clean_comma(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
+    """A comma with the same line break and indent but no trailing comment."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        return comma.with_changes(
+            whitespace_after=comma.whitespace_after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        )
+    return comma
+
+
+def _relayout_commas(
+    original: cst.Dict, elements: list[cst.BaseDictElement], origins: list[int | None]
+) -> list[cst.BaseDictElement]:
+    """Keep each original element's comma where it still fits; new ones copy the layout."""
+    old = list(original.elements)
+    last_index = len(old) - 1
+    if old and isinstance(old[0].comma, cst.Comma):
+        inner: cst.Comma | cst.MaybeSentinel = _clean_comma(old[0].comma)
+    else:
+        inner = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    last = _clean_comma(old[-1].comma) if old else cst.MaybeSentinel.DEFAULT
+    out = []
+    for i, (element, origin) in enumerate(zip(elements, origins)):
+        is_last = i == len(elements) - 1
+        if is_last:
+            comma = element.comma if origin == last_index else last
+        elif origin is not None and origin != last_index and isinstance(element.comma, cst.Comma):
+            comma = element.comma
+        else:
+            comma = inner
+        out.append(element.with_changes(comma=comma))
+    return out
+
+
+# --- classes and functions -------------------------------------------------------------
+
+
+def _find_class(module: cst.Module, class_name: str) -> cst.ClassDef:
+    for stmt in module.body:
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value == class_name:
+            return stmt
+    raise CodemodError(f"no top-level class {class_name!r}")
+
+
+def has_class(source: str, class_name: str) -> bool:
+    return any(isinstance(s, cst.ClassDef) and s.name.value == class_name for s in _parse(source).body)
+
+
+def _find_function(module: cst.Module, class_name: str | None, func_name: str) -> cst.FunctionDef:
+    scope: Sequence[cst.CSTNode] = module.body if class_name is None else _find_class(module, class_name).body.body
+    for stmt in scope:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == func_name:
+            return stmt
+    where = "module" if class_name is None else f"class {class_name}"
+    raise CodemodError(f"no function {func_name!r} in {where}")
+
+
+def replace_function(source: str, class_name: str | None, func_name: str, new_source: str) -> str:
+    """Replace one function or method (decorators included) by ``new_source``.
+
+    ``new_source`` is written at column 0; a method is re-indented by libcst.
+    """
+    module = _parse(source)
+    old = _find_function(module, class_name, func_name)
+    new = cst.parse_statement(new_source)
+    if not isinstance(new, cst.FunctionDef):
+        raise CodemodError(f"replacement for {func_name!r} is not a function definition")
+    new = new.with_changes(leading_lines=old.leading_lines)
+    if _target_code(new.with_changes(leading_lines=[])) == _target_code(old.with_changes(leading_lines=[])):
+        return source
+    return module.deep_replace(old, new).code
+
+
+def replace_class(source: str, class_name: str, new_source: str, *, new_name: str | None = None) -> str:
+    """Replace a top-level class by ``new_source`` (which may define another name)."""
+    module = _parse(source)
+    old = _find_class(module, class_name)
+    new = cst.parse_statement(new_source)
+    if not isinstance(new, cst.ClassDef):
+        raise CodemodError(f"replacement for class {class_name!r} is not a class definition")
+    new = new.with_changes(leading_lines=old.leading_lines)
+    if _target_code(new) == _target_code(old):
+        return source
+    return module.deep_replace(old, new).code
+
+
+def insert_before_class(source: str, anchor: str, new_source: str) -> str:
+    """Insert top-level statements before class ``anchor`` unless a class they define exists."""
+    module = _parse(source)
+    new_module = _parse(new_source)
+    existing = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
+    new_stmts = [s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)]
+    if not new_stmts:
+        return source
+    body = list(module.body)
+    index = body.index(_find_class(module, anchor))
+    spaced = [s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()]) if isinstance(s, (cst.ClassDef, cst.FunctionDef)) else s for s in new_stmts]
+    body[index:index] = spaced
+    return module.with_changes(body=body).code
+
+
+def remove_class(source: str, class_name: str) -> str:
+    module = _parse(source)
+    try:
+        old = _find_class(module, class_name)
+    except CodemodError:
+        return source
+    return module.with_changes(body=[s for s in module.body if s is not old]).code
+
+
+def replace_in_function(source: str, class_name: str | None, func_name: str, old: str, new: str) -> str:
+    """Replace one statement (matched by its code, ignoring layout) inside a function body.
+
+    ``old`` and ``new`` are single statements; ``new`` may be several lines or empty
+    (the statement is removed). Already-applied edits are a no-op.
+    """
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    wanted = _stmt_key(cst.parse_statement(old))
+    replacement = list(cst.parse_module(new).body) if new.strip() else []
+    replacement_keys = [_stmt_key(s) for s in replacement]
+
+    class _Swap(cst.CSTTransformer):
+        hits = 0
+
+        def leave_IndentedBlock(self, original_node, updated_node):
+            body = []
+            for stmt in updated_node.body:
+                if _stmt_key(stmt) == wanted:
+                    self.hits += 1
+                    body.extend(
+                        r.with_changes(leading_lines=stmt.leading_lines) if i == 0 and hasattr(r, "leading_lines") else r
+                        for i, r in enumerate(replacement)
+                    )
+                else:
+                    body.append(stmt)
+            return updated_node.with_changes(body=body)
+
+    swap = _Swap()
+    new_func = func.visit(swap)
+    if swap.hits == 0:
+        keys = [_stmt_key(s) for s in func.body.body]
+        if replacement_keys and all(k in _all_stmt_keys(func) for k in replacement_keys):
+            return source
+        raise CodemodError(f"statement {old.strip()!r} not found in {func_name!r}; found: {keys}")
+    return module.deep_replace(func, new_func).code
+
+
+def _all_stmt_keys(node: cst.CSTNode) -> set[str]:
+    keys: set[str] = set()
+
+    class _Collect(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, n):
+            keys.add(_stmt_key(n))
+
+        def visit_If(self, n):
+            keys.add(_stmt_key(n))
+
+        def visit_For(self, n):
+            keys.add(_stmt_key(n))
+
+    node.visit(_Collect())
+    return keys
+
+
+def class_field_names(source: str, class_name: str) -> list[str]:
+    """Annotated field names of a (dataclass) class, in order."""
+    cls = _find_class(_parse(source), class_name)
+    names = []
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
+                    names.append(small.target.value)
+    return names
+
+
+def set_class_fields(
+    source: str,
+    class_name: str,
+    fields: Mapping[str, str],
+    remove: Iterable[str] = (),
+) -> str:
+    """Set annotated class fields: ``{"name": "int = 4"}``; add missing ones after the last field.
+
+    Fields named in ``remove`` are dropped. Existing fields keep their comments.
+    """
+    remove = set(remove)
+    module = _parse(source)
+    cls = _find_class(module, class_name)
+    body = list(cls.body.body)
+    seen: set[str] = set()
+    last_field = -1
+    changed = False
+    new_body: list[cst.BaseStatement] = []
+    for stmt in body:
+        name = _field_name(stmt)
+        if name is not None and name in remove:
+            changed = True
+            continue
+        if name is not None and name in fields:
+            seen.add(name)
+            new_stmt = cst.parse_statement(f"{name}: {fields[name]}\n")
+            new_stmt = new_stmt.with_changes(leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace)
+            if _stmt_key(new_stmt) != _stmt_key(stmt):
+                stmt = new_stmt
+                changed = True
+        new_body.append(stmt)
+        if name is not None:
+            last_field = len(new_body) - 1
+    additions = [cst.parse_statement(f"{n}: {spec}\n") for n, spec in fields.items() if n not in seen]
+    if additions:
+        changed = True
+        insert_at = last_field + 1 if last_field >= 0 else _after_docstring(new_body)
+        new_body[insert_at:insert_at] = additions
+    if not changed:
+        return source
+    new_cls = cls.with_changes(body=cls.body.with_changes(body=new_body))
+    return module.deep_replace(cls, new_cls).code
+
+
+def _field_name(stmt: cst.CSTNode) -> str | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        small = stmt.body[0]
+        if isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
+            return small.target.value
+    return None
+
+
+def _after_docstring(body: list[cst.BaseStatement]) -> int:
+    if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+        return 1
+    return 0
+
+
+def top_level_names(source: str) -> list[str]:
+    """Names of top-level classes and functions."""
+    return [s.name.value for s in _parse(source).body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
