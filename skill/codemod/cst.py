@@ -453,3 +453,69 @@ def _after_docstring(body: list[cst.BaseStatement]) -> int:
 def top_level_names(source: str) -> list[str]:
     """Names of top-level classes and functions."""
     return [s.name.value for s in _parse(source).body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
+
+
+def _call_name(call: cst.Call) -> str:
+    return _target_code(call.func)
+
+
+def get_call_kwarg(source: str, func_name: str, kwarg: str) -> str | None:
+    """The source of keyword ``kwarg`` in the first call to ``func_name``, or ``None``."""
+    found: list[str] = []
+
+    class _Finder(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if _call_name(node) == func_name and not found:
+                for arg in node.args:
+                    if arg.keyword is not None and arg.keyword.value == kwarg:
+                        found.append(_target_code(arg.value))
+
+    _parse(source).visit(_Finder())
+    return found[0] if found else None
+
+
+def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *, target: str | None = None) -> str:
+    """Set keyword ``kwarg`` to the expression ``value_source`` in calls to ``func_name``.
+
+    With ``target`` only calls assigned to that target (``self.wo``) are edited. A
+    missing keyword is appended. Raises ``CodemodError`` when no call matches.
+    """
+    value = cst.parse_expression(value_source)
+    hits = [0]
+
+    class _Edit(cst.CSTTransformer):
+        def __init__(self) -> None:
+            super().__init__()
+            self._inside: list[bool] = []
+
+        def visit_Assign(self, node: cst.Assign) -> None:
+            self._inside.append(target is None or any(_target_code(t.target) == target for t in node.targets))
+
+        def leave_Assign(self, original_node, updated_node):
+            self._inside.pop()
+            return updated_node
+
+        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+            if _call_name(updated_node) != func_name:
+                return updated_node
+            if target is not None and not (self._inside and self._inside[-1]):
+                return updated_node
+            hits[0] += 1
+            args = list(updated_node.args)
+            for i, arg in enumerate(args):
+                if arg.keyword is not None and arg.keyword.value == kwarg:
+                    if _target_code(arg.value) != value_source:
+                        args[i] = arg.with_changes(value=value)
+                    return updated_node.with_changes(args=args)
+            if args and isinstance(args[-1].comma, cst.MaybeSentinel):
+                args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            args.append(cst.Arg(value=value, keyword=cst.Name(kwarg), equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))))
+            return updated_node.with_changes(args=args)
+
+    new = _parse(source).visit(_Edit())
+    if hits[0] == 0:
+        where = f" assigned to {target}" if target else ""
+        raise CodemodError(f"no call to {func_name}{where}")
+    code = new.code
+    return source if code == source else code

@@ -102,6 +102,11 @@ class StagedTree:
         self.workspace.resolve(key)
         self._staged[key] = _DELETED
 
+    def delete_tree(self, rel_dir: str | os.PathLike) -> None:
+        """Stage the removal of every file under ``rel_dir`` (later writes win)."""
+        for key in self.list_files(rel_dir):
+            self.delete(key)
+
     def list_files(self, rel_dir: str | os.PathLike) -> list[str]:
         """Files under ``rel_dir`` (recursive, workspace-relative), staged state included."""
         base = self._key(rel_dir).rstrip("/")

@@ -1,0 +1,136 @@
+"""Steps 8-9: ``spec.py`` with the package's ModelSpec, and its import line."""
+
+from __future__ import annotations
+
+import ast
+import logging
+
+from pydantic import Field, field_validator
+
+from skill.codemod import StagedTree
+from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+
+logger = logging.getLogger(__name__)
+
+ARCHON_INIT = "archon_models/__init__.py"
+
+SPEC_TEMPLATE = '''"""Registers the {camel} ModelSpec when imported."""
+
+from archon_models.model_spec import ModelSpec, register_model_spec
+from archon_models.pipeline_parallel import pipeline_llm
+from archon_models.{package}.infra.parallelize import parallelize_{package}
+from archon_models.{package}.model.args import {camel}ModelArgs
+from archon_models.{package}.model.model import {camel}Model
+from archon_models.{package}.model.state_dict_adapter import {camel}StateDictAdapter
+
+{upper}_SPEC = ModelSpec(
+    name="{camel}",
+    model_class={camel}Model,
+    model_args_class={camel}ModelArgs,
+    state_dict_adapter_class={camel}StateDictAdapter,
+    parallelize_fn=parallelize_{package},
+    supported_model_types=frozenset({types}),
+    pipelining_fn=pipeline_llm,
+)
+
+register_model_spec({upper}_SPEC)
+
+__all__ = ["{upper}_SPEC"]
+'''
+
+
+class RegisterSpecRequest(PackageRequest):
+    model_types: list[str] = Field(
+        default_factory=list, description="HF model_type strings the package handles (default: [model_name])"
+    )
+
+    @field_validator("model_types")
+    @classmethod
+    def _valid_types(cls, value: list[str]) -> list[str]:
+        for model_type in value:
+            if not model_type or not all(c.isalnum() or c in "_-" for c in model_type):
+                raise ValueError(f"model_type {model_type!r} is not a HF model_type string (letters, digits, _ or -).")
+        return sorted(set(value))
+
+
+class RegisterSpecResult(StepResult):
+    spec_file: str
+    import_line: str
+    model_types: list[str]
+
+
+def import_line_for(package: str) -> str:
+    return f"from archon_models.{package} import spec as {package}_spec  # noqa: F401"
+
+
+def types_literal(model_types: list[str]) -> str:
+    return "{" + ", ".join(f'"{t}"' for t in sorted(model_types)) + "}"
+
+
+def registered_types(tree: StagedTree) -> dict[str, str]:
+    """model_type -> package, read statically from every ``archon_models/*/spec.py``."""
+    owners: dict[str, str] = {}
+    for path in tree.list_files("archon_models"):
+        parts = path.split("/")
+        if len(parts) != 3 or parts[2] != "spec.py":
+            continue
+        literal = get_call_kwarg(tree.read_text(path) or "", "ModelSpec", "supported_model_types")
+        for model_type in _types_from_literal(literal):
+            owners[model_type] = parts[1]
+    return owners
+
+
+def _types_from_literal(literal: str | None) -> list[str]:
+    if not literal:
+        return []
+    try:
+        node = ast.parse(literal, mode="eval").body
+    except SyntaxError:
+        return []
+    if isinstance(node, ast.Call) and node.args:
+        node = node.args[0]
+    if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def register_spec(request: RegisterSpecRequest) -> RegisterSpecResult:
+    """Write spec.py (ModelSpec + register_model_spec) for archon_models/<model_name>/ and
+    add its import line to archon_models/__init__.py. A second call is a no-op; a
+    model_type another package already registers is refused."""
+    with staged(request.workspace) as tree:
+        return apply_register_spec(tree, request)
+
+
+def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
+    layout = PackageLayout.for_name(request.model_name)
+    if not tree.exists(layout.model):
+        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first.")
+    model_types = request.model_types or [request.model_name]
+    owners = registered_types(tree)
+    clashes = {t: owners[t] for t in model_types if t in owners and owners[t] != layout.names.package}
+    if clashes:
+        listing = ", ".join(f"{t!r} (archon_models/{p}/spec.py)" for t, p in sorted(clashes.items()))
+        raise ValueError(
+            f"model_type already registered by another package: {listing}. Each model_type belongs to one "
+            "ModelSpec; remove it from that package or pick other model_types."
+        )
+    changed: list[str] = []
+    names = layout.names
+    current = tree.read_text(layout.spec)
+    if current is None:
+        text = SPEC_TEMPLATE.format(
+            camel=names.camel, package=names.package, upper=names.upper, types=types_literal(model_types)
+        )
+    else:
+        text = set_call_kwarg(current, "ModelSpec", "supported_model_types", f"frozenset({types_literal(model_types)})")
+    write_if_changed(tree, layout.spec, text, changed)
+    line = import_line_for(names.package)
+    init_text = tree.read_text(ARCHON_INIT)
+    if init_text is None:
+        raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
+    write_if_changed(tree, ARCHON_INIT, ensure_import_line(init_text, line), changed)
+    return RegisterSpecResult(
+        spec_file=layout.spec, import_line=line, model_types=sorted(model_types), changed_files=sorted(changed)
+    )
