@@ -1,0 +1,1 @@
+"""Qwen3 model definition: args, modules, RoPE and the HF state-dict adapter."""
