@@ -12,7 +12,7 @@ from skill import __version__
 # One module per sub-command under skill/cli/, each defining
 # ``register(subparsers) -> None`` that adds its parser and sets ``func``
 # (``func(args) -> int`` returns the exit status).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("serve", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"archon-port {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    parser.add_argument(
+        "--record",
+        metavar="SESSION",
+        help="append every tool call this command makes to the session file SESSION (JSON Lines); "
+        "check it later with `archon-port replay SESSION`",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"skill.cli.{name}").register(subparsers)
@@ -38,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if args.record:
+        from skill.session import recording
+
+        with recording(args.record, getattr(args, "workspace", None)):
+            return int(args.func(args) or 0)
     return int(args.func(args) or 0)
 
 

@@ -1,0 +1,42 @@
+"""``archon-port replay SESSION``: re-run a recorded session in a fresh copy and compare."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a recorded session in a temporary copy of the repo",
+        description="Re-run every call of SESSION in a fresh temporary copy of the repository, "
+        "rebuilt to the state the session started from. Exits 1 naming the first call or file "
+        "that differs.",
+    )
+    parser.add_argument("session", type=Path, help="session file (JSON Lines)")
+    parser.add_argument("--source", type=Path, help="repository to copy (default: this project)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy and print its path")
+    parser.add_argument(
+        "--close",
+        action="store_true",
+        help="first close the session (capturing edits made outside the tools since its last call)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from skill.replay import ReplayInput, replay_session
+    from skill.session import SessionRecorder
+
+    if args.close:
+        SessionRecorder(args.session, args.source).close()
+    report = replay_session(ReplayInput(session=args.session, source=args.source, keep=args.keep))
+    sys.stdout.write(report.describe() + "\n")
+    if report.kept_copy is not None:
+        sys.stdout.write(f"copy kept at {report.kept_copy}\n")
+    return 0 if report.ok else 1

@@ -1,0 +1,415 @@
+"""The registry of engine steps: the one list every face of archon-port iterates.
+
+The MCP server exposes each entry as a tool, the CLI's ``--record`` records calls made
+through :func:`invoke`, and ``archon-port replay`` re-runs recorded calls by name. An
+entry is one declarative line (:class:`ToolEntry`) naming the step function by import
+path; the input and result models and the description are read from the function
+itself, so the schema an agent sees is exactly the one the engine validates.
+
+A step is ``def step(request: SomeInput) -> SomeResult``: one positional parameter
+annotated with a pydantic model, a pydantic return annotation, and a docstring whose
+first paragraph tells an agent what the step does and when to use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import inspect
+import logging
+import os
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from skill.codemod.workspace import Workspace, WorkspaceError
+
+logger = logging.getLogger(__name__)
+
+# Where the engine keeps per-workspace state (locks, server sessions, latest reports).
+# Never part of a session's recorded file changes.
+STATE_DIR = ".archon-port"
+
+DEFAULT_LOCK_TIMEOUT_S = 300.0
+
+
+class ToolEntry(BaseModel):
+    """One registry line: which function is the step and how it behaves.
+
+    The annotations map one to one onto MCP's tool hints: ``read_only`` (changes no
+    file), ``destructive`` (may overwrite or delete what is there), ``idempotent``
+    (a second identical call changes nothing).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$", description="tool name, also the recorded name")
+    target: str = Field(description="'module.path:function' of the step")
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = True
+    package_field: str | None = Field(
+        default=None,
+        description="input field naming the archon_models package the call reads or changes; "
+        "calls on one package are serialised by a shared/exclusive lock",
+    )
+    path_fields: tuple[str, ...] = Field(
+        default=(),
+        description="str input fields that may hold a filesystem path; confined to the workspace "
+        "when their value names an existing path or looks like one",
+    )
+    long_running: bool = Field(default=False, description="the server reports progress while it runs")
+    title: str | None = None
+
+    @field_validator("target")
+    @classmethod
+    def _check_target(cls, value: str) -> str:
+        module, sep, attr = value.partition(":")
+        if not sep or not module or not attr.isidentifier():
+            raise ValueError(f"target {value!r} must look like 'package.module:function'")
+        return value
+
+
+# The engine's steps, in playbook order. One line per step; ENGINE and ANALYZER add
+# their own lines here as their functions land.
+TOOL_ENTRIES: tuple[ToolEntry, ...] = (
+    ToolEntry(
+        name="copy_reference",
+        target="skill.porting.copy_reference:copy_reference",
+        destructive=True,
+        package_field="model_name",
+    ),
+    ToolEntry(
+        name="edit_adapter_map",
+        target="skill.porting.edit_adapter_map:edit_adapter_map",
+        destructive=True,
+        package_field="model_name",
+        path_fields=("source",),
+    ),
+    ToolEntry(name="register_spec", target="skill.porting.register_spec:register_spec", package_field="model_name"),
+    ToolEntry(
+        name="check_package",
+        target="skill.porting.check_package:check_package",
+        read_only=True,
+        package_field="model_name",
+        path_fields=("source",),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A registry entry resolved to its function and pydantic models."""
+
+    entry: ToolEntry
+    function: Callable[[BaseModel], BaseModel]
+    input_model: type[BaseModel]
+    result_model: type[BaseModel]
+    description: str
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def package_of(self, request: BaseModel) -> str | None:
+        """The archon_models package this call reads or changes, if the entry names one."""
+        field = self.entry.package_field
+        if field is None:
+            return None
+        value = getattr(request, field, None)
+        return str(value) if value else None
+
+
+class ToolRegistryError(ValueError):
+    """A registry entry whose target cannot be a step (bad signature, missing module)."""
+
+
+class ToolBusyError(RuntimeError):
+    """Another call holds the package this call needs; raised after waiting ``timeout``."""
+
+
+def resolve_entry(entry: ToolEntry) -> Tool:
+    """Import an entry's function and read its input/result models from the annotations."""
+    module_name, _, attr = entry.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ToolRegistryError(f"tool {entry.name!r}: cannot import {module_name!r} ({e})") from e
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ToolRegistryError(f"tool {entry.name!r}: {module_name!r} has no function {attr!r}")
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception as e:  # unresolvable forward references are a bug in the step module
+        raise ToolRegistryError(f"tool {entry.name!r}: cannot resolve annotations of {entry.target} ({e})") from e
+    params = [p for p in inspect.signature(function).parameters.values() if p.default is inspect.Parameter.empty]
+    if len(params) != 1:
+        raise ToolRegistryError(
+            f"tool {entry.name!r}: {entry.target} must take exactly one required parameter "
+            f"(its pydantic input model), found {[p.name for p in params]}"
+        )
+    input_model = hints.get(params[0].name)
+    result_model = hints.get("return")
+    for role, model in (("input", input_model), ("return", result_model)):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise ToolRegistryError(
+                f"tool {entry.name!r}: the {role} annotation of {entry.target} must be a pydantic "
+                f"BaseModel subclass, found {model!r}"
+            )
+    for field in (entry.package_field, *entry.path_fields):
+        if field is not None and field not in input_model.model_fields:
+            raise ToolRegistryError(
+                f"tool {entry.name!r}: field {field!r} named in the registry is not a field of "
+                f"{input_model.__name__} ({sorted(input_model.model_fields)})"
+            )
+    description = inspect.cleandoc(function.__doc__ or "").split("\n\n")[0].replace("\n", " ").strip()
+    if not description:
+        raise ToolRegistryError(f"tool {entry.name!r}: {entry.target} needs a docstring (the tool description)")
+    return Tool(entry, function, input_model, result_model, description)
+
+
+_registry_lock = threading.Lock()
+_extra_entries: dict[str, ToolEntry] = {}
+_resolved: dict[str, Tool] | None = None
+
+
+def register_tool(entry: ToolEntry) -> Tool:
+    """Add a step at run time (plugins, tests); its name must not be taken."""
+    global _resolved
+    tool = resolve_entry(entry)
+    with _registry_lock:
+        taken = {e.name for e in TOOL_ENTRIES} | set(_extra_entries)
+        if entry.name in taken:
+            raise ValueError(f"tool {entry.name!r} is already registered; pick another name")
+        _extra_entries[entry.name] = entry
+        if _resolved is not None:
+            _resolved[entry.name] = tool
+    return tool
+
+
+def unregister_tool(name: str) -> None:
+    """Remove a step added with :func:`register_tool` (the built-in lines stay)."""
+    global _resolved
+    with _registry_lock:
+        if name not in _extra_entries:
+            raise KeyError(f"tool {name!r} was not added with register_tool")
+        del _extra_entries[name]
+        if _resolved is not None:
+            _resolved.pop(name, None)
+
+
+def load_tools() -> dict[str, Tool]:
+    """Every registered step by name, in playbook order (imports the engine on first use)."""
+    global _resolved
+    with _registry_lock:
+        if _resolved is None:
+            names = [e.name for e in TOOL_ENTRIES]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ToolRegistryError(f"TOOL_ENTRIES names {duplicates} more than once")
+            resolved = {e.name: resolve_entry(e) for e in TOOL_ENTRIES}
+            resolved.update({name: resolve_entry(e) for name, e in _extra_entries.items()})
+            _resolved = resolved
+        return dict(_resolved)
+
+
+def get_tool(name: str) -> Tool:
+    """The step called ``name``; ``KeyError`` lists the available ones."""
+    tools = load_tools()
+    if name not in tools:
+        raise KeyError(f"unknown tool {name!r}; available: {', '.join(tools) or '(none)'}")
+    return tools[name]
+
+
+# --- requests: validation and workspace confinement ------------------------------------
+
+
+def _annotation_is_path(annotation: Any) -> bool:
+    if annotation is None:
+        return False
+    if isinstance(annotation, type):
+        return issubclass(annotation, os.PathLike)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return any(_annotation_is_path(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def _looks_like_path(value: str) -> bool:
+    return os.sep in value or "/" in value or value.startswith((".", "~")) or value.endswith(".json")
+
+
+def _confine(workspace: Workspace, field: str, value: str | os.PathLike) -> Path:
+    """``value`` as an absolute path inside the workspace; relative values resolve from its root."""
+    raw = os.path.expanduser(os.fspath(value))
+    path = Path(raw)
+    target = (path if path.is_absolute() else workspace.root / path).resolve()
+    if target != workspace.root and workspace.root not in target.parents:
+        raise WorkspaceError(
+            f"{field}={os.fspath(value)!r} is outside the workspace {workspace.root}; refused. "
+            "Copy it into the workspace, or start the server with --workspace set to a directory holding it."
+        )
+    return target
+
+
+def prepare_request(tool: Tool, arguments: Mapping[str, Any] | BaseModel, workspace: Workspace) -> BaseModel:
+    """Validate ``arguments`` into the tool's input model, confined to ``workspace``.
+
+    The ``workspace`` field, when the step has one, is set to the workspace root (a
+    caller-given one must lie inside it). ``Path`` fields and the entry's
+    ``path_fields`` are resolved to absolute paths inside the workspace; anything
+    outside raises :class:`WorkspaceError`.
+    """
+    data = arguments.model_dump() if isinstance(arguments, BaseModel) else dict(arguments)
+    fields = tool.input_model.model_fields
+    for name, info in fields.items():
+        value = data.get(name)
+        if name == "workspace":
+            if value is not None:
+                _confine(workspace, name, value)
+            data[name] = workspace.root
+        elif value is not None and _annotation_is_path(info.annotation):
+            data[name] = _confine(workspace, name, value)
+        elif name in tool.entry.path_fields and isinstance(value, str):
+            candidate = Path(os.path.expanduser(value))
+            if _looks_like_path(value) or (workspace.root / candidate).exists() or candidate.is_absolute():
+                data[name] = str(_confine(workspace, name, value))
+    return tool.input_model.model_validate(data)
+
+
+# --- package locks ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def package_lock(
+    workspace: Workspace,
+    package: str,
+    *,
+    exclusive: bool,
+    holder: str,
+    timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+) -> Iterator[None]:
+    """Hold ``package``'s lock: shared for reads, exclusive for changes.
+
+    The lock is an ``flock`` on ``.archon-port/locks/<package>.lock``, so it also
+    serialises calls from different processes (two servers, a server and the CLI).
+    A call that cannot get it within ``timeout`` seconds raises :class:`ToolBusyError`
+    naming the call that holds it; ``timeout=0`` refuses at once.
+    """
+    lock_dir = workspace.root / STATE_DIR / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / f"{package}.lock"
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(path, "a+", encoding="utf-8") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    handle.seek(0)
+                    current = handle.read().strip() or "another call"
+                    raise ToolBusyError(
+                        f"package {package!r} is busy: {current} holds it "
+                        f"(waited {timeout:g} s). Retry when that call has finished."
+                    ) from None
+                time.sleep(0.02)
+        try:
+            if exclusive:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"{holder} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})")
+                handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+# --- progress: the engine's log records of the running call ----------------------------
+
+
+class _ThreadProgressHandler(logging.Handler):
+    """Forwards log records emitted on one thread to a progress callback."""
+
+    def __init__(self, thread_id: int, callback: Callable[[str], None]):
+        super().__init__(level=logging.INFO)
+        self.thread_id = thread_id
+        self.callback = callback
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread != self.thread_id:
+            return
+        try:
+            self.callback(record.getMessage())
+        except Exception:  # a client that went away must not fail the step
+            logger.debug("progress callback failed", exc_info=True)
+
+
+@contextlib.contextmanager
+def _forward_progress(callback: Callable[[str], None] | None) -> Iterator[None]:
+    if callback is None:
+        yield
+        return
+    handler = _ThreadProgressHandler(threading.get_ident(), callback)
+    targets = [logging.getLogger("skill"), logging.getLogger("archon_models")]
+    for target in targets:
+        target.addHandler(handler)
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.removeHandler(handler)
+
+
+# --- the one way a face runs a step -------------------------------------------------------
+
+
+def invoke(
+    name: str,
+    arguments: Mapping[str, Any] | BaseModel,
+    *,
+    workspace: str | os.PathLike | Workspace | None = None,
+    session: Any | None = None,
+    progress: Callable[[str], None] | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+) -> BaseModel:
+    """Run step ``name`` inside ``workspace`` and return its result model.
+
+    Validates and confines the arguments, takes the package lock the entry names, and,
+    when a session is recording (``session`` or the active one), appends the call to it.
+    Engine errors propagate unchanged (after being recorded).
+    """
+    from skill import session as session_module  # session imports this module
+
+    tool = get_tool(name)
+    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    recorder = session if session is not None else session_module.active_session()
+    if recorder is not None and recorder.workspace.root != ws.root:
+        raise WorkspaceError(
+            f"the recording session belongs to workspace {recorder.workspace.root}, not {ws.root}; "
+            "record each workspace in its own session"
+        )
+    recorded_arguments = session_module.portable_arguments(arguments, ws)
+    request = prepare_request(tool, arguments, ws)
+    package = tool.package_of(request)
+    with contextlib.ExitStack() as stack:
+        if package is not None:
+            stack.enter_context(
+                package_lock(ws, package, exclusive=not tool.entry.read_only, holder=tool.name, timeout=lock_timeout)
+            )
+        stack.enter_context(_forward_progress(progress))
+        if recorder is None:
+            return tool.function(request)
+        with recorder.record_call(tool, recorded_arguments) as call:
+            result = tool.function(request)
+            call.set_result(result)
+        return result
