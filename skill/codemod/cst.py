@@ -279,13 +279,24 @@ def replace_function(source: str, class_name: str | None, func_name: str, new_so
     """
     module = _parse(source)
     old = _find_function(module, class_name, func_name)
-    new = cst.parse_statement(new_source)
+    new = _parse_def(new_source, in_class=class_name is not None)
     if not isinstance(new, cst.FunctionDef):
         raise CodemodError(f"replacement for {func_name!r} is not a function definition")
     new = new.with_changes(leading_lines=old.leading_lines)
     if _target_code(new.with_changes(leading_lines=[])) == _target_code(old.with_changes(leading_lines=[])):
         return source
     return module.deep_replace(old, new).code
+
+
+def _parse_def(new_source: str, *, in_class: bool) -> cst.BaseStatement:
+    """Parse a definition written at column 0; a method is parsed inside a class body so
+    that multi-line strings (docstrings) keep the indentation they are written with."""
+    if not in_class:
+        return cst.parse_statement(new_source)
+    indented = "".join(("    " + line) if line.strip() else line for line in new_source.splitlines(keepends=True))
+    wrapper = cst.parse_statement("class _Wrapper:\n" + indented)
+    assert isinstance(wrapper, cst.ClassDef)
+    return wrapper.body.body[0]
 
 
 def replace_class(source: str, class_name: str, new_source: str, *, new_name: str | None = None) -> str:
@@ -519,3 +530,104 @@ def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *
         raise CodemodError(f"no call to {func_name}{where}")
     code = new.code
     return source if code == source else code
+
+
+def set_module_assign(source: str, name: str, value_source: str) -> str:
+    """Set the value of a module-level ``name = ...`` (plain or annotated) assignment."""
+    module = _parse(source)
+    value = cst.parse_expression(value_source)
+    body = list(module.body)
+    for i, stmt in enumerate(body):
+        if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
+            continue
+        small = stmt.body[0]
+        if isinstance(small, cst.Assign) and any(_target_code(t.target) == name for t in small.targets):
+            if _target_code(small.value) == _target_code(value):
+                return source
+            body[i] = stmt.with_changes(body=[small.with_changes(value=value)])
+            return module.with_changes(body=body).code
+        if isinstance(small, cst.AnnAssign) and _target_code(small.target) == name:
+            if small.value is not None and _target_code(small.value) == _target_code(value):
+                return source
+            body[i] = stmt.with_changes(body=[small.with_changes(value=value)])
+            return module.with_changes(body=body).code
+    raise CodemodError(f"no module-level assignment to {name!r}")
+
+
+def upsert_function(source: str, func_name: str, new_source: str, *, before_class: str | None = None) -> str:
+    """Replace module-level function ``func_name``, or insert it (before ``before_class``
+    or at the end) when the module has none."""
+    module = _parse(source)
+    if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in module.body):
+        return replace_function(source, None, func_name, new_source)
+    if before_class is not None:
+        return insert_before_class(source, before_class, new_source)
+    new = cst.parse_statement(new_source).with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+    return module.with_changes(body=[*module.body, new]).code
+
+
+def set_docstring(source: str, class_name: str | None, text: str) -> str:
+    """Set the docstring of the module (``class_name=None``) or of a top-level class."""
+    module = _parse(source)
+    literal = '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
+    doc_stmt = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(literal))])
+    docstring_pattern = m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])
+    if class_name is None:
+        body = list(module.body)
+        if body and m.matches(body[0], docstring_pattern):
+            if _target_code(body[0].body[0].value) == literal:
+                return source
+            body[0] = body[0].with_changes(body=doc_stmt.body)
+        else:
+            body.insert(0, doc_stmt)
+        return module.with_changes(body=body).code
+    cls = _find_class(module, class_name)
+    body = list(cls.body.body)
+    if body and m.matches(body[0], docstring_pattern):
+        if _target_code(body[0].body[0].value) == literal:
+            return source
+        body[0] = body[0].with_changes(body=doc_stmt.body)
+    else:
+        body.insert(0, doc_stmt)
+    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+
+
+def remove_from_all(source: str, names: Iterable[str]) -> str:
+    """Drop ``names`` from the module's ``__all__`` list literal, if present."""
+    names = set(names)
+    module = _parse(source)
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and any(_target_code(t.target) == "__all__" for t in small.targets):
+                value = small.value
+                if isinstance(value, (cst.List, cst.Tuple)):
+                    kept = [e for e in value.elements if _string_value(e.value) not in names]
+                    if len(kept) == len(value.elements):
+                        return source
+                    if kept:
+                        kept[-1] = kept[-1].with_changes(comma=value.elements[-1].comma)
+                    new_value = value.with_changes(elements=kept)
+                    return module.deep_replace(value, new_value).code
+    return source
+
+
+class _NameSwap(cst.CSTTransformer):
+    def __init__(self, old: str, new: cst.BaseExpression):
+        super().__init__()
+        self.old, self.new = old, new
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
+        return self.new if updated_node.value == self.old else updated_node
+
+    def leave_Attribute(self, original_node, updated_node):
+        # never swap an attribute's member name (x.RMSNorm stays)
+        if isinstance(original_node.attr, cst.Name) and original_node.attr.value == self.old:
+            return updated_node.with_changes(attr=original_node.attr)
+        return updated_node
+
+
+def replace_name(source: str, old: str, new_expression: str) -> str:
+    """Replace every use of the bare name ``old`` by ``new_expression`` (``RMSNorm`` -> ``nn.LayerNorm``)."""
+    module = _parse(source)
+    return module.visit(_NameSwap(old, cst.parse_expression(new_expression))).code

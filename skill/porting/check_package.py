@@ -1,0 +1,212 @@
+"""The guide's "common mistakes", each an automatic check on a package's source."""
+
+from __future__ import annotations
+
+import ast
+import logging
+
+from pydantic import BaseModel, Field
+
+from skill.codemod import StagedTree, Workspace
+from skill.codemod.cst import CodemodError, read_dict_literal
+from skill.porting.common import PackageLayout, PackageRequest
+from skill.porting.edit_adapter_map import MAP_TARGETS, RUNTIME_BUFFERS
+from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
+from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_FILES = (
+    "__init__.py",
+    "spec.py",
+    "model/__init__.py",
+    "model/args.py",
+    "model/model.py",
+    "model/rope.py",
+    "model/state_dict_adapter.py",
+    "infra/__init__.py",
+    "infra/parallelize.py",
+)
+
+
+class PackageCheck(BaseModel):
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+class CheckPackageRequest(PackageRequest):
+    source: str | None = Field(
+        default=None,
+        description="model_type or config path of the family, for the checks against its checkpoint "
+        "keys and config (default: the package's model_types)",
+    )
+    model_types: list[str] = Field(
+        default_factory=list, description="model_type variants the package must register (default: [model_name])"
+    )
+
+
+class CheckPackageResult(BaseModel):
+    package_dir: str
+    passed: bool
+    checks: list[PackageCheck]
+
+    @property
+    def failures(self) -> list[PackageCheck]:
+        return [c for c in self.checks if not c.passed]
+
+
+def check_package(request: CheckPackageRequest) -> CheckPackageResult:
+    """Check archon_models/<model_name>/ for the porting guide's common mistakes: missing
+    files, HF keys with no mapping, from_hf_config reading attributes the config lacks,
+    runtime buffers without a None entry, MoE experts without 3D<->2D conversion, a TP plan
+    that does not match QK norm, a missing import line or model_type variant, print()."""
+    tree = StagedTree(Workspace(request.workspace))
+    return run_checks(tree, request)
+
+
+def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageResult:
+    layout = PackageLayout.for_name(request.model_name)
+    sources = {rel: tree.read_text(layout.file(rel)) for rel in PACKAGE_FILES}
+    checks: list[PackageCheck] = []
+    missing = [layout.file(rel) for rel, text in sources.items() if text is None]
+    checks.append(_check("files", not missing, f"missing {missing}" if missing else f"{len(PACKAGE_FILES)} files"))
+    if missing and sources["model/model.py"] is None:
+        return CheckPackageResult(package_dir=layout.package_dir, passed=False, checks=checks)
+    spec_types = _spec_types(sources["spec.py"] or "")
+    model_types = request.model_types or [request.model_name]
+    source = request.source or (model_types[0] if model_types else request.model_name)
+    hf_map = _from_hf_map(sources["model/state_dict_adapter.py"] or "")
+    keys: list[str] = []
+    try:
+        keys = generalised_keys(checkpoint_keys(source))
+    except Exception as e:  # an unknown family: report it as a failed check, not a crash
+        checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
+    if keys:
+        unmapped = [k for k in keys if k not in hf_map and k != "lm_head.weight"]
+        checks.append(_check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys"))
+    drops = [k for k in RUNTIME_BUFFERS if hf_map.get(k, "missing") is not None]
+    checks.append(
+        _check("runtime_buffers_dropped", not drops, f"no None entry for {drops}" if drops else "inv_freq dropped")
+    )
+    checks.append(_check_config_attrs(sources["model/args.py"] or "", source))
+    has_experts = any(".experts.{}." in k for k in keys)
+    adapter_text = sources["model/state_dict_adapter.py"] or ""
+    moe_ok = not has_experts or "MoEWeightConverter" in adapter_text or "experts" in adapter_text
+    checks.append(
+        _check("moe_conversion", moe_ok, "" if moe_ok else "per-expert HF keys but the adapter converts no experts")
+    )
+    checks.append(_check_tp_plan(sources["model/model.py"] or "", sources["infra/parallelize.py"] or ""))
+    init_text = tree.read_text(ARCHON_INIT) or ""
+    line_ok = _has_import(init_text, layout.names.package)
+    checks.append(_check("import_line", line_ok, "" if line_ok else f"add `{import_line_for(layout.names.package)}` to {ARCHON_INIT}"))
+    missing_types = sorted(set(model_types) - set(spec_types))
+    checks.append(
+        _check(
+            "model_types",
+            not missing_types,
+            f"spec.py lacks {missing_types} (has {sorted(spec_types)})" if missing_types else str(sorted(spec_types)),
+        )
+    )
+    prints = [f"{rel}:{line}" for rel, text in sources.items() if text for line in _print_calls(text)]
+    checks.append(_check("logging_not_print", not prints, f"print() at {prints}" if prints else ""))
+    return CheckPackageResult(
+        package_dir=layout.package_dir, passed=all(c.passed for c in checks), checks=checks
+    )
+
+
+def _check(name: str, passed: bool, detail: str = "") -> PackageCheck:
+    return PackageCheck(name=name, passed=passed, detail=detail)
+
+
+def _from_hf_map(adapter_text: str) -> dict[str, str | None]:
+    for target in MAP_TARGETS:
+        try:
+            return read_dict_literal(adapter_text, target)
+        except CodemodError:
+            continue
+    return {}
+
+
+def _spec_types(spec_text: str) -> list[str]:
+    try:
+        tree = ast.parse(spec_text)
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ModelSpec":
+            for kw in node.keywords:
+                if kw.arg == "supported_model_types":
+                    return _types_from_literal(ast.unparse(kw.value))
+    return []
+
+
+def _has_import(init_text: str, package: str) -> bool:
+    try:
+        tree = ast.parse(init_text)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in (f"archon_models.{package}", f"archon_models.{package}.spec"):
+            return True
+    return False
+
+
+def _print_calls(text: str) -> list[int]:
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+    ]
+
+
+def _config_reads(args_text: str) -> set[str]:
+    """Attributes read as ``hf_config.X`` (no default) anywhere in args.py."""
+    try:
+        tree = ast.parse(args_text)
+    except SyntaxError:
+        return set()
+    reads: set[str] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "hf_config"
+            and isinstance(node.ctx, ast.Load)
+        ):
+            reads.add(node.attr)
+    return reads
+
+
+def _check_config_attrs(args_text: str, source: str) -> PackageCheck:
+    try:
+        config = load_config(source)
+    except Exception as e:
+        return _check("config_attributes", False, f"cannot load the {source!r} config: {e}")
+    lacking = sorted(a for a in _config_reads(args_text) if not hasattr(config, a))
+    return _check(
+        "config_attributes",
+        not lacking,
+        f"from_hf_config reads {lacking}, which {type(config).__name__} lacks" if lacking else type(config).__name__,
+    )
+
+
+def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
+    """``use_local_output=False`` on wq/wk and SequenceParallel on q/k norm iff QK norm."""
+    has_qk_norm = "self.q_norm" in model_text
+    plan_norm = '"attention.q_norm"' in parallelize_text or "'attention.q_norm'" in parallelize_text
+    keeps_dtensor = "use_local_output=False" in parallelize_text
+    if has_qk_norm and not (plan_norm and keeps_dtensor):
+        return _check(
+            "tp_plan_qk_norm",
+            False,
+            "the model has QK norm but the TP plan lacks use_local_output=False on wq/wk or "
+            "SequenceParallel(sequence_dim=2) on q_norm/k_norm",
+        )
+    if not has_qk_norm and plan_norm:
+        return _check("tp_plan_qk_norm", False, "the TP plan shards q_norm/k_norm, which the model does not have")
+    return _check("tp_plan_qk_norm", True, "with QK norm" if has_qk_norm else "without QK norm")

@@ -1,0 +1,282 @@
+"""Step 3: the args dataclass and ``from_hf_config``, checked field by field on real configs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from skill.codemod import StagedTree
+from skill.codemod.cst import (
+    class_field_names,
+    replace_function,
+    set_class_fields,
+    set_docstring,
+    set_module_assign,
+    upsert_function,
+)
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.family import FamilyProfile, detect_family
+from skill.porting.hf_source import load_config
+from skill.tiny_model import tiny_config
+
+logger = logging.getLogger(__name__)
+
+CORE_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+# Config flags that change which parameters exist; a port is specialised to one value.
+STRUCTURAL_FLAGS = {
+    "attention_bias": "qkv_bias",
+    "mlp_bias": "mlp_bias",
+    "use_bias": "qkv_bias",
+}
+
+
+@dataclass(frozen=True)
+class ArgField:
+    """One Archon args field: its annotation, default, the expression reading it, and
+    an independent way to compute the value it must get from a config."""
+
+    name: str
+    annotation: str
+    default: Any
+    expression: str
+    expected: Callable[[Any], Any]
+
+
+def _eos(config: Any, default: int) -> int:
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return default if eos is None else int(eos)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_theta(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        return float(rope["rope_theta"])
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
+    """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
+    eps = profile.norm_eps_field
+    eos_default = _eos(config, 0)
+    fields = [
+        ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
+        ArgField("n_layers", "int", config.num_hidden_layers, "hf_config.num_hidden_layers", lambda c: c.num_hidden_layers),
+        ArgField("n_heads", "int", config.num_attention_heads, "n_heads", lambda c: c.num_attention_heads),
+        ArgField(
+            "n_kv_heads",
+            "int",
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "n_kv_heads",
+            lambda c: getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        ),
+        ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
+        ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
+        ArgField("hidden_dim", "int", config.intermediate_size, "hf_config.intermediate_size", lambda c: c.intermediate_size),
+        ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
+        ArgField("rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta),
+        ArgField(
+            "max_seq_len",
+            "int",
+            config.max_position_embeddings,
+            'getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len',
+            lambda c: c.max_position_embeddings,
+        ),
+        ArgField("depth_init", "bool", True, "", lambda c: True),
+    ]
+    if profile.sliding_window:
+        fields.append(
+            ArgField("sliding_window", "int", int(config.sliding_window), "hf_config.sliding_window", lambda c: c.sliding_window)
+        )
+    for name in profile.multipliers:
+        fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
+    fields += [
+        ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
+        ArgField(
+            "enable_weight_tying",
+            "bool",
+            bool(getattr(config, "tie_word_embeddings", False)),
+            'bool(getattr(hf_config, "tie_word_embeddings", False))',
+            lambda c: bool(getattr(c, "tie_word_embeddings", False)),
+        ),
+        ArgField("is_critic", "bool", False, "is_critic", lambda c: False),
+        ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
+    ]
+    return fields
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, float):
+        if value >= 1e5 and value == int(value):
+            return f"{int(value):_}.0"
+        return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+        return f"{value:_}"
+    return repr(value)
+
+
+def required_fields(profile: FamilyProfile) -> tuple[str, ...]:
+    return (*CORE_REQUIRED, profile.norm_eps_field)
+
+
+def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> str:
+    """``_check_supported``: refuse configs whose math the port does not reproduce."""
+    lines = [
+        "def _check_supported(hf_config: Any) -> None:",
+        '    """Refuse configs whose math this implementation does not reproduce."""',
+    ]
+    act_field = profile.activation_field or "hidden_act"
+    lines += [
+        f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
+        f'    if act != "{profile.activation}":',
+        f'        raise ValueError(f"{camel} in Archon implements the {profile.activation} activation; {act_field}={{act!r}} is not supported.")',
+        '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
+        '    rope_type = rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
+        f'    if rope_type != "{profile.rope_type}":',
+        "        raise ValueError(",
+        f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
+        f'            "only the {profile.rope_type} RoPE is. Port the variant with `archon-port add`."',
+        "        )",
+    ]
+    for flag, feature in STRUCTURAL_FLAGS.items():
+        if hasattr(config, flag):
+            value = bool(getattr(profile, feature))
+            lines += [
+                f'    if bool(getattr(hf_config, "{flag}", {value})) is not {value}:',
+                "        raise ValueError(",
+                f'            "{flag}={not value} is not supported: {camel} checkpoints have {"" if value else "no "}"',
+                '            "such bias; port that variant as its own family."',
+                "        )",
+            ]
+    if not profile.sliding_window and hasattr(config, "sliding_window"):
+        condition = (
+            'getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)'
+            if hasattr(config, "use_sliding_window")
+            else 'getattr(hf_config, "sliding_window", None)'
+        )
+        lines += [
+            f"    if {condition}:",
+            f'        raise ValueError("sliding-window attention is not supported by {camel} in Archon, which attends over whole documents.")',
+        ]
+    lines += [
+        '    if getattr(hf_config, "attention_dropout", 0.0):',
+        '        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", hf_config.attention_dropout)',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def from_hf_config_source(fields: list[ArgField], camel: str, config_class: str) -> str:
+    args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
+    return f'''@classmethod
+def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> {camel}ModelArgs:
+    """Map a ``{config_class}``.
+
+    Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and
+    ``num_labels`` (outputs of a critic's ``score`` head, default 1).
+    ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
+    """
+    unknown = sorted(set(kwargs) - {{"attn_type", "num_labels"}})
+    if unknown:
+        raise TypeError(f"{camel}ModelArgs.from_hf_config got unexpected keyword arguments {{unknown}}.")
+    missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"{{type(hf_config).__name__}} lacks required field(s) {{missing}}; a {camel} config "
+            f"must set all of {{list(_REQUIRED_HF_FIELDS)}}."
+        )
+    _check_supported(hf_config)
+    n_heads = hf_config.num_attention_heads
+    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+    return cls(
+        attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),
+{args}
+    )
+'''
+
+
+class EditArgsRequest(PackageRequest):
+    source: str = Field(description="model_type or config path of the family")
+
+
+class FieldCheck(BaseModel):
+    config: str = Field(description="'default' (the config class defaults) or 'tiny'")
+    field: str
+    expected: Any
+    actual: Any
+    passed: bool
+
+
+class EditArgsResult(StepResult):
+    fields: dict[str, str] = Field(description="field -> annotation and default")
+    checks: list[FieldCheck]
+
+
+def edit_args(request: EditArgsRequest) -> EditArgsResult:
+    """Write the args dataclass fields and from_hf_config of archon_models/<model_name>/
+    for the family of `source`, then check every field it maps against a real config
+    instance (the config class defaults and a tiny config). Fails naming the field."""
+    with staged(request.workspace) as tree:
+        return apply_edit_args(tree, request)
+
+
+def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyProfile | None = None) -> EditArgsResult:
+    layout = PackageLayout.for_name(request.model_name)
+    text = require_file(tree, layout.args, "run copy_reference first.")
+    profile = profile or detect_family(request.source)
+    config = load_config(request.source)
+    camel = layout.names.camel
+    fields = arg_fields(profile, config)
+    spec = {f.name: f"{f.annotation} = {_literal(f.default)}" for f in fields}
+    stale = [n for n in class_field_names(text, layout.args_class) if n not in spec]
+    text = set_class_fields(text, layout.args_class, spec, remove=stale)
+    text = set_docstring(
+        text,
+        layout.args_class,
+        f"{camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``.",
+    )
+    text = set_docstring(text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``.")
+    required = "".join(f'\n    "{n}",' for n in required_fields(profile))
+    text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
+    text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
+    text = replace_function(text, layout.args_class, "from_hf_config", from_hf_config_source(fields, camel, profile.config_class))
+    checks = verify_args_source(text, layout.args_class, fields, request.source)
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        detail = "; ".join(f"{c.field} on the {c.config} config: expected {c.expected!r}, got {c.actual!r}" for c in failed)
+        raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
+    changed: list[str] = []
+    write_if_changed(tree, layout.args, text, changed)
+    return EditArgsResult(fields=spec, checks=checks, changed_files=changed)
+
+
+def verify_args_source(text: str, class_name: str, fields: list[ArgField], source: str) -> list[FieldCheck]:
+    """Execute the generated args module and compare each field with the expected value."""
+    name = f"_archon_port_args_check_{class_name}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses resolves annotations through sys.modules
+    try:
+        exec(compile(text, f"<generated {class_name}>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    args_class = getattr(module, class_name)
+    checks: list[FieldCheck] = []
+    base = load_config(source)
+    for label, config in (("default", base), ("tiny", tiny_config(base))):
+        args = args_class.from_hf_config(config)
+        for f in fields:
+            expected = f.expected(config)
+            actual = getattr(args, f.name)
+            checks.append(FieldCheck(config=label, field=f.name, expected=expected, actual=actual, passed=expected == actual))
+    return checks
