@@ -1,0 +1,448 @@
+"""The feature vocabulary of a decoder-only architecture, shared by analysis and porting.
+
+Step 1 of the porting guide fills a checklist (attention variant, FFN, MoE, positions,
+norm, scalars); the porting edits consume the same checklist. Both sides import it from
+here, so "per-head RMS QK norm" is one name, ``QKNormKind.PER_HEAD_RMS``, everywhere.
+
+The vocabulary is deliberately flat: a handful of enums, one model per checklist
+section, and :class:`Feature` naming each atomic, portable decision. A family is
+reduced to ``{Feature: value}`` by :func:`feature_values`; a delta from a reference is
+one entry whose value differs, and :data:`SUPPORTED_EDITS` says which target values an
+edit of the porting engine can produce. Anything the vocabulary cannot express is a
+:attr:`Feature.OTHER` entry whose value names it plainly ("differential attention");
+no edit supports those.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------- enums
+
+
+class QKNormKind(StrEnum):
+    """Normalisation of queries and keys before the attention product."""
+
+    NONE = "none"
+    PER_HEAD_RMS = "per_head_rms"  # RMSNorm over head_dim, one weight shared by heads (Qwen3)
+    FULL_WIDTH_RMS = "full_width_rms"  # RMSNorm over n_heads * head_dim (OLMo2)
+    RMS_ONE_PLUS_W = "rms_one_plus_w"  # RMSNorm scaling by (1 + w) (Gemma3)
+    LAYER_NORM = "layer_norm"  # mean-centred LayerNorm
+    WEIGHTLESS = "weightless"  # normalisation without a learned weight
+
+
+class QKNormPlacement(StrEnum):
+    """Whether the QK norm applies to the projections before or after RoPE."""
+
+    NONE = "none"
+    BEFORE_ROPE = "before_rope"
+    AFTER_ROPE = "after_rope"
+
+
+class SlidingWindowKind(StrEnum):
+    """Which layers restrict attention to a local window."""
+
+    NONE = "none"
+    ALL_LAYERS = "all_layers"
+    PER_LAYER_PATTERN = "per_layer_pattern"
+
+
+class FFNKind(StrEnum):
+    GATED = "gated"  # down(act(gate(x)) * up(x))
+    PLAIN = "plain"  # down(act(up(x)))
+
+
+class RouterScoring(StrEnum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+    OTHER = "other"
+
+
+class ExpertLayout(StrEnum):
+    """How routed experts are stored in the checkpoint files."""
+
+    NONE = "none"
+    PER_EXPERT_2D = "per_expert_2d"  # experts.{e}.gate_proj.weight, one 2D tensor per expert
+    FUSED_3D = "fused_3d"  # experts.gate_up_proj, one 3D tensor for all experts
+
+
+class WeightOrientation(StrEnum):
+    """Axis order of a stored projection: nn.Linear's (out, in) or the transpose."""
+
+    OUT_IN = "out_in"
+    IN_OUT = "in_out"
+
+
+class PositionKind(StrEnum):
+    ROPE = "rope"
+    LEARNED = "learned"
+    SINUSOIDAL = "sinusoidal"
+    ALIBI = "alibi"
+    RELATIVE_BIAS = "relative_bias"
+    NONE = "none"
+
+
+class RotaryStyle(StrEnum):
+    """Pairing of rotated dimensions: halves (rotate_half) or adjacent pairs."""
+
+    HALF = "half"
+    INTERLEAVED = "interleaved"
+
+
+class NormKind(StrEnum):
+    RMS = "rms"
+    RMS_ONE_PLUS_W = "rms_one_plus_w"
+    LAYER_NORM = "layer_norm"
+    LAYER_NORM_NO_BIAS = "layer_norm_no_bias"
+    OTHER = "other"
+
+
+class NormPlacement(StrEnum):
+    """Where a block normalises, relative to its residual stream."""
+
+    PRE = "pre"  # x + f(norm(x))
+    POST_SUBLAYER = "post_sublayer"  # x + norm(f(x))  (OLMo2)
+    SANDWICH = "sandwich"  # x + norm(f(norm(x)))  (Gemma2/3)
+    PARALLEL = "parallel"  # x + attn(norm(x)) + mlp(norm'(x))
+    POST_LN = "post_ln"  # norm(x + f(x))  (original Transformer)
+
+
+# ----------------------------------------------------------------- checklist models
+
+
+class SlidingWindow(_Frozen):
+    kind: SlidingWindowKind = Field(SlidingWindowKind.NONE, description="which layers use the window")
+    size: int | None = Field(None, description="window length in tokens (the config's value)")
+    layer_pattern: list[str] = Field(
+        default_factory=list, description="per-layer attention kinds when kind is per_layer_pattern"
+    )
+    evidence: str = Field("", description="config field, mask probe, or both")
+
+
+class MLA(_Frozen):
+    """Multi-head latent attention (DeepSeek-V2/V3 style low-rank Q and KV)."""
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+
+class AttentionFeatures(_Frozen):
+    q_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+    qk_norm: QKNormKind = QKNormKind.NONE
+    qk_norm_placement: QKNormPlacement = QKNormPlacement.NONE
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    gqa: bool = Field(False, description="fewer KV heads than query heads (MQA included)")
+    head_dim: int | None = None
+    explicit_head_dim: bool = Field(False, description="head_dim differs from hidden_size // n_heads")
+    sliding_window: SlidingWindow = SlidingWindow()
+    logit_softcap: float | None = Field(None, description="tanh soft-capping of attention scores")
+    custom_scaling: bool = Field(False, description="scores not scaled by head_dim ** -0.5")
+    scaling_field: str | None = Field(None, description="config field that sets the custom scale")
+    fused_qkv: bool = Field(False, description="one projection yields q, k and v")
+    mla: MLA | None = None
+    sinks: bool = Field(False, description="learned per-head attention sink logits")
+    output_gate: bool = Field(False, description="attention output multiplied by a gate of the input")
+    nope_layers: list[int] = Field(default_factory=list, description="layers that apply no RoPE")
+
+
+class FFNFeatures(_Frozen):
+    kind: FFNKind = FFNKind.GATED
+    activation: str = "silu"
+    bias: bool = False
+    fused_gate_up: bool = False
+    intermediate_size: int | None = None
+
+
+class MoEFeatures(_Frozen):
+    num_experts: int
+    top_k: int
+    router_scoring: RouterScoring = RouterScoring.SOFTMAX
+    norm_topk_prob: bool = False
+    score_correction_bias: bool = False
+    routed_scaling_factor: float | None = None
+    n_group: int | None = Field(None, description="grouped (node-limited) top-k: number of groups")
+    topk_group: int | None = Field(None, description="grouped top-k: groups kept per token")
+    shared_experts: int = 0
+    shared_expert_gate: bool = False
+    moe_layers: list[int] = Field(default_factory=list, description="0-based layers with routed experts")
+    n_layers: int = Field(0, description="layers in the full-size config, for moe_layers")
+    expert_layout: ExpertLayout = ExpertLayout.PER_EXPERT_2D
+    expert_orientation: WeightOrientation = WeightOrientation.OUT_IN
+    expert_key_template: str = Field("", description="layer-0 expert key with {} for the expert index")
+
+    @property
+    def grouped_topk(self) -> bool:
+        return self.n_group is not None and self.n_group > 1
+
+
+class PositionFeatures(_Frozen):
+    kind: PositionKind = PositionKind.ROPE
+    rope_type: str | None = Field("default", description="rope_parameters['rope_type'] (default, linear, yarn, ...)")
+    rope_scaling: dict[str, Any] = Field(default_factory=dict, description="the scaling parameters besides theta")
+    theta: float | None = None
+    rotary_style: RotaryStyle = RotaryStyle.HALF
+    partial_rotary_factor: float = 1.0
+    per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
+
+
+class NormFeatures(_Frozen):
+    kind: NormKind = NormKind.RMS
+    eps: float | None = None
+    eps_field: str | None = None
+    placement: NormPlacement = NormPlacement.PRE
+
+
+class ScalarFeatures(_Frozen):
+    embedding_scale: float | None = Field(None, description="factor on embeddings before layer 0 (tiny probe)")
+    embedding_scale_kind: str = Field("none", description="none, sqrt_dim, or constant")
+    residual_multiplier: float | None = None
+    logit_multiplier: float | None = Field(None, description="factor on the logits (1/x for a divisor)")
+    final_logit_softcap: float | None = None
+    tie_word_embeddings: bool = False
+
+
+class Checklist(_Frozen):
+    """The guide's step-1 checklist for one family, in the fixed vocabulary."""
+
+    attention: AttentionFeatures
+    ffn: FFNFeatures
+    moe: MoEFeatures | None = None
+    positions: PositionFeatures
+    norm: NormFeatures
+    scalars: ScalarFeatures
+    other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
+
+
+# ----------------------------------------------------------------- atomic features
+
+
+class Feature(StrEnum):
+    """One portable decision; a delta and an edit are both about one of these."""
+
+    QKV_BIAS = "qkv_bias"
+    O_BIAS = "o_bias"
+    QK_NORM = "qk_norm"
+    QK_NORM_PLACEMENT = "qk_norm_placement"
+    GQA = "gqa"
+    EXPLICIT_HEAD_DIM = "explicit_head_dim"
+    SLIDING_WINDOW = "sliding_window"
+    ATTN_SOFTCAP = "attn_softcap"
+    ATTN_SCALING = "attn_scaling"
+    FUSED_QKV = "fused_qkv"
+    MLA = "mla"
+    ATTN_SINKS = "attn_sinks"
+    ATTN_OUTPUT_GATE = "attn_output_gate"
+    NOPE_LAYERS = "nope_layers"
+    FFN_KIND = "ffn_kind"
+    ACTIVATION = "activation"
+    FFN_BIAS = "ffn_bias"
+    FUSED_GATE_UP = "fused_gate_up"
+    MOE = "moe"
+    ROUTER_SCORING = "router_scoring"
+    NORM_TOPK_PROB = "norm_topk_prob"
+    SCORE_CORRECTION_BIAS = "score_correction_bias"
+    ROUTED_SCALING = "routed_scaling"
+    GROUPED_TOPK = "grouped_topk"
+    SHARED_EXPERTS = "shared_experts"
+    SHARED_EXPERT_GATE = "shared_expert_gate"
+    MOE_LAYER_PATTERN = "moe_layer_pattern"
+    EXPERT_LAYOUT = "expert_layout"
+    POSITION_KIND = "position_kind"
+    ROPE_TYPE = "rope_type"
+    ROTARY_STYLE = "rotary_style"
+    PARTIAL_ROTARY = "partial_rotary"
+    PER_LAYER_ROPE = "per_layer_rope"
+    NORM_KIND = "norm_kind"
+    NORM_PLACEMENT = "norm_placement"
+    EMBEDDING_SCALE = "embedding_scale"
+    RESIDUAL_MULTIPLIER = "residual_multiplier"
+    LOGIT_MULTIPLIER = "logit_multiplier"
+    FINAL_SOFTCAP = "final_softcap"
+    WEIGHT_TYING = "weight_tying"
+    OTHER = "other"
+
+
+# Plain-language names, for reports and "unsupported: ..." lines.
+FEATURE_TITLES: dict[Feature, str] = {
+    Feature.QKV_BIAS: "q/k/v projection bias",
+    Feature.O_BIAS: "output projection bias",
+    Feature.QK_NORM: "QK norm",
+    Feature.QK_NORM_PLACEMENT: "QK norm placement",
+    Feature.GQA: "grouped-query attention",
+    Feature.EXPLICIT_HEAD_DIM: "explicit head_dim",
+    Feature.SLIDING_WINDOW: "sliding-window attention",
+    Feature.ATTN_SOFTCAP: "attention logit soft-capping",
+    Feature.ATTN_SCALING: "custom attention scaling",
+    Feature.FUSED_QKV: "fused qkv projection",
+    Feature.MLA: "multi-head latent attention",
+    Feature.ATTN_SINKS: "attention sinks",
+    Feature.ATTN_OUTPUT_GATE: "gated attention output",
+    Feature.NOPE_LAYERS: "layers without RoPE",
+    Feature.FFN_KIND: "FFN kind",
+    Feature.ACTIVATION: "activation",
+    Feature.FFN_BIAS: "FFN bias",
+    Feature.FUSED_GATE_UP: "fused gate/up projection",
+    Feature.MOE: "mixture of experts",
+    Feature.ROUTER_SCORING: "router scoring",
+    Feature.NORM_TOPK_PROB: "top-k renormalisation",
+    Feature.SCORE_CORRECTION_BIAS: "router score-correction bias",
+    Feature.ROUTED_SCALING: "routed scaling factor",
+    Feature.GROUPED_TOPK: "grouped top-k routing",
+    Feature.SHARED_EXPERTS: "shared experts",
+    Feature.SHARED_EXPERT_GATE: "shared-expert gate",
+    Feature.MOE_LAYER_PATTERN: "MoE layer pattern",
+    Feature.EXPERT_LAYOUT: "expert layout on disk",
+    Feature.POSITION_KIND: "position encoding",
+    Feature.ROPE_TYPE: "RoPE scaling type",
+    Feature.ROTARY_STYLE: "rotary pairing",
+    Feature.PARTIAL_ROTARY: "partial rotary",
+    Feature.PER_LAYER_ROPE: "per-layer-type RoPE",
+    Feature.NORM_KIND: "norm kind",
+    Feature.NORM_PLACEMENT: "norm placement",
+    Feature.EMBEDDING_SCALE: "embedding scale",
+    Feature.RESIDUAL_MULTIPLIER: "residual multiplier",
+    Feature.LOGIT_MULTIPLIER: "logit multiplier",
+    Feature.FINAL_SOFTCAP: "final logit soft-capping",
+    Feature.WEIGHT_TYING: "weight tying",
+    Feature.OTHER: "other",
+}
+
+# Target values a port can reach without hand-written code: what the reference code
+# (qwen2, qwen3/qwen3_moe and the shared MoE module they use) implements behind a
+# config switch, plus what a committed edit of the porting engine produces. The porting
+# engine adds a value here in the same commit as the edit that produces it; the
+# analyser reads this table to name what is left ("unsupported: ...").
+SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
+    # Reference code: qwen2 has q/k/v bias, qwen3 switches it with attention_bias.
+    Feature.QKV_BIAS: frozenset({"true", "false"}),
+    Feature.QK_NORM: frozenset({QKNormKind.NONE, QKNormKind.PER_HEAD_RMS}),
+    Feature.QK_NORM_PLACEMENT: frozenset({QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE}),
+    Feature.GQA: frozenset({"true", "false"}),
+    Feature.EXPLICIT_HEAD_DIM: frozenset({"true", "false"}),
+    Feature.WEIGHT_TYING: frozenset({"true", "false"}),
+    # Shared MoE module (MoEArgs): sigmoid scoring, renormalisation, route scale,
+    # node-limited groups, shared experts with a gate; qwen3's decoder_sparse_step.
+    Feature.MOE: frozenset({"true", "false"}),
+    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID}),
+    Feature.NORM_TOPK_PROB: frozenset({"true", "false"}),
+    Feature.ROUTED_SCALING: frozenset({"none", "constant"}),
+    Feature.GROUPED_TOPK: frozenset({"true", "false"}),
+    Feature.SHARED_EXPERTS: frozenset({"true", "false"}),
+    Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
+    Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved"}),
+    Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
+}
+
+
+class FeatureDelta(_Frozen):
+    """One feature whose value differs between the reference and the target family."""
+
+    feature: Feature
+    title: str
+    reference: str
+    target: str
+    supported: bool = Field(description="the reference or an engine edit covers the target value")
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _layer_pattern(moe: MoEFeatures) -> str:
+    if not moe.moe_layers:
+        return "none"
+    if moe.n_layers and len(moe.moe_layers) == moe.n_layers:
+        return "all"
+    dense = [i for i in range(moe.n_layers) if i not in set(moe.moe_layers)]
+    if dense == list(range(len(dense))):
+        return "leading_dense"
+    return "interleaved"
+
+
+def feature_values(checklist: Checklist) -> dict[Feature, str]:
+    """Reduce a checklist to one string value per :class:`Feature`, in enum order.
+
+    Numeric details (window sizes, ranks, multipliers) stay in the checklist; the value
+    here is the decision an edit is about (``"custom"`` scaling, ``"constant"``
+    multiplier). ``Feature.OTHER`` holds the out-of-vocabulary names joined by "; ".
+    """
+    att, ffn, moe, pos, norm, sc = (
+        checklist.attention,
+        checklist.ffn,
+        checklist.moe,
+        checklist.positions,
+        checklist.norm,
+        checklist.scalars,
+    )
+    qkv = att.q_bias or att.k_bias or att.v_bias
+    values: dict[Feature, str] = {
+        Feature.QKV_BIAS: _flag(qkv),
+        Feature.O_BIAS: _flag(att.o_bias),
+        Feature.QK_NORM: att.qk_norm.value,
+        Feature.QK_NORM_PLACEMENT: att.qk_norm_placement.value,
+        Feature.GQA: _flag(att.gqa),
+        Feature.EXPLICIT_HEAD_DIM: _flag(att.explicit_head_dim),
+        Feature.SLIDING_WINDOW: att.sliding_window.kind.value,
+        Feature.ATTN_SOFTCAP: _flag(att.logit_softcap is not None),
+        Feature.ATTN_SCALING: "custom" if att.custom_scaling else "default",
+        Feature.FUSED_QKV: _flag(att.fused_qkv),
+        Feature.MLA: _flag(att.mla is not None),
+        Feature.ATTN_SINKS: _flag(att.sinks),
+        Feature.ATTN_OUTPUT_GATE: _flag(att.output_gate),
+        Feature.NOPE_LAYERS: _flag(bool(att.nope_layers)),
+        Feature.FFN_KIND: ffn.kind.value,
+        Feature.ACTIVATION: ffn.activation,
+        Feature.FFN_BIAS: _flag(ffn.bias),
+        Feature.FUSED_GATE_UP: _flag(ffn.fused_gate_up),
+        Feature.MOE: _flag(moe is not None),
+        Feature.POSITION_KIND: pos.kind.value,
+        Feature.ROPE_TYPE: pos.rope_type or "none",
+        Feature.ROTARY_STYLE: pos.rotary_style.value,
+        Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
+        Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
+        Feature.NORM_KIND: norm.kind.value,
+        Feature.NORM_PLACEMENT: norm.placement.value,
+        Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
+        Feature.RESIDUAL_MULTIPLIER: "none" if sc.residual_multiplier in (None, 1.0) else "constant",
+        Feature.LOGIT_MULTIPLIER: "none" if sc.logit_multiplier in (None, 1.0) else "constant",
+        Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
+        Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.OTHER: "; ".join(checklist.other),
+    }
+    if moe is not None:
+        values.update(
+            {
+                Feature.ROUTER_SCORING: moe.router_scoring.value,
+                Feature.NORM_TOPK_PROB: _flag(moe.norm_topk_prob),
+                Feature.SCORE_CORRECTION_BIAS: _flag(moe.score_correction_bias),
+                Feature.ROUTED_SCALING: "none" if moe.routed_scaling_factor in (None, 1.0) else "constant",
+                Feature.GROUPED_TOPK: _flag(moe.grouped_topk),
+                Feature.SHARED_EXPERTS: _flag(moe.shared_experts > 0),
+                Feature.SHARED_EXPERT_GATE: _flag(moe.shared_expert_gate),
+                Feature.MOE_LAYER_PATTERN: _layer_pattern(moe),
+                Feature.EXPERT_LAYOUT: moe.expert_layout.value,
+            }
+        )
+    return {feature: values[feature] for feature in Feature if feature in values}
+
+
+def is_supported(feature: Feature, target: str, reference_values: set[str] | frozenset[str] = frozenset()) -> bool:
+    """Whether a target value is covered: a reference has it or an edit produces it."""
+    if feature is Feature.OTHER:
+        return target == ""
+    return target in reference_values or target in SUPPORTED_EDITS.get(feature, frozenset())
