@@ -7,9 +7,9 @@ with the global ``cu_seqlens``, and the inverse all-to-all
 (``gather_heads_scatter_seq``) returns to the sequence slice. Everything else in
 the model is per token, so it runs on the slice unchanged.
 
-The collectives are the autograd-aware ones of ``torch.distributed.nn.functional``:
-the backward of an all-to-all is the all-to-all with the dimensions swapped. They
-run on NCCL and on gloo (CPU).
+The collectives are PyTorch's autograd-aware functional collectives (the backward
+of an all-to-all is the all-to-all with the dimensions swapped; of an all-gather,
+a reduce-scatter). They run on NCCL and on gloo (CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_F
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -39,8 +39,8 @@ def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGrou
             "ranks: it must be divisible by the CP size."
         )
     send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
-    received = dist_F.all_to_all_single(torch.empty_like(send), send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    received = funcol.all_to_all_single_autograd(send, None, None, group)
+    return torch.cat(funcol.wait_tensor(received).unbind(0), dim=gather_dim)
 
 
 def _pad(x: Tensor, dim: int, padding: int) -> Tensor:
@@ -129,5 +129,5 @@ def ulysses_gather_output(output: Tensor, cp_group: ProcessGroup | None, seq_dim
     """
     if cp_group is None or dist.get_world_size(cp_group) <= 1:
         return output
-    gathered = dist_F.all_gather(output.contiguous(), group=cp_group)
-    return torch.cat(gathered, dim=seq_dim)
+    gathered = funcol.all_gather_single(output.contiguous(), gather_dim=seq_dim, group=cp_group)
+    return funcol.wait_tensor(gathered)

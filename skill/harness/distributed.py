@@ -1,0 +1,498 @@
+"""Stage 5: the model trains the same on two processes as on one.
+
+Two forked processes on gloo (CPU) run the model's registered ``parallelize_fn``
+under each parallelism and compare with one process running the same, unsplit
+model on the same data:
+
+- ``tp``: TP=2 (with per-op selective activation checkpointing): logits, loss and
+  the gradient of every parameter, gathered. Gradients, not only logits: a wrong
+  plan (a missing SequenceParallel on a norm, a router gate whose partial gradient
+  is taken as whole) leaves the forward exact and the gradients wrong.
+- ``fsdp``: FSDP=2 (with full activation checkpointing), a different batch per rank:
+  each rank's logits and loss, the averaged gradients, and the parameters after one
+  optimizer step.
+- ``ep``: EP=2 for MoE models (expert weights split over the ranks; FSDP=2 on the rest),
+  a different batch per rank: as ``fsdp``, gradients and one step.
+- ``pp``: PP=2 with the 1F1B schedule over two micro-batches: losses, last-stage logits
+  and each stage's gradients.
+- ``cp``: CP=2 (Ulysses all-to-all), each rank holding half the sequence; the logits
+  gathered over ranks and the gradients. Skipped (and said so) when the head counts
+  cannot be split over 2 ranks.
+
+The optimizer step is plain SGD: its update is linear in the gradient, so the
+gradient tolerance carries over to the parameters. (Adam's first step is
+``lr * sign(g)`` and turns a 1e-9 difference on a near-zero gradient into ``2 * lr``.)
+
+All comparisons use ``torch.testing.assert_close``'s fp32 defaults.
+
+Workers are forked (they inherit the models built in the parent, nothing is
+pickled) and start in well under a second, against several seconds for spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from archon_models.activation_checkpoint import ActivationCheckpointConfig
+from archon_models.model_spec import ModelSpec
+from archon_models.parallel_dims import ArchonParallelDims
+from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule, pipeline_llm
+from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
+from archon_models.utils import validate_cp_constraints
+from skill.harness.case import ModelCase
+from skill.harness.compare import compare_tensor_dicts, compare_tensors
+from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
+from skill.harness.models import build_model_pair
+from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PARALLELISMS",
+    "WorkerFailure",
+    "applicable_parallelisms",
+    "find_free_port",
+    "launch",
+    "run_stage5",
+]
+
+WORLD_SIZE = 2
+PARALLELISMS = ("tp", "fsdp", "ep", "pp", "cp")
+SGD_LR = 0.1
+# A collective that waits longer than this is a hang, not slowness (tiny models).
+COLLECTIVE_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 300.0
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised, died or timed out; the message carries its traceback."""
+
+
+def find_free_port() -> int:
+    """A TCP port free on localhost right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    try:
+        # Two workers share the cores; more threads each only contend.
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = WORLD_SIZE,
+    args: tuple[Any, ...] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes on gloo.
+
+    Returns each rank's return value (it must pickle). ``args`` are inherited
+    through fork, not pickled, so they may hold models. Raises
+    :class:`WorkerFailure` with the worker's traceback if any rank raises, dies
+    or runs past ``timeout_s``; the other workers are then terminated.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    ctx = mp.get_context("fork")
+    port = find_free_port()
+    procs: list[mp.process.BaseProcess] = []
+    conns: list[Connection] = []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(rank, world_size, port, fn, args, child_conn),
+            name=f"archon-stage5-rank{rank}",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+
+    deadline = time.monotonic() + timeout_s
+    results: list[Any] = [None] * world_size
+    pending = set(range(world_size))
+    errors: list[str] = []
+    try:
+        while pending and not errors:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors.append(
+                    f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
+                    "(a hang in a collective, or a deadlock in a forked worker)"
+                )
+                break
+            ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 1.0))
+            for conn in ready:
+                rank = conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    procs[rank].join(timeout=1.0)
+                    errors.append(f"rank {rank} died without a result (exit code {procs[rank].exitcode})")
+                    pending.discard(rank)
+                    continue
+                pending.discard(rank)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(payload)
+    finally:
+        for proc in procs:
+            if errors:
+                proc.terminate()
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in conns:
+            conn.close()
+    if errors:
+        raise WorkerFailure("distributed workers failed:\n" + "\n".join(errors))
+    return results
+
+
+# ------------------------------------------------------------------------ stage 5
+
+
+@dataclass
+class _Setup:
+    """What the parent builds once and the forked workers inherit."""
+
+    spec: ModelSpec
+    model: nn.Module
+    batches: list[PackedInputs]  # one per rank, for the data-parallel checks
+    parallelisms: tuple[str, ...]
+
+
+def _has_moe(model: nn.Module) -> bool:
+    return any(getattr(block, "moe_enabled", False) for block in model.layers.values())
+
+
+def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
+    """Each parallelism, with ``None`` if it applies to ``model`` or the reason it does not."""
+    reasons: dict[str, str | None] = {name: None for name in PARALLELISMS}
+    if not _has_moe(model):
+        reasons["ep"] = "the model has no MoE layer"
+    try:
+        validate_cp_constraints(model.model_args, WORLD_SIZE, 1)
+    except ValueError as exc:
+        reasons["cp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
+    return reasons
+
+
+def _padded_doc_lens(doc_lens: Sequence[int], multiple: int) -> tuple[int, ...]:
+    """Append a filler document so the total length splits evenly over the ranks."""
+    remainder = sum(doc_lens) % multiple
+    return tuple(doc_lens) if remainder == 0 else (*doc_lens, multiple - remainder)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: DTensors are gathered (a collective: call on every rank in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _canonical(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            raise RuntimeError(f"parameter {_canonical(name)} received no gradient")
+        grads[_canonical(name)] = _local(param.grad).detach().clone()
+    return grads
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {_canonical(name): _local(param).detach().clone() for name, param in model.named_parameters()}
+
+
+def _forward(model: nn.Module, batch: PackedInputs) -> torch.Tensor:
+    logits = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
+    return _local(logits)
+
+
+@dataclass
+class _Reference:
+    logits: list[torch.Tensor]
+    losses: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    params_after_step: dict[str, torch.Tensor]
+
+
+def _reference(model: nn.Module, batches: Sequence[PackedInputs], mean: bool = True) -> _Reference:
+    """One process: logits and loss of each batch, gradients of their mean (or sum), one SGD step."""
+    ref = copy.deepcopy(model)
+    logits = [_forward(ref, b) for b in batches]
+    losses = [next_token_loss(lg, b.tokens, b.doc_lens) for lg, b in zip(logits, batches)]
+    total = torch.stack(losses).sum()
+    (total / len(losses) if mean else total).backward()
+    grads = _grads(ref)
+    torch.optim.SGD(ref.parameters(), lr=SGD_LR).step()
+    return _Reference(
+        logits=[lg.detach() for lg in logits],
+        losses=[loss.detach() for loss in losses],
+        grads=grads,
+        params_after_step=_params(ref),
+    )
+
+
+def _parallelize_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "param_dtype": torch.float32,
+        "reduce_dtype": torch.float32,
+        "loss_parallel": False,
+        "enable_compile": False,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    batch = setup.batches[0]
+    ref = _reference(setup.model, [batch])
+    dims = ArchonParallelDims(tp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    model = setup.spec.parallelize_fn(
+        copy.deepcopy(setup.model),
+        dims,
+        **_parallelize_kwargs(ac_config=ActivationCheckpointConfig(mode="selective", selective_ac_option="op")),
+    )
+    logits = _forward(model, batch)
+    loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
+    loss.backward()
+    rec.add(compare_tensors("tp=2 logits", logits.detach(), ref.logits[0]))
+    rec.add(compare_tensors("tp=2 loss", loss.detach(), ref.losses[0]))
+    rec.add(compare_tensor_dicts("tp=2 gradients", _grads(model), ref.grads))
+
+
+def _check_data_parallel(rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any) -> None:
+    """A training step with a different batch per rank against one process on the mean loss."""
+    ref = _reference(setup.model, setup.batches)
+    model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs(**kw))
+    batch = setup.batches[rank]
+    logits = _forward(model, batch)
+    loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
+    loss.backward()  # FSDP averages the gradients over the ranks
+    rec.add(compare_tensors(f"{label} logits", logits.detach(), ref.logits[rank]))
+    rec.add(compare_tensors(f"{label} loss", loss.detach(), ref.losses[rank]))
+    rec.add(compare_tensor_dicts(f"{label} gradients", _grads(model), ref.grads))
+    torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
+    rec.add(compare_tensor_dicts(f"{label} parameters after one SGD step", _params(model), ref.params_after_step))
+
+
+def _check_fsdp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    dims = ArchonParallelDims(dp_shard=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    _check_data_parallel(rec, setup, rank, "fsdp=2", dims, ac_config=ActivationCheckpointConfig(mode="full"))
+
+
+def _check_ep(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    dims = ArchonParallelDims(ep=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    _check_data_parallel(rec, setup, rank, "ep=2", dims)
+
+
+def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    """1F1B over two micro-batches (rows of one ``[2, T]`` batch sharing the document boundaries)."""
+    microbatches = setup.batches
+    ref = _reference(setup.model, microbatches, mean=False)
+    dims = ArchonParallelDims(pp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    stages, parts, has_first, has_last = pipeline_llm(
+        copy.deepcopy(setup.model),
+        torch.device("cpu"),
+        dims,
+        ArchonPipelineConfig(pp_schedule="1F1B"),
+        setup.spec.parallelize_fn,
+        **_parallelize_kwargs(),
+    )
+    doc_lens = microbatches[0].doc_lens
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(logits, target, doc_lens)
+
+    schedule = build_pipeline_schedule(stages, "1F1B", n_microbatches=len(microbatches), pp_degree=dims.pp, loss_fn=loss_fn)
+    tokens = torch.cat([b.tokens for b in microbatches])
+    kwargs = {
+        "positions": torch.cat([b.positions for b in microbatches]),
+        "cu_seqlens": microbatches[0].cu_seqlens,
+        "max_seqlen": microbatches[0].max_seqlen,
+    }
+    losses: list[torch.Tensor] = []
+    if has_first:
+        output = schedule.step(tokens, target=tokens, losses=losses, **kwargs)
+    else:
+        output = schedule.step(target=tokens, losses=losses, **kwargs)
+    if has_last:
+        rec.add(compare_tensors("pp=2 logits (last stage)", output.detach(), torch.cat(ref.logits)))
+        rec.add(compare_tensors("pp=2 losses (last stage)", torch.stack(losses).detach(), torch.stack(ref.losses)))
+    owned = _grads(parts[0])
+    stage = stages[0].stage_index
+    if not owned:
+        raise RuntimeError(f"pipeline stage {stage} owns no parameters")
+    rec.add(
+        compare_tensor_dicts(
+            f"pp=2 gradients (stage {stage})", owned, {k: ref.grads[k] for k in owned if k in ref.grads}
+        )
+    )
+
+
+def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    """Each rank runs its half of the sequence; attention all-to-alls heads for sequence."""
+    batch = setup.batches[0]
+    ref = _reference(setup.model, [batch])
+    dims = ArchonParallelDims(cp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs())
+    cp_group = dims.get_group("cp")
+    sliced, _ = ulysses_slice_inputs(
+        {"input_ids": batch.tokens, "position_ids": batch.positions}, batch.tokens, rank, WORLD_SIZE
+    )
+    local_logits = model(sliced["input_ids"], sliced["position_ids"], batch.cu_seqlens, batch.max_seqlen)
+    logits = ulysses_gather_output(local_logits, cp_group, seq_dim=1)
+    # Every rank computes the whole loss from the gathered logits; the gather's
+    # backward sums the ranks' copies (x2) and FSDP's average over the CP ranks (/2)
+    # undoes it, leaving the gradient of the loss.
+    loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
+    loss.backward()
+    rec.add(compare_tensors("cp=2 logits (gathered)", logits.detach(), ref.logits[0]))
+    rec.add(compare_tensors("cp=2 loss", loss.detach(), ref.losses[0]))
+    rec.add(compare_tensor_dicts("cp=2 gradients", _grads(model), ref.grads))
+
+
+_CHECKS: dict[str, Callable[[StageRecorder, _Setup, int], None]] = {
+    "tp": _check_tp,
+    "fsdp": _check_fsdp,
+    "ep": _check_ep,
+    "pp": _check_pp,
+    "cp": _check_cp,
+}
+
+
+def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -> list[dict[str, Any]]:
+    rec = StageRecorder(case, 5)
+    for name in setup.parallelisms:
+        start = time.perf_counter()
+        try:
+            _CHECKS[name](rec, setup, rank)
+        except Exception as exc:  # noqa: BLE001 - one broken parallelism must not hide the others
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            rec.check(f"{name}=2 raised", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+            logger.exception("rank %d: %s check raised", rank, name)
+        logger.info("rank %d: %s checks took %.2fs", rank, name, time.perf_counter() - start)
+    return [check.model_dump() for check in rec.checks]
+
+
+def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult]:
+    """One check per name: passed on every rank that ran it, the largest difference."""
+    merged: dict[str, list[tuple[int, CheckResult]]] = {}
+    for rank, checks in enumerate(per_rank):
+        for data in checks:
+            check = CheckResult.model_validate(data)
+            merged.setdefault(check.name, []).append((rank, check))
+    results = []
+    for name, entries in merged.items():
+        failed = [(rank, c) for rank, c in entries if not c.passed]
+        diffs = [c.max_abs_diff for _, c in entries if c.max_abs_diff is not None]
+        ranks = ",".join(str(rank) for rank, _ in entries)
+        if failed:
+            detail = "; ".join(f"rank {rank}: {c.detail}" for rank, c in failed)
+        else:
+            detail = f"ranks {ranks}" + (f": {entries[0][1].detail}" if entries[0][1].detail else "")
+        results.append(
+            CheckResult(name=name, passed=not failed, detail=detail, max_abs_diff=max(diffs) if diffs else None)
+        )
+    return results
+
+
+def run_stage5(
+    case: ModelCase,
+    workdir: str | Path | None = None,
+    raise_on_failure: bool = True,
+    parallelisms: Sequence[str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> StageResult:
+    """Stage 5 for ``case``: the chosen parallelisms (default: every one that applies).
+
+    Asking for a parallelism that does not apply to the model (EP on a dense model)
+    is an error; by default those are left out and logged.
+    """
+    requested = tuple(parallelisms) if parallelisms is not None else None
+    if requested is not None:
+        unknown = sorted(set(requested) - set(PARALLELISMS))
+        if unknown or not requested:
+            raise ValueError(f"parallelisms={requested}: choose a non-empty subset of {PARALLELISMS}.")
+
+    def body(rec: StageRecorder) -> None:
+        with tempfile.TemporaryDirectory(prefix="archon-stage5-", dir=workdir) as tmp:
+            pair = build_model_pair(case, tmp, attn_type="sdpa")
+        model = pair.archon.model
+        reasons = applicable_parallelisms(model)
+        if requested is None:
+            chosen = tuple(p for p in PARALLELISMS if reasons[p] is None)
+            for p in PARALLELISMS:
+                if reasons[p] is not None:
+                    logger.info("stage 5 for %s: %s=2 not run: %s", case.id, p, reasons[p])
+        else:
+            bad = {p: reasons[p] for p in requested if reasons[p] is not None}
+            if bad:
+                raise ValueError(f"stage 5 for {case.id}: not applicable: {bad}")
+            chosen = requested
+        doc_lens = _padded_doc_lens(case.doc_lens, 2 * WORLD_SIZE)
+        vocab = model.model_args.vocab_size
+        batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + rank) for rank in range(WORLD_SIZE)]
+        setup = _Setup(spec=pair.archon.spec, model=model, batches=batches, parallelisms=chosen)
+        per_rank = launch(_stage5_worker, WORLD_SIZE, args=(setup, case), timeout_s=timeout_s)
+        for check in _merge_ranks(per_rank):
+            rec.add(check)
+
+    return run_stage(case, 5, body, raise_on_failure)
