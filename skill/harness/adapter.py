@@ -1,0 +1,229 @@
+"""Stage 2: the state-dict adapter loses nothing, in either direction.
+
+Roundtrips must be bit-exact: a converter only renames, splits and stacks tensors, so
+any numeric change is a bug. The HF side is the real ``save_pretrained`` output of a
+tiny model, not a hand-written key list.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from archon_models.base import BaseStateDictAdapter
+from skill.harness.case import ModelCase
+from skill.harness.compare import compare_tensor_dicts
+from skill.harness.keys import distinct_state_dict, key_indices, mapped_archon_key, wrapped_names
+from skill.harness.models import (
+    build_archon_model,
+    build_hf_config,
+    build_hf_model,
+    read_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from skill.harness.results import StageRecorder, StageResult, run_stage
+
+OUTPUT_KEY = "output.weight"
+EMBEDDING_KEY = "tok_embeddings.weight"
+
+
+def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor]]:
+    archon = build_archon_model(hf_config)
+    state = distinct_state_dict(archon.model, seed)
+    if getattr(hf_config, "tie_word_embeddings", False) and OUTPUT_KEY in state:
+        # A tied model's output projection is its embedding, whatever the module layout.
+        state[OUTPUT_KEY] = state[EMBEDDING_KEY].clone()
+    return archon.adapter, state
+
+
+def _hf_side(case: ModelCase, hf_config: PretrainedConfig, directory: Path) -> dict[str, torch.Tensor]:
+    return read_hf_checkpoint(save_hf_checkpoint(build_hf_model(case, hf_config), directory))
+
+
+def check_roundtrips(
+    rec: StageRecorder,
+    adapter: BaseStateDictAdapter,
+    archon_state: dict[str, torch.Tensor],
+    hf_state: dict[str, torch.Tensor],
+    label: str = "",
+) -> dict[str, torch.Tensor]:
+    """Both roundtrips, and ``to_hf`` writing exactly the checkpoint's keys and shapes."""
+    hf_from_archon = adapter.to_hf(dict(archon_state))
+    rec.add(
+        compare_tensor_dicts(
+            f"{label}archon -> hf -> archon keeps every key and tensor",
+            adapter.from_hf(dict(hf_from_archon)),
+            archon_state,
+            exact=True,
+        )
+    )
+    rec.add(
+        compare_tensor_dicts(
+            f"{label}hf -> archon -> hf keeps every key and tensor",
+            adapter.to_hf(adapter.from_hf(dict(hf_state))),
+            hf_state,
+            exact=True,
+        )
+    )
+    missing = sorted(set(hf_state) - set(hf_from_archon))
+    unexpected = sorted(set(hf_from_archon) - set(hf_state))
+    bad_shapes = sorted(
+        f"{k} {tuple(hf_from_archon[k].shape)} vs {tuple(hf_state[k].shape)}"
+        for k in set(hf_state) & set(hf_from_archon)
+        if hf_from_archon[k].shape != hf_state[k].shape
+    )
+    rec.check(
+        f"{label}to_hf writes the checkpoint's keys and shapes",
+        not (missing or unexpected or bad_shapes),
+        f"missing {missing[:5]}, unexpected {unexpected[:5]}, shapes {bad_shapes[:5]}"
+        if missing or unexpected or bad_shapes
+        else f"{len(hf_state)} keys",
+    )
+    return hf_from_archon
+
+
+def check_single_conversion(
+    rec: StageRecorder,
+    adapter: BaseStateDictAdapter,
+    archon_state: dict[str, torch.Tensor],
+    hf_from_archon: dict[str, torch.Tensor],
+    tied: bool = False,
+) -> None:
+    """``convert_single_to_hf`` (incremental weight sync) agrees with ``to_hf``, wrapped or not.
+
+    With tied embeddings ``to_hf`` drops the output projection while a single
+    conversion still names it, so it is left out of the comparison.
+    """
+    single: dict[str, torch.Tensor] = {}
+    for name, tensor in archon_state.items():
+        if tied and name == OUTPUT_KEY:
+            continue
+        single.update(adapter.convert_single_to_hf(name, tensor))
+    rec.add(compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True))
+
+    wrong: list[str] = []
+    tried = 0
+    for name, tensor in archon_state.items():
+        plain = dict(adapter.convert_single_to_hf(name, tensor))
+        for wrapped in wrapped_names(name):
+            tried += 1
+            got = dict(adapter.convert_single_to_hf(wrapped, tensor))
+            if got.keys() != plain.keys() or any(not torch.equal(got[k], plain[k]) for k in plain):
+                wrong.append(f"{wrapped} -> {sorted(got)}")
+    rec.check(
+        "convert_single_to_hf strips ._checkpoint_wrapped_module and ._orig_mod",
+        tried > 0 and not wrong,
+        f"{len(wrong)} wrapped names converted differently: {wrong[:3]}" if wrong else f"{tried} wrapped names",
+    )
+
+
+def check_expert_split(rec: StageRecorder, adapter: BaseStateDictAdapter, archon_state: dict[str, torch.Tensor]) -> None:
+    """Archon's 3D expert tensors become one 2D checkpoint tensor per expert, in order."""
+    stacked = {k: v for k, v in archon_state.items() if v.ndim == 3}
+    if not stacked:
+        rec.check("MoE 3D <-> 2D", True, "no 3D expert tensors (dense model)")
+        return
+    problems: list[str] = []
+    for name, tensor in stacked.items():
+        pairs = adapter.convert_single_to_hf(name, tensor)
+        if len(pairs) != tensor.shape[0]:
+            problems.append(f"{name}: {len(pairs)} checkpoint tensors for {tensor.shape[0]} experts")
+            continue
+        for position, (hf_key, piece) in enumerate(pairs):
+            indices = key_indices(hf_key)
+            # The expert id is the last index in the key (layers.<l>...experts.<e>...).
+            expert = int(indices[-1]) if indices else position
+            if piece.shape != tensor.shape[1:] or not torch.equal(piece, tensor[expert]):
+                problems.append(f"{name}[{expert}] -> {hf_key} is not that expert's 2D slice")
+    rec.check(
+        "MoE 3D <-> 2D: one 2D tensor per expert, in order",
+        not problems,
+        "; ".join(problems[:4]) if problems else f"{len(stacked)} stacked tensors",
+    )
+
+
+def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
+    """Tied embeddings: to_hf writes no output projection, from_hf refills it."""
+    tied_case = case.model_copy(update={"config_overrides": {**case.config_overrides, "tie_word_embeddings": True}})
+    hf_config = build_hf_config(tied_case)
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        rec.check("tied embeddings", True, f"{type(hf_config).__name__} cannot tie embeddings")
+        return
+    hf_state = _hf_side(tied_case, hf_config, directory)
+    adapter, archon_state = _archon_side(hf_config, case.seed)
+    hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state, label="tied: ")
+    output_keys = {k for k, _ in adapter.convert_single_to_hf(OUTPUT_KEY, archon_state[OUTPUT_KEY])}
+    written = sorted(output_keys & set(hf_from_archon))
+    rec.check("tied: to_hf skips the output projection", not written, f"wrote {written}" if written else "")
+    loaded = adapter.from_hf(dict(hf_state))
+    same = OUTPUT_KEY in loaded and torch.equal(loaded[OUTPUT_KEY], loaded[EMBEDDING_KEY])
+    rec.check(
+        "tied: from_hf fills the output projection from the embedding",
+        same,
+        "" if same else f"{OUTPUT_KEY} {'differs from' if OUTPUT_KEY in loaded else 'missing next to'} {EMBEDDING_KEY}",
+    )
+
+
+def _raises_naming(adapter: BaseStateDictAdapter, state: dict[str, torch.Tensor], names: list[str]) -> str | None:
+    """None when ``from_hf(state)`` raises an error that names one of ``names``; else why not."""
+    try:
+        adapter.from_hf(state)
+    except Exception as exc:  # noqa: BLE001 - any error type is fine, its message is checked
+        message = str(exc)
+        return None if any(n and n in message for n in names) else f"raised without naming {names[0]}: {message[:120]}"
+    return "did not raise"
+
+
+def check_bad_keys(rec: StageRecorder, adapter: BaseStateDictAdapter, hf_state: dict[str, torch.Tensor]) -> None:
+    """An unknown key or a missing key makes from_hf raise an error that names it."""
+    layer_key = next(k for k in sorted(hf_state) if ".0." in k)
+    unknown_keys = [
+        layer_key.rsplit(".", 2)[0] + ".harness_unknown.weight",
+        "harness_unknown.weight",
+    ]
+    sample = next(iter(hf_state.values()))
+    unknown_problems = []
+    for key in unknown_keys:
+        why = _raises_naming(adapter, {**hf_state, key: sample.clone()}, [key])
+        if why:
+            unknown_problems.append(f"{key}: {why}")
+    rec.check(
+        "from_hf raises on an unknown key, naming it",
+        not unknown_problems,
+        "; ".join(unknown_problems) if unknown_problems else f"tried {unknown_keys}",
+    )
+
+    missing_problems = []
+    for key in sorted(hf_state):
+        partial = {k: v for k, v in hf_state.items() if k != key}
+        why = _raises_naming(adapter, partial, [key, mapped_archon_key(adapter, key) or ""])
+        if why:
+            missing_problems.append(f"{key}: {why}")
+    rec.check(
+        "from_hf raises on each missing key, naming it",
+        not missing_problems,
+        f"{len(missing_problems)} of {len(hf_state)}: {missing_problems[:3]}"
+        if missing_problems
+        else f"each of {len(hf_state)} keys",
+    )
+
+
+def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
+    """Stage 2: roundtrips, single-tensor conversion, wrapper prefixes, MoE split, tying, bad keys."""
+
+    def body(rec: StageRecorder) -> None:
+        with tempfile.TemporaryDirectory(prefix="archon-stage2-", dir=workdir) as tmp:
+            hf_config = build_hf_config(case)
+            hf_state = _hf_side(case, hf_config, Path(tmp) / "hf")
+            adapter, archon_state = _archon_side(hf_config, case.seed)
+            hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state)
+            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+            check_single_conversion(rec, adapter, archon_state, hf_from_archon, tied=tied)
+            check_expert_split(rec, adapter, archon_state)
+            check_bad_keys(rec, adapter, hf_state)
+            check_tying(rec, case, Path(tmp) / "hf_tied")
+
+    return run_stage(case, 2, body, raise_on_failure)

@@ -1,0 +1,229 @@
+"""Stage 1: ``from_hf_config`` reads every field from the right config attribute.
+
+The expected mapping is derived from the config, not written per family: each Archon
+args field has a source in a shared vocabulary (the Archon naming convention: ``dim``
+comes from ``hidden_size``, ``norm_eps`` from ``rms_norm_eps`` ...), and a field the
+vocabulary does not know is expected to follow the config attribute of the same name.
+A matching value alone can be a coincidence (a tiny config and a wrong attribute can
+agree), so every source attribute is also perturbed: the field must follow it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from skill.harness.case import ModelCase
+from skill.harness.models import build_hf_config, get_spec
+from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
+
+
+@dataclass(frozen=True)
+class FieldSource:
+    """Where an args field comes from.
+
+    ``attrs`` are config attribute paths tried in order (``"a.b"`` is key ``b`` of the
+    dict attribute ``a``, as in v5 ``rope_parameters.rope_theta``); ``derive`` gives the
+    expected value when none of them is present.
+    """
+
+    attrs: tuple[str, ...]
+    derive: Callable[[PretrainedConfig], Any] | None = None
+
+
+def _derived_head_dim(config: PretrainedConfig) -> int:
+    return config.hidden_size // config.num_attention_heads
+
+
+# Archon field (the last component of a nested path such as ``moe_args.top_k``) ->
+# its source. Shared by every family; extend it when a new family brings a new name.
+ARGS_FIELD_SOURCES: dict[str, FieldSource] = {
+    "dim": FieldSource(("hidden_size",)),
+    "n_layers": FieldSource(("num_hidden_layers",)),
+    "n_heads": FieldSource(("num_attention_heads",)),
+    "n_kv_heads": FieldSource(("num_key_value_heads",), derive=lambda c: c.num_attention_heads),
+    "vocab_size": FieldSource(("vocab_size",)),
+    "head_dim": FieldSource(("head_dim",), derive=_derived_head_dim),
+    "hidden_dim": FieldSource(("intermediate_size",)),
+    "norm_eps": FieldSource(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
+    "rope_theta": FieldSource(("rope_parameters.rope_theta", "rope_theta")),
+    "max_seq_len": FieldSource(("max_position_embeddings",)),
+    "eos_id": FieldSource(("eos_token_id",)),
+    "enable_weight_tying": FieldSource(("tie_word_embeddings",)),
+    "num_experts": FieldSource(("num_experts", "num_local_experts", "n_routed_experts")),
+    "top_k": FieldSource(("num_experts_per_tok",)),
+    "route_norm": FieldSource(("norm_topk_prob",)),
+    "route_scale": FieldSource(("routed_scaling_factor",)),
+    "num_shared_experts": FieldSource(("num_shared_experts", "n_shared_experts")),
+    "moe_inter_dim": FieldSource(("moe_intermediate_size",)),
+    "sliding_window": FieldSource(("sliding_window",)),
+}
+
+# Set by the caller of from_hf_config, not read from the config.
+CALLER_FIELDS = frozenset({"attn_type", "is_critic", "num_labels"})
+
+_MISSING = object()
+
+
+def _get_path(config: PretrainedConfig, path: str) -> Any:
+    head, _, key = path.partition(".")
+    value = getattr(config, head, _MISSING)
+    if key and value is not _MISSING:
+        return value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+    return value
+
+
+def _set_path(config: PretrainedConfig, path: str, value: Any) -> None:
+    head, _, key = path.partition(".")
+    if key:
+        updated = dict(getattr(config, head))
+        updated[key] = value
+        setattr(config, head, updated)
+    else:
+        setattr(config, head, value)
+
+
+def _perturbations(value: Any) -> list[Any]:
+    """Different values of the same kind to try in order (a config validator may reject
+    some, e.g. a head count that no longer divides the hidden size)."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [v for v in (value + 1, value * 2, value // 2) if v != value and v > 0]
+    if isinstance(value, float):
+        return [value * 2 if value else 0.5]
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [[*value, max(value, default=-1) + 1]]
+    return []
+
+
+def _same(actual: Any, expected: Any) -> bool:
+    if isinstance(actual, tuple | list) and isinstance(expected, tuple | list):
+        return list(actual) == list(expected)
+    if isinstance(expected, float) or isinstance(actual, float):
+        try:
+            return float(actual) == float(expected)
+        except (TypeError, ValueError):
+            return False
+    return actual == expected
+
+
+def iter_args_fields(args: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(path, value)`` of every field, descending into nested dataclasses (``moe_args``)."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        path = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from iter_args_fields(value, prefix=f"{path}.")
+        else:
+            yield path, value
+
+
+def _read_path(args: Any, path: str) -> Any:
+    for part in path.split("."):
+        args = getattr(args, part, _MISSING) if args is not None else _MISSING
+    return args
+
+
+def source_for(field_path: str, config: PretrainedConfig) -> FieldSource | None:
+    """The source of a field: the vocabulary, else a config attribute of the same name."""
+    leaf = field_path.rsplit(".", 1)[-1]
+    if leaf in CALLER_FIELDS:
+        return None
+    if leaf in ARGS_FIELD_SOURCES:
+        return ARGS_FIELD_SOURCES[leaf]
+    if _get_path(config, leaf) is not _MISSING:
+        return FieldSource((leaf,))
+    return None
+
+
+def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, label: str) -> None:
+    """One check per args field: right value, and it follows its source attribute."""
+    args_class = get_spec(config.model_type).model_args_class
+    args = args_class.from_hf_config(config)
+    for path, value in iter_args_fields(args):
+        name = f"{label}: {path}"
+        source = source_for(path, config)
+        if source is None:
+            rec.check(name, True, f"not read from the config (= {value!r})")
+            continue
+        attr = next((a for a in source.attrs if _get_path(config, a) is not _MISSING), None)
+        if attr is None:
+            if source.derive is None:
+                rec.check(name, True, f"config has none of {list(source.attrs)}; keeps {value!r}")
+                continue
+            expected = source.derive(config)
+            rec.check(name, _same(value, expected), f"derived: expected {expected!r}, got {value!r}")
+            continue
+        expected = _get_path(config, attr)
+        if expected is None:
+            rec.check(name, True, f"config.{attr} is None; args keeps {value!r}")
+            continue
+        if not _same(value, expected):
+            rec.check(
+                name,
+                False,
+                f"expected config.{attr} = {expected!r}, got {value!r}; fix from_hf_config "
+                f"in {args_class.__module__}",
+            )
+            continue
+        rec.add(_follow_check(name, args_class, config, path, attr, expected))
+
+
+def _follow_check(
+    name: str, args_class: type, config: PretrainedConfig, path: str, attr: str, value: Any
+) -> CheckResult:
+    rejected: list[str] = []
+    for new_value in _perturbations(value):
+        changed = copy.deepcopy(config)
+        try:
+            _set_path(changed, attr, new_value)
+            moved = _read_path(args_class.from_hf_config(changed), path)
+        except Exception as exc:  # noqa: BLE001 - a config validator may reject the value
+            rejected.append(f"{new_value!r} ({type(exc).__name__})")
+            continue
+        if not _same(moved, new_value):
+            return CheckResult(
+                name=name,
+                passed=False,
+                detail=(
+                    f"equals config.{attr} ({value!r}) but does not follow it: with {attr}={new_value!r} "
+                    f"the field is {moved!r}; from_hf_config reads the wrong attribute or a constant"
+                ),
+            )
+        return CheckResult(name=name, passed=True, detail=f"= config.{attr} ({value!r}) and follows it")
+    why = f"; every other value was rejected: {', '.join(rejected)}" if rejected else ""
+    return CheckResult(name=name, passed=True, detail=f"= config.{attr} ({value!r}){why}")
+
+
+def _check_caller_fields(rec: StageRecorder, config: PretrainedConfig) -> None:
+    args_class = get_spec(config.model_type).model_args_class
+    for attn_type in ("sdpa", "varlen"):
+        got = args_class.from_hf_config(config, attn_type=attn_type).attn_type
+        rec.check(f"attn_type={attn_type!r} is passed through", got == attn_type, f"got {got!r}")
+    plain = args_class.from_hf_config(config)
+    critic = args_class.from_hf_config(config, is_critic=True)
+    rec.check(
+        "is_critic is passed through",
+        plain.is_critic is False and critic.is_critic is True,
+        f"default {plain.is_critic!r}, with is_critic=True {critic.is_critic!r}",
+    )
+
+
+def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
+    """Stage 1 on the case's tiny config and on the config class's defaults."""
+    del workdir  # stage 1 touches no files
+
+    def body(rec: StageRecorder) -> None:
+        tiny = build_hf_config(case)
+        check_args_against_config(rec, tiny, "tiny")
+        check_args_against_config(rec, type(tiny)(), "defaults")
+        _check_caller_fields(rec, tiny)
+
+    return run_stage(case, 1, body, raise_on_failure)

@@ -1,0 +1,106 @@
+"""Stage 3: every Archon parameter has a checkpoint key and every checkpoint key a parameter.
+
+The Archon model is built on the meta device (no memory), the checkpoint keys and shapes
+come from the safetensors headers ``save_pretrained`` wrote for a tiny model. A check
+that found no keys fails: completeness is never proven vacuously.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from skill.harness.case import ModelCase
+from skill.harness.keys import is_explicit_drop, tied_aliases
+from skill.harness.models import (
+    ArchonModel,
+    build_archon_model,
+    build_hf_config,
+    build_hf_model,
+    read_hf_checkpoint_shapes,
+    save_hf_checkpoint,
+)
+from skill.harness.results import StageRecorder, StageResult, run_stage
+
+
+def _shapes(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(tensor.shape) for key, tensor in pairs}
+
+
+def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, tuple[int, ...]]) -> None:
+    """Parameter <-> key coverage, shapes, and explicit drops, from meta tensors only."""
+    model, adapter = archon.model, archon.adapter
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = tied_aliases(model)
+    rec.check("Archon parameters found", bool(params), f"{len(params)} parameters on {next(iter(params.values())).device}" if params else "the model has no parameters")
+    rec.check("checkpoint keys found", bool(disk), f"{len(disk)} keys" if disk else "save_pretrained wrote no tensors")
+    if not params or not disk:
+        return
+
+    produced: dict[str, tuple[int, ...]] = {}
+    unmapped: list[str] = []
+    off_disk: list[str] = []
+    for name, param in params.items():
+        pairs = adapter.convert_single_to_hf(name, param)
+        if not pairs:
+            unmapped.append(name)
+            continue
+        shapes = _shapes(pairs)
+        stray = sorted(set(shapes) - set(disk))
+        # A tied output projection names the lm_head key the checkpoint omits.
+        if stray and name not in aliases:
+            off_disk.append(f"{name} -> {stray}")
+        produced.update({k: v for k, v in shapes.items() if k in disk})
+    rec.check(
+        "every Archon parameter maps to a checkpoint key",
+        not unmapped and not off_disk,
+        f"no HF key for {unmapped[:5]}; keys not in the checkpoint: {off_disk[:5]}"
+        if unmapped or off_disk
+        else f"{len(params)} parameters",
+    )
+
+    orphans = sorted(k for k in set(disk) - set(produced) if not is_explicit_drop(adapter, k))
+    dropped = sorted(k for k in set(disk) - set(produced) if is_explicit_drop(adapter, k))
+    rec.check(
+        "every checkpoint key comes from a parameter or an explicit None drop",
+        not orphans,
+        f"{len(orphans)} keys no parameter produces and from_hf_map does not drop: {orphans[:5]}"
+        if orphans
+        else f"{len(produced)} mapped, {len(dropped)} dropped on purpose {dropped[:3]}",
+    )
+
+    wrong = sorted(f"{k}: Archon {produced[k]} vs checkpoint {disk[k]}" for k in produced if produced[k] != disk[k])
+    rec.check(
+        "shapes equal",
+        not wrong,
+        "; ".join(wrong[:5]) if wrong else f"{len(produced)} keys",
+    )
+
+    meta_state = model.state_dict()
+    full = _shapes(list(adapter.to_hf(meta_state).items()))
+    missing = sorted(set(disk) - set(full) - set(dropped))
+    extra = sorted(set(full) - set(disk))
+    rec.check(
+        "to_hf of the meta state dict gives exactly the checkpoint's keys",
+        not missing and not extra and all(full[k] == disk[k] for k in full if k in disk),
+        f"missing {missing[:5]}, not in the checkpoint {extra[:5]}" if missing or extra else f"{len(full)} keys",
+    )
+
+
+def run_completeness_stage(
+    case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True
+) -> StageResult:
+    """Stage 3 against the keys ``save_pretrained`` writes for the case's tiny model."""
+
+    def body(rec: StageRecorder) -> None:
+        hf_config = build_hf_config(case)
+        with tempfile.TemporaryDirectory(prefix="archon-stage3-", dir=workdir) as tmp:
+            disk = read_hf_checkpoint_shapes(save_hf_checkpoint(build_hf_model(case, hf_config), tmp))
+        archon = build_archon_model(hf_config, device="meta")
+        on_meta = all(p.device.type == "meta" for p in archon.model.parameters())
+        rec.check("the model builds on the meta device", on_meta, "" if on_meta else "some parameters were allocated")
+        check_completeness(rec, archon, disk)
+
+    return run_stage(case, 3, body, raise_on_failure)

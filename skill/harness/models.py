@@ -1,0 +1,177 @@
+"""Build the two sides every stage compares: a tiny seeded HF model and its Archon port.
+
+The HF side goes through real files (``save_pretrained`` -> safetensors), because the
+keys a published checkpoint holds can differ from the in-memory parameter names
+(transformers 5 fuses MoE experts in memory and saves them per expert). The Archon side
+is loaded from those files through the registered spec's adapter, exactly as a
+training job would.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig, PreTrainedModel
+
+import archon_models
+from archon_models.base import BaseArchonModel, BaseModelArgs, BaseStateDictAdapter
+from archon_models.model_spec import ModelSpec
+from skill.harness.case import ModelCase
+from skill.tiny_model import build_tiny_model, read_safetensors_shapes, tiny_config
+
+logger = logging.getLogger(__name__)
+
+# Added to every HF weight before saving. Fresh HF weights hold all-ones norms and
+# all-zero biases, so a mapping that swaps q_norm and k_norm, or two biases, would not
+# change a single logit; with noise every tensor is distinct.
+WEIGHT_NOISE_STD = 0.05
+
+
+def build_hf_config(case: ModelCase) -> PretrainedConfig:
+    """The tiny config of ``case.model_type`` with the case's overrides applied."""
+    return tiny_config(case.model_type, **case.config_overrides)
+
+
+def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -> PreTrainedModel:
+    """A seeded tiny HF causal LM (fp32, eager attention, eval) whose weights are all distinct."""
+    config = hf_config if hf_config is not None else build_hf_config(case)
+    model = build_tiny_model(config, seed=case.seed)
+    generator = torch.Generator().manual_seed(case.seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            param.add_(noise * WEIGHT_NOISE_STD)
+    return model
+
+
+def save_hf_checkpoint(model: PreTrainedModel, directory: str | Path, max_shard_size: int | str | None = None) -> Path:
+    """``save_pretrained`` into ``directory`` (safetensors; sharded when ``max_shard_size`` is set)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(directory), **kwargs)
+    return directory
+
+
+def read_hf_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory``, by key."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}; save the model with save_pretrained first")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def read_hf_checkpoint_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """Key -> shape from the safetensors headers, without reading the tensors."""
+    return read_safetensors_shapes(directory)
+
+
+def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict[str, torch.Tensor]:
+    """The gradients of ``model`` under the keys its checkpoint uses.
+
+    Saving a copy whose parameters hold the gradients reuses transformers' own
+    in-memory -> on-disk conversion, so gradients are compared under the same keys
+    (and per-expert layout) as the weights, whatever the family renames or splits.
+    """
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    shadow = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in shadow.named_parameters():
+            grad = grads[name]
+            param.copy_(torch.zeros_like(param) if grad is None else grad)
+    save_hf_checkpoint(shadow, directory)
+    return read_hf_checkpoint(directory)
+
+
+def get_spec(model_type: str) -> ModelSpec:
+    """The registered spec (``archon_models`` import registers every package)."""
+    return archon_models.get_model_spec(model_type)
+
+
+@dataclass
+class ArchonModel:
+    """An Archon model with the pieces that built it."""
+
+    spec: ModelSpec
+    args: BaseModelArgs
+    model: BaseArchonModel
+    adapter: BaseStateDictAdapter
+
+
+def build_archon_args(hf_config: PretrainedConfig, attn_type: str = "sdpa") -> BaseModelArgs:
+    spec = get_spec(hf_config.model_type)
+    return spec.model_args_class.from_hf_config(hf_config, attn_type=attn_type)
+
+
+def build_archon_model(
+    hf_config: PretrainedConfig,
+    attn_type: str = "sdpa",
+    device: torch.device | str = "cpu",
+    hf_assets_path: str | Path | None = None,
+) -> ArchonModel:
+    """An Archon model of ``hf_config`` on ``device`` (``"meta"`` allocates nothing)."""
+    spec = get_spec(hf_config.model_type)
+    args = spec.model_args_class.from_hf_config(hf_config, attn_type=attn_type)
+    with torch.device(device):
+        model = spec.model_class(args)
+    adapter = spec.state_dict_adapter_class(hf_config, None if hf_assets_path is None else str(hf_assets_path))
+    return ArchonModel(spec=spec, args=args, model=model, adapter=adapter)
+
+
+def load_archon_state(archon: ArchonModel, archon_state: dict[str, torch.Tensor]) -> None:
+    """Load a converted state dict; every parameter must be provided, nothing extra.
+
+    Non-persistent buffers (the RoPE cache) are computed, not loaded, so only
+    parameters and persistent buffers are required.
+    """
+    expected = set(archon.model.state_dict())
+    missing = sorted(expected - set(archon_state))
+    unexpected = sorted(set(archon_state) - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"adapter.from_hf produced a state dict that does not fit {type(archon.model).__name__}: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}; fix from_hf_map in the state_dict_adapter"
+        )
+    archon.model.load_state_dict(archon_state, strict=True)
+
+
+def load_archon_model(
+    hf_config: PretrainedConfig,
+    checkpoint_dir: str | Path,
+    attn_type: str = "sdpa",
+) -> ArchonModel:
+    """Archon model whose weights come from the HF safetensors files through ``from_hf``."""
+    archon = build_archon_model(hf_config, attn_type=attn_type, hf_assets_path=checkpoint_dir)
+    load_archon_state(archon, archon.adapter.from_hf(read_hf_checkpoint(checkpoint_dir)))
+    return archon
+
+
+@dataclass
+class ModelPair:
+    """A tiny HF model, its checkpoint on disk, and the Archon model loaded from it."""
+
+    hf_config: PretrainedConfig
+    hf_model: PreTrainedModel
+    checkpoint_dir: Path
+    archon: ArchonModel
+
+
+def build_model_pair(case: ModelCase, workdir: str | Path, attn_type: str = "sdpa") -> ModelPair:
+    """Build, save and load: the setup of the parity, checkpoint and distributed stages."""
+    hf_config = build_hf_config(case)
+    hf_model = build_hf_model(case, hf_config)
+    checkpoint_dir = save_hf_checkpoint(hf_model, Path(workdir) / "hf_checkpoint")
+    archon = load_archon_model(hf_config, checkpoint_dir, attn_type=attn_type)
+    logger.info("built %s pair in %s", case.id, checkpoint_dir)
+    return ModelPair(hf_config=hf_config, hf_model=hf_model, checkpoint_dir=checkpoint_dir, archon=archon)

@@ -1,0 +1,78 @@
+"""Shared machinery of the per-model stage tests in this folder.
+
+A per-model test file defines ``CASES`` (a list of :class:`skill.harness.ModelCase`)
+and one test per stage taking the ``case`` fixture; this conftest parametrises
+``case`` over ``CASES``, runs stages through the ``prove`` fixture, and prints every
+stage's numbers (max abs logit and gradient diff, time) in the terminal summary,
+also under pytest-xdist (the numbers travel in ``user_properties``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from huggingface_hub.utils import disable_progress_bars
+from transformers.utils import logging as hf_logging
+
+import archon_models  # noqa: F401 - importing the package registers every model spec
+from skill.harness import ModelCase, StageFailure, StageResult
+
+_PROPERTY = "archon_stage_result"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # save_pretrained / from_pretrained draw progress bars on every tiny model.
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" in metafunc.fixturenames:
+        cases: list[ModelCase] = getattr(metafunc.module, "CASES", [])
+        if not cases:
+            raise pytest.UsageError(f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES")
+        metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+@pytest.fixture
+def prove(record_property: Callable[[str, Any], None]) -> Callable[..., StageResult]:
+    """Run a stage function, record its result for the summary, fail with its report."""
+
+    def run(stage_fn: Callable[..., StageResult], case: ModelCase, **kwargs: Any) -> StageResult:
+        result = stage_fn(case, raise_on_failure=False, **kwargs)
+        record_property(_PROPERTY, result.model_dump_json())
+        if not result.passed:
+            raise StageFailure(result)
+        return result
+
+    return run
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    rows: list[StageResult] = []
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for name, value in getattr(report, "user_properties", []) or []:
+                if name == _PROPERTY:
+                    rows.append(StageResult.model_validate(json.loads(value)))
+    if not rows:
+        return
+    terminalreporter.section("archon stage results")
+    terminalreporter.write_line(
+        f"{'case':<16} {'stage':<16} {'result':<7} {'max|dlogits|':>12} {'max|dgrad|':>12} {'max|diff|':>12} {'seconds':>8}"
+    )
+    for row in sorted(rows, key=lambda r: (r.case_id, r.stage)):
+        terminalreporter.write_line(
+            f"{row.case_id:<16} {f'{row.stage} {row.stage_name}':<16} {'pass' if row.passed else 'FAIL':<7} "
+            f"{_fmt(row.max_abs_diff_of('logits'))} {_fmt(row.max_abs_diff_of('gradients'))} "
+            f"{_fmt(row.max_abs_diff)} {row.seconds:>8.2f}"
+        )
+
+
+def _fmt(value: float | None) -> str:
+    return f"{value:>12.3e}" if value is not None else f"{'-':>12}"
