@@ -123,7 +123,9 @@ class TokenChoiceTopKRouter(nn.Module):
             top_scores ``[num_tokens, top_k]`` (fp32), selected expert indices
             ``[num_tokens, top_k]`` (int64), and tokens per expert ``[num_experts]`` (int64).
         """
-        logits = self.gate(x).to(torch.float32)
+        # Score in fp32 at least: softmax/sigmoid in bf16 destabilise routing.
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.score_func == "softmax":
             scores = F.softmax(logits, dim=-1)
         else:
