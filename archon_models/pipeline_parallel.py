@@ -209,6 +209,12 @@ def pipeline_llm(
     if pp_mesh is None or not parallel_dims.pp_enabled:
         raise ValueError("pipeline_llm needs pipeline parallelism: set ArchonParallelDims.pp > 1.")
 
+    if getattr(getattr(model, "model_args", None), "enable_weight_tying", False):
+        raise ValueError(
+            "pipeline_llm cannot split a model with tied embedding and LM head: the first and "
+            "last stage would each train their own copy. Disable enable_weight_tying or use pp=1."
+        )
+
     pp_schedule = archon_config.pp_schedule
     layers_per_stage = archon_config.pp_layers_per_stage
     first_less = archon_config.pp_first_stage_less_layers

@@ -32,6 +32,7 @@ pickled) and start in well under a second, against several seconds for spawn.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -52,7 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from archon_models.activation_checkpoint import ActivationCheckpointConfig
-from archon_models.model_spec import ModelSpec
+from archon_models.model_spec import ModelSpec, ParallelizeFn
 from archon_models.parallel_dims import ArchonParallelDims
 from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule, pipeline_llm
 from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
@@ -223,6 +224,8 @@ def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
     reasons: dict[str, str | None] = {name: None for name in PARALLELISMS}
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
+    if getattr(model.model_args, "enable_weight_tying", False):
+        reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
     try:
         validate_cp_constraints(model.model_args, WORLD_SIZE, 1)
     except ValueError as exc:
@@ -460,11 +463,13 @@ def run_stage5(
     raise_on_failure: bool = True,
     parallelisms: Sequence[str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    parallelize_fn: ParallelizeFn | None = None,
 ) -> StageResult:
     """Stage 5 for ``case``: the chosen parallelisms (default: every one that applies).
 
     Asking for a parallelism that does not apply to the model (EP on a dense model)
-    is an error; by default those are left out and logged.
+    is an error; by default those are left out and logged. ``parallelize_fn``
+    replaces the registered spec's, to try a plan before registering it.
     """
     requested = tuple(parallelisms) if parallelisms is not None else None
     if requested is not None:
@@ -490,7 +495,10 @@ def run_stage5(
         doc_lens = _padded_doc_lens(case.doc_lens, 2 * WORLD_SIZE)
         vocab = model.model_args.vocab_size
         batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + rank) for rank in range(WORLD_SIZE)]
-        setup = _Setup(spec=pair.archon.spec, model=model, batches=batches, parallelisms=chosen)
+        spec = pair.archon.spec
+        if parallelize_fn is not None:
+            spec = dataclasses.replace(spec, parallelize_fn=parallelize_fn)
+        setup = _Setup(spec=spec, model=model, batches=batches, parallelisms=chosen)
         per_rank = launch(_stage5_worker, WORLD_SIZE, args=(setup, case), timeout_s=timeout_s)
         for check in _merge_ranks(per_rank):
             rec.add(check)

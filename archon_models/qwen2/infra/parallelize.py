@@ -77,6 +77,10 @@ def parallelize_qwen2(
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=loss_parallel)
 
+    # TP gives the embedding and the head separate DTensor parameters; share again
+    # before FSDP, which must see the tied parameter once, in one group.
+    _tie_weights(model)
+
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.get_group("cp"), tp_size=parallel_dims.tp)
 
@@ -102,11 +106,21 @@ def parallelize_qwen2(
             reshard_after_forward_policy=reshard_after_forward_policy,
         )
 
+    return model
+
+
+def _tie_weights(model: nn.Module) -> None:
     if getattr(model.model_args, "enable_weight_tying", False):
         if model.output is not None and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
 
-    return model
+
+def _is_tied(model: nn.Module) -> bool:
+    return (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
 
 
 def _fsdp_mesh(parallel_dims: ArchonParallelDims) -> DeviceMesh:
@@ -218,13 +232,17 @@ def apply_fsdp(
     if cpu_offload:
         fsdp_config["offload_policy"] = CPUOffloadPolicy()
 
-    if model.tok_embeddings is not None:
+    # A tied embedding and head share one parameter, so they must be one FSDP unit.
+    tied = _is_tied(model)
+    if model.tok_embeddings is not None and not tied:
         fully_shard(model.tok_embeddings, **fsdp_config, reshard_after_forward=reshard_after_forward)
     for block in model.layers.values():
         fully_shard(block, **fsdp_config, reshard_after_forward=reshard_after_forward)
 
     final_layers = [m for m in (model.norm, model.output, getattr(model, "score", None)) if m is not None]
-    if final_layers:
+    if tied:
+        fully_shard([model.tok_embeddings, *final_layers], **fsdp_config, reshard_after_forward=reshard_after_forward)
+    elif final_layers:
         fully_shard(final_layers, **fsdp_config, reshard_after_forward=reshard_after_forward_policy == "always")
     fully_shard(model, **fsdp_config)
     logger.info("Applied FSDP to Qwen2 (mesh %s)%s", dp_mesh.mesh_dim_names, " with CPU offload" if cpu_offload else "")
