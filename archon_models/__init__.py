@@ -11,3 +11,4 @@ from archon_models.model_spec import (  # noqa: F401
     is_supported_model,
     register_model_spec,
 )
+from archon_models.llama import spec as llama_spec  # noqa: F401

@@ -353,14 +353,21 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
 
         def leave_IndentedBlock(self, original_node, updated_node):
             body = []
+            carried: Sequence[cst.EmptyLine] | None = None
             for stmt in updated_node.body:
                 if _stmt_key(stmt) == wanted:
                     self.hits += 1
+                    if not replacement:
+                        carried = stmt.leading_lines  # a blank line before a removed statement stays
+                        continue
                     body.extend(
                         r.with_changes(leading_lines=stmt.leading_lines) if i == 0 and hasattr(r, "leading_lines") else r
                         for i, r in enumerate(replacement)
                     )
                 else:
+                    if carried is not None and hasattr(stmt, "leading_lines") and not stmt.leading_lines:
+                        stmt = stmt.with_changes(leading_lines=carried)
+                    carried = None
                     body.append(stmt)
             return updated_node.with_changes(body=body)
 
@@ -368,8 +375,8 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
     new_func = func.visit(swap)
     if swap.hits == 0:
         keys = [_stmt_key(s) for s in func.body.body]
-        if replacement_keys and all(k in _all_stmt_keys(func) for k in replacement_keys):
-            return source
+        if not replacement_keys or all(k in _all_stmt_keys(func) for k in replacement_keys):
+            return source  # already applied
         raise CodemodError(f"statement {old.strip()!r} not found in {func_name!r}; found: {keys}")
     return module.deep_replace(func, new_func).code
 
@@ -631,3 +638,84 @@ def replace_name(source: str, old: str, new_expression: str) -> str:
     """Replace every use of the bare name ``old`` by ``new_expression`` (``RMSNorm`` -> ``nn.LayerNorm``)."""
     module = _parse(source)
     return module.visit(_NameSwap(old, cst.parse_expression(new_expression))).code
+
+
+def _assigns_target(node: cst.CSTNode, target: str) -> bool:
+    found = [False]
+
+    class _Find(cst.CSTVisitor):
+        def visit_Assign(self, n: cst.Assign) -> None:
+            if any(_target_code(t.target) == target for t in n.targets):
+                found[0] = True
+
+        def visit_AnnAssign(self, n: cst.AnnAssign) -> None:
+            if _target_code(n.target) == target:
+                found[0] = True
+
+    node.visit(_Find())
+    return found[0]
+
+
+def replace_statement_assigning(source: str, class_name: str | None, func_name: str, target: str, new_source: str) -> str:
+    """Replace the top-level statement of a function body that assigns ``target``
+    (a plain assignment or an ``if`` choosing between assignments) by ``new_source``."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    body = list(func.body.body)
+    replacement = list(cst.parse_module(new_source).body)
+    for i, stmt in enumerate(body):
+        if _assigns_target(stmt, target):
+            if [_stmt_key(s) for s in replacement] == [_stmt_key(stmt)]:
+                return source
+            replacement[0] = replacement[0].with_changes(leading_lines=stmt.leading_lines)
+            body[i : i + 1] = replacement
+            new_func = func.with_changes(body=func.body.with_changes(body=body))
+            return module.deep_replace(func, new_func).code
+    raise CodemodError(f"no statement assigning {target} in {func_name!r}")
+
+
+def prune_unused_imports(source: str) -> str:
+    """Drop names imported with ``from x import a, b`` that the module never uses."""
+    module = _parse(source)
+    used: set[str] = set()
+
+    class _Uses(cst.CSTVisitor):
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            used.add(node.value)
+
+        def visit_SimpleString(self, node: cst.SimpleString) -> None:
+            value = _string_value(node)
+            if value and value.isidentifier():
+                used.add(value)  # names listed in __all__
+
+    module.visit(_Uses())
+    body = []
+    changed = False
+    for stmt in module.body:
+        if (
+            isinstance(stmt, cst.SimpleStatementLine)
+            and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.ImportFrom)
+            and not isinstance(stmt.body[0].names, cst.ImportStar)
+            and _target_code(stmt.body[0].module) != "__future__"
+        ):
+            imp = stmt.body[0]
+            kept = [a for a in imp.names if (a.asname.name.value if a.asname else _target_code(a.name)) in used]
+            if len(kept) != len(imp.names):
+                changed = True
+                if not kept:
+                    continue
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                if len(kept) <= 3:
+                    kept = [
+                        a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in kept[:-1]
+                    ] + [kept[-1]]
+                    imp = imp.with_changes(names=kept, lpar=None, rpar=None)
+                else:
+                    imp = imp.with_changes(names=kept)
+                stmt = stmt.with_changes(body=[imp])
+        body.append(stmt)
+    return module.with_changes(body=body).code if changed else source

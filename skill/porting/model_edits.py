@@ -1,0 +1,364 @@
+"""Named feature edits that specialise a copied reference ``model.py`` to a family.
+
+Each edit is chosen from the family's measured profile (``FamilyProfile``), rewrites
+only the classes and statements that feature touches (through libcst), and is a no-op
+when already applied. What remains reads like hand-written code for the family: an
+edit that removes a feature deletes its code instead of adding a flag.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from skill.codemod.cst import (
+    insert_before_class,
+    prune_unused_imports,
+    remove_class,
+    remove_from_all,
+    replace_class,
+    replace_in_function,
+    replace_name,
+    replace_statement_assigning,
+    set_call_kwarg,
+    set_docstring,
+)
+from skill.porting.family import ACTIVATIONS, FamilyProfile
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EditContext:
+    camel: str
+    model_class: str
+    profile: FamilyProfile
+
+
+@dataclass(frozen=True)
+class ModelEdit:
+    name: str
+    description: str
+    applies: Callable[[FamilyProfile], bool]
+    apply: Callable[[str, EditContext], str]
+
+
+# --- attention --------------------------------------------------------------------------
+
+
+def _projection_bias(text: str, ctx: EditContext) -> str:
+    qkv = "True" if ctx.profile.qkv_bias else "False"
+    for target in ("self.wq", "self.wk", "self.wv"):
+        text = set_call_kwarg(text, "nn.Linear", "bias", qkv, target=target)
+    text = set_call_kwarg(text, "nn.Linear", "bias", "True" if ctx.profile.o_bias else "False", target="self.wo")
+    return replace_in_function(text, "Attention", "__init__", "bias = model_args.attention_bias", "")
+
+
+SLIDING_WINDOW_ATTENTION = '''
+class SlidingWindowAttention(nn.Module):
+    """Causal attention over packed documents in which each token sees only the last
+    ``window`` tokens of its own document, itself included (HF's sliding-window mask).
+
+    Archon's shared attention wrappers have no window, so it lives in this package: one
+    SDPA call per document with a banded causal mask, on every backend.
+    """
+
+    def __init__(self, window: int):
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
+        self.window = window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[-1] < q.shape[2]:
+            bounds.append(q.shape[2])  # trailing padding attends as its own document
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end <= start:
+                continue
+            index = torch.arange(end - start, device=q.device)
+            distance = index[:, None] - index[None, :]
+            mask = (distance >= 0) & (distance < self.window)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:end],
+                    k[:, :, start:end],
+                    v[:, :, start:end],
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=q.shape[1] != k.shape[1],
+                )
+            )
+        return torch.cat(outputs, dim=2)
+'''
+
+
+def _sliding_window(text: str, ctx: EditContext) -> str:
+    text = insert_before_class(text, "Attention", SLIDING_WINDOW_ATTENTION)
+    text = replace_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.packed_attn",
+        "self.packed_attn = SlidingWindowAttention(model_args.sliding_window)\n",
+    )
+    return text
+
+
+def _attention_multiplier(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        "Attention",
+        "__init__",
+        "self.scaling = self.head_dim**-0.5",
+        "self.scaling = model_args.attention_multiplier\n",
+    )
+
+
+# --- norms ------------------------------------------------------------------------------
+
+OFFSET_RMS_NORM = '''class RMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight``, all in fp32 and cast back at the end (as HF does).
+
+    The weight is stored as an offset from one, so it starts at zero.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+'''
+
+
+def _norm_offset(text: str, ctx: EditContext) -> str:
+    return replace_class(text, "RMSNorm", OFFSET_RMS_NORM)
+
+
+def _layer_norm(text: str, ctx: EditContext) -> str:
+    text = replace_name(text, "RMSNorm", "nn.LayerNorm")
+    text = remove_class(text, "RMSNorm")
+    return remove_from_all(text, ["RMSNorm"])
+
+
+# --- MLP --------------------------------------------------------------------------------
+
+
+def _activation_call(profile: FamilyProfile, inner: str) -> str:
+    if profile.activation == "gelu_pytorch_tanh":
+        return f'F.gelu({inner}, approximate="tanh")'
+    return f"{ACTIVATIONS[profile.activation]}({inner})"
+
+
+def _activation_name(profile: FamilyProfile) -> str:
+    return {"silu": "SiLU", "gelu_pytorch_tanh": "tanh-approximated GELU", "gelu": "GELU"}[profile.activation]
+
+
+def _gated_activation(text: str, ctx: EditContext) -> str:
+    new = f"return self.w2({_activation_call(ctx.profile, 'self.w1(x)')} * self.w3(x))\n"
+    text = replace_in_function(text, "FeedForward", "forward", "return self.w2(F.silu(self.w1(x)) * self.w3(x))", new)
+    return set_docstring(
+        text,
+        "FeedForward",
+        f"Gated MLP ``w2(act(w1(x)) * w3(x))`` with the {_activation_name(ctx.profile)} activation; "
+        "``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj.",
+    )
+
+
+def _plain_mlp(text: str, ctx: EditContext) -> str:
+    bias = "True" if ctx.profile.mlp_bias else "False"
+    zero_bias = (
+        "\n        for linear in (self.w1, self.w2):\n            nn.init.zeros_(linear.bias)" if ctx.profile.mlp_bias else ""
+    )
+    return replace_class(
+        text,
+        "FeedForward",
+        f'''class FeedForward(nn.Module):
+    """Two-layer MLP ``w2(act(w1(x)))`` with the {_activation_name(ctx.profile)} activation;
+    ``w1`` is HF's c_fc, ``w2`` c_proj."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias={bias})
+        self.w2 = nn.Linear(hidden_dim, dim, bias={bias})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2({_activation_call(ctx.profile, "self.w1(x)")})
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std){zero_bias}
+''',
+    )
+
+
+def _mlp_bias(text: str, ctx: EditContext) -> str:
+    for target in ("self.w1", "self.w2", "self.w3"):
+        text = set_call_kwarg(text, "nn.Linear", "bias", "True", target=target)
+    return text
+
+
+# --- block and model scalars ------------------------------------------------------------
+
+EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
+
+
+def _embedding_sqrt_dim(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        EMBED,
+        """if self.tok_embeddings is not None:
+    # Embeddings are scaled by sqrt(dim), the factor rounded to the activation dtype as in HF.
+    h = self.tok_embeddings(tokens)
+    h = h * torch.tensor(self.model_args.dim**0.5, dtype=h.dtype)
+else:
+    h = tokens
+""",
+    )
+
+
+def _embedding_multiplier(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        EMBED,
+        """if self.tok_embeddings is not None:
+    h = self.tok_embeddings(tokens) * self.model_args.embedding_multiplier
+else:
+    h = tokens
+""",
+    )
+
+
+def _residual_multiplier(text: str, ctx: EditContext) -> str:
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.dim = model_args.dim",
+        "self.dim = model_args.dim\nself.residual_multiplier = model_args.residual_multiplier\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
+        "attn_out = self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)\n"
+        "x = x + attn_out * self.residual_multiplier\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "return x + self.feed_forward(self.ffn_norm(x))",
+        "return x + self.feed_forward(self.ffn_norm(x)) * self.residual_multiplier\n",
+    )
+    return set_docstring(
+        text,
+        "TransformerBlock",
+        "``x + residual_multiplier * attention(norm(x))``, then the same around the feed-forward.",
+    )
+
+
+def _logits_scaling(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        "return head(h) if head is not None else h",
+        """if head is None:
+    return h
+# The LM head's logits are divided by logits_scaling; a critic's scores are not.
+return head(h) if self.is_critic else head(h) / self.model_args.logits_scaling
+""",
+    )
+
+
+MODEL_EDITS: tuple[ModelEdit, ...] = (
+    ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
+    ModelEdit("sliding_window", "sliding-window attention inside each document", lambda p: p.sliding_window and not p.sliding_layer_types, _sliding_window),
+    ModelEdit("attention_multiplier", "attention scores scaled by a config multiplier", lambda p: "attention_multiplier" in p.multipliers, _attention_multiplier),
+    ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
+    ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
+    ModelEdit("gated_activation", "gated MLP with another activation than SiLU", lambda p: p.mlp == "gated" and p.activation != "silu", _gated_activation),
+    ModelEdit("mlp_bias", "biases on the gated MLP projections", lambda p: p.mlp == "gated" and p.mlp_bias, _mlp_bias),
+    ModelEdit("plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain", _plain_mlp),
+    ModelEdit("embedding_sqrt_dim", "embeddings scaled by sqrt(dim)", lambda p: p.embedding_scale == "sqrt_dim", _embedding_sqrt_dim),
+    ModelEdit("embedding_multiplier", "embeddings scaled by a config multiplier", lambda p: p.embedding_scale == "multiplier", _embedding_multiplier),
+    ModelEdit("residual_multiplier", "sub-layer outputs scaled before the residual add", lambda p: "residual_multiplier" in p.multipliers, _residual_multiplier),
+    ModelEdit("logits_scaling", "logits divided by a config factor", lambda p: "logits_scaling" in p.multipliers, _logits_scaling),
+)
+
+EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
+
+
+def select_edits(profile: FamilyProfile) -> list[str]:
+    return [edit.name for edit in MODEL_EDITS if edit.applies(profile)]
+
+
+def describe(profile: FamilyProfile, camel: str) -> str:
+    """A one-line module docstring naming the family's architecture."""
+    attention = ["GQA"]
+    if profile.qkv_bias:
+        attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
+    if profile.sliding_window:
+        attention.append("sliding-window attention")
+    norm = {"rms": "RMSNorm", "rms_offset": "(1 + w) RMSNorm", "layernorm": "LayerNorm"}[profile.norm]
+    mlp = (
+        ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
+        if profile.mlp == "gated"
+        else f"two-layer {_activation_name(profile)}"
+    )
+    extras = []
+    if profile.embedding_scale == "sqrt_dim":
+        extras.append("sqrt(dim)-scaled embeddings")
+    if profile.multipliers:
+        extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
+    if profile.tied:
+        extras.append("tied embeddings")
+    tail = ", ".join(extras)
+    return (
+        f"{camel}: a pre-norm decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
+        + (f"; {tail}" if tail else "")
+        + ", over packed documents."
+    )
+
+
+ATTENTION_DOC = "Grouped-query self-attention{bias}{window} with Ulysses sequence parallelism.\n\n    Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of\n    the sequence; an all-to-all trades it for a slice of the heads over the whole\n    sequence before attention, and back afterwards.\n    "
+
+
+def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
+    for name in names:
+        if name not in EDITS_BY_NAME:
+            raise ValueError(f"unknown model edit {name!r}; known: {sorted(EDITS_BY_NAME)}")
+        text = EDITS_BY_NAME[name].apply(text, ctx)
+    profile = ctx.profile
+    bias = " with biased q/k/v projections" if profile.qkv_bias else ""
+    if profile.o_bias:
+        bias += " and a biased output projection"
+    window = " inside a sliding window of each document" if profile.sliding_window else ""
+    text = set_docstring(text, "Attention", ATTENTION_DOC.format(bias=bias, window=window))
+    text = set_docstring(text, None, describe(profile, ctx.camel))
+    return prune_unused_imports(text)

@@ -1,0 +1,150 @@
+"""Step 10: run one stage of a package's tests in a pytest subprocess, with structured results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+from skill.codemod import StagedTree, Workspace
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.family import detect_family
+from skill.porting.model_edits import describe
+from skill.porting.test_file import test_file_source
+
+logger = logging.getLogger(__name__)
+
+# Set by the stage tests' conftest on each test (skill.harness results as JSON).
+RESULT_PROPERTY = "archon_stage_result"
+
+
+class StageCheck(BaseModel):
+    name: str
+    passed: bool
+    detail: str = ""
+    max_abs_diff: float | None = None
+
+
+class StageTest(BaseModel):
+    test: str
+    outcome: str
+    seconds: float = Field(json_schema_extra={"volatile": True})
+    checks: list[StageCheck] = Field(default_factory=list)
+    message: str = ""
+
+
+class RunTestStageRequest(PackageRequest):
+    stage: int = Field(description="stage number 1-6: args, adapter, completeness, parity, distributed, checkpoint")
+    model_type: str | None = Field(default=None, description="HF model_type of the test case (default: model_name)")
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_range(cls, value: int) -> int:
+        if value not in range(1, 7):
+            raise ValueError(f"stage {value} does not exist; stages are 1 to 6.")
+        return value
+
+
+class RunTestStageResult(StepResult):
+    stage: int
+    test_file: str
+    passed: bool
+    tests: list[StageTest]
+    max_abs_diff: float | None = Field(default=None, description="largest max abs diff of any check")
+    seconds: float = Field(json_schema_extra={"volatile": True})
+    output_tail: str = Field(default="", json_schema_extra={"volatile": True})
+
+
+def ensure_test_file(tree: StagedTree, model_name: str, model_type: str, source: str | None = None) -> list[str]:
+    """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written."""
+    layout = PackageLayout.for_name(model_name)
+    if tree.exists(layout.test_file):
+        return []
+    profile = detect_family(source or model_type)
+    text = test_file_source(layout.names.camel, model_type, profile, describe(profile, layout.names.camel).split(": ", 1)[-1].rstrip("."))
+    changed: list[str] = []
+    write_if_changed(tree, layout.test_file, text, changed)
+    return changed
+
+
+def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
+    """Run stage N (1 args, 2 adapter, 3 completeness, 4 parity, 5 distributed, 6 checkpoint)
+    of archon_models/<model_name>/'s tests with pytest in a subprocess, writing the package's
+    test file under tests/archon/ first if it is missing. Returns pass/fail per check, the
+    max abs diffs and the time."""
+    model_type = request.model_type or request.model_name
+    with staged(request.workspace) as tree:
+        written = ensure_test_file(tree, request.model_name, model_type)
+        root = tree.workspace.root
+    result = run_stage_subprocess(root, request.model_name, request.stage, request.timeout_s)
+    return result.model_copy(update={"changed_files": written})
+
+
+def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], timeout_s: float = 600.0) -> RunTestStageResult:
+    """Run the stage(s) of a package's test file in one pytest subprocess."""
+    stages = [stage] if isinstance(stage, int) else list(stage)
+    marker = " or ".join(f"stage{s}" for s in stages)
+    layout = PackageLayout.for_name(model_name)
+    test_path = root / layout.test_file
+    if not test_path.is_file():
+        raise FileNotFoundError(f"{layout.test_file} does not exist; run_test_stage writes it, or run port_model.")
+    with tempfile.TemporaryDirectory(prefix="archon-port-stage-") as tmp:
+        report = Path(tmp) / "report.xml"
+        command = [
+            sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
+            "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        start = time.perf_counter()
+        logger.info("stage %d of %s: %s", stage, model_name, " ".join(command[3:5]))
+        try:
+            proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise TimeoutError(f"stage {stage} of {model_name} ran past {timeout_s:.0f}s") from e
+        seconds = time.perf_counter() - start
+        tests = _parse_junit(report) if report.is_file() else []
+    output = (proc.stdout + proc.stderr)[-4000:]
+    # pytest exit 5: no tests collected for this marker (e.g. a CUDA-only test skipped) counts as failure
+    passed = proc.returncode == 0 and bool(tests) and all(t.outcome in ("passed", "skipped") for t in tests)
+    diffs = [c.max_abs_diff for t in tests for c in t.checks if c.max_abs_diff is not None]
+    logger.info("stage(s) %s of %s: %s in %.1fs", marker, model_name, "passed" if passed else "FAILED", seconds)
+    return RunTestStageResult(
+        stage=stages[0],
+        test_file=layout.test_file,
+        passed=passed,
+        tests=tests,
+        max_abs_diff=max(diffs) if diffs else None,
+        seconds=seconds,
+        output_tail="" if passed else output,
+    )
+
+
+def _parse_junit(report: Path) -> list[StageTest]:
+    import xml.etree.ElementTree as ET
+
+    tests: list[StageTest] = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        outcome = "passed"
+        message = ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (node.get("message") or "")[:500]
+        checks: list[StageCheck] = []
+        for prop in case.iter("property"):
+            if prop.get("name") == RESULT_PROPERTY:
+                data = json.loads(prop.get("value") or "{}")
+                checks = [StageCheck.model_validate(c) for c in data.get("checks", [])]
+        tests.append(
+            StageTest(test=case.get("name", ""), outcome=outcome, seconds=float(case.get("time", 0.0)), checks=checks, message=message)
+        )
+    return tests
