@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.server.mcpserver.prompts.base import UserMessage
 
 import skill
@@ -105,6 +106,12 @@ def build_server(
                 state.recorder.close()
                 state.recorder = None
 
+    def _latest(model: str, *, stages: bool) -> str:
+        try:
+            return json.dumps(state.reports.latest(model, stages=stages), indent=2)
+        except ValueError as e:  # a client's typo, reported as such rather than as a server fault
+            raise ResourceError(str(e)) from e
+
     server = MCPServer(
         SERVER_NAME,
         instructions=INSTRUCTIONS,
@@ -142,7 +149,7 @@ def build_server(
         description="The latest result of every non-stage tool run on a package (check_package, port_model, ...)",
     )
     def model_report(model: str) -> str:
-        return json.dumps(state.reports.latest(model, stages=False), indent=2)
+        return _latest(model, stages=False)
 
     @server.resource(
         "archon://models/{model}/stages",
@@ -151,7 +158,7 @@ def build_server(
         description="The latest run_test_stage result of each stage for a package",
     )
     def model_stages(model: str) -> str:
-        return json.dumps(state.reports.latest(model, stages=True), indent=2)
+        return _latest(model, stages=True)
 
     @server.prompt(name="add_model", description="Start the porting playbook for a HuggingFace model family")
     def add_model(model: str) -> list[UserMessage]:

@@ -1,0 +1,200 @@
+"""A client that knows only SKILL.md and the tool list, and follows the playbook literally.
+
+It reads the ``**Tool:**`` / ``**Call:**`` lines of SKILL.md's "Step by step" section in
+order, fills the placeholders SKILL.md defines (``<source>``, ``<model_name>``,
+``<model_types>``, ``<reference>``, ``<stage>``) and calls each tool over MCP. When a stage
+fails it calls the tool of the "When a stage fails" section and stops. It is the
+end-to-end proof that SKILL.md plus the tools port a family, and the recorder of the
+sessions kept under ``tests/mcp/sessions/``:
+
+    python -m tests.mcp.scripted_client mistral --stages 1 \
+        --session tests/mcp/sessions/mistral.jsonl --workspace /tmp/ws
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp import Client, StdioServerParameters
+
+logger = logging.getLogger(__name__)
+
+_TOOL_RE = re.compile(r"^\*\*Tool:\*\* `(?P<tool>[a-z_]+)`\s*$")
+_CALL_RE = re.compile(r"^\*\*Call:\*\* `(?P<call>\{.*\})`(?P<rest>.*)$")
+_STAGES_RE = re.compile(r"`<stage>` = (?P<stages>[\d, ]+)")
+
+
+@dataclass
+class PlaybookStep:
+    tool: str
+    call: str
+    stages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Playbook:
+    steps: list[PlaybookStep]
+    on_stage_failure: PlaybookStep | None
+
+
+def _section(text: str, title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\s*$(?P<body>.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    if match is None:
+        raise ValueError(f"SKILL.md has no section '## {title}'")
+    return match["body"]
+
+
+def _steps(section: str) -> list[PlaybookStep]:
+    steps: list[PlaybookStep] = []
+    lines = section.splitlines()
+    for index, line in enumerate(lines):
+        tool = _TOOL_RE.match(line)
+        if tool is None:
+            continue
+        call = _CALL_RE.match(lines[index + 1]) if index + 1 < len(lines) else None
+        if call is None:
+            raise ValueError(f"SKILL.md: the **Tool:** line of {tool['tool']} is not followed by a **Call:** line")
+        stages = _STAGES_RE.search(call["rest"])
+        steps.append(
+            PlaybookStep(
+                tool=tool["tool"],
+                call=call["call"],
+                stages=[int(s) for s in stages["stages"].replace(" ", "").split(",") if s] if stages else [],
+            )
+        )
+    return steps
+
+
+def read_playbook(skill_md: str) -> Playbook:
+    """The ordered tool calls of SKILL.md's "Step by step" and its stage-failure tool."""
+    steps = _steps(_section(skill_md, "Step by step"))
+    failure = _steps(_section(skill_md, "When a stage fails"))
+    return Playbook(steps=steps, on_stage_failure=failure[0] if failure else None)
+
+
+def fill(template: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments: each ``<name>`` placeholder replaced by its JSON value."""
+    text = template
+    for name, value in values.items():
+        text = text.replace(f'"<{name}>"', json.dumps(value)).replace(f"<{name}>", json.dumps(value))
+    left = re.findall(r"<([a-z_]+)>", text)
+    if left:
+        raise ValueError(f"SKILL.md placeholder(s) {left} have no value at this step")
+    return json.loads(text)
+
+
+def _find(value: Any, key: str) -> Any:
+    """The first value under ``key`` anywhere in a JSON result."""
+    if isinstance(value, dict):
+        if key in value:
+            return value[key]
+        for item in value.values():
+            found = _find(item, key)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for item in value:
+            found = _find(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+@dataclass
+class Transcript:
+    calls: list[tuple[str, dict[str, Any], dict[str, Any] | None, bool]] = field(default_factory=list)
+    passed: bool = False
+    failed_at: str | None = None
+
+
+async def follow_playbook(
+    client: Client, source: str, *, model_name: str | None = None, stages: list[int] | None = None
+) -> Transcript:
+    """Port ``source`` by calling the tools SKILL.md names, in its order, with its arguments."""
+    skill_md = (await client.read_resource("archon://skill")).contents[0].text
+    playbook = read_playbook(skill_md)
+    available = {tool.name for tool in (await client.list_tools()).tools}
+    named = [step.tool for step in playbook.steps] + ([playbook.on_stage_failure.tool] if playbook.on_stage_failure else [])
+    missing = [name for name in named if name not in available]
+    if missing:
+        raise RuntimeError(f"SKILL.md names tools the server does not list: {missing}")
+
+    name = model_name or source.lower().replace("-", "_")
+    values: dict[str, Any] = {"source": source, "model_name": name, "model_types": [source]}
+    transcript = Transcript()
+
+    async def call(tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+        result = await client.call_tool(tool, arguments)
+        content = result.structured_content
+        transcript.calls.append((tool, arguments, content, not result.is_error))
+        logger.info("%s %s -> %s", tool, json.dumps(arguments), "error" if result.is_error else "ok")
+        if result.is_error:
+            transcript.failed_at = tool
+            raise RuntimeError(f"{tool} failed: {result.content[0].text}")
+        return content
+
+    for step in playbook.steps:
+        if step.stages:
+            for stage in [s for s in step.stages if stages is None or s in stages]:
+                content = await call(step.tool, fill(step.call, {**values, "stage": stage}))
+                if not content.get("passed", False):
+                    transcript.failed_at = f"{step.tool} stage {stage}"
+                    if playbook.on_stage_failure is not None:
+                        await call(playbook.on_stage_failure.tool, fill(playbook.on_stage_failure.call, values))
+                    return transcript
+            continue
+        content = await call(step.tool, fill(step.call, values))
+        for key in ("reference", "model_types"):
+            found = _find(content, key)
+            if found:
+                values[key] = found
+    transcript.passed = True
+    return transcript
+
+
+def stdio_server(workspace: Path, session: Path | None) -> StdioServerParameters:
+    """The server as a subprocess: ``python -m mcp_server --workspace ...``."""
+    args = ["-m", "mcp_server", "--workspace", str(workspace)]
+    args += ["--session", str(session)] if session is not None else ["--no-record"]
+    return StdioServerParameters(command=sys.executable, args=args, cwd=str(workspace))
+
+
+async def port_over_stdio(
+    workspace: Path, source: str, *, session: Path | None, model_name: str | None = None, stages: list[int] | None = None
+) -> Transcript:
+    async with Client(stdio_server(workspace, session), read_timeout_seconds=600) as client:
+        return await follow_playbook(client, source, model_name=model_name, stages=stages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="model_type or checkpoint folder to port")
+    parser.add_argument("--workspace", type=Path, required=True, help="project root the server works in")
+    parser.add_argument("--session", type=Path, help="record the server's session here")
+    parser.add_argument("--model-name")
+    parser.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,2,3 (default all)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    transcript = anyio.run(
+        lambda: port_over_stdio(
+            args.workspace.resolve(),
+            args.source,
+            session=args.session.resolve() if args.session else None,
+            model_name=args.model_name,
+            stages=args.stages,
+        )
+    )
+    logger.info("passed=%s failed_at=%s calls=%d", transcript.passed, transcript.failed_at, len(transcript.calls))
+    return 0 if transcript.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Small engine-shaped steps for testing the server's mechanics (locks, progress, errors).
+
+They follow the step contract exactly (one pydantic input, one pydantic result, a
+docstring) but do trivial work, so the tests of the MCP face do not depend on how far
+the porting engine has got.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from skill.codemod.workspace import Workspace, transaction
+from skill.tools import ToolEntry
+
+logger = logging.getLogger("skill.tests.toy_steps")
+
+
+class AppendNoteRequest(BaseModel):
+    model_name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    text: str
+    delay_s: float = Field(default=0.0, ge=0.0, le=5.0, description="pause between the two halves of the write")
+    workspace: Path | None = None
+
+
+class AppendNoteResult(BaseModel):
+    path: str
+    lines: int
+    elapsed_s: float = Field(json_schema_extra={"volatile": True})
+
+
+def append_note(request: AppendNoteRequest) -> AppendNoteResult:
+    """Append a begin line, wait, then an end line to archon_models/<model_name>/NOTES.txt."""
+    start = time.perf_counter()
+    ws = Workspace(request.workspace)
+    rel = f"archon_models/{request.model_name}/NOTES.txt"
+    path = ws.resolve(rel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(f"begin {request.text}\n")
+        handle.flush()
+        for step in range(3):
+            logger.info("note %s: step %d of 3", request.text, step + 1)
+            time.sleep(request.delay_s / 3)
+        handle.write(f"end {request.text}\n")
+    lines = path.read_text(encoding="utf-8").count("\n")
+    return AppendNoteResult(path=str(path), lines=lines, elapsed_s=time.perf_counter() - start)
+
+
+class ReadNoteRequest(BaseModel):
+    model_name: str
+    note: Path = Field(description="file to read, relative to the workspace")
+    workspace: Path | None = None
+
+
+class ReadNoteResult(BaseModel):
+    text: str
+
+
+def read_note(request: ReadNoteRequest) -> ReadNoteResult:
+    """Return a text file's content; fails with ValueError when it is empty."""
+    text = request.note.read_text(encoding="utf-8")
+    if not text:
+        raise ValueError(f"{request.note.name} is empty; write to it with append_note first")
+    return ReadNoteResult(text=text)
+
+
+class RewriteRequest(BaseModel):
+    model_name: str
+    content: str
+    workspace: Path | None = None
+
+
+def rewrite_note(request: RewriteRequest) -> AppendNoteResult:
+    """Replace archon_models/<model_name>/NOTES.txt through a transaction."""
+    ws = Workspace(request.workspace)
+    rel = f"archon_models/{request.model_name}/NOTES.txt"
+    with transaction(ws) as tree:
+        tree.write_text(rel, request.content)
+    return AppendNoteResult(path=rel, lines=request.content.count("\n"), elapsed_s=0.0)
+
+
+TOY_ENTRIES = (
+    ToolEntry(name="toy_append_note", target=f"{__name__}:append_note", package_field="model_name", long_running=True),
+    ToolEntry(name="toy_read_note", target=f"{__name__}:read_note", read_only=True, package_field="model_name"),
+    ToolEntry(name="toy_rewrite_note", target=f"{__name__}:rewrite_note", destructive=True, package_field="model_name"),
+)
