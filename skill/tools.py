@@ -95,6 +95,12 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         path_fields=("source",),
     ),
     ToolEntry(name="register_spec", target="skill.porting.register_spec:register_spec", package_field="model_name"),
+    ToolEntry(name="edit_args", target="skill.porting.edit_args:edit_args", package_field="model_name", path_fields=("source",)),
+    ToolEntry(name="edit_model", target="skill.porting.edit_model:edit_model", package_field="model_name", path_fields=("source",)),
+    ToolEntry(name="set_rope", target="skill.porting.set_rope:set_rope", package_field="model_name", path_fields=("source",)),
+    ToolEntry(name="write_parallelize", target="skill.porting.write_parallelize:write_parallelize", package_field="model_name", path_fields=("source",)),
+    ToolEntry(name="run_test_stage", target="skill.porting.run_test_stage:run_test_stage", package_field="model_name", long_running=True),
+    ToolEntry(name="port_model", target="skill.porting.port_model:port_model", destructive=True, package_field="model_name", path_fields=("source",), long_running=True),
     ToolEntry(
         name="check_package",
         target="skill.porting.check_package:check_package",
@@ -354,20 +360,55 @@ class _ThreadProgressHandler(logging.Handler):
             logger.debug("progress callback failed", exc_info=True)
 
 
+_PROGRESS_LOGGERS = ("skill", "archon_models")
+_level_lock = threading.Lock()
+_level_users = 0
+_saved_levels: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def _info_enabled() -> Iterator[None]:
+    """Let the engine's INFO records through while any call forwards progress.
+
+    A logger drops records below its effective level before any handler sees them,
+    so the engine loggers are lowered to INFO for the duration (and restored after
+    the last forwarding call ends).
+    """
+    global _level_users
+    with _level_lock:
+        if _level_users == 0:
+            for name in _PROGRESS_LOGGERS:
+                target = logging.getLogger(name)
+                if target.getEffectiveLevel() > logging.INFO:
+                    _saved_levels[name] = target.level
+                    target.setLevel(logging.INFO)
+        _level_users += 1
+    try:
+        yield
+    finally:
+        with _level_lock:
+            _level_users -= 1
+            if _level_users == 0:
+                for name, level in _saved_levels.items():
+                    logging.getLogger(name).setLevel(level)
+                _saved_levels.clear()
+
+
 @contextlib.contextmanager
 def _forward_progress(callback: Callable[[str], None] | None) -> Iterator[None]:
     if callback is None:
         yield
         return
     handler = _ThreadProgressHandler(threading.get_ident(), callback)
-    targets = [logging.getLogger("skill"), logging.getLogger("archon_models")]
-    for target in targets:
-        target.addHandler(handler)
-    try:
-        yield
-    finally:
+    targets = [logging.getLogger(name) for name in _PROGRESS_LOGGERS]
+    with _info_enabled():
         for target in targets:
-            target.removeHandler(handler)
+            target.addHandler(handler)
+        try:
+            yield
+        finally:
+            for target in targets:
+                target.removeHandler(handler)
 
 
 # --- the one way a face runs a step -------------------------------------------------------
