@@ -16,10 +16,12 @@ from skill.harness import (
     run_parity_stage,
 )
 
-# Grouped-query attention throughout; the second MoE case mixes MoE and dense layers (mlp_only_layers)
-# and renormalises the top-k weights, so both FFN paths and route_norm are exercised.
+# Grouped-query attention throughout. The dense case ties its embeddings, as Qwen3-0.6B does
+# (qwen2 and the MoE cases cover untied heads). The second MoE case mixes MoE and dense
+# layers (mlp_only_layers) and renormalises the top-k weights, so both FFN paths and
+# route_norm are exercised.
 CASES = [
-    ModelCase(model_type="qwen3", config_overrides={"num_key_value_heads": 2}),
+    ModelCase(model_type="qwen3", config_overrides={"num_key_value_heads": 2, "tie_word_embeddings": True}),
     ModelCase(model_type="qwen3_moe"),
     ModelCase(
         model_type="qwen3_moe",
