@@ -108,7 +108,8 @@ class ExpertParallel(BaseExpertParallel):
 
         routed_input = all_to_all_single_autograd(routed_input, self.output_splits, self.input_splits, group)
 
-        alignment = TOKEN_GROUP_ALIGN_SIZE_M if getattr(module, "use_grouped_mm", False) else 1
+        grouped_mm = getattr(module, "use_grouped_mm", False) and routed_input.is_cuda
+        alignment = TOKEN_GROUP_ALIGN_SIZE_M if grouped_mm else 1
         self.input_shape, routed_input, self.permuted_indices, local_counts = _permute(
             routed_input, received_counts, ep_degree, num_local_experts, alignment
         )

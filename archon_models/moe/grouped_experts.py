@@ -93,7 +93,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._get_local_weights()
-        if not self.use_grouped_mm:
+        # torch._grouped_mm has no CPU backward: CPU tensors take the loop even on a CUDA machine.
+        if not (self.use_grouped_mm and x.is_cuda):
             return _run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)
         if _is_expert_sharded(self.w1):
             return _run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)

@@ -21,6 +21,7 @@ from archon_models.expert_parallel import (
     apply_expert_parallel,
 )
 from archon_models.moe import GroupedExperts, MoE, MoEArgs
+from archon_models.moe_weight_converter import MoEWeightConverter
 from skill.harness.distributed import launch
 
 pytestmark = pytest.mark.stage5
@@ -80,6 +81,32 @@ def _run(module: nn.Module, *inputs: torch.Tensor, grad: torch.Tensor, extra: tu
     return {"out": out.detach().clone(), "x_grad": leaf.grad.clone(), "grads": _local_grads(module)}
 
 
+def _convert_sharded_experts(moe: MoE) -> dict[str, torch.Tensor]:
+    """Split this rank's EP-sharded experts into per-expert HF keys and stack them back."""
+    converter = MoEWeightConverter(
+        {
+            "layers.{}.moe.experts.w1": "model.layers.{}.mlp.experts.{}.gate_proj.weight",
+            "layers.{}.moe.experts.w2": "model.layers.{}.mlp.experts.{}.down_proj.weight",
+            "layers.{}.moe.experts.w3": "model.layers.{}.mlp.experts.{}.up_proj.weight",
+        },
+        num_experts=EXPERTS,
+    )
+    pieces: dict[str, torch.Tensor] = {}
+    for name in ("w1", "w2", "w3"):
+        pieces |= converter.split_to_hf(f"layers.0.moe.experts.{name}", getattr(moe.experts, name))
+    merged, rest = converter.merge_from_hf(pieces)
+    assert not rest
+    for name in ("w1", "w2", "w3"):
+        original = getattr(moe.experts, name)
+        assert merged[f"layers.0.moe.experts.{name}"].placements == original.placements
+        assert torch.equal(merged[f"layers.0.moe.experts.{name}"].to_local(), original.to_local())
+    some_key = next(k for k in pieces if k.endswith("gate_proj.weight"))
+    with pytest.raises(KeyError, match=some_key.replace(".", r"\.")):
+        converter.merge_from_hf({k: v for k, v in pieces.items() if k != some_key})
+    gate_keys = sorted(k for k in pieces if k.endswith("gate_proj.weight"))
+    return {"expert_ids": torch.tensor([int(k.split(".")[5]) for k in gate_keys])}
+
+
 def _worker(rank: int, world_size: int, data: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
@@ -88,6 +115,7 @@ def _worker(rank: int, world_size: int, data: dict[str, Any]) -> dict[str, Any]:
     moe = _moe(shared=True)
     apply_expert_parallel(moe.experts, mesh)
     results["ep"] = _run(moe, data["x_per_rank"][rank], grad=data["g_per_rank"][rank])
+    results["convert"] = _convert_sharded_experts(moe)
 
     # EP borrowing the TP ranks: same tokens everywhere, each rank reorders half of them.
     moe = _moe(shared=False)
@@ -155,6 +183,13 @@ def test_expert_parallel_matches_one_process(distributed) -> None:
     for name, grad in ref["grads"].items():
         if not name.startswith("experts."):
             torch.testing.assert_close(sum(r["ep"]["grads"][name] for r in results), grad)
+
+
+def test_converter_splits_and_stacks_ep_sharded_experts(distributed) -> None:
+    _, results = distributed
+    per_rank = EXPERTS // RANKS
+    for rank, result in enumerate(results):
+        assert result["convert"]["expert_ids"].tolist() == list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
 def test_reorderer_sequence_parallel_with_ep_gives_partial_sums(distributed) -> None:
