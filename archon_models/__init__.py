@@ -12,3 +12,4 @@ from archon_models.model_spec import (  # noqa: F401
     register_model_spec,
 )
 from archon_models.llama import spec as llama_spec  # noqa: F401
+from archon_models.mistral import spec as mistral_spec  # noqa: F401

@@ -694,7 +694,11 @@ def prune_unused_imports(source: str) -> str:
     module.visit(_Uses())
     body = []
     changed = False
+    carried: Sequence[cst.EmptyLine] | None = None
     for stmt in module.body:
+        if carried is not None and hasattr(stmt, "leading_lines") and not stmt.leading_lines:
+            stmt = stmt.with_changes(leading_lines=carried)
+        carried = None
         if (
             isinstance(stmt, cst.SimpleStatementLine)
             and len(stmt.body) == 1
@@ -707,6 +711,7 @@ def prune_unused_imports(source: str) -> str:
             if len(kept) != len(imp.names):
                 changed = True
                 if not kept:
+                    carried = stmt.leading_lines  # the blank line before a removed import stays
                     continue
                 kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
                 if len(kept) <= 3:

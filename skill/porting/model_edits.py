@@ -9,6 +9,7 @@ edit that removes a feature deletes its code instead of adding a flag.
 from __future__ import annotations
 
 import logging
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -339,11 +340,13 @@ def describe(profile: FamilyProfile, camel: str) -> str:
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
-    return (
+    sentence = (
         f"{camel}: a pre-norm decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
         + (f"; {tail}" if tail else "")
         + ", over packed documents."
     )
+    lines = textwrap.wrap(sentence, width=92)
+    return lines[0] if len(lines) == 1 else "\n".join(lines) + "\n"
 
 
 ATTENTION_DOC = "Grouped-query self-attention{bias}{window} with Ulysses sequence parallelism.\n\n    Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of\n    the sequence; an all-to-all trades it for a slice of the heads over the whole\n    sequence before attention, and back afterwards.\n    "

@@ -104,7 +104,7 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         start = time.perf_counter()
-        logger.info("stage %d of %s: %s", stage, model_name, " ".join(command[3:5]))
+        logger.info("running %s of %s", marker, model_name)
         try:
             proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
