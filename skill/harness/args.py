@@ -30,11 +30,17 @@ class FieldSource:
 
     ``attrs`` are config attribute paths tried in order (``"a.b"`` is key ``b`` of the
     dict attribute ``a``, as in v5 ``rope_parameters.rope_theta``); ``derive`` gives the
-    expected value when none of them is present.
+    expected value when none of them is present; ``normalize`` turns the attribute's
+    value into the field's (a list of EOS ids gives the first).
     """
 
     attrs: tuple[str, ...]
     derive: Callable[[PretrainedConfig], Any] | None = None
+    normalize: Callable[[Any], Any] | None = None
+
+
+def _first_id(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value
 
 
 def _derived_head_dim(config: PretrainedConfig) -> int:
@@ -54,7 +60,7 @@ ARGS_FIELD_SOURCES: dict[str, FieldSource] = {
     "norm_eps": FieldSource(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
     "rope_theta": FieldSource(("rope_parameters.rope_theta", "rope_theta")),
     "max_seq_len": FieldSource(("max_position_embeddings",)),
-    "eos_id": FieldSource(("eos_token_id",)),
+    "eos_id": FieldSource(("eos_token_id",), normalize=_first_id),
     "enable_weight_tying": FieldSource(("tie_word_embeddings",)),
     "num_experts": FieldSource(("num_experts", "num_local_experts", "n_routed_experts")),
     "top_k": FieldSource(("num_experts_per_tok",)),
@@ -161,10 +167,18 @@ def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, labe
             expected = source.derive(config)
             rec.check(name, _same(value, expected), f"derived: expected {expected!r}, got {value!r}")
             continue
-        expected = _get_path(config, attr)
-        if expected is None:
-            rec.check(name, True, f"config.{attr} is None; args keeps {value!r}")
+        raw = _get_path(config, attr)
+        normalize = source.normalize or (lambda v: v)
+        if raw is None:
+            # Unset in this config, so the field keeps its default; once the config sets
+            # it (an int id, a window) the field must follow.
+            if isinstance(value, int) and not isinstance(value, bool):
+                check = _follow_check(name, args_class, config, path, attr, 0, normalize)
+                rec.check(name, check.passed, f"config.{attr} is None, args keeps {value!r}; {check.detail}")
+            else:
+                rec.check(name, True, f"config.{attr} is None; args keeps {value!r}")
             continue
+        expected = normalize(raw)
         if not _same(value, expected):
             rec.check(
                 name,
@@ -173,12 +187,19 @@ def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, labe
                 f"in {args_class.__module__}",
             )
             continue
-        rec.add(_follow_check(name, args_class, config, path, attr, expected))
+        rec.add(_follow_check(name, args_class, config, path, attr, raw, normalize))
 
 
 def _follow_check(
-    name: str, args_class: type, config: PretrainedConfig, path: str, attr: str, value: Any
+    name: str,
+    args_class: type,
+    config: PretrainedConfig,
+    path: str,
+    attr: str,
+    value: Any,
+    normalize: Callable[[Any], Any],
 ) -> CheckResult:
+    """Passes when setting ``config.<attr>`` to another value moves the field with it."""
     rejected: list[str] = []
     for new_value in _perturbations(value):
         changed = copy.deepcopy(config)
@@ -188,7 +209,7 @@ def _follow_check(
         except Exception as exc:  # noqa: BLE001 - a config validator may reject the value
             rejected.append(f"{new_value!r} ({type(exc).__name__})")
             continue
-        if not _same(moved, new_value):
+        if not _same(moved, normalize(new_value)):
             return CheckResult(
                 name=name,
                 passed=False,
@@ -216,7 +237,9 @@ def _check_caller_fields(rec: StageRecorder, config: PretrainedConfig) -> None:
     )
 
 
-def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
+def run_args_stage(
+    case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True
+) -> StageResult:
     """Stage 1 on the case's tiny config and on the config class's defaults."""
     del workdir  # stage 1 touches no files
 

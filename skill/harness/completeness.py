@@ -34,8 +34,18 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     model, adapter = archon.model, archon.adapter
     params = dict(model.named_parameters(remove_duplicate=False))
     aliases = tied_aliases(model)
-    rec.check("Archon parameters found", bool(params), f"{len(params)} parameters on {next(iter(params.values())).device}" if params else "the model has no parameters")
-    rec.check("checkpoint keys found", bool(disk), f"{len(disk)} keys" if disk else "save_pretrained wrote no tensors")
+    rec.check(
+        "Archon parameters found",
+        bool(params),
+        f"{len(params)} parameters on {next(iter(params.values())).device}"
+        if params
+        else "the model has no parameters",
+    )
+    rec.check(
+        "checkpoint keys found",
+        bool(disk),
+        f"{len(disk)} keys" if disk else "save_pretrained wrote no tensors",
+    )
     if not params or not disk:
         return
 
@@ -73,7 +83,9 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         else f"{len(produced)} mapped, {len(dropped)} dropped on purpose {dropped[:3]}",
     )
 
-    wrong = sorted(f"{k}: Archon {produced[k]} vs checkpoint {disk[k]}" for k in produced if produced[k] != disk[k])
+    wrong = sorted(
+        f"{k}: Archon {produced[k]} vs checkpoint {disk[k]}" for k in produced if produced[k] != disk[k]
+    )
     rec.check(
         "shapes equal",
         not wrong,
@@ -87,7 +99,9 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     rec.check(
         "to_hf of the meta state dict gives exactly the checkpoint's keys",
         not missing and not extra and all(full[k] == disk[k] for k in full if k in disk),
-        f"missing {missing[:5]}, not in the checkpoint {extra[:5]}" if missing or extra else f"{len(full)} keys",
+        f"missing {missing[:5]}, not in the checkpoint {extra[:5]}"
+        if missing or extra
+        else f"{len(full)} keys",
     )
 
 
@@ -102,7 +116,11 @@ def run_completeness_stage(
             disk = read_hf_checkpoint_shapes(save_hf_checkpoint(build_hf_model(case, hf_config), tmp))
         archon = build_archon_model(hf_config, device="meta")
         on_meta = all(p.device.type == "meta" for p in archon.model.parameters())
-        rec.check("the model builds on the meta device", on_meta, "" if on_meta else "some parameters were allocated")
+        rec.check(
+            "the model builds on the meta device",
+            on_meta,
+            "" if on_meta else "some parameters were allocated",
+        )
         check_completeness(rec, archon, disk)
 
     return run_stage(case, 3, body, raise_on_failure)

@@ -70,9 +70,7 @@ class StageResult(BaseModel):
     def max_abs_diff_of(self, prefix: str) -> float | None:
         """The largest diff among checks whose name starts with ``prefix`` (e.g. ``"logits"``)."""
         diffs = [
-            c.max_abs_diff
-            for c in self.checks
-            if c.name.startswith(prefix) and c.max_abs_diff is not None
+            c.max_abs_diff for c in self.checks if c.name.startswith(prefix) and c.max_abs_diff is not None
         ]
         return max(diffs) if diffs else None
 

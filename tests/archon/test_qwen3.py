@@ -15,6 +15,7 @@ from skill.harness import (
     run_completeness_stage,
     run_parity_stage,
 )
+from skill.harness.distributed import run_stage5
 
 # Grouped-query attention throughout. The dense case ties its embeddings, as Qwen3-0.6B does
 # (qwen2 and the MoE cases cover untied heads). The second MoE case mixes MoE and dense
@@ -52,7 +53,9 @@ def test_stage4_parity(case, prove, tmp_path):
 
 
 @pytest.mark.stage4
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 parity needs a CUDA GPU; it is never faked on CPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 parity needs a CUDA GPU; it is never faked on CPU"
+)
 def test_stage4_parity_bf16_cuda(case, prove, tmp_path):
     prove(run_parity_stage, case, workdir=tmp_path, device="cuda", dtype=torch.bfloat16)
 
@@ -60,3 +63,8 @@ def test_stage4_parity_bf16_cuda(case, prove, tmp_path):
 @pytest.mark.stage6
 def test_stage6_checkpoint(case, prove, tmp_path):
     prove(run_checkpoint_stage, case, workdir=tmp_path)
+
+
+@pytest.mark.stage5
+def test_stage5_distributed(case, prove, tmp_path):
+    prove(run_stage5, case, workdir=tmp_path)

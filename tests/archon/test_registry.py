@@ -36,7 +36,9 @@ def test_importing_archon_models_registers_the_references():
 
 def test_register_and_look_up_a_new_type(isolated_registry):
     spec = dataclasses.replace(
-        archon_models.get_model_spec("qwen2"), name="HarnessProbe", supported_model_types=frozenset({"harness_probe"})
+        archon_models.get_model_spec("qwen2"),
+        name="HarnessProbe",
+        supported_model_types=frozenset({"harness_probe"}),
     )
     archon_models.register_model_spec(spec)
     assert archon_models.get_model_spec("harness_probe") is spec
@@ -45,7 +47,9 @@ def test_register_and_look_up_a_new_type(isolated_registry):
 
 def test_registering_a_type_twice_raises_and_registers_nothing(isolated_registry):
     spec = dataclasses.replace(
-        archon_models.get_model_spec("qwen2"), name="Duplicate", supported_model_types=frozenset({"qwen2", "fresh_type"})
+        archon_models.get_model_spec("qwen2"),
+        name="Duplicate",
+        supported_model_types=frozenset({"qwen2", "fresh_type"}),
     )
     with pytest.raises(ValueError, match="qwen2"):
         archon_models.register_model_spec(spec)
@@ -69,7 +73,10 @@ def test_unknown_type_raises_key_error_listing_available():
         (SimpleNamespace(rope_parameters={"rope_theta": 2e6}, rope_theta=3.0), 2e6),  # v5 wins
         (
             SimpleNamespace(
-                rope_parameters={"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+                rope_parameters={
+                    "full_attention": {"rope_theta": 1e6},
+                    "sliding_attention": {"rope_theta": 1e4},
+                }
             ),
             1e6,
         ),  # per layer type: the first
@@ -81,7 +88,12 @@ def test_get_rope_theta(config, expected):
 
 
 def test_get_rope_theta_of_a_real_v5_config():
-    config = build_hf_config(ModelCase(model_type="qwen3", config_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 4321.0}}))
+    config = build_hf_config(
+        ModelCase(
+            model_type="qwen3",
+            config_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 4321.0}},
+        )
+    )
     assert BaseModelArgs._get_rope_theta(config) == 4321.0
 
 
@@ -95,7 +107,9 @@ def test_index_parsing_maps_every_key_to_its_shard(tmp_path):
         "model.layers.0.self_attn.q_proj.weight": "model-00002-of-00003.safetensors",
         "lm_head.weight": "model-00003-of-00003.safetensors",
     }
-    (tmp_path / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    (tmp_path / SAFETENSORS_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
+    )
     adapter = _adapter_class("qwen2")(build_hf_config(ModelCase(model_type="qwen2")), str(tmp_path))
     assert adapter.fqn_to_index_mapping == {
         "model.embed_tokens.weight": 1,
@@ -133,7 +147,14 @@ def _config_without(model_type: str, field: str) -> SimpleNamespace:
         *[
             (t, f)
             for t in REFERENCE_TYPES
-            for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size", "rms_norm_eps")
+            for f in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "vocab_size",
+                "intermediate_size",
+                "rms_norm_eps",
+            )
         ],
         ("qwen3_moe", "moe_intermediate_size"),
         ("qwen3_moe", "num_experts_per_tok"),
@@ -160,11 +181,15 @@ def test_adapter_rejects_an_unknown_key_naming_it(saved):
         adapter.from_hf({**state, bogus: torch.zeros(2)})
 
 
-@pytest.mark.parametrize("key", ["model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"])
+@pytest.mark.parametrize(
+    "key", ["model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"]
+)
 def test_adapter_rejects_a_missing_key_naming_it(saved, key):
     adapter, state = saved
     assert key in state
     with pytest.raises((KeyError, ValueError)) as excinfo:
         adapter.from_hf({k: v for k, v in state.items() if k != key})
-    archon_name = {"model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}.get(key, "layers.1.attention.wo.weight")
+    archon_name = {"model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}.get(
+        key, "layers.1.attention.wo.weight"
+    )
     assert key in str(excinfo.value) or archon_name in str(excinfo.value)
