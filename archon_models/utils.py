@@ -52,8 +52,8 @@ def validate_cp_constraints(model_args: ModelArgsProtocol, cp_size: int, tp_size
     """Ulysses CP trades the sequence split for a head split among the heads a TP rank holds.
 
     Query heads after TP must divide by ``cp_size``. Key/value heads after TP must
-    divide by ``cp_size``, or divide ``cp_size`` with a repeat count that is a factor
-    of the GQA group size (the attention repeats KV heads to reach ``cp_size``).
+    divide by ``cp_size``, or divide ``cp_size`` (the attention then repeats them to
+    ``cp_size`` heads).
     """
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}.")
@@ -63,7 +63,6 @@ def validate_cp_constraints(model_args: ModelArgsProtocol, cp_size: int, tp_size
         raise ValueError(
             f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}) for grouped-query attention."
         )
-    n_rep = n_heads // n_kv_heads
     q_heads = n_heads // tp_size
     kv_heads = n_kv_heads // tp_size
 
@@ -78,18 +77,14 @@ def validate_cp_constraints(model_args: ModelArgsProtocol, cp_size: int, tp_size
                 f"n_kv_heads / tp_size = {n_kv_heads} / {tp_size} = {kv_heads} key/value heads per "
                 f"TP rank must be divisible by cp_size ({cp_size}). Use a cp that divides {kv_heads}."
             )
-    else:
-        if cp_size % kv_heads != 0:
-            raise ValueError(
-                f"cp_size ({cp_size}) must be a multiple of n_kv_heads / tp_size = {kv_heads} when it "
-                f"exceeds it, so key/value heads can be repeated to cp_size."
-            )
-        repeats = cp_size // kv_heads
-        if n_rep % repeats != 0:
-            raise ValueError(
-                f"Repeating {kv_heads} key/value heads {repeats} times to reach cp_size ({cp_size}) "
-                f"needs {repeats} to divide the GQA group size n_heads / n_kv_heads = {n_rep}."
-            )
+    elif cp_size % kv_heads != 0:
+        # The attention repeats kv heads cp_size / kv_heads times. That count always
+        # divides the GQA group size here, since q_heads = n_rep * kv_heads is a
+        # multiple of cp_size.
+        raise ValueError(
+            f"cp_size ({cp_size}) must be a multiple of n_kv_heads / tp_size = {kv_heads} when it "
+            f"exceeds it, so key/value heads can be repeated to cp_size."
+        )
 
 
 def _num_experts(model_args: Any) -> int:

@@ -316,9 +316,9 @@ def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     logits = _forward(model, batch)
     loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
     loss.backward()
-    rec.add(compare_tensors("tp=2 logits", logits.detach(), ref.logits[0]))
-    rec.add(compare_tensors("tp=2 loss", loss.detach(), ref.losses[0]))
-    rec.add(compare_tensor_dicts("tp=2 gradients", _grads(model), ref.grads))
+    rec.add(compare_tensors("logits (tp=2)", logits.detach(), ref.logits[0]))
+    rec.add(compare_tensors("loss (tp=2)", loss.detach(), ref.losses[0]))
+    rec.add(compare_tensor_dicts("gradients (tp=2)", _grads(model), ref.grads))
 
 
 def _check_data_parallel(rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any) -> None:
@@ -329,11 +329,11 @@ def _check_data_parallel(rec: StageRecorder, setup: _Setup, rank: int, label: st
     logits = _forward(model, batch)
     loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
     loss.backward()  # FSDP averages the gradients over the ranks
-    rec.add(compare_tensors(f"{label} logits", logits.detach(), ref.logits[rank]))
-    rec.add(compare_tensors(f"{label} loss", loss.detach(), ref.losses[rank]))
-    rec.add(compare_tensor_dicts(f"{label} gradients", _grads(model), ref.grads))
+    rec.add(compare_tensors(f"logits ({label})", logits.detach(), ref.logits[rank]))
+    rec.add(compare_tensors(f"loss ({label})", loss.detach(), ref.losses[rank]))
+    rec.add(compare_tensor_dicts(f"gradients ({label})", _grads(model), ref.grads))
     torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
-    rec.add(compare_tensor_dicts(f"{label} parameters after one SGD step", _params(model), ref.params_after_step))
+    rec.add(compare_tensor_dicts(f"parameters after one SGD step ({label})", _params(model), ref.params_after_step))
 
 
 def _check_fsdp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
@@ -377,15 +377,15 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     else:
         output = schedule.step(target=tokens, losses=losses, **kwargs)
     if has_last:
-        rec.add(compare_tensors("pp=2 logits (last stage)", output.detach(), torch.cat(ref.logits)))
-        rec.add(compare_tensors("pp=2 losses (last stage)", torch.stack(losses).detach(), torch.stack(ref.losses)))
+        rec.add(compare_tensors("logits (pp=2, last stage)", output.detach(), torch.cat(ref.logits)))
+        rec.add(compare_tensors("losses (pp=2, last stage)", torch.stack(losses).detach(), torch.stack(ref.losses)))
     owned = _grads(parts[0])
     stage = stages[0].stage_index
     if not owned:
         raise RuntimeError(f"pipeline stage {stage} owns no parameters")
     rec.add(
         compare_tensor_dicts(
-            f"pp=2 gradients (stage {stage})", owned, {k: ref.grads[k] for k in owned if k in ref.grads}
+            f"gradients (pp=2, stage {stage})", owned, {k: ref.grads[k] for k in owned if k in ref.grads}
         )
     )
 
@@ -407,9 +407,9 @@ def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     # undoes it, leaving the gradient of the loss.
     loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
     loss.backward()
-    rec.add(compare_tensors("cp=2 logits (gathered)", logits.detach(), ref.logits[0]))
-    rec.add(compare_tensors("cp=2 loss", loss.detach(), ref.losses[0]))
-    rec.add(compare_tensor_dicts("cp=2 gradients", _grads(model), ref.grads))
+    rec.add(compare_tensors("logits (cp=2, gathered)", logits.detach(), ref.logits[0]))
+    rec.add(compare_tensors("loss (cp=2)", loss.detach(), ref.losses[0]))
+    rec.add(compare_tensor_dicts("gradients (cp=2)", _grads(model), ref.grads))
 
 
 _CHECKS: dict[str, Callable[[StageRecorder, _Setup, int], None]] = {
@@ -429,7 +429,7 @@ def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -
             _CHECKS[name](rec, setup, rank)
         except Exception as exc:  # noqa: BLE001 - one broken parallelism must not hide the others
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            rec.check(f"{name}=2 raised", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+            rec.check(f"raised ({name}=2)", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
             logger.exception("rank %d: %s check raised", rank, name)
         logger.info("rank %d: %s checks took %.2fs", rank, name, time.perf_counter() - start)
     return [check.model_dump() for check in rec.checks]
