@@ -8,7 +8,6 @@ Each returns a :class:`StageResult` and, unless ``raise_on_failure=False``, rais
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from skill.harness.adapter import run_adapter_stage
 from skill.harness.args import run_args_stage
@@ -41,12 +40,6 @@ def get_stage(stage: int) -> StageFn:
         raise ValueError(f"stage {stage} does not exist; stages are 1 to 6") from None
 
 
-def run_stage_by_number(
-    case: ModelCase, stage: int, workdir: str | Path | None = None, raise_on_failure: bool = True
-) -> StageResult:
-    return get_stage(stage)(case, workdir=workdir, raise_on_failure=raise_on_failure)
-
-
 __all__ = [
     "CheckResult",
     "ModelCase",
@@ -59,5 +52,4 @@ __all__ = [
     "run_checkpoint_stage",
     "run_completeness_stage",
     "run_parity_stage",
-    "run_stage_by_number",
 ]

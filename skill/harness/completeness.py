@@ -19,10 +19,10 @@ from skill.harness.models import (
     build_archon_model,
     build_hf_config,
     build_hf_model,
-    read_hf_checkpoint_shapes,
     save_hf_checkpoint,
 )
 from skill.harness.results import StageRecorder, StageResult, run_stage
+from skill.tiny_model import read_safetensors_shapes
 
 
 def _shapes(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
@@ -113,7 +113,7 @@ def run_completeness_stage(
     def body(rec: StageRecorder) -> None:
         hf_config = build_hf_config(case)
         with tempfile.TemporaryDirectory(prefix="archon-stage3-", dir=workdir) as tmp:
-            disk = read_hf_checkpoint_shapes(save_hf_checkpoint(build_hf_model(case, hf_config), tmp))
+            disk = read_safetensors_shapes(save_hf_checkpoint(build_hf_model(case, hf_config), tmp))
         archon = build_archon_model(hf_config, device="meta")
         on_meta = all(p.device.type == "meta" for p in archon.model.parameters())
         rec.check(

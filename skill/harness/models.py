@@ -23,7 +23,7 @@ import archon_models
 from archon_models.base import BaseArchonModel, BaseModelArgs, BaseStateDictAdapter
 from archon_models.model_spec import ModelSpec
 from skill.harness.case import ModelCase
-from skill.tiny_model import build_tiny_model, read_safetensors_shapes, tiny_config
+from skill.tiny_model import build_tiny_model, tiny_config
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def read_hf_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_hf_checkpoint_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
-    """Key -> shape from the safetensors headers, without reading the tensors."""
-    return read_safetensors_shapes(directory)
-
-
 def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict[str, torch.Tensor]:
     """The gradients of ``model`` under the keys its checkpoint uses.
 
@@ -111,11 +106,6 @@ class ArchonModel:
     args: BaseModelArgs
     model: BaseArchonModel
     adapter: BaseStateDictAdapter
-
-
-def build_archon_args(hf_config: PretrainedConfig, attn_type: str = "sdpa") -> BaseModelArgs:
-    spec = get_spec(hf_config.model_type)
-    return spec.model_args_class.from_hf_config(hf_config, attn_type=attn_type)
 
 
 def build_archon_model(
