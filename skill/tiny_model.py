@@ -227,7 +227,14 @@ def _tiny_value(
             return 1
         return TINY_HEADS if heads is not None and value >= heads else TINY_KV_HEADS_GQA
     if name in _HEAD_DIM and isinstance(value, int):
+        # A head width that is the rotary slice (MLA families set head_dim to
+        # qk_rope_head_dim) shrinks with the slice.
+        if value == original.get("qk_rope_head_dim") and name != "qk_head_dim":
+            return TINY_ROPE_HEAD_DIM
         return TINY_HEAD_DIM
+    if "rotary" in name and name.endswith("_dim") and isinstance(value, int) and head_dim:
+        # A rotary slice of each head (rotary_dim) keeps its fraction of the head.
+        return max(2, int(TINY_HEAD_DIM * value / head_dim) // 2 * 2)
     if name in _VOCAB or ("vocab" in name and isinstance(value, int) and value > TINY_VOCAB):
         return TINY_VOCAB if isinstance(value, int) else value
     if name in _EXPERT_COUNT and isinstance(value, int):
@@ -378,15 +385,23 @@ def tiny_config(
     return tiny
 
 
-def build_tiny_model(config: PretrainedConfig, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+def build_tiny_model(
+    config: PretrainedConfig,
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """A seeded causal-LM instance of ``config`` (pass a tiny config) in fp32, in eval mode.
 
     ``eager`` attention is the default because it is the reference path every family
-    implements (soft-capping, sinks and custom masks included).
+    implements (soft-capping, sinks and custom masks included). ``trust_remote_code``
+    is needed for a config whose class comes from a checkpoint folder's own code.
     """
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
     except Exception as exc:  # model constructors raise several exception types
         raise TinyModelError(
             f"cannot instantiate {type(config).__name__} as a causal LM: {exc}; "

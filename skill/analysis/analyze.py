@@ -1,0 +1,209 @@
+"""Step 1 of the playbook: ``analyze_hf_model``, the guide's checklist, automated.
+
+Reads the config, builds a tiny seeded instance, saves it to see the on-disk keys,
+walks its module tree, probes it numerically and scans its modeling source; then names
+the nearest reference, the feature deltas from it, and what no edit supports yet.
+Nothing is written except a temporary directory that is removed before returning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from skill.analysis import detect
+from skill.analysis import modules as mt
+from skill.analysis.config_fields import config_fields
+from skill.analysis.inputs import AnalysisError, ResolvedSource, check_decoder_only, resolve_source, variant_types
+from skill.analysis.reference import nearest_reference, unsupported_names
+from skill.analysis.report import AnalyzeInput, ArchitectureReport, CheckpointKeys, KeyShape
+from skill.analysis.source_scan import scan_model_source
+from skill.features import Checklist
+from skill.tiny_model import (
+    TinyModelError,
+    build_tiny_model,
+    read_safetensors_shapes,
+    saved_checkpoint_keys,
+    tiny_config,
+)
+
+logger = logging.getLogger(__name__)
+
+# Deeper stacks than this are not instantiated (even on the meta device) to list MoE
+# and no-RoPE layers; the tiny stack's pattern is reported instead.
+MAX_DEEP_LAYERS = 256
+
+
+@dataclass
+class _Analysis:
+    resolved: ResolvedSource
+    checklist: Checklist
+    context: detect.Context
+
+
+def _layer_prefix(keys: list[str], n_layers: int) -> str:
+    """The key prefix of layer 0: the path whose numeric segment runs over every layer."""
+    indices: dict[str, set[int]] = {}
+    for key in keys:
+        match = re.match(r"^(.*?\.)(\d+)\.", key)
+        if match:
+            indices.setdefault(match.group(1), set()).add(int(match.group(2)))
+    for prefix, seen in sorted(indices.items(), key=lambda item: (-len(item[1]), item[0])):
+        if seen == set(range(n_layers)):
+            return f"{prefix}0."
+    for prefix, seen in indices.items():
+        if 0 in seen:
+            return f"{prefix}0."
+    return ""
+
+
+def _deep_model(config: PretrainedConfig, trust_remote_code: bool) -> nn.Module | None:
+    """Tiny widths at full depth on the meta device: which layers are MoE, which skip RoPE."""
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n_layers, int) or n_layers > MAX_DEEP_LAYERS:
+        return None
+    try:
+        deep = tiny_config(config, num_hidden_layers=n_layers)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(deep, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a constructor may reject odd depths; the tiny stack is the fallback
+        logger.debug("full-depth meta model of %s failed: %s", config.model_type, exc)
+        return None
+
+
+def _analyse(resolved: ResolvedSource, trust_remote_code: bool) -> _Analysis:
+    config = resolved.config
+    check_decoder_only(config)
+    try:
+        tiny = tiny_config(config)
+        model = build_tiny_model(tiny, seed=0, trust_remote_code=trust_remote_code)
+    except TinyModelError as exc:
+        raise AnalysisError(
+            f"{config.model_type!r}: a tiny instance cannot be built ({exc}); "
+            "check the config's sizes, or report the family to the archon-port maintainers"
+        ) from exc
+    try:
+        anatomy = mt.anatomy(model, tiny.num_hidden_layers)
+    except LookupError as exc:
+        raise AnalysisError(
+            f"{config.model_type!r} has no stack of decoder layers ({exc}); it is not a decoder-only transformer"
+        ) from exc
+    mixers = mt.non_attention_mixers(anatomy.layers)
+    if mixers or anatomy.attention is None:
+        what = ", ".join(mixers) if mixers else "no attention module in layer 0"
+        raise AnalysisError(
+            f"{config.model_type!r} is a hybrid, state-space or recurrent model ({what}); Archon ports "
+            "softmax-attention decoders. Pick an attention-only family"
+        )
+    keys = saved_checkpoint_keys(model)
+    prefix = _layer_prefix(list(keys), tiny.num_hidden_layers)
+    ctx = detect.Context(
+        config=config,
+        tiny=tiny,
+        model=model,
+        anatomy=anatomy,
+        source=scan_model_source(model),
+        saved_keys=keys,
+        layer_prefix=prefix,
+        deep_model=_deep_model(config, trust_remote_code),
+    )
+    checklist = Checklist(
+        attention=detect.attention_features(ctx),
+        ffn=detect.ffn_features(ctx),
+        moe=detect.moe_features(ctx),
+        positions=detect.position_features(ctx),
+        norm=detect.norm_features(ctx),
+        scalars=detect.scalar_features(ctx),
+        other=sorted(set(ctx.other)),
+    )
+    return _Analysis(resolved, checklist, ctx)
+
+
+@functools.lru_cache(maxsize=8)
+def build_checklist(model_type: str) -> Checklist:
+    """The checklist of a model_type's default config (used for the references)."""
+    return _analyse(resolve_source(model_type), trust_remote_code=False).checklist
+
+
+def _checkpoint(analysis: _Analysis) -> CheckpointKeys:
+    ctx = analysis.context
+    prefix = ctx.layer_prefix
+    stack = prefix[:-2] if prefix.endswith("0.") else prefix
+    top = [KeyShape(key=k, shape=list(s)) for k, s in ctx.saved_keys.items() if not (stack and k.startswith(stack))]
+    layer0 = [KeyShape(key=k, shape=list(s)) for k, s in ctx.saved_keys.items() if prefix and k.startswith(prefix)]
+    from_files: list[KeyShape] = []
+    folder = analysis.resolved.folder
+    if folder is not None and any(folder.glob("*.safetensors")):
+        shapes = read_safetensors_shapes(folder)
+        file_prefix = _layer_prefix(list(shapes), int(ctx.config.num_hidden_layers))
+        file_stack = file_prefix[:-2]
+        from_files = [
+            KeyShape(key=k, shape=list(s))
+            for k, s in shapes.items()
+            if k.startswith(file_prefix) or not (file_stack and k.startswith(file_stack))
+        ]
+    sizes = {
+        name: getattr(ctx.tiny, name)
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "num_hidden_layers", "vocab_size")
+        if isinstance(getattr(ctx.tiny, name, None), int)
+    }
+    return CheckpointKeys(
+        layer_prefix=prefix, top_level=top, layer0=layer0, n_keys=len(ctx.saved_keys), tiny_sizes=sizes,
+        from_files=from_files,
+    )
+
+
+def _variants(model_type: str) -> list[str]:
+    from transformers import AutoConfig
+
+    kept = []
+    for variant in variant_types(model_type) or [model_type]:
+        if variant == model_type:
+            kept.append(variant)
+            continue
+        try:
+            check_decoder_only(AutoConfig.for_model(variant))
+        except (AnalysisError, ValueError):
+            continue
+        kept.append(variant)
+    return kept
+
+
+def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
+    """Analyse a HuggingFace decoder-only family: the porting guide's step-1 checklist.
+
+    Give a model_type of the installed transformers (``mistral``), a checkpoint folder
+    with ``config.json``, or a ``config.json`` path. Returns every config field with the
+    Archon args field it maps to, the checklist (attention, FFN, MoE, positions, norm,
+    scalars) in the fixed vocabulary of ``skill.features``, the on-disk checkpoint keys
+    of the top level and layer 0, the nearest reference (qwen2 or qwen3) with the
+    feature deltas from it, and the features no edit supports yet. Use it first, before
+    select/copy/edit steps. No network; remote code only with ``trust_remote_code``.
+    """
+    started = time.perf_counter()
+    resolved = resolve_source(request.source, request.trust_remote_code)
+    analysis = _analyse(resolved, request.trust_remote_code)
+    reference, deltas = nearest_reference(analysis.checklist)
+    config = resolved.config
+    return ArchitectureReport(
+        model_type=config.model_type,
+        config_class=type(config).__name__,
+        source_kind=resolved.kind,
+        variant_types=_variants(config.model_type),
+        config_fields=config_fields(config),
+        checklist=analysis.checklist,
+        checkpoint=_checkpoint(analysis),
+        reference=reference,
+        deltas=deltas,
+        unsupported=unsupported_names(analysis.checklist, deltas),
+        evidence=analysis.context.evidence,
+        seconds=round(time.perf_counter() - started, 3),
+    )

@@ -1,0 +1,640 @@
+"""Filling the checklist from the config, the module tree, probes and the source scan.
+
+Each section has one function. Every rule reads a role (a field whose name says
+"softcap", a projection whose width is ``2 * n_heads * head_dim``, a norm whose output
+is centred), never a family name, so a family added to transformers next month is read
+by the same rules. Where sources disagree, the evidence list says which one won.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from skill.analysis import modules as mt
+from skill.analysis import probes
+from skill.analysis.source_scan import SourceFacts
+from skill.features import (
+    MLA,
+    AttentionFeatures,
+    ExpertLayout,
+    FFNFeatures,
+    FFNKind,
+    MoEFeatures,
+    NormFeatures,
+    NormKind,
+    NormPlacement,
+    PositionFeatures,
+    PositionKind,
+    QKNormKind,
+    QKNormPlacement,
+    RotaryStyle,
+    RouterScoring,
+    ScalarFeatures,
+    SlidingWindow,
+    SlidingWindowKind,
+    WeightOrientation,
+)
+
+logger = logging.getLogger(__name__)
+
+_Q = re.compile(r"(^|[._])(q|query|wq)(_proj)?$|q_proj$|q_b_proj$")
+_K = re.compile(r"(^|[._])(k|key|wk)(_proj)?$|k_proj$")
+_V = re.compile(r"(^|[._])(v|value|wv)(_proj)?$|v_proj$")
+_O = re.compile(r"(o_proj|out_proj|dense|c_proj|wo|o|out)$")
+_WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size")
+_ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function", "activation", "mlp_hidden_act")
+
+
+@dataclass
+class Context:
+    """Everything the detectors read, built once per analysis."""
+
+    config: PretrainedConfig  # full size, as given
+    tiny: PretrainedConfig
+    model: nn.Module  # tiny instance
+    anatomy: mt.LayerAnatomy
+    source: SourceFacts | None
+    saved_keys: dict[str, tuple[int, ...]]
+    layer_prefix: str
+    deep_model: nn.Module | None  # tiny widths, full depth, on the meta device
+    evidence: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.config, name, default)
+
+    def tiny_head_dim(self) -> int:
+        value = getattr(self.tiny, "head_dim", None)
+        if isinstance(value, int) and value > 0:
+            return value
+        return self.tiny.hidden_size // self.tiny.num_attention_heads
+
+    def tiny_kv_heads(self) -> int:
+        return getattr(self.tiny, "num_key_value_heads", None) or self.tiny.num_attention_heads
+
+
+def _fields_matching(config: PretrainedConfig, *words: str) -> dict[str, Any]:
+    """Config fields whose name contains every word, with a set (non-None) value."""
+    return {
+        name: value
+        for name, value in sorted(config.to_dict().items())
+        if all(w in name for w in words) and value is not None and not isinstance(value, dict)
+    }
+
+
+# ------------------------------------------------------------------ attention
+
+
+def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
+    attention = ctx.anatomy.attention
+    if attention is None:
+        return {}
+    hidden = ctx.tiny.hidden_size
+    heads = ctx.tiny.num_attention_heads
+    hd = ctx.tiny_head_dim()
+    kv = ctx.tiny_kv_heads()
+    roles: dict[str, mt.Projection] = {}
+    for proj in mt.projections(attention, recurse=False):
+        name = proj.name.lower()
+        out = proj.out_features
+        if "qkv" in name or "query_key_value" in name or name in ("c_attn", "w_pack", "wqkv") or (
+            proj.in_features == hidden and out == (heads + 2 * kv) * hd and heads + 2 * kv > 3
+        ):
+            roles.setdefault("qkv", proj)
+        elif _Q.search(name):
+            roles.setdefault("q", proj)
+        elif _K.search(name):
+            roles.setdefault("k", proj)
+        elif _V.search(name):
+            roles.setdefault("v", proj)
+        elif _O.search(name) and proj.out_features == hidden:
+            roles.setdefault("o", proj)
+        else:
+            roles.setdefault(f"other:{proj.name}", proj)
+    return roles
+
+
+def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind, QKNormPlacement]:
+    attention = ctx.anatomy.attention
+    if attention is None:
+        return QKNormKind.NONE, QKNormPlacement.NONE
+    q_norm, _ = mt.qk_norms(attention)
+    if q_norm is None:
+        return QKNormKind.NONE, QKNormPlacement.NONE
+    name, norm = q_norm
+    width = mt.norm_width(norm) or ctx.tiny_head_dim()
+    hd = ctx.tiny_head_dim()
+    has_weight = isinstance(getattr(norm, "weight", None), torch.Tensor)
+    if not has_weight:
+        kind = QKNormKind.WEIGHTLESS
+    else:
+        norm_kind = probes.probe_norm_kind(norm, width)
+        if norm_kind is NormKind.RMS_ONE_PLUS_W:
+            kind = QKNormKind.RMS_ONE_PLUS_W
+        elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS):
+            kind = QKNormKind.LAYER_NORM
+        elif width == hd:
+            kind = QKNormKind.PER_HEAD_RMS
+        else:
+            kind = QKNormKind.FULL_WIDTH_RMS
+    ctx.evidence.append(f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}")
+    placement = QKNormPlacement.BEFORE_ROPE
+    if ctx.source is not None:
+        before = ctx.source.qk_norm_before_rope(type(attention).__name__, name)
+        if before is False:
+            placement = QKNormPlacement.AFTER_ROPE
+        elif before is None:
+            ctx.evidence.append("qk norm placement: forward order not readable in the source; assumed before RoPE")
+    return kind, placement
+
+
+def _window_size(ctx: Context) -> tuple[str, int] | None:
+    for name in _WINDOW_FIELDS:
+        value = ctx.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+def _sliding_window(ctx: Context) -> SlidingWindow:
+    window = _window_size(ctx)
+    layer_types = [str(t) for t in (ctx.get("layer_types") or [])]
+    sliding_kinds = {t for t in layer_types if "sliding" in t or "local" in t}
+    if window is None and not sliding_kinds:
+        return SlidingWindow()
+    field_name, size = window if window else ("layer_types", None)
+    tiny_window = next(
+        (getattr(ctx.tiny, n) for n in _WINDOW_FIELDS if isinstance(getattr(ctx.tiny, n, None), int)), None
+    )
+    all_layers = False
+    if tiny_window:
+        all_layers = probes.probe_window_reaches_all_layers(
+            ctx.model, ctx.tiny, int(tiny_window), ctx.tiny.num_hidden_layers
+        )
+    if sliding_kinds and len(set(layer_types)) > 1:
+        ctx.evidence.append(f"sliding window: config {field_name}={size} and per-layer layer_types")
+        return SlidingWindow(
+            kind=SlidingWindowKind.PER_LAYER_PATTERN, size=size, layer_pattern=layer_types, evidence="config"
+        )
+    if all_layers:
+        ctx.evidence.append(f"sliding window: config {field_name}={size}; the mask probe shows it on every layer")
+        return SlidingWindow(kind=SlidingWindowKind.ALL_LAYERS, size=size, evidence="config + mask probe")
+    ctx.evidence.append(
+        f"sliding window: config {field_name}={size}, but the mask probe shows full attention; treated as none"
+    )
+    return SlidingWindow(evidence=f"config {field_name} set, mask probe: not applied")
+
+
+def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
+    attention = ctx.anatomy.attention
+    scaling = getattr(attention, "scaling", None) if attention is not None else None
+    if not isinstance(scaling, (int, float)):
+        return False, None
+    default = ctx.tiny_head_dim() ** -0.5
+    if math.isclose(float(scaling), default, rel_tol=1e-4):
+        return False, None
+    match = probes.matching_field(ctx.tiny, float(scaling))
+    field_name = match[0] if match else None
+    ctx.evidence.append(f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {field_name})")
+    return True, field_name
+
+
+def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
+    heads, hd = ctx.tiny.num_attention_heads, ctx.tiny_head_dim()
+    q = roles.get("q")
+    if q is not None and q.out_features == 2 * heads * hd:
+        return True
+    return any(k.startswith("other:") and "gate" in k for k in roles)
+
+
+def _nope_layers(ctx: Context) -> list[int]:
+    model = ctx.deep_model
+    if model is None:
+        return []
+    try:
+        _, layers = mt.find_layers(model, ctx.config.num_hidden_layers)
+    except LookupError:
+        return []
+    found = []
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            flag = getattr(module, "use_rope", None)
+            if flag is not None and not isinstance(flag, nn.Module):
+                if not bool(flag):
+                    found.append(index)
+                break
+    return found
+
+
+def attention_features(ctx: Context) -> AttentionFeatures:
+    roles = _attention_projections(ctx)
+    attention = ctx.anatomy.attention
+    qkv = roles.get("qkv")
+    q_bias = (roles["q"].bias if "q" in roles else False) or (qkv.bias if qkv else False)
+    k_bias = (roles["k"].bias if "k" in roles else False) or (qkv.bias if qkv else False)
+    v_bias = (roles["v"].bias if "v" in roles else False) or (qkv.bias if qkv else False)
+    o_bias = roles["o"].bias if "o" in roles else False
+    qk_kind, qk_place = _qk_norm(ctx, roles)
+    heads = ctx.get("num_attention_heads")
+    kv = ctx.get("num_key_value_heads") or heads
+    head_dim = ctx.get("head_dim")
+    hidden = ctx.get("hidden_size")
+    derived = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    explicit = isinstance(head_dim, int) and derived is not None and head_dim != derived
+    softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
+    attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
+    custom, scaling_field = _custom_scaling(ctx)
+    mla = None
+    if isinstance(ctx.get("kv_lora_rank"), int):
+        mla = MLA(
+            q_lora_rank=ctx.get("q_lora_rank"),
+            kv_lora_rank=ctx.get("kv_lora_rank"),
+            qk_nope_head_dim=ctx.get("qk_nope_head_dim"),
+            qk_rope_head_dim=ctx.get("qk_rope_head_dim"),
+            v_head_dim=ctx.get("v_head_dim"),
+        )
+    sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
+    unexplained = [
+        n
+        for n, _ in (attention.named_parameters(recurse=False) if attention is not None else [])
+        if "sink" not in n
+    ]
+    if unexplained:
+        ctx.other.append(
+            f"attention parameters outside the vocabulary: {', '.join(unexplained)} ({type(attention).__name__})"
+        )
+    if mla is None:
+        extra = [k.split(":", 1)[1] for k in roles if k.startswith("other:") and "gate" not in k]
+        if extra:
+            ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
+    if ctx.get("attention_chunk_size"):
+        ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
+    return AttentionFeatures(
+        q_bias=bool(q_bias),
+        k_bias=bool(k_bias),
+        v_bias=bool(v_bias),
+        o_bias=bool(o_bias),
+        qk_norm=qk_kind,
+        qk_norm_placement=qk_place,
+        n_heads=heads,
+        n_kv_heads=kv,
+        gqa=isinstance(kv, int) and isinstance(heads, int) and kv < heads,
+        head_dim=head_dim if isinstance(head_dim, int) else derived,
+        explicit_head_dim=explicit,
+        sliding_window=_sliding_window(ctx),
+        logit_softcap=attn_softcap,
+        custom_scaling=custom,
+        scaling_field=scaling_field,
+        fused_qkv=qkv is not None,
+        mla=mla,
+        sinks=sinks,
+        output_gate=_output_gate(ctx, roles),
+        nope_layers=_nope_layers(ctx),
+    )
+
+
+# ------------------------------------------------------------------------ FFN
+
+
+def _activation(ctx: Context, ffn: nn.Module | None) -> str:
+    for name in _ACTIVATION_FIELDS:
+        value = ctx.get(name)
+        if isinstance(value, str):
+            return value
+    if ffn is not None:
+        for _, module in ffn.named_modules():
+            cls = type(module).__name__
+            if "Activation" in cls or cls in ("SiLU", "GELU", "ReLU", "GELUActivation", "NewGELUActivation"):
+                return cls
+    return "unknown"
+
+
+def _dense_mlp(ctx: Context) -> nn.Module | None:
+    """A dense FFN module: the layer-0 FFN, or the shared expert of an MoE block."""
+    ffn = ctx.anatomy.ffn
+    if ffn is None:
+        return None
+    if mt.experts_module(ffn) is None:
+        return ffn
+    for name, child in ffn.named_children():
+        if "shared" in name and "gate" not in name:
+            return child
+    return None
+
+
+def ffn_features(ctx: Context) -> FFNFeatures:
+    mlp = _dense_mlp(ctx)
+    activation = _activation(ctx, ctx.anatomy.ffn)
+    intermediate = ctx.get("intermediate_size")
+    if mlp is None:
+        # Every layer of the tiny model is MoE: read the experts' layout from disk keys.
+        expert_keys = [k for k in ctx.saved_keys if ".experts." in k and k.startswith(ctx.layer_prefix)]
+        gated = any(("gate" in k or "w1" in k or "w3" in k) for k in expert_keys)
+        fused = any("gate_up" in k for k in expert_keys)
+        bias = any(k.endswith("bias") for k in expert_keys)
+        return FFNFeatures(
+            kind=FFNKind.GATED if gated else FFNKind.PLAIN,
+            activation=activation,
+            bias=bias,
+            fused_gate_up=fused,
+            intermediate_size=intermediate if isinstance(intermediate, int) else None,
+        )
+    projs = mt.projections(mlp)
+    hidden = ctx.tiny.hidden_size
+    ups = [p for p in projs if p.in_features == hidden]
+    downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
+    fused = any("gate_up" in p.name or (len(ups) == 1 and len(downs) == 1 and p.out_features == 2 * downs[0].in_features) for p in ups)
+    gated = len(ups) >= 2 or fused
+    bias = any(p.bias for p in projs)
+    return FFNFeatures(
+        kind=FFNKind.GATED if gated else FFNKind.PLAIN,
+        activation=activation,
+        bias=bias,
+        fused_gate_up=fused,
+        intermediate_size=intermediate if isinstance(intermediate, int) else None,
+    )
+
+
+# ------------------------------------------------------------------------ MoE
+
+
+def _expert_count(config: PretrainedConfig) -> int | None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _top_k(config: PretrainedConfig) -> int | None:
+    for name in ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _moe_layers(ctx: Context) -> tuple[list[int], int]:
+    n = int(ctx.config.num_hidden_layers)
+    model = ctx.deep_model
+    if model is not None:
+        try:
+            _, layers = mt.find_layers(model, n)
+            return [i for i, layer in enumerate(layers) if mt.layer_has_experts(layer)], n
+        except LookupError:
+            pass
+    _, tiny_layers = ctx.anatomy.layers_path, ctx.anatomy.layers
+    ctx.evidence.append("MoE layers: full-depth module tree unavailable; listed for the tiny stack")
+    return [i for i, layer in enumerate(tiny_layers) if mt.layer_has_experts(layer)], len(tiny_layers)
+
+
+def _expert_layout(ctx: Context) -> tuple[ExpertLayout, WeightOrientation, str]:
+    keys = [k for k in ctx.saved_keys if ".experts." in k and "shared" not in k]
+    if not keys:
+        return ExpertLayout.NONE, WeightOrientation.OUT_IN, ""
+    per_expert = [k for k in keys if re.search(r"\.experts\.\d+\.", k)]
+    hidden = ctx.tiny.hidden_size
+    if per_expert:
+        key = next((k for k in per_expert if re.search(r"(up|gate|w1|w3|fc1)", k) and k.endswith("weight")), per_expert[0])
+        shape = ctx.saved_keys[key]
+        orientation = WeightOrientation.OUT_IN if shape[-1] == hidden else WeightOrientation.IN_OUT
+        template = re.sub(r"\.experts\.\d+\.", ".experts.{}.", re.sub(r"\.\d+\.", ".{}.", key, count=1), count=1)
+        return ExpertLayout.PER_EXPERT_2D, orientation, template
+    key = next((k for k in keys if re.search(r"(up|gate)", k)), keys[0])
+    shape = ctx.saved_keys[key]
+    orientation = WeightOrientation.OUT_IN if shape[-1] == hidden else WeightOrientation.IN_OUT
+    return ExpertLayout.FUSED_3D, orientation, re.sub(r"\.\d+\.", ".{}.", key, count=1)
+
+
+def moe_features(ctx: Context) -> MoEFeatures | None:
+    num_experts = _expert_count(ctx.config)
+    has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
+    if not has_experts and not any(".experts." in k for k in ctx.saved_keys):
+        return None
+    if num_experts is None:
+        ctx.evidence.append("MoE: experts in the module tree but no expert-count field in the config")
+        num_experts = 0
+    moe_layers, n_layers = _moe_layers(ctx)
+    moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
+    ffn = None
+    if moe_layer is not None:
+        for name, child in moe_layer.named_children():
+            if mt.experts_module(child) is not None and not mt.is_norm(child):
+                ffn = child
+                break
+    scoring_field = next(
+        (v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None
+    )
+    if scoring_field in ("sigmoid", "softmax"):
+        scoring = RouterScoring(scoring_field)
+    else:
+        scanned = ctx.source.router_scoring() if ctx.source else None
+        scoring = RouterScoring(scanned) if scanned else RouterScoring.OTHER
+        ctx.evidence.append(f"router scoring from the source scan: {scanned}")
+    norm_topk = ctx.get("norm_topk_prob")
+    if not isinstance(norm_topk, bool):
+        norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
+        ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
+    correction = any("correction" in k for k in ctx.saved_keys)
+    router_bias = False
+    shared_gate = False
+    shared = 0
+    if ffn is not None:
+        router = mt.router_module(ffn, int(ctx.tiny.__dict__.get("num_experts") or _expert_count(ctx.tiny) or 0))
+        if router is not None and isinstance(getattr(router[1], "bias", None), torch.Tensor):
+            router_bias = True
+        shared_children = [(n, c) for n, c in ffn.named_children() if "shared" in n]
+        for name, child in shared_children:
+            proj = mt.projection(name, child)
+            if "gate" in name and proj is not None and proj.out_features == 1:
+                shared_gate = True
+        if any("gate" not in n for n, _ in shared_children):
+            shared = next(
+                (int(v) for k, v in _fields_matching(ctx.config, "shared", "expert").items()
+                 if isinstance(v, int) and not isinstance(v, bool) and "size" not in k and "dim" not in k),
+                1,
+            )
+    if router_bias:
+        ctx.other.append("router linear with a bias")
+    n_group = ctx.get("n_group") or ctx.get("num_expert_group")
+    topk_group = ctx.get("topk_group")
+    scaling = ctx.get("routed_scaling_factor")
+    layout, orientation, template = _expert_layout(ctx)
+    return MoEFeatures(
+        num_experts=num_experts,
+        top_k=_top_k(ctx.config) or 0,
+        router_scoring=scoring,
+        norm_topk_prob=bool(norm_topk),
+        score_correction_bias=correction,
+        routed_scaling_factor=float(scaling) if isinstance(scaling, (int, float)) and scaling != 1.0 else None,
+        n_group=int(n_group) if isinstance(n_group, int) and n_group > 1 else None,
+        topk_group=int(topk_group) if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int) else None,
+        shared_experts=shared,
+        shared_expert_gate=shared_gate,
+        moe_layers=moe_layers,
+        n_layers=n_layers,
+        expert_layout=layout,
+        expert_orientation=orientation,
+        expert_key_template=template,
+    )
+
+
+# ------------------------------------------------------------------ positions
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    rope = getattr(config, "rope_parameters", None)
+    return rope if isinstance(rope, dict) else {}
+
+
+def position_features(ctx: Context) -> PositionFeatures:
+    model = ctx.model
+    rotary = [m for n, m in model.named_modules() if "Rotary" in type(m).__name__ or n.endswith("rotary_emb")]
+    embedding = ctx.anatomy.embedding
+    position_tables = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and m is not embedding and ("pos" in n.lower() or n.endswith("wpe"))
+    ]
+    sinusoidal = [n for n, m in model.named_modules() if "Sinusoidal" in type(m).__name__]
+    relative = [n for n, m in model.named_modules() if "relative" in n.lower() and isinstance(m, nn.Embedding)]
+    alibi_field = any(bool(v) for v in _fields_matching(ctx.config, "alibi").values() if isinstance(v, bool))
+    alibi_code = ctx.source is not None and ctx.source.mentions("alibi")
+    rope = _rope_parameters(ctx.config)
+    if rotary:
+        kind = PositionKind.ROPE
+    elif sinusoidal:
+        kind = PositionKind.SINUSOIDAL
+    elif position_tables:
+        kind = PositionKind.LEARNED
+    elif alibi_field or (alibi_code and not _fields_matching(ctx.config, "alibi")):
+        kind = PositionKind.ALIBI
+    elif relative:
+        kind = PositionKind.RELATIVE_BIAS
+    else:
+        kind = PositionKind.NONE
+    if kind is not PositionKind.ROPE:
+        return PositionFeatures(kind=kind, rope_type=None, theta=None)
+    per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    first = next(iter(rope.values())) if per_layer else rope
+    rope_type = str(first.get("rope_type", "default")) if first else "default"
+    theta = first.get("rope_theta") if first else None
+    if theta is None:
+        theta = ctx.get("rope_theta")
+    scaling = {
+        k: v
+        for k, v in sorted((first or {}).items())
+        if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and v is not None
+    }
+    interleaved = bool(ctx.get("rope_interleave")) or bool(ctx.source and ctx.source.rotary_interleaved())
+    factor = _partial_rotary(ctx, rotary[0], first or {})
+    return PositionFeatures(
+        kind=kind,
+        rope_type=rope_type,
+        rope_scaling=scaling,
+        theta=float(theta) if isinstance(theta, (int, float)) else None,
+        rotary_style=RotaryStyle.INTERLEAVED if interleaved else RotaryStyle.HALF,
+        partial_rotary_factor=factor,
+        per_layer_type_rope=per_layer,
+    )
+
+
+def _partial_rotary(ctx: Context, rotary: nn.Module, rope: dict[str, Any]) -> float:
+    declared = rope.get("partial_rotary_factor", ctx.get("partial_rotary_factor"))
+    if isinstance(declared, (int, float)):
+        return float(declared)
+    if isinstance(ctx.get("kv_lora_rank"), int):
+        return 1.0  # MLA rotates its own rope slice of qk_rope_head_dim
+    inv_freq = next((b for n, b in rotary.named_buffers() if "inv_freq" in n), None)
+    if inv_freq is None:
+        return 1.0
+    factor = 2 * inv_freq.numel() / ctx.tiny_head_dim()
+    if not math.isclose(factor, 1.0):
+        ctx.evidence.append(f"partial rotary from the rotary table: {inv_freq.numel()} frequencies")
+    return round(factor, 4)
+
+
+# ----------------------------------------------------------------------- norm
+
+
+def norm_features(ctx: Context) -> NormFeatures:
+    norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
+    kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
+    eps_field = next(
+        (k for k, v in sorted(ctx.config.to_dict().items()) if k.endswith(("eps", "epsilon")) and isinstance(v, float)),
+        None,
+    )
+    placement = probes.probe_norm_placement(ctx.model, ctx.anatomy, ctx.tiny)
+    if placement is None:
+        placement = NormPlacement.PRE
+        ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
+        ctx.other.append("block structure the norm probe could not read")
+    return NormFeatures(
+        kind=kind,
+        eps=float(ctx.get(eps_field)) if eps_field else None,
+        eps_field=eps_field,
+        placement=placement,
+    )
+
+
+# -------------------------------------------------------------------- scalars
+
+
+def scalar_features(ctx: Context) -> ScalarFeatures:
+    scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
+    if scale is None:
+        kind, value = "none", None
+        ctx.other.append("embeddings transformed before layer 0 beyond a constant scale (e.g. an embedding norm)")
+    elif math.isclose(scale, 1.0, rel_tol=1e-4):
+        kind, value = "none", None
+    elif math.isclose(scale, math.sqrt(ctx.tiny.hidden_size), rel_tol=1e-3):
+        kind, value = "sqrt_dim", math.sqrt(ctx.config.hidden_size)
+    else:
+        match = probes.matching_field(ctx.tiny, scale)
+        kind = "constant"
+        value = _full_size_value(ctx, match, scale)
+    residual = next(
+        (float(v) for k, v in _fields_matching(ctx.config, "residual").items()
+         if isinstance(v, (int, float)) and not isinstance(v, bool) and ("mult" in k or "scal" in k)),
+        None,
+    )
+    logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
+    final_caps = _fields_matching(ctx.config, "final", "softcap")
+    final_cap = next((float(v) for v in final_caps.values() if isinstance(v, (int, float))), None)
+    logit_value = None
+    if logit is None:
+        if final_cap is None:
+            ctx.evidence.append("logit probe: logits are not a constant multiple of lm_head(h)")
+    elif not math.isclose(logit, 1.0, rel_tol=1e-4):
+        logit_value = _full_size_value(ctx, probes.matching_field(ctx.tiny, logit), logit)
+    tied = bool(ctx.get("tie_word_embeddings", False))
+    return ScalarFeatures(
+        embedding_scale=value,
+        embedding_scale_kind=kind,
+        residual_multiplier=residual if residual not in (None, 1.0) else None,
+        logit_multiplier=logit_value,
+        final_logit_softcap=final_cap,
+        tie_word_embeddings=tied,
+    )
+
+
+def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:
+    """The full-size value of a probed factor, through the config field that explains it."""
+    if match is None:
+        ctx.evidence.append(f"factor {tiny_value:.6g} measured on the tiny model; no config field explains it")
+        return tiny_value
+    name, relation = match
+    full = getattr(ctx.config, name, None)
+    ctx.evidence.append(f"factor {tiny_value:.6g} = {relation.replace('x', name)}")
+    if not isinstance(full, (int, float)):
+        return tiny_value
+    full = float(full)
+    return {"x": full, "1/x": 1.0 / full, "x**-0.5": full**-0.5, "sqrt(x)": math.sqrt(full)}[relation]

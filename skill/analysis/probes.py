@@ -1,0 +1,289 @@
+"""Small numerical probes on a tiny instance, where config and modules say too little.
+
+Each probe runs the real HF code on a few tokens and reads what it computes: whether a
+norm centres its input or scales by ``1 + w``, where the block normalises relative to
+its residual stream, by what factor embeddings and logits are scaled, and whether a
+configured sliding window actually reaches the attention mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from skill.features import NormKind, NormPlacement
+from skill.analysis.modules import LayerAnatomy, is_norm
+
+logger = logging.getLogger(__name__)
+
+_GEN_SEED = 1234
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(_GEN_SEED)
+
+
+@contextmanager
+def _preserved(module: nn.Module) -> Iterator[None]:
+    saved = {name: p.detach().clone() for name, p in module.named_parameters()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(saved[name])
+
+
+def _norm_input(width: int, leading: tuple[int, ...] = (3,)) -> torch.Tensor:
+    return torch.randn(*leading, width, generator=_generator()) * 3 + 1
+
+
+def probe_norm_kind(norm: nn.Module, width: int) -> NormKind:
+    """Classify a norm by its output: zero weight gives zeros unless it scales by ``1 + w``;
+    with unit weight only LayerNorm gives zero-mean rows; a bias means LayerNorm with bias."""
+    x = _norm_input(width)
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None)
+    with _preserved(norm), torch.no_grad():
+        if isinstance(bias, torch.Tensor):
+            bias.zero_()
+        if isinstance(weight, torch.Tensor):
+            weight.zero_()
+            zero_out = _call_norm(norm, x)
+            if not torch.allclose(zero_out, torch.zeros_like(zero_out), atol=1e-6):
+                return NormKind.RMS_ONE_PLUS_W
+            weight.fill_(1.0)
+        out = _call_norm(norm, x)
+    centred = float(out.mean(-1).abs().max()) < 1e-4
+    if centred:
+        return NormKind.LAYER_NORM if isinstance(bias, torch.Tensor) else NormKind.LAYER_NORM_NO_BIAS
+    rms = out.pow(2).mean(-1).sqrt()
+    if torch.allclose(rms, torch.ones_like(rms), atol=1e-3):
+        return NormKind.RMS
+    return NormKind.OTHER
+
+
+def _call_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = norm(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def norm_is_centred(norm: nn.Module, width: int, leading: tuple[int, ...] = (3,)) -> bool:
+    x = _norm_input(width, leading)
+    with torch.no_grad():
+        out = _call_norm(norm, x)
+    return float(out.mean(-1).abs().max()) < 1e-4
+
+
+def tokens_for(config: Any, length: int) -> torch.Tensor:
+    vocab = int(getattr(config, "vocab_size", 256))
+    ids = torch.randint(3, max(vocab - 1, 4), (1, length), generator=_generator())
+    return ids
+
+
+def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, use_cache=False).logits
+
+
+def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> NormPlacement | None:
+    """Where layer 0 normalises: from the tensors its sub-modules receive and return.
+
+    pre: the attention reads a norm of the layer input; post_sublayer: a norm reads the
+    attention output and none reads the layer input; sandwich: both; parallel: the FFN
+    reads (a norm of) the layer input, not the residual after attention; post_ln: a norm
+    reads the layer input plus the attention output.
+    """
+    if anatomy.attention is None:
+        return None
+    records: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+
+    def hook(name: str):
+        def run(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) and name not in records:
+                records[name] = (first.detach(), out.detach())
+
+        return run
+
+    layer = anatomy.layers[0]
+    layer_input: dict[str, torch.Tensor] = {}
+
+    def layer_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(first, torch.Tensor):
+            layer_input.setdefault("x", first.detach())
+
+    handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
+    for name, child in layer.named_children():
+        handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
+    try:
+        _logits(model, tokens_for(config, 6))
+    finally:
+        for handle in handles:
+            handle.remove()
+    x = layer_input.get("x")
+    if x is None or anatomy.attention_name not in records:
+        return None
+    attn_in, attn_out = records[anatomy.attention_name]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+    norm_records = {n: records[n] for n in anatomy.norms if n in records}
+    pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
+    post_sub = any(same(n_in, attn_out) for n_in, _ in norm_records.values())
+    post_ln = any(same(n_in, x + attn_out) for n_in, _ in norm_records.values()) and not pre
+    ffn_in = records.get(anatomy.ffn_name or "", (None, None))[0]
+    parallel = False
+    if ffn_in is not None and pre:
+        parallel = same(ffn_in, attn_in) or any(
+            same(n_in, x) and same(n_out, ffn_in) for n_in, n_out in norm_records.values()
+        )
+    if parallel:
+        return NormPlacement.PARALLEL
+    if pre and post_sub:
+        return NormPlacement.SANDWICH
+    if pre:
+        return NormPlacement.PRE
+    if post_sub:
+        return NormPlacement.POST_SUBLAYER
+    if post_ln:
+        return NormPlacement.POST_LN
+    return None
+
+
+def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
+    """Ratio of layer 0's input to the raw embedding rows; ``None`` when not a constant.
+
+    Other embeddings (learned positions) are zeroed for the probe, so only the token
+    embedding and any factor on it reach the layer.
+    """
+    embedding = anatomy.embedding
+    if embedding is None or not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+        return None
+    tokens = tokens_for(config, 5)
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(first, torch.Tensor):
+            captured.setdefault("x", first.detach())
+
+    others = [m for m in model.modules() if isinstance(m, nn.Embedding) and m is not embedding]
+    handle = anatomy.layers[0].register_forward_pre_hook(on_layer, with_kwargs=True)
+    try:
+        saved = [m.weight.detach().clone() for m in others]
+        with torch.no_grad():
+            for m in others:
+                m.weight.zero_()
+        _logits(model, tokens)
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for m, w in zip(others, saved):
+                m.weight.copy_(w)
+    if "x" not in captured:
+        return None
+    rows = embedding.weight[tokens].detach()
+    x = captured["x"]
+    if x.shape != rows.shape:
+        return None
+    mask = rows.abs() > 1e-4
+    ratio = x[mask] / rows[mask]
+    mean = float(ratio.mean())
+    if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
+        return None
+    return mean
+
+
+def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
+    """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant."""
+    head = anatomy.lm_head
+    if head is None or anatomy.final_norm is None:
+        return None
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_head(module: nn.Module, args: tuple) -> None:
+        captured["h"] = args[0].detach()
+
+    handle = head.register_forward_pre_hook(on_head)
+    try:
+        logits = _logits(model, tokens_for(config, 4))
+    finally:
+        handle.remove()
+    if "h" not in captured:
+        return None
+    with torch.no_grad():
+        plain = head(captured["h"])
+    mask = plain.abs() > 1e-3
+    if plain.shape != logits.shape or not bool(mask.any()):
+        return None
+    ratio = logits[mask] / plain[mask]
+    mean = float(ratio.mean())
+    if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
+        return None
+    return mean
+
+
+def probe_window_reaches_all_layers(model: nn.Module, config: Any, window: int, n_layers: int) -> bool:
+    """Whether the last token is blind to the first beyond every layer's window combined.
+
+    With every layer windowed the receptive field is ``n_layers * (window - 1)``; a
+    sequence longer than that must give the same last logits when the first token
+    changes. One full-attention layer (or a window the mask ignores) breaks that.
+    """
+    length = n_layers * window + 4
+    tokens = tokens_for(config, length)
+    changed = tokens.clone()
+    changed[0, 0] = (changed[0, 0] + 7) % int(config.vocab_size)
+    a = _logits(model, tokens)[0, -1]
+    b = _logits(model, changed)[0, -1]
+    return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
+
+
+def probe_qk_norm_kind(norm: nn.Module, width: int) -> NormKind:
+    if not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return NormKind.OTHER
+    return probe_norm_kind(norm, width)
+
+
+def matching_field(config: Any, target: float, *, tolerance: float = 1e-3) -> tuple[str, str] | None:
+    """A numeric config field whose value explains ``target``: (field, relation).
+
+    Relations: ``"x"`` (target == v), ``"1/x"``, ``"x**-0.5"``, ``"sqrt(x)"``.
+    """
+    for name, value in sorted(vars(config).items()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
+            continue
+        value = float(value)
+        for relation, derived in (
+            ("x", value),
+            ("1/x", 1.0 / value),
+            ("x**-0.5", value**-0.5 if value > 0 else math.nan),
+            ("sqrt(x)", math.sqrt(value) if value > 0 else math.nan),
+        ):
+            if math.isclose(derived, target, rel_tol=tolerance):
+                return name, relation
+    return None
+
+
+__all__ = [
+    "is_norm",
+    "matching_field",
+    "norm_is_centred",
+    "probe_embedding_scale",
+    "probe_logit_multiplier",
+    "probe_norm_kind",
+    "probe_norm_placement",
+    "probe_qk_norm_kind",
+    "probe_window_reaches_all_layers",
+]

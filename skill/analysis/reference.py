@@ -1,0 +1,98 @@
+"""The nearest hand-written reference and the ordered feature deltas from it.
+
+The references (``qwen2``; ``qwen3`` with its ``qwen3_moe`` variant) are analysed by the
+same rules as any family, so their feature values are measured, not typed in. The
+nearest reference is the one with the fewest deltas; a delta is supported when some
+reference already has the target value or an engine edit produces it
+(``skill.features.SUPPORTED_EDITS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from skill.features import FEATURE_TITLES, Checklist, Feature, FeatureDelta, feature_values, is_supported
+
+logger = logging.getLogger(__name__)
+
+# Reference name -> the model types whose analysis gives its feature values (dense first).
+REFERENCES: dict[str, tuple[str, ...]] = {"qwen2": ("qwen2",), "qwen3": ("qwen3", "qwen3_moe")}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_values(model_type: str) -> dict[Feature, str]:
+    """Feature values of a reference model type, measured by the analyser itself."""
+    from skill.analysis.analyze import build_checklist  # deferred: analyze imports this module
+
+    return feature_values(build_checklist(model_type))
+
+
+def _values_for(reference: str, moe: bool) -> dict[Feature, str]:
+    types = REFERENCES[reference]
+    chosen = types[-1] if moe and len(types) > 1 else types[0]
+    return reference_values(chosen)
+
+
+def all_reference_values() -> dict[Feature, set[str]]:
+    """Every value any reference has, per feature (what needs no edit at all)."""
+    merged: dict[Feature, set[str]] = {}
+    for types in REFERENCES.values():
+        for model_type in types:
+            for feature, value in reference_values(model_type).items():
+                merged.setdefault(feature, set()).add(value)
+    return merged
+
+
+def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
+    """Features whose value differs from ``reference``, in :class:`Feature` order."""
+    target = feature_values(checklist)
+    ref = _values_for(reference, checklist.moe is not None)
+    covered = all_reference_values()
+    deltas = []
+    for feature in Feature:
+        if feature not in target and feature not in ref:
+            continue
+        want = target.get(feature, "n/a")
+        have = ref.get(feature, "n/a")
+        if want == have:
+            continue
+        if feature is Feature.OTHER and want == "":
+            continue
+        deltas.append(
+            FeatureDelta(
+                feature=feature,
+                title=FEATURE_TITLES[feature],
+                reference=have,
+                target=want,
+                supported=is_supported(feature, want, frozenset(covered.get(feature, set()))),
+            )
+        )
+    return deltas
+
+
+def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
+    """The reference with the fewest deltas (unsupported ones weigh double), and those deltas."""
+    scored = []
+    for reference in REFERENCES:
+        deltas = deltas_from(reference, checklist)
+        cost = sum(1 if d.supported else 2 for d in deltas)
+        scored.append((cost, reference, deltas))
+    scored.sort(key=lambda item: (item[0], item[1]))
+    _, reference, deltas = scored[0]
+    return reference, deltas
+
+
+def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta]) -> list[str]:
+    """Plain names of what no reference or edit covers: "unsupported: attention sinks"."""
+    names = []
+    for delta in deltas:
+        if delta.supported:
+            continue
+        if delta.feature is Feature.OTHER:
+            names.extend(f"unsupported: {item}" for item in checklist.other)
+        elif delta.target in ("true", "false"):
+            names.append(f"unsupported: {delta.title}" + ("" if delta.target == "true" else " (absent)"))
+        else:
+            names.append(f"unsupported: {delta.title} = {delta.target}")
+    return names
