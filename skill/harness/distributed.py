@@ -36,7 +36,7 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
-import os
+import pickle
 import socket
 import tempfile
 import time
@@ -120,9 +120,12 @@ def _worker_main(
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        conn.send(("ok", result))
+        # Plain pickle, not the Connection's ForkingPickler: that one hands tensors over
+        # as shared-memory handles, which die with the worker.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        message = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        conn.send_bytes(pickle.dumps(("error", message)))
     finally:
         conn.close()
 
@@ -135,7 +138,8 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes on gloo.
 
-    Returns each rank's return value (it must pickle). ``args`` are inherited
+    Returns each rank's return value (it must pickle; tensors come back as copies).
+    ``args`` are inherited
     through fork, not pickled, so they may hold models. Raises
     :class:`WorkerFailure` with the worker's traceback if any rank raises, dies
     or runs past ``timeout_s``; the other workers are then terminated.
@@ -176,7 +180,7 @@ def launch(
             for conn in ready:
                 rank = conns.index(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(timeout=1.0)
                     errors.append(f"rank {rank} died without a result (exit code {procs[rank].exitcode})")

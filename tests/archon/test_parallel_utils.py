@@ -249,6 +249,10 @@ def _sleep(rank: int, world_size: int) -> None:
 
 def test_launcher_returns_every_rank():
     assert launch(lambda rank, world_size, offset: rank * 10 + world_size + offset, 2, args=(100,)) == [102, 112]
+    # Tensors come back as copies, still readable after the workers are gone.
+    tensors = launch(lambda rank, world_size: torch.full((3,), float(rank)), 2)
+    time.sleep(0.2)
+    assert [t.tolist() for t in tensors] == [[0.0] * 3, [1.0] * 3]
 
 
 def test_launcher_propagates_worker_exceptions_with_traceback():
