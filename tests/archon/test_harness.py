@@ -89,6 +89,22 @@ def test_adapter_catches_a_lossy_roundtrip(spec, monkeypatch):
     assert "archon -> hf -> archon keeps every key and tensor" in failed
 
 
+def test_adapter_catches_experts_written_in_the_wrong_order(monkeypatch):
+    adapter_class = archon_models.get_model_spec("qwen3_moe").state_dict_adapter_class
+    original = adapter_class.convert_single_to_hf
+
+    def reversed_experts(self, name, tensor):
+        pairs = original(self, name, tensor)
+        if tensor.ndim == 3:
+            keys = [key for key, _ in pairs]
+            pairs = list(zip(keys, [t for _, t in pairs][::-1], strict=True))
+        return pairs
+
+    monkeypatch.setattr(adapter_class, "convert_single_to_hf", reversed_experts)
+    failed = _failed(run_adapter_stage(ModelCase(model_type="qwen3_moe"), raise_on_failure=False))
+    assert "MoE 3D <-> 2D: one 2D tensor per expert, in order" in failed
+
+
 def test_completeness_never_passes_without_keys():
     archon = build_archon_model(build_hf_config(CASE), device="meta")
     rec = StageRecorder(CASE, 3)
