@@ -156,9 +156,9 @@ def _norm_offset(text: str, ctx: EditContext) -> str:
 
 
 def _layer_norm(text: str, ctx: EditContext) -> str:
-    text = replace_name(text, "RMSNorm", "nn.LayerNorm")
     text = remove_class(text, "RMSNorm")
-    return remove_from_all(text, ["RMSNorm"])
+    text = remove_from_all(text, ["RMSNorm"])
+    return replace_name(text, "RMSNorm", "nn.LayerNorm")
 
 
 # --- MLP --------------------------------------------------------------------------------
@@ -349,7 +349,26 @@ def describe(profile: FamilyProfile, camel: str) -> str:
     return lines[0] if len(lines) == 1 else "\n".join(lines) + "\n"
 
 
-ATTENTION_DOC = "Grouped-query self-attention{bias}{window} with Ulysses sequence parallelism.\n\n    Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of\n    the sequence; an all-to-all trades it for a slice of the heads over the whole\n    sequence before attention, and back afterwards.\n    "
+ATTENTION_DOC = """Grouped-query self-attention with Ulysses sequence parallelism.
+{features}
+    Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of
+    the sequence; an all-to-all trades it for a slice of the heads over the whole
+    sequence before attention, and back afterwards.
+    """
+
+
+def _attention_features(profile: FamilyProfile) -> str:
+    sentences = []
+    if profile.qkv_bias:
+        sentences.append("The q/k/v projections have biases" + (", and so does the output projection." if profile.o_bias else "."))
+    elif profile.o_bias:
+        sentences.append("The output projection has a bias.")
+    if profile.sliding_window:
+        sentences.append("Each token attends to the last ``sliding_window`` tokens of its own document.")
+    if not sentences:
+        return ""
+    wrapped = textwrap.wrap(" ".join(sentences), width=88)
+    return "\n" + "".join(f"    {line}\n" for line in wrapped)
 
 
 def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
@@ -358,10 +377,6 @@ def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
             raise ValueError(f"unknown model edit {name!r}; known: {sorted(EDITS_BY_NAME)}")
         text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
-    bias = " with biased q/k/v projections" if profile.qkv_bias else ""
-    if profile.o_bias:
-        bias += " and a biased output projection"
-    window = " inside a sliding window of each document" if profile.sliding_window else ""
-    text = set_docstring(text, "Attention", ATTENTION_DOC.format(bias=bias, window=window))
+    text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
     text = set_docstring(text, None, describe(profile, ctx.camel))
     return prune_unused_imports(text)

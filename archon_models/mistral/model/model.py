@@ -87,7 +87,9 @@ class SlidingWindowAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention inside a sliding window of each document with Ulysses sequence parallelism.
+    """Grouped-query self-attention with Ulysses sequence parallelism.
+
+    Each token attends to the last ``sliding_window`` tokens of its own document.
 
     Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of
     the sequence; an all-to-all trades it for a slice of the heads over the whole

@@ -1,0 +1,1 @@
+"""Granite model definition: args, modules, RoPE and the HF state-dict adapter."""
