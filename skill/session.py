@@ -67,6 +67,8 @@ IGNORED_DIRS = frozenset(
     }
 )
 IGNORED_SUFFIXES = (".pyc", ".pyo", ".archon-port", ".egg-info")
+# Larger files (checkpoint shards, wheels) are not tracked: sessions record source edits.
+MAX_TRACKED_BYTES = 2_000_000
 
 # Results larger than this keep only their digest in the session file.
 MAX_STORED_RESULT_BYTES = 16_384
@@ -282,14 +284,14 @@ def first_difference(expected: Any, actual: Any, where: str = "result") -> str |
 
 
 def iter_workspace_files(root: Path) -> Iterator[str]:
-    """Workspace-relative POSIX paths of the files a session tracks."""
-    for directory, dirnames, filenames in os.walk(root):
+    """Workspace-relative POSIX paths of the files a session tracks, sorted per directory."""
+    base = str(root)
+    for directory, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_DIRS and not d.endswith(".egg-info"))
-        rel_dir = Path(directory).relative_to(root)
+        prefix = "" if directory == base else directory[len(base) + 1 :].replace(os.sep, "/") + "/"
         for filename in sorted(filenames):
-            if filename.endswith(IGNORED_SUFFIXES):
-                continue
-            yield (rel_dir / filename).as_posix()
+            if not filename.endswith(IGNORED_SUFFIXES):
+                yield prefix + filename
 
 
 def _sha256(data: bytes) -> str:
@@ -333,20 +335,24 @@ class WorkspaceState:
     def scan(self) -> dict[str, str]:
         hashes: dict[str, str] = {}
         cache: dict[str, tuple[int, int, int, str]] = {}
+        base = str(self.workspace.root)
         for rel in iter_workspace_files(self.workspace.root):
             if rel in self.exclude:
                 continue
-            path = self.workspace.root / rel
+            path = os.path.join(base, rel)
             try:
-                st = path.stat()
+                st = os.stat(path)
             except FileNotFoundError:  # removed while we walked
+                continue
+            if st.st_size > MAX_TRACKED_BYTES:
                 continue
             key = (st.st_mtime_ns, st.st_ctime_ns, st.st_size)
             cached = self._stat_cache.get(rel)
             if cached is not None and cached[:3] == key:
                 hashes[rel] = cached[3]
             else:
-                data = path.read_bytes()
+                with open(path, "rb") as handle:
+                    data = handle.read()
                 hashes[rel] = _sha256(data)
                 self.store.put(hashes[rel], data)
             cache[rel] = (*key, hashes[rel])

@@ -37,3 +37,13 @@ def make_workspace(root: Path) -> Path:
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     return make_workspace(tmp_path / "ws")
+
+
+def make_project(root: Path, *, without: tuple[str, ...] = ()) -> Path:
+    """A copy of this project with the packages named in ``without`` taken out."""
+    from skill.replay import copy_repository
+    from tests.mcp.scripted_client import remove_packages
+
+    copy_repository(REPO, root)
+    remove_packages(root, without)
+    return root

@@ -5,10 +5,9 @@ order, fills the placeholders SKILL.md defines (``<source>``, ``<model_name>``,
 ``<model_types>``, ``<reference>``, ``<stage>``) and calls each tool over MCP. When a stage
 fails it calls the tool of the "When a stage fails" section and stops. It is the
 end-to-end proof that SKILL.md plus the tools port a family, and the recorder of the
-sessions kept under ``tests/mcp/sessions/``:
+sessions kept under ``tests/mcp/sessions/``, re-recorded when the engine's output changes:
 
-    python -m tests.mcp.scripted_client mistral --stages 1 \
-        --session tests/mcp/sessions/mistral.jsonl --workspace /tmp/ws
+    python -m tests.mcp.scripted_client --refresh llama mistral
 """
 
 from __future__ import annotations
@@ -17,7 +16,10 @@ import argparse
 import json
 import logging
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 _TOOL_RE = re.compile(r"^\*\*Tool:\*\* `(?P<tool>[a-z_]+)`\s*$")
 _CALL_RE = re.compile(r"^\*\*Call:\*\* `(?P<call>\{.*\})`(?P<rest>.*)$")
 _STAGES_RE = re.compile(r"`<stage>` = (?P<stages>[\d, ]+)")
+# SKILL.md's "Values you fill in": placeholders taken from earlier results, by result field.
+RESULT_VALUES = {"reference": "reference", "model_types": "variant_types"}
 
 
 @dataclass
@@ -152,10 +156,10 @@ async def follow_playbook(
                     return transcript
             continue
         content = await call(step.tool, fill(step.call, values))
-        for key in ("reference", "model_types"):
+        for placeholder, key in RESULT_VALUES.items():
             found = _find(content, key)
             if found:
-                values[key] = found
+                values[placeholder] = found
     transcript.passed = True
     return transcript
 
@@ -174,19 +178,76 @@ async def port_over_stdio(
         return await follow_playbook(client, source, model_name=model_name, stages=stages)
 
 
+REPO = Path(__file__).resolve().parents[2]
+SESSIONS = Path(__file__).resolve().parent / "sessions"
+# The stages a committed session runs: enough to prove the port imports and maps its
+# args, cheap enough to replay in CI; the per-family test files run all six.
+SESSION_STAGES = [1]
+
+
+def remove_packages(root: Path, packages: tuple[str, ...]) -> None:
+    """Take ``packages`` out of a project copy, as it was before they were ported."""
+    init = root / "archon_models" / "__init__.py"
+    for package in packages:
+        shutil.rmtree(root / "archon_models" / package)
+        (root / "tests" / "archon" / f"test_{package}.py").unlink(missing_ok=True)
+        lines = init.read_text(encoding="utf-8").splitlines(keepends=True)
+        init.write_text("".join(line for line in lines if f"archon_models.{package} " not in line), encoding="utf-8")
+
+
+def export_head(destination: Path) -> Path:
+    """The committed tree (``git archive HEAD``), so a session's base is what CI checks out."""
+    destination.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(destination)], input=archive, check=True)
+    return destination
+
+
+def refresh_session(family: str) -> Path:
+    """Re-record ``tests/mcp/sessions/<family>.jsonl``: port the committed family again
+    over stdio, following SKILL.md, in a copy of HEAD without it."""
+    target = SESSIONS / f"{family}.jsonl"
+    with tempfile.TemporaryDirectory(prefix="archon-port-session-") as tmp:
+        root = export_head(Path(tmp) / "repo")
+        remove_packages(root, (family,))
+        session = Path(tmp) / f"{family}.jsonl"
+        transcript = anyio.run(lambda: port_over_stdio(root, family, session=session, stages=SESSION_STAGES))
+        if not transcript.passed:
+            raise RuntimeError(f"{family}: the SKILL.md flow failed at {transcript.failed_at}; session not written")
+        for rel in (f"archon_models/{family}", f"tests/archon/test_{family}.py"):
+            produced, committed = root / rel, REPO / rel
+            if produced.is_dir():
+                differs = subprocess.run(["diff", "-rq", "-x", "__pycache__", str(produced), str(committed)]).returncode
+            else:
+                differs = produced.read_bytes() != committed.read_bytes()
+            if differs:
+                raise RuntimeError(f"{family}: the SKILL.md flow produces a {rel} different from the committed one")
+        SESSIONS.mkdir(exist_ok=True)
+        shutil.copy(session, target)
+    logger.info("recorded %s", target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="model_type or checkpoint folder to port")
-    parser.add_argument("--workspace", type=Path, required=True, help="project root the server works in")
+    parser.add_argument("source", nargs="+", help="model_type(s) or checkpoint folder to port")
+    parser.add_argument("--refresh", action="store_true", help="re-record tests/mcp/sessions/<family>.jsonl for each")
+    parser.add_argument("--workspace", type=Path, help="project root the server works in (not with --refresh)")
     parser.add_argument("--session", type=Path, help="record the server's session here")
     parser.add_argument("--model-name")
     parser.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,2,3 (default all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.refresh:
+        for family in args.source:
+            refresh_session(family)
+        return 0
+    if args.workspace is None or len(args.source) != 1:
+        parser.error("give one source and --workspace (or --refresh with family names)")
     transcript = anyio.run(
         lambda: port_over_stdio(
             args.workspace.resolve(),
-            args.source,
+            args.source[0],
             session=args.session.resolve() if args.session else None,
             model_name=args.model_name,
             stages=args.stages,
