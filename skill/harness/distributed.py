@@ -26,7 +26,8 @@ gradient tolerance carries over to the parameters. (Adam's first step is
 All comparisons use ``torch.testing.assert_close``'s fp32 defaults.
 
 Workers are forked (they inherit the models built in the parent, nothing is
-pickled) and start in well under a second, against several seconds for spawn.
+pickled) and start in well under a second, against several seconds for spawn. The
+parent serves the rendezvous store, so no port has to be guessed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -70,7 +70,6 @@ __all__ = [
     "PARALLELISMS",
     "WorkerFailure",
     "applicable_parallelisms",
-    "find_free_port",
     "launch",
     "run_stage5",
 ]
@@ -91,13 +90,6 @@ class WorkerFailure(RuntimeError):
     """A worker raised, died or timed out; the message carries its traceback."""
 
 
-def find_free_port() -> int:
-    """A TCP port free on localhost right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker_main(
     rank: int,
     world_size: int,
@@ -109,12 +101,14 @@ def _worker_main(
     try:
         # Two workers share the cores; more threads each only contend.
         torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=timeout,
         )
         try:
             result = fn(rank, world_size, *args)
@@ -139,22 +133,29 @@ def launch(
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes on gloo.
 
     Returns each rank's return value (it must pickle; tensors come back as copies).
-    ``args`` are inherited
-    through fork, not pickled, so they may hold models. Raises
+    ``args`` are inherited through fork, not pickled, so they may hold models. Raises
     :class:`WorkerFailure` with the worker's traceback if any rank raises, dies
     or runs past ``timeout_s``; the other workers are then terminated.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     ctx = mp.get_context("fork")
-    port = find_free_port()
+    # The parent serves the rendezvous store on a port the OS picks while binding, so
+    # concurrent launches (pytest-xdist) cannot race for a port.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     procs: list[mp.process.BaseProcess] = []
     conns: list[Connection] = []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_worker_main,
-            args=(rank, world_size, port, fn, args, child_conn),
+            args=(rank, world_size, store.port, fn, args, child_conn),
             name=f"archon-stage5-rank{rank}",
             daemon=True,
         )
