@@ -1,0 +1,42 @@
+"""``archon-port diverge <model>``: the first module where Archon and HF part ways."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "diverge",
+        help="name the first module whose output differs from HF",
+        description="Run a tiny HF model and its Archon port on the same tokens with hooks on every "
+        "module, match modules through the adapter map, and name the first one whose output differs "
+        "beyond fp32 tolerance. Exits 1 when the logits diverge.",
+    )
+    parser.add_argument("model", help="package name under archon_models/")
+    parser.add_argument("--model-type", help="HF model_type (default: the package's test case)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from skill.porting.locate_divergence import LocateDivergenceRequest
+    from skill.tools import invoke
+
+    result = invoke("locate_divergence", LocateDivergenceRequest(model_name=args.model, model_type=args.model_type))
+    if args.json:
+        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        return 1 if result.diverged else 0
+    for diff in result.compared:
+        mark = "ok  " if diff.within_tolerance else "DIFF"
+        sys.stdout.write(f"{mark} {diff.archon_module:<32} {diff.hf_module:<40} {diff.max_abs_diff:.2e}\n")
+    if result.first_divergence is not None:
+        d = result.first_divergence
+        sys.stdout.write(
+            f"first divergence: {d.archon_module} (HF {d.hf_module}), max abs diff {d.max_abs_diff:.3e}\n"
+        )
+    sys.stdout.write(
+        f"logits max abs diff {result.logits_max_abs_diff:.3e}: {'DIVERGED' if result.diverged else 'match'}\n"
+    )
+    return 1 if result.diverged else 0

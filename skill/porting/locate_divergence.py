@@ -1,0 +1,227 @@
+"""Run HF and Archon side by side and name the first module whose output differs.
+
+Every module of both models gets a forward hook. Archon modules are matched to HF modules
+through the adapter's key map (the HF module of an Archon module is the common prefix of
+the HF keys of its parameters), and compared in the order the Archon forward ran them.
+The first pair outside tolerance is where a port went wrong.
+
+The comparison runs in a fresh interpreter (``python -m skill.porting.locate_divergence``),
+so a package edited since this process imported ``archon_models`` is seen as it is now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from skill.codemod import Workspace
+from skill.porting.common import PackageLayout, PackageRequest
+
+logger = logging.getLogger(__name__)
+
+# torch.testing.assert_close defaults for fp32, as stage 4 uses.
+RTOL = 1.3e-6
+ATOL = 1e-5
+
+
+class ModuleDiff(BaseModel):
+    archon_module: str
+    hf_module: str
+    max_abs_diff: float
+    shape: list[int]
+    within_tolerance: bool
+
+
+class LocateDivergenceRequest(PackageRequest):
+    model_type: str | None = Field(default=None, description="HF model_type (default: the first case of the package's test file, else model_name)")
+    num_tokens: int = Field(default=13, ge=2, le=512, description="length of the one document run through both models")
+
+
+class LocateDivergenceResult(BaseModel):
+    model_name: str
+    model_type: str
+    diverged: bool
+    first_divergence: ModuleDiff | None = None
+    logits_max_abs_diff: float
+    compared: list[ModuleDiff] = Field(description="matched modules in Archon execution order")
+    unmatched_archon_modules: list[str] = Field(default_factory=list)
+
+
+def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResult:
+    """Run a tiny HF model and its Archon port on the same tokens with hooks on every module
+    and name the first Archon module (matched to its HF module through the adapter map)
+    whose output differs beyond fp32 tolerance, with the numbers. Use when stage 4 fails."""
+    workspace = Workspace(request.workspace)
+    layout = PackageLayout.for_name(request.model_name)
+    if not (workspace.root / layout.package_dir).is_dir():
+        raise FileNotFoundError(f"{layout.package_dir}/ does not exist; port the family first (archon-port add).")
+    command = [sys.executable, "-m", "skill.porting.locate_divergence", request.model_name, "--num-tokens", str(request.num_tokens)]
+    if request.model_type:
+        command += ["--model-type", request.model_type]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workspace.root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=workspace.root, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
+    return LocateDivergenceResult.model_validate_json(proc.stdout.strip().splitlines()[-1])
+
+
+def _case_for(root: Path, model_name: str, model_type: str | None):
+    from skill.harness import ModelCase
+
+    test_file = root / PackageLayout.for_name(model_name).test_file
+    if test_file.is_file():
+        spec = importlib.util.spec_from_file_location(f"_archon_port_cases_{model_name}", test_file)
+        module = importlib.util.module_from_spec(spec)
+        assert spec.loader is not None
+        spec.loader.exec_module(module)
+        for case in getattr(module, "CASES", []):
+            if model_type is None or case.model_type == model_type:
+                return case
+    return ModelCase(model_type=model_type or model_name)
+
+
+def _first_tensor(value: Any):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths]
+    prefix: list[str] = []
+    for items in zip(*parts):
+        if len(set(items)) != 1:
+            break
+        prefix.append(items[0])
+    return ".".join(prefix)
+
+
+def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens: int) -> LocateDivergenceResult:
+    import torch
+
+    from skill.harness.models import build_model_pair
+
+    case = _case_for(root, model_name, model_type)
+    with tempfile.TemporaryDirectory(prefix="archon-port-diverge-") as tmp:
+        pair = build_model_pair(case, tmp, attn_type="sdpa")
+    hf_model, archon = pair.hf_model, pair.archon
+    adapter, model = archon.adapter, archon.model
+
+    # Archon module -> HF module, through the adapter's key map.
+    hf_params: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        pairs = adapter.convert_single_to_hf(name, torch.empty(0))
+        for hf_key, _ in pairs:
+            hf_module = hf_key.rsplit(".", 1)[0]
+            archon_path = name.rsplit(".", 1)[0]
+            parts = archon_path.split(".")
+            for i in range(1, len(parts) + 1):
+                hf_params.setdefault(".".join(parts[:i]), []).append(hf_module)
+    hf_modules = dict(hf_model.named_modules())
+    matches = {a: _common_prefix(h) for a, h in hf_params.items()}
+    matches = {a: h for a, h in matches.items() if h in hf_modules}
+
+    generator = torch.Generator().manual_seed(case.seed)
+    tokens = torch.randint(0, archon.args.vocab_size, (1, num_tokens), generator=generator)
+    positions = torch.arange(num_tokens).unsqueeze(0)
+    cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32)
+
+    archon_out: dict[str, torch.Tensor] = {}
+    order: list[str] = []
+    hf_out: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name in matches:
+            def hook(mod, args, out, name=name):
+                tensor = _first_tensor(out)
+                if tensor is not None and name not in archon_out:
+                    archon_out[name] = tensor.detach()
+                    order.append(name)
+            handles.append(module.register_forward_hook(hook))
+    wanted_hf = set(matches.values())
+    for name, module in hf_model.named_modules():
+        if name in wanted_hf:
+            def hf_hook(mod, args, out, name=name):
+                tensor = _first_tensor(out)
+                if tensor is not None and name not in hf_out:
+                    hf_out[name] = tensor.detach()
+            handles.append(module.register_forward_hook(hf_hook))
+    try:
+        with torch.no_grad():
+            hf_logits = hf_model(tokens).logits
+            logits = model(tokens, positions, cu_seqlens, num_tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    compared: list[ModuleDiff] = []
+    for name in order:
+        hf_name = matches[name]
+        a, h = archon_out[name], hf_out.get(hf_name)
+        if h is None or a.shape != h.shape:
+            continue
+        diff = float((a.float() - h.float()).abs().max()) if a.numel() else 0.0
+        ok = bool(torch.allclose(a.float(), h.float(), rtol=RTOL, atol=ATOL))
+        compared.append(ModuleDiff(archon_module=name, hf_module=hf_name, max_abs_diff=diff, shape=list(a.shape), within_tolerance=ok))
+    logits_diff = float((logits.float() - hf_logits.float()).abs().max())
+    logits_ok = bool(torch.allclose(logits, hf_logits, rtol=RTOL, atol=ATOL))
+    first = None if logits_ok else _first_lasting(compared)
+    unmatched = sorted(n for n, m in model.named_modules() if n and n not in matches and list(m.parameters(recurse=False)))
+    return LocateDivergenceResult(
+        model_name=model_name,
+        model_type=case.model_type,
+        diverged=not logits_ok,
+        first_divergence=first,
+        logits_max_abs_diff=logits_diff,
+        compared=compared,
+        unmatched_archon_modules=unmatched,
+    )
+
+
+def _first_lasting(compared: list[ModuleDiff]) -> ModuleDiff | None:
+    """The first differing module whose difference the next module does not absorb.
+
+    A module boundary can sit at a different place on the two sides (HF may scale the
+    embedding inside its embedding module, Archon right after it); the difference then
+    vanishes at the next module, so it is not where the port went wrong.
+    """
+    for i, diff in enumerate(compared):
+        if diff.within_tolerance:
+            continue
+        following = compared[i + 1] if i + 1 < len(compared) else None
+        if following is None or not following.within_tolerance:
+            return diff
+    return next((c for c in compared if not c.within_tolerance), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="worker of locate_divergence: prints one JSON line")
+    parser.add_argument("model_name")
+    parser.add_argument("--model-type")
+    parser.add_argument("--num-tokens", type=int, default=13)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    result = run_locally(Path.cwd(), args.model_name, args.model_type, args.num_tokens)
+    sys.stdout.write(json.dumps(result.model_dump()) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
