@@ -111,6 +111,7 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ),
     ToolEntry(name="run_test_stage", target="skill.porting.run_test_stage:run_test_stage", package_field="model_name", long_running=True),
     ToolEntry(name="port_model", target="skill.porting.port_model:port_model", destructive=True, package_field="model_name", path_fields=("source",), long_running=True),
+    ToolEntry(name="locate_divergence", target="skill.porting.locate_divergence:locate_divergence", read_only=True, package_field="model_name", long_running=True),
 )
 
 
