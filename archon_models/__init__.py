@@ -11,10 +11,10 @@ from archon_models.model_spec import (  # noqa: F401
     is_supported_model,
     register_model_spec,
 )
-from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
-from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
+from archon_models.gemma import spec as gemma_spec  # noqa: F401
+from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
-from archon_models.granite import spec as granite_spec  # noqa: F401
-from archon_models.gemma import spec as gemma_spec  # noqa: F401
+from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
+from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401

@@ -79,6 +79,21 @@ def has_statement(source: str, statement: str) -> bool:
     return any(_stmt_key(s) == wanted for s in _parse(source).body)
 
 
+def _same_import_group(stmt: cst.SimpleStatementLine, new: cst.BaseStatement) -> bool:
+    """``from archon_models.X import spec as X_spec`` lines form one group."""
+    def shape(node: cst.BaseStatement) -> tuple[str, str] | None:
+        if not (isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1):
+            return None
+        imp = node.body[0]
+        if not isinstance(imp, cst.ImportFrom) or imp.module is None or isinstance(imp.names, cst.ImportStar):
+            return None
+        root = _target_code(imp.module).split(".")[0]
+        names = ",".join(_target_code(a.name) for a in imp.names)
+        return root, names
+
+    return shape(stmt) is not None and shape(stmt) == shape(new)
+
+
 def ensure_import_line(source: str, statement: str) -> str:
     """Add ``statement`` after the last module-level import unless it is already there."""
     module = _parse(source)
@@ -87,6 +102,21 @@ def ensure_import_line(source: str, statement: str) -> str:
     body = list(module.body)
     if any(_stmt_key(s) == wanted for s in body):
         return source
+    wanted_code = _stmt_key(new_stmt)
+    siblings = [i for i, s in enumerate(body) if _is_import_line(s) and _same_import_group(s, new_stmt)]
+    if siblings:
+        # Keep a group of like lines (one per registered package) sorted, so the file does
+        # not depend on the order in which packages were added.
+        later = [i for i in siblings if _stmt_key(body[i]) > wanted_code]
+        index = later[0] if later else siblings[-1] + 1
+        if isinstance(new_stmt, cst.SimpleStatementLine):
+            new_stmt = new_stmt.with_changes(leading_lines=[])
+        if later and index == siblings[0]:
+            # Take over the blank lines above the group's first line.
+            new_stmt = new_stmt.with_changes(leading_lines=body[index].leading_lines)
+            body[index] = body[index].with_changes(leading_lines=[])
+        body.insert(index, new_stmt)
+        return module.with_changes(body=body).code
     last_import = max((i for i, s in enumerate(body) if _is_import_line(s)), default=-1)
     if last_import < 0:
         # after a module docstring, if any

@@ -25,6 +25,14 @@ class WorkspaceError(ValueError):
     """A path or workspace the engine refuses to touch."""
 
 
+class ConcurrentEditError(RuntimeError):
+    """A file changed on disk between staging an edit and applying it."""
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
 class Workspace:
     """A project root holding ``archon_models/``; every path is confined inside it."""
 
@@ -68,6 +76,14 @@ class StagedTree:
     def __init__(self, workspace: Workspace):
         self.workspace = workspace
         self._staged: dict[str, object] = {}
+        # Disk content of every path when this tree first looked at it; commit refuses
+        # to overwrite a file that changed since (a concurrent edit would be lost).
+        self._base: dict[str, bytes | None] = {}
+
+    def _snapshot(self, key: str) -> None:
+        if key not in self._base:
+            path = self.workspace.resolve(key)
+            self._base[key] = path.read_bytes() if path.is_file() else None
 
     @staticmethod
     def _key(rel: str | os.PathLike) -> str:
@@ -89,17 +105,18 @@ class StagedTree:
         if key in self._staged:
             value = self._staged[key]
             return None if value is _DELETED else str(value)
-        path = self.workspace.resolve(key)
-        return path.read_text(encoding="utf-8") if path.is_file() else None
+        self._snapshot(key)
+        data = self._base[key]
+        return None if data is None else data.decode("utf-8")
 
     def write_text(self, rel: str | os.PathLike, text: str) -> None:
         key = self._key(rel)
-        self.workspace.resolve(key)  # confinement check now, not at commit
+        self._snapshot(key)  # also the confinement check, now rather than at commit
         self._staged[key] = text
 
     def delete(self, rel: str | os.PathLike) -> None:
         key = self._key(rel)
-        self.workspace.resolve(key)
+        self._snapshot(key)
         self._staged[key] = _DELETED
 
     def delete_tree(self, rel_dir: str | os.PathLike) -> None:
@@ -146,6 +163,16 @@ class StagedTree:
         are restored, new files and directories are removed, and the error re-raised.
         """
         changes = self.changes()
+        moved = [
+            key
+            for key in changes
+            if key in self._base and _read_bytes(self.workspace.resolve(key)) != self._base[key]
+        ]
+        if moved:
+            raise ConcurrentEditError(
+                f"{', '.join(sorted(moved))} changed on disk while the edit was being prepared; "
+                "nothing was written. Run the step again to apply it on top of the new content."
+            )
         originals: dict[Path, bytes | None] = {}
         created_dirs: list[Path] = []
         temps: list[Path] = []
