@@ -5,7 +5,8 @@ under each parallelism and compare with one process running the same, unsplit
 model on the same data:
 
 - ``tp``: TP=2 (with per-op selective activation checkpointing): logits, loss and
-  the gradient of every parameter, gathered. Gradients, not only logits: a wrong
+  the gradient of every parameter, gathered; the vocabulary shard each rank keeps
+  under ``loss_parallel``; and a critic (``score`` head) with its gradients. Gradients, not only logits: a wrong
   plan (a missing SequenceParallel on a norm, a router gate whose partial gradient
   is taken as whole) leaves the forward exact and the gradients wrong.
 - ``fsdp``: FSDP=2 (with full activation checkpointing), a different batch per rank:
@@ -324,6 +325,45 @@ def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     rec.add(compare_tensors("logits (tp=2)", logits.detach(), ref.logits[0]))
     rec.add(compare_tensors("loss (tp=2)", loss.detach(), ref.losses[0]))
     rec.add(compare_tensor_dicts("gradients (tp=2)", _grads(model), ref.grads))
+
+    # The default loss_parallel=True leaves each rank its slice of the vocabulary.
+    sharded = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs(loss_parallel=True))
+    with torch.no_grad():
+        vocab_shard = _forward(sharded, batch)
+    expected_shard = ref.logits[0].chunk(WORLD_SIZE, dim=-1)[rank]
+    rec.add(compare_tensors("logits (tp=2, loss_parallel vocabulary shard)", vocab_shard, expected_shard))
+    _check_tp_critic(rec, setup, dims)
+
+
+def _critic(model: nn.Module) -> nn.Module:
+    """The same network with a seeded ``score`` head (a PPO value model) in place of ``output``."""
+    args = dataclasses.replace(model.model_args, is_critic=True)
+    torch.manual_seed(0)
+    critic = type(model)(args)
+    trunk = {k: v for k, v in model.state_dict().items() if not k.startswith("output.")}
+    missing, unexpected = critic.load_state_dict(trunk, strict=False)
+    if unexpected or any(not k.startswith("score.") for k in missing):
+        raise RuntimeError(f"critic of {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    return critic
+
+
+def _check_tp_critic(rec: StageRecorder, setup: _Setup, dims: ArchonParallelDims) -> None:
+    """TP of a critic: values and every gradient of a regression loss."""
+    batch = setup.batches[0]
+    critic = _critic(setup.model)
+    targets = torch.randn(1, batch.num_tokens, critic.model_args.num_labels, generator=torch.Generator().manual_seed(1))
+
+    def loss_of(values: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(values, targets)
+
+    ref = copy.deepcopy(critic)
+    ref_values = _forward(ref, batch)
+    loss_of(ref_values).backward()
+    model = setup.spec.parallelize_fn(copy.deepcopy(critic), dims, **_parallelize_kwargs())
+    values = _forward(model, batch)
+    loss_of(values).backward()
+    rec.add(compare_tensors("logits (tp=2, critic values)", values.detach(), ref_values.detach()))
+    rec.add(compare_tensor_dicts("gradients (tp=2, critic)", _grads(model), _grads(ref)))
 
 
 def _check_data_parallel(rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any) -> None:
