@@ -102,6 +102,7 @@ class NormKind(StrEnum):
     RMS_ONE_PLUS_W = "rms_one_plus_w"
     LAYER_NORM = "layer_norm"
     LAYER_NORM_NO_BIAS = "layer_norm_no_bias"
+    LAYER_NORM_ONE_PLUS_W = "layer_norm_one_plus_w"  # centred, scaled by (1 + w) (Nemotron's LayerNorm1P)
     OTHER = "other"
 
 
@@ -346,6 +347,22 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
     Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved"}),
     Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
+    # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
+    Feature.O_BIAS: frozenset({"true", "false"}),
+    Feature.SLIDING_WINDOW: frozenset({SlidingWindowKind.NONE, SlidingWindowKind.ALL_LAYERS}),
+    Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
+    Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
+    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu"}),
+    Feature.FFN_BIAS: frozenset({"true", "false"}),
+    Feature.NORM_KIND: frozenset({NormKind.RMS, NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM}),
+    Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE}),
+    Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
+    Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
+    Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
+    Feature.FINAL_SOFTCAP: frozenset({"false"}),
+    Feature.ROPE_TYPE: frozenset({"default"}),
+    Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
+    Feature.PARTIAL_ROTARY: frozenset({"false"}),
 }
 
 
@@ -411,10 +428,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.FUSED_GATE_UP: _flag(ffn.fused_gate_up),
         Feature.MOE: _flag(moe is not None),
         Feature.POSITION_KIND: pos.kind.value,
-        Feature.ROPE_TYPE: pos.rope_type or "none",
-        Feature.ROTARY_STYLE: pos.rotary_style.value,
-        Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
-        Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
+
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
@@ -424,6 +438,16 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
         Feature.OTHER: "; ".join(checklist.other),
     }
+    if pos.kind is PositionKind.ROPE:
+        # RoPE details only mean something for a rotary family.
+        values.update(
+            {
+                Feature.ROPE_TYPE: pos.rope_type or "default",
+                Feature.ROTARY_STYLE: pos.rotary_style.value,
+                Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
+                Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
+            }
+        )
     if moe is not None:
         values.update(
             {

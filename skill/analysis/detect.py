@@ -139,7 +139,7 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind,
         norm_kind = probes.probe_norm_kind(norm, width)
         if norm_kind is NormKind.RMS_ONE_PLUS_W:
             kind = QKNormKind.RMS_ONE_PLUS_W
-        elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS):
+        elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
             kind = QKNormKind.LAYER_NORM
         elif width == hd:
             kind = QKNormKind.PER_HEAD_RMS
@@ -198,9 +198,16 @@ def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
     scaling = getattr(attention, "scaling", None) if attention is not None else None
     if not isinstance(scaling, (int, float)):
         return False, None
-    default = ctx.tiny_head_dim() ** -0.5
-    if math.isclose(float(scaling), default, rel_tol=1e-4):
+    # Candidate head widths: the config's, MLA's query-key width, the module's own.
+    widths = {ctx.tiny_head_dim()}
+    for name in ("qk_head_dim", "head_dim"):
+        for holder in (ctx.tiny, attention):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and value > 0:
+                widths.add(value)
+    if any(math.isclose(float(scaling), w**-0.5, rel_tol=1e-4) for w in widths):
         return False, None
+    default = ctx.tiny_head_dim() ** -0.5
     match = probes.matching_field(ctx.tiny, float(scaling))
     field_name = match[0] if match else None
     ctx.evidence.append(f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {field_name})")
@@ -208,6 +215,8 @@ def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
 
 
 def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
+    if isinstance(ctx.get("kv_lora_rank"), int):
+        return False  # MLA's query width is its own (nope + rope), not a gate
     heads, hd = ctx.tiny.num_attention_heads, ctx.tiny_head_dim()
     q = roles.get("q")
     if q is not None and q.out_features == 2 * heads * hd:
@@ -312,7 +321,7 @@ def _activation(ctx: Context, ffn: nn.Module | None) -> str:
     if ffn is not None:
         for _, module in ffn.named_modules():
             cls = type(module).__name__
-            if "Activation" in cls or cls in ("SiLU", "GELU", "ReLU", "GELUActivation", "NewGELUActivation"):
+            if re.search(r"(Activation|Gelu|GELU|SiLU|Silu|ReLU|Relu|Swish|Tanh)", cls):
                 return cls
     return "unknown"
 
@@ -441,8 +450,13 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         ctx.evidence.append(f"router scoring from the source scan: {scanned}")
     norm_topk = ctx.get("norm_topk_prob")
     if not isinstance(norm_topk, bool):
-        norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
-        ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
+        probed = probes.probe_topk_weights_sum_to_one(ctx.model, ctx.anatomy, ctx.tiny, _top_k(ctx.tiny) or 0)
+        if probed is not None:
+            norm_topk = probed
+            ctx.evidence.append(f"top-k renormalisation from the routing-weights probe: {norm_topk}")
+        else:
+            norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
+            ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
     correction = any("correction" in k for k in ctx.saved_keys)
     router_bias = False
     shared_gate = False

@@ -166,11 +166,8 @@ def check_decoder_only(config: PretrainedConfig) -> None:
         raise AnalysisError(
             f"{model_type!r} is multimodal (sub-configs: {', '.join(sub_configs)}); Archon ports text decoders; {advice}"
         )
-    if sub_configs:
-        raise AnalysisError(
-            f"{model_type!r} is a composite model (sub-configs: {', '.join(sub_configs)}), not a single decoder stack; "
-            "analyse one of its decoder configs instead"
-        )
+    # Other sub-configs (attention or FFN settings grouped in their own object) belong to
+    # the one decoder stack and are analysed with it.
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise AnalysisError(
             f"{model_type!r} is an encoder (transformers maps it to a masked-LM head; its causal-LM head is the "

@@ -57,7 +57,8 @@ def probe_norm_kind(norm: nn.Module, width: int) -> NormKind:
             weight.zero_()
             zero_out = _call_norm(norm, x)
             if not torch.allclose(zero_out, torch.zeros_like(zero_out), atol=1e-6):
-                return NormKind.RMS_ONE_PLUS_W
+                centred = float(zero_out.mean(-1).abs().max()) < 1e-4
+                return NormKind.LAYER_NORM_ONE_PLUS_W if centred else NormKind.RMS_ONE_PLUS_W
             weight.fill_(1.0)
         out = _call_norm(norm, x)
     centred = float(out.mean(-1).abs().max()) < 1e-4
@@ -140,9 +141,14 @@ def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -
 
     norm_records = {n: records[n] for n in anatomy.norms if n in records}
     pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
-    post_sub = any(same(n_in, attn_out) for n_in, _ in norm_records.values())
-    post_ln = any(same(n_in, x + attn_out) for n_in, _ in norm_records.values()) and not pre
     ffn_in = records.get(anatomy.ffn_name or "", (None, None))[0]
+    # A norm of the attention output that is added back to the residual (not fed straight
+    # to the FFN, as in blocks whose attention returns the residual sum itself).
+    post_sub = any(
+        same(n_in, attn_out) and not (ffn_in is not None and same(n_out, ffn_in))
+        for n_in, n_out in norm_records.values()
+    )
+    post_ln = any(same(n_in, x + attn_out) for n_in, _ in norm_records.values()) and not pre
     parallel = False
     if ffn_in is not None and pre:
         parallel = same(ffn_in, attn_in) or any(
@@ -287,3 +293,39 @@ __all__ = [
     "probe_qk_norm_kind",
     "probe_window_reaches_all_layers",
 ]
+
+
+def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, config: Any, top_k: int) -> bool | None:
+    """Whether the routing weights handed to the experts sum to one per token.
+
+    Reads the float ``[tokens, top_k]`` argument of the routed-experts module's forward
+    (the weights every transformers MoE block passes with the expert indices); a top-k
+    softmax and a renormalised softmax both sum to one, a plain softmax over all
+    experts does not. ``None`` when no such argument is seen.
+    """
+    from skill.analysis.modules import experts_module, layer_has_experts
+
+    layer = next((layer for layer in anatomy.layers if layer_has_experts(layer)), None)
+    if layer is None or top_k <= 0:
+        return None
+    found = experts_module(layer)
+    if found is None:
+        return None
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2 and value.shape[-1] == top_k:
+                captured.append(value.detach())
+                return
+
+    handle = found[1].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        _logits(model, tokens_for(config, 6))
+    finally:
+        handle.remove()
+    if not captured:
+        return None
+    sums = captured[0].sum(-1)
+    scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+    return bool(torch.allclose(sums, torch.full_like(sums, scale), atol=1e-4))

@@ -51,7 +51,9 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
     covered = all_reference_values()
     deltas = []
     for feature in Feature:
-        if feature not in target and feature not in ref:
+        if feature not in target:
+            # The target has no such part (no RoPE details without RoPE): the delta on the
+            # enclosing feature (position kind, MoE) already says it.
             continue
         want = target.get(feature, "n/a")
         have = ref.get(feature, "n/a")
