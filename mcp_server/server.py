@@ -23,7 +23,7 @@ from mcp.server.mcpserver.prompts.base import UserMessage
 import skill
 from skill.codemod.workspace import Workspace
 from skill.session import SessionRecorder
-from skill.tools import DEFAULT_LOCK_TIMEOUT_S, STATE_DIR, load_tools
+from skill.tools import DEFAULT_LOCK_TIMEOUT_S, load_tools, state_dir
 
 from mcp_server.state import ServerState
 from mcp_server.tools import make_tool
@@ -76,7 +76,7 @@ def contracts_text(workspace: Workspace) -> str:
 
 def default_session_path(workspace: Workspace) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return workspace.root / STATE_DIR / "sessions" / f"serve-{stamp}-{os.getpid()}.jsonl"
+    return state_dir(workspace, "sessions") / f"serve-{stamp}-{os.getpid()}.jsonl"
 
 
 def build_server(

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from skill.codemod.workspace import Workspace
 from skill.session import SessionRecorder
-from skill.tools import DEFAULT_LOCK_TIMEOUT_S, STATE_DIR, Tool
+from skill.tools import DEFAULT_LOCK_TIMEOUT_S, Tool, state_dir
 
 _PACKAGE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -26,7 +26,7 @@ class ReportStore:
     """
 
     def __init__(self, workspace: Workspace):
-        self.root = workspace.root / STATE_DIR / "reports"
+        self.root = state_dir(workspace, "reports")
 
     def save(self, tool: Tool, arguments: dict[str, Any], result: BaseModel) -> Path | None:
         field_name = tool.entry.package_field

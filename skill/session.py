@@ -42,7 +42,7 @@ from pydantic_core import to_jsonable_python
 
 from skill import __version__
 from skill.codemod.workspace import Workspace
-from skill.tools import STATE_DIR, Tool
+from skill.tools import STATE_DIR, Tool, state_dir
 
 logger = logging.getLogger(__name__)
 
@@ -302,12 +302,7 @@ class ObjectStore:
     """Content-addressed file contents under ``.archon-port/objects`` (like git's, uncompressed)."""
 
     def __init__(self, workspace: Workspace):
-        state = workspace.root / STATE_DIR
-        if not state.exists():
-            state.mkdir(parents=True, exist_ok=True)
-            # Keep the state directory out of version control without touching .gitignore.
-            (state / ".gitignore").write_text("*\n", encoding="utf-8")
-        self.root = state / "objects"
+        self.root = state_dir(workspace, "objects")
 
     def put(self, digest_hex: str, data: bytes) -> None:
         path = self.root / digest_hex[:2] / digest_hex[2:]
@@ -497,7 +492,7 @@ class SessionRecorder:
         self._change_lock = threading.RLock()
         self._closed = False
         key = hashlib.sha256(str(self.path).encode()).hexdigest()[:16]
-        self._checkpoint_path = self.workspace.root / STATE_DIR / "sessions" / f"{key}.checkpoint.json"
+        self._checkpoint_path = state_dir(self.workspace, "sessions") / f"{key}.checkpoint.json"
         self._touched: set[str] = set()
         self.last_call: CallRecord | None = None
         if self.path.exists() and self.path.stat().st_size > 0:
@@ -533,7 +528,6 @@ class SessionRecorder:
         return self.state.scan()
 
     def _save_checkpoint(self) -> None:
-        self._checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"session": str(self.path), "files": self._expected}
         tmp = self._checkpoint_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(payload), encoding="utf-8")

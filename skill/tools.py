@@ -41,6 +41,17 @@ STATE_DIR = ".archon-port"
 DEFAULT_LOCK_TIMEOUT_S = 300.0
 
 
+def state_dir(workspace: Workspace, *parts: str) -> Path:
+    """``<workspace>/.archon-port/<parts>``, created; the state directory ignores itself in git."""
+    root = workspace.root / STATE_DIR
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        (root / ".gitignore").write_text("*\n", encoding="utf-8")
+    path = root.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 class ToolEntry(BaseModel):
     """One registry line: which function is the step and how it behaves.
 
@@ -314,9 +325,7 @@ def package_lock(
     A call that cannot get it within ``timeout`` seconds raises :class:`ToolBusyError`
     naming the call that holds it; ``timeout=0`` refuses at once.
     """
-    lock_dir = workspace.root / STATE_DIR / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    path = lock_dir / f"{package}.lock"
+    path = state_dir(workspace, "locks") / f"{package}.lock"
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     with open(path, "a+", encoding="utf-8") as handle:
         deadline = time.monotonic() + timeout
