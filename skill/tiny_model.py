@@ -335,6 +335,17 @@ def tiny_config(
         TinyModelError: for an unknown ``model_type`` or a config the rules cannot shrink.
     """
     config = _resolve_config(model_type_or_config)
+    try:
+        return _shrink(config, overrides)
+    except TinyModelError:
+        raise
+    except Exception as exc:  # attribute access on exotic configs raises its own types
+        raise TinyModelError(
+            f"cannot shrink {type(config).__name__}: {exc}; pass the sizes as overrides or a simpler config"
+        ) from exc
+
+
+def _shrink(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
     config_class = type(config)
     canonical = _canonical_names(config)
     original = config.to_dict()

@@ -129,7 +129,14 @@ def resolve_source(source: str, trust_remote_code: bool = False) -> ResolvedSour
             f"unknown model_type {source!r}{hint}; pass a model_type of the installed transformers "
             "or a folder with a config.json"
         )
-    return ResolvedSource(AutoConfig.for_model(source), "model_type")
+    try:
+        config = AutoConfig.for_model(source)
+    except Exception as exc:  # config validators raise several exception types
+        raise AnalysisError(
+            f"transformers rejects the default config of {source!r} ({exc}); "
+            "analyse a checkpoint's config.json of that family instead"
+        ) from exc
+    return ResolvedSource(config, "model_type")
 
 
 def _text_sub_config_name(config: PretrainedConfig) -> str | None:
@@ -168,6 +175,11 @@ def check_decoder_only(config: PretrainedConfig) -> None:
         )
     # Other sub-configs (attention or FFN settings grouped in their own object) belong to
     # the one decoder stack and are analysed with it.
+    if getattr(config, "is_heterogeneous", False):
+        raise AnalysisError(
+            f"{model_type!r} has layers of different shapes (per_layer_config); the analyser reads one layer as "
+            "representative, so port this family by hand from its modeling source"
+        )
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise AnalysisError(
             f"{model_type!r} is an encoder (transformers maps it to a masked-LM head; its causal-LM head is the "
