@@ -194,7 +194,7 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         if existed and changes and not request.overwrite:
             raise FileExistsError(
                 f"{layout.package_dir}/ exists and differs from what the engine generates "
-                f"({len(changes)} files); pass overwrite=True (--overwrite) to replace it. Nothing was written."
+                f"({', '.join(sorted(changes))}); pass overwrite=True (--overwrite) to replace it. Nothing was written."
             )
         changed = runner.run("write", tree.commit, lambda paths: f"{len(paths)} files changed" if paths else "unchanged")
     except Exception as e:

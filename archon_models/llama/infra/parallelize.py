@@ -151,7 +151,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) 
             use_local_output=True,
         )
     if getattr(model, "score", None) is not None:
-        # A critic's score head is tiny: keep it replicated on the gathered sequence.
+        # A critic's score head is tiny: keep it replicated on the gathered sequence,
+        # handed over as a plain tensor (its plain weight cannot meet a DTensor).
         root_plan["score"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
