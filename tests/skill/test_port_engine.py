@@ -1,0 +1,141 @@
+"""The porting steps on a temporary copy of the project: rename, register, refuse, reproduce."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from skill.porting.check_package import CheckPackageRequest, check_package
+from skill.porting.copy_reference import CopyReferenceRequest, copy_reference
+from skill.porting.port_model import PortModelRequest, port_model
+from skill.porting.register_spec import RegisterSpecRequest, register_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    """A copy of archon_models/ and tests/archon/ (the engine writes into both)."""
+    shutil.copytree(REPO / "archon_models", tmp_path / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "tests" / "archon").mkdir(parents=True)
+    return tmp_path
+
+
+def test_copy_reference_renames_and_refuses_a_different_existing_package(workspace):
+    request = CopyReferenceRequest(model_name="newfam", reference="qwen2", workspace=workspace)
+    result = copy_reference(request)
+    model = (workspace / "archon_models/newfam/model/model.py").read_text()
+    assert "class NewfamModel(BaseArchonModel)" in model
+    assert "from archon_models.newfam.model.args import NewfamModelArgs" in model
+    assert "qwen2" not in model.lower().replace("qwen2.model.rope", "")
+    spec = (workspace / "archon_models/newfam/spec.py").read_text()
+    assert "NEWFAM_SPEC" in spec and "parallelize_newfam" in spec
+    assert len(result.changed_files) == len(result.files)
+    assert copy_reference(request).changed_files == []  # identical: a no-op
+    (workspace / "archon_models/newfam/model/model.py").write_text(model + "\n# hand edit\n")
+    before = _snapshot(workspace)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        copy_reference(request)
+    assert _snapshot(workspace) == before
+
+
+def test_register_spec_is_idempotent_and_refuses_a_taken_model_type(workspace):
+    copy_reference(CopyReferenceRequest(model_name="newfam", reference="qwen2", workspace=workspace))
+    first = register_spec(RegisterSpecRequest(model_name="newfam", model_types=["newfam"], workspace=workspace))
+    assert "archon_models/__init__.py" in first.changed_files
+    init = (workspace / "archon_models/__init__.py").read_text()
+    assert first.import_line in init
+    assert register_spec(RegisterSpecRequest(model_name="newfam", model_types=["newfam"], workspace=workspace)).changed_files == []
+    before = _snapshot(workspace)
+    with pytest.raises(ValueError, match="archon_models/llama/spec.py"):
+        register_spec(RegisterSpecRequest(model_name="newfam", model_types=["llama"], workspace=workspace))
+    assert _snapshot(workspace) == before
+
+
+def test_port_model_reproduces_the_committed_llama_and_a_rerun_changes_nothing(workspace):
+    shutil.rmtree(workspace / "archon_models/llama")
+    init = workspace / "archon_models/__init__.py"
+    init.write_text("".join(l for l in init.read_text().splitlines(keepends=True) if "archon_models.llama " not in l))
+    result = port_model(PortModelRequest(source="llama", stages=[], workspace=workspace))
+    assert result.passed, result.error
+    assert result.edits == ["projection_bias"]
+    for path in sorted((REPO / "archon_models/llama").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        assert (workspace / rel).read_text() == path.read_text(), f"{rel} differs from the committed port"
+    assert (workspace / "tests/archon/test_llama.py").read_text() == (REPO / "tests/archon/test_llama.py").read_text()
+    assert "from archon_models.llama import spec as llama_spec" in init.read_text()
+    before = _snapshot(workspace)
+    again = port_model(PortModelRequest(source="llama", stages=[], workspace=workspace))
+    assert again.passed and again.changed_files == []
+    assert _snapshot(workspace) == before
+
+
+def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
+    before = _snapshot(workspace)
+    result = port_model(PortModelRequest(source="olmo2", stages=[], workspace=workspace))
+    assert not result.passed
+    assert "QK norm" in result.error and "Nothing was written" in result.error
+    assert _snapshot(workspace) == before
+
+
+def test_port_model_refuses_a_changed_package_without_overwrite(workspace):
+    model = workspace / "archon_models/llama/model/model.py"
+    model.write_text(model.read_text() + "\n# a hand edit\n")
+    before = _snapshot(workspace)
+    result = port_model(PortModelRequest(source="llama", stages=[], workspace=workspace))
+    assert not result.passed and "overwrite" in result.error
+    assert _snapshot(workspace) == before
+
+
+def test_ctrl_c_while_writing_leaves_no_half_package(workspace, monkeypatch):
+    shutil.rmtree(workspace / "archon_models/llama")
+    init = workspace / "archon_models/__init__.py"
+    init.write_text("".join(l for l in init.read_text().splitlines(keepends=True) if "archon_models.llama " not in l))
+    before = _snapshot(workspace)
+    real_replace = os.replace
+    calls = []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        port_model(PortModelRequest(source="llama", stages=[], workspace=workspace))
+    assert _snapshot(workspace) == before
+    assert not (workspace / "archon_models/llama").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape", "Llama", "my-llama"])
+def test_port_model_refuses_bad_model_names(name):
+    with pytest.raises(ValidationError):
+        PortModelRequest(source="llama", model_name=name)
+
+
+def test_check_package_catches_the_guides_common_mistakes(workspace):
+    request = CheckPackageRequest(model_name="llama", workspace=workspace)
+    assert check_package(request).passed
+    adapter = workspace / "archon_models/llama/model/state_dict_adapter.py"
+    adapter.write_text(adapter.read_text().replace('        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,\n', ""))
+    model = workspace / "archon_models/llama/model/model.py"
+    model.write_text(model.read_text() + "\nprint('debug')\n")
+    init = workspace / "archon_models/__init__.py"
+    init.write_text(init.read_text().replace("from archon_models.llama import spec as llama_spec  # noqa: F401\n", ""))
+    args = workspace / "archon_models/llama/model/args.py"
+    args.write_text(args.read_text().replace("hf_config.intermediate_size", "hf_config.ffn_dim"))
+    failed = {c.name for c in check_package(request).failures}
+    assert failed == {"runtime_buffers_dropped", "logging_not_print", "import_line", "config_attributes"}
