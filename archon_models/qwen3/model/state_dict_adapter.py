@@ -2,7 +2,9 @@
 
 Checkpoints store one 2D tensor per expert and projection
 (``model.layers.{L}.mlp.experts.{E}.gate_proj.weight``); Archon stacks a layer's
-experts into 3D ``layers.{L}.moe.experts.w1``/``w2``/``w3`` (``MoEWeightConverter``).
+experts into 3D ``layers.{L}.moe.experts.w1``/``w2``/``w3``. The split/stack uses only
+AReaL's ``MoEWeightConverter`` API (``*_offline`` for plain tensors, ``*_dtensor`` for
+expert-sharded DTensors), so this package drops into AReaL unchanged.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import re
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from archon_models.base import BaseStateDictAdapter
-from archon_models.moe_weight_converter import MoEWeightConverter
+from archon_models.moe_weight_converter import MoEConversionState, MoEWeightConverter
 from archon_models.qwen3.model.args import Qwen3ModelArgs
 from archon_models.qwen3.model.model import Qwen3Model
 
@@ -94,25 +97,26 @@ class Qwen3StateDictAdapter(BaseStateDictAdapter):
             self.model_args = Qwen3ModelArgs.from_hf_config(model_config)
         self.enable_weight_tying = self.model_args.enable_weight_tying
         self.moe_enabled = self.model_args.moe_enabled
-        self._moe_converter: MoEWeightConverter | None = None
-        if self.model_args.moe_args is not None:
-            expert_key_map = {
-                archon: hf for hf, archon in self.from_hf_map.items() if archon is not None and hf.count("{}") == 2
-            }
-            self._moe_converter = MoEWeightConverter(expert_key_map, self.model_args.moe_args.num_experts)
+        self.num_experts = self.model_args.moe_args.num_experts if self.model_args.moe_args is not None else 0
+        # Archon expert template ("layers.{}.moe.experts.w1") -> HF template (layer, expert).
+        self._expert_templates = {
+            archon: hf for hf, archon in self.from_hf_map.items() if archon is not None and hf.count("{}") == 2
+        }
+        self._moe_converter = MoEWeightConverter()
+        # What to_hf of expert-sharded DTensors records for the matching from_hf.
+        self._moe_state = MoEConversionState()
         self._expected_keys: frozenset[str] | None = None
 
     # -- key mapping -------------------------------------------------------------------
 
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
-        target = self.from_hf_map.get(template, ...)
-        if target is ... or template.count("{}") == 2:
-            hint = " (a per-expert key, but this config has no experts)" if template.count("{}") == 2 else ""
+        if template not in self.from_hf_map:
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
-                f"{type(self).__name__}.from_hf_map{hint}; map it to an Archon key, or to None to drop it."
+                f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."
             )
+        target = self.from_hf_map[template]
         return None if target is None else target.format(*indices)
 
     def _hf_key(self, archon_key: str) -> str:
@@ -122,7 +126,10 @@ class Qwen3StateDictAdapter(BaseStateDictAdapter):
                 f"Archon key {archon_key!r} (pattern {template!r}) has no HF name; add the HF key "
                 f"that holds it to {type(self).__name__}.from_hf_map."
             )
-        return self.to_hf_map[template].format(*indices)
+        hf_key = self.to_hf_map[template]
+        for index in indices:  # an expert template keeps its expert "{}" (it names all experts)
+            hf_key = hf_key.replace("{}", index, 1)
+        return hf_key
 
     # -- completeness ------------------------------------------------------------------
 
@@ -160,18 +167,80 @@ class Qwen3StateDictAdapter(BaseStateDictAdapter):
         if missing:
             raise KeyError(f"Checkpoint lacks {[self._hf_key(k) for k in missing]} (Archon {missing}).")
 
+    # -- MoE experts -------------------------------------------------------------------
+
+    def _split_experts(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """Per-expert HF entries of a 3D expert weight, or ``None`` if ``name`` is not one."""
+        template, indices = _abstract(name)
+        hf_template = self._expert_templates.get(template)
+        if hf_template is None:
+            return None
+        if not self.moe_enabled:
+            raise KeyError(f"Archon key {name!r} is an expert weight, but the config has no experts.")
+        (layer_id,) = indices
+        if isinstance(tensor, DTensor):
+            pieces = self._moe_converter.split_expert_weights_dtensor(
+                hf_template, template, layer_id, tensor, self._moe_state
+            )
+            return list(pieces.items())
+        experts = MoEWeightConverter.split_expert_weights_offline(tensor, self.num_experts)
+        return [(hf_template.format(layer_id, e), w) for e, w in enumerate(experts)]
+
+    def _stack_experts(self, by_layer: dict[str, dict[str, dict[int, Any]]]) -> dict[str, Any]:
+        """3D Archon expert weights from ``{layer: {archon_template: {expert: 2D}}}``.
+
+        Plain tensors need all ``num_experts`` experts; DTensors (a rank under expert
+        parallelism) need the experts this rank held when ``to_hf`` split them.
+        """
+        stacked: dict[str, Any] = {}
+        missing: list[str] = []
+        for layer_id in sorted(by_layer, key=int):
+            for template in list(by_layer[layer_id]):
+                experts = by_layer[layer_id][template]
+                sample = next(iter(experts.values()))
+                if isinstance(sample, DTensor):
+                    key = template.format(layer_id)
+                    expected = range(*self._moe_state.local_experts_indices.get(key, (0, self.num_experts)))
+                    weight = self._moe_converter.concatenate_expert_weights_dtensor(
+                        by_layer, template, layer_id, sample.device_mesh, self._moe_state
+                    )
+                else:
+                    expected = range(self.num_experts)
+                    weight = MoEWeightConverter.concatenate_expert_weights_offline(
+                        by_layer, template, layer_id, self.num_experts
+                    )
+                if weight is None:
+                    hf_template = self._expert_templates[template]
+                    missing += [hf_template.format(layer_id, e) for e in expected if e not in experts]
+                else:
+                    stacked[template.format(layer_id)] = weight
+        if missing:
+            raise KeyError(f"Checkpoint lacks expert weights {missing}.")
+        return stacked
+
     # -- conversions -------------------------------------------------------------------
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict: dict[str, Any] = {}
-        rest: dict[str, Any] = dict(hf_state_dict)
-        if self._moe_converter is not None:
-            experts, rest = self._moe_converter.merge_from_hf(hf_state_dict)
-            state_dict.update(experts)
-        for hf_key, value in rest.items():
+        experts_by_layer: dict[str, dict[str, dict[int, Any]]] = {}
+        for hf_key, value in hf_state_dict.items():
             archon_key = self._archon_key(hf_key)
-            if archon_key is not None:
+            if archon_key is None:
+                continue
+            hf_template, indices = _abstract(hf_key)
+            if hf_template.count("{}") != 2:
                 state_dict[archon_key] = value
+                continue
+            # A per-expert 2D weight: collect it for stacking.
+            layer_id, expert_id = indices[0], int(indices[1])
+            if not self.moe_enabled or expert_id >= self.num_experts:
+                raise KeyError(
+                    f"HF checkpoint key {hf_key!r} names expert {expert_id}, but the config has "
+                    f"{self.num_experts} experts per layer."
+                )
+            archon_template = self.from_hf_map[hf_template]
+            experts_by_layer.setdefault(layer_id, {}).setdefault(archon_template, {})[expert_id] = value
+        state_dict.update(self._stack_experts(experts_by_layer))
         if self.model_args.is_critic and state_dict.pop("output.weight", None) is not None:
             logger.info("Dropped lm_head.weight: a critic has a score head instead.")
         if (
@@ -195,8 +264,7 @@ class Qwen3StateDictAdapter(BaseStateDictAdapter):
         name = _strip_wrappers(name)
         if self.enable_weight_tying and name == "output.weight":
             return []  # HF rebuilds the tied LM head from the embedding
-        if self._moe_converter is not None:
-            experts = self._moe_converter.split_to_hf(name, tensor)
-            if experts is not None:
-                return list(experts.items())
+        experts = self._split_experts(name, tensor)
+        if experts is not None:
+            return experts
         return [(self._hf_key(name), tensor)]
