@@ -9,18 +9,16 @@ forward + backward on CPU, because no work is spent on cross-document blocks.
 
 from __future__ import annotations
 
-import logging
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # PyTorch >= 2.10 ships a flash varlen op; older builds do not.
+try:  # recent PyTorch (2.13 here) ships a flash varlen op; older builds do not.
     from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
 except ImportError:  # pragma: no cover - depends on the installed torch
     _torch_varlen_attn = None
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["VarlenAttentionWrapper", "varlen_attn"]
 
@@ -40,7 +38,7 @@ def _segments(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
         )
     if bounds[-1] < total:
         bounds.append(total)
-    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return [(s, e) for s, e in pairwise(bounds) if e > s]
 
 
 def _sdpa_per_document(

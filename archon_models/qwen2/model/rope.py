@@ -56,7 +56,7 @@ def reshape_for_broadcast(
     ``[bs, seq]``) selects rows, which is how packed documents restart at 0; without
     it, rows ``0 .. seq-1`` are used.
     """
-    bs, seqlen, _, head_dim = x.shape
+    _, seqlen, _, head_dim = x.shape
     if rope_cache.shape[-1] != 2 * head_dim:
         raise ValueError(
             f"rope_cache has {rope_cache.shape[-1]} columns, expected 2 * head_dim = {2 * head_dim}."
