@@ -205,16 +205,15 @@ def pipeline_llm(
     ``archon_config`` is anything with the fields of :class:`ArchonPipelineConfig`.
     Returns ``(stages, model_parts, has_first_stage, has_last_stage)``.
     """
-    pp_mesh = parallel_dims.get_mesh("pp")
-    if pp_mesh is None or not parallel_dims.pp_enabled:
+    if not parallel_dims.pp_enabled:
         raise ValueError("pipeline_llm needs pipeline parallelism: set ArchonParallelDims.pp > 1.")
-
     if getattr(getattr(model, "model_args", None), "enable_weight_tying", False):
         raise ValueError(
             "pipeline_llm cannot split a model with tied embedding and LM head: the first and "
             "last stage would each train their own copy. Disable enable_weight_tying or use pp=1."
         )
 
+    pp_mesh = parallel_dims.get_mesh("pp")
     pp_schedule = archon_config.pp_schedule
     layers_per_stage = archon_config.pp_layers_per_stage
     first_less = archon_config.pp_first_stage_less_layers

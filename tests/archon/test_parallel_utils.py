@@ -3,6 +3,7 @@ activation checkpointing, compile wrapping and the forked gloo launcher."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from types import SimpleNamespace
@@ -13,7 +14,8 @@ from torch import nn
 
 from archon_models.activation_checkpoint import ActivationCheckpointConfig, apply_ac
 from archon_models.compile import apply_compile
-from archon_models.pipeline_parallel import generate_llm_fqn_per_model_part
+from archon_models.parallel_dims import ArchonParallelDims
+from archon_models.pipeline_parallel import ArchonPipelineConfig, generate_llm_fqn_per_model_part, pipeline_llm
 from archon_models.ulysses import (
     gather_heads_scatter_seq,
     gather_seq_scatter_heads,
@@ -152,6 +154,21 @@ def test_pipeline_split_balances_layers_with_embedding_and_head():
 def test_pipeline_split_rejects_impossible_splits(args, message):
     with pytest.raises(ValueError, match=message):
         generate_llm_fqn_per_model_part(*args)
+
+
+def test_pipeline_llm_refuses_what_it_cannot_split(tiny_qwen2):
+    import copy
+
+    def never_called(*args, **kwargs):
+        raise AssertionError("parallelize_fn must not run")
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"set ArchonParallelDims.pp > 1"):
+        pipeline_llm(tiny_qwen2, cpu, ArchonParallelDims(world_size=1), ArchonPipelineConfig(), never_called)
+    tied = copy.deepcopy(tiny_qwen2)
+    tied.model_args = dataclasses.replace(tied.model_args, enable_weight_tying=True)
+    with pytest.raises(ValueError, match="tied embedding and LM head"):
+        pipeline_llm(tied, cpu, ArchonParallelDims(pp=2, world_size=2), ArchonPipelineConfig(), never_called)
 
 
 # ----------------------------------------------------------- activation checkpointing
