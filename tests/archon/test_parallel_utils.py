@@ -245,6 +245,15 @@ def test_apply_compile_wraps_each_block(tiny_qwen2):
         apply_compile(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fsdp_rejects_unknown_reshard_policy(tiny_qwen2, family):
+    import importlib
+
+    apply_fsdp = importlib.import_module(f"archon_models.{family}.infra.parallelize").apply_fsdp
+    with pytest.raises(ValueError, match="Invalid reshard_after_forward_policy 'sometimes'"):
+        apply_fsdp(tiny_qwen2, dp_mesh=None, reshard_after_forward_policy="sometimes")
+
+
 # --------------------------------------------------------------------------- launcher
 
 
