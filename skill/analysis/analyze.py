@@ -102,10 +102,43 @@ def _analyse(resolved: ResolvedSource, trust_remote_code: bool) -> _Analysis:
         tiny = tiny_config(config)
         model = build_tiny_model(tiny, seed=0, trust_remote_code=trust_remote_code)
     except TinyModelError as exc:
+        if not _builds_at_full_size(config, trust_remote_code):
+            raise AnalysisError(
+                f"transformers cannot instantiate {config.model_type!r} from this config even at full size "
+                f"({exc.__cause__ or exc}); analyse a published checkpoint's config.json of the family instead"
+            ) from exc
         raise AnalysisError(
             f"{config.model_type!r}: a tiny instance cannot be built ({exc}); "
             "check the config's sizes, or report the family to the archon-port maintainers"
         ) from exc
+    try:
+        return _inspect(config, tiny, model, resolved, trust_remote_code)
+    except AnalysisError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise AnalysisError(
+            f"{config.model_type!r}: probing the tiny instance failed ({type(exc).__name__}: {exc}); "
+            "the family needs a hand analysis, or a tiny_config override that fits its constraints"
+        ) from exc
+
+
+def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> bool:
+    """Whether transformers can build the unshrunk config (on the meta device, no memory)."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # any failure means transformers itself cannot build it
+        return False
+    return True
+
+
+def _inspect(
+    config: PretrainedConfig,
+    tiny: PretrainedConfig,
+    model: nn.Module,
+    resolved: ResolvedSource,
+    trust_remote_code: bool,
+) -> _Analysis:
     try:
         anatomy = mt.anatomy(model, tiny.num_hidden_layers)
     except LookupError as exc:

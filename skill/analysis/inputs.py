@@ -180,6 +180,12 @@ def check_decoder_only(config: PretrainedConfig) -> None:
             f"{model_type!r} has layers of different shapes (per_layer_config); the analyser reads one layer as "
             "representative, so port this family by hand from its modeling source"
         )
+    mixers = non_attention_config_fields(config)
+    if mixers:
+        raise AnalysisError(
+            f"{model_type!r} is a hybrid, state-space or recurrent model (config: {', '.join(mixers[:4])}); Archon "
+            "ports softmax-attention decoders. Pick an attention-only family"
+        )
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise AnalysisError(
             f"{model_type!r} is an encoder (transformers maps it to a masked-LM head; its causal-LM head is the "
@@ -190,6 +196,30 @@ def check_decoder_only(config: PretrainedConfig) -> None:
             f"{model_type!r} has no causal-LM class in the installed transformers, so it is not a decoder-only LM; "
             "pick a family listed by `archon-port analyze --list`"
         )
+
+
+_SSM_FIELD_WORDS = ("mamba", "ssm", "linear_attn", "linear_num", "linear_key", "linear_value", "conv_kernel", "time_step")
+
+
+def non_attention_config_fields(config: PretrainedConfig) -> list[str]:
+    """Config evidence of token mixers other than softmax attention.
+
+    State-space and linear-attention sizes (``mamba_d_state``, ``linear_num_key_heads``,
+    ...) or per-layer kinds that are not attention (``"mamba"``, ``"linear_attention"``,
+    ``"conv"``) in a ``layer_types``-like list.
+    """
+    found = []
+    for name, value in sorted(config.to_dict().items()):
+        if value is None or value is False:
+            continue
+        if any(word in name for word in _SSM_FIELD_WORDS):
+            found.append(name)
+        elif name in ("layer_types", "layers_block_type", "block_types", "attention_types") and isinstance(value, list):
+            kinds = sorted({str(v) for v in value if isinstance(v, str)})
+            odd = [k for k in kinds if "attention" not in k or "linear" in k]
+            if odd:
+                found.append(f"{name}: {', '.join(odd)}")
+    return found
 
 
 def decoder_only_candidates() -> list[str]:

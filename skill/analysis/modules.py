@@ -102,6 +102,12 @@ def find_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
         if isinstance(module, nn.ModuleList) and len(module) == n_layers and len(module) > 0:
             if any(isinstance(c, nn.Module) and list(c.children()) for c in module):
                 return name, module
+    # Some configs count sub-layers (two attentions per block): take the first list of
+    # blocks that hold an attention module.
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if any(_is_attention(child) for child in module[0].modules()):
+                return name, module
     raise LookupError(f"no module list of {n_layers} decoder layers in {type(model).__name__}")
 
 
