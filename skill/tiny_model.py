@@ -310,8 +310,23 @@ def _rotary_dim(config: PretrainedConfig) -> int | None:
     return _original_head_dim(config)
 
 
+# Scalar fields that are neutral (1.0) in many default configs; a parity test against a
+# port that ignores them would pass unless they move. Matched by role words in the name.
+_NEUTRAL_SCALAR_WORDS = ("multiplier", "logits_scaling", "logit_scale", "scale_emb", "scale_depth")
+PERTURBED_SCALAR = 1.25
+
+
+def _perturbed_scalars(config: PretrainedConfig) -> dict[str, float]:
+    perturbed = {}
+    for name, value in config.to_dict().items():
+        if isinstance(value, float) and value == 1.0 and any(word in name for word in _NEUTRAL_SCALAR_WORDS):
+            perturbed[name] = PERTURBED_SCALAR
+    return perturbed
+
+
 def tiny_config(
     model_type_or_config: str | PretrainedConfig | Mapping[str, Any],
+    perturb_scalars: bool = False,
     **overrides: Any,
 ) -> PretrainedConfig:
     """A tiny config of the same class and features as the given one.
@@ -321,6 +336,9 @@ def tiny_config(
             (``"mistral"``), a config object (for instance loaded from a checkpoint's
             ``config.json``, whose non-default features are kept), or a config dict with
             a ``model_type`` key.
+        perturb_scalars: move neutral scalar multipliers (float fields such as
+            ``embedding_multiplier`` or ``logits_scaling`` equal to 1.0) to 1.25, so a
+            parity test fails for a port that ignores them. Explicit overrides win.
         **overrides: fields set after shrinking, by their canonical or stored name (for
             example ``num_hidden_layers=3`` or ``tie_word_embeddings=True``).
 
@@ -335,6 +353,8 @@ def tiny_config(
         TinyModelError: for an unknown ``model_type`` or a config the rules cannot shrink.
     """
     config = _resolve_config(model_type_or_config)
+    if perturb_scalars:
+        overrides = {**_perturbed_scalars(config), **overrides}
     try:
         return _shrink(config, overrides)
     except TinyModelError:

@@ -91,3 +91,12 @@ def test_saved_keys_are_the_on_disk_names() -> None:
 def test_unknown_model_type_names_the_problem() -> None:
     with pytest.raises(TinyModelError, match="unknown model_type 'not_a_family'"):
         tiny_config("not_a_family")
+
+
+def test_perturb_scalars_moves_neutral_multipliers_only() -> None:
+    plain = tiny_config("granite")
+    moved = tiny_config("granite", perturb_scalars=True, residual_multiplier=0.5)
+    assert plain.embedding_multiplier == 1.0
+    assert moved.embedding_multiplier == 1.25 and moved.logits_scaling == 1.25
+    assert moved.residual_multiplier == 0.5  # explicit overrides win
+    assert tiny_config("qwen3", perturb_scalars=True).to_dict() == tiny_config("qwen3").to_dict()
