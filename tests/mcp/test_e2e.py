@@ -1,0 +1,65 @@
+"""End to end: a client that knows only SKILL.md and the tool list ports a family over stdio,
+and the sessions that produced the committed families replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from skill import session as sessions
+from skill.replay import ReplayInput, _check_call, replay_session
+from tests.mcp.conftest import REPO, make_project
+from tests.mcp.scripted_client import SESSIONS, port_over_stdio
+
+COMMITTED = sorted(SESSIONS.glob("*.jsonl"))
+E2E_FAMILY = "llama"
+
+
+@pytest.mark.slow
+def test_a_skill_md_client_ports_a_family_over_stdio(tmp_path: Path):
+    """The server as a subprocess; the client reads SKILL.md, lists tools, analyses, ports
+    llama into a project without it and runs stage 1. Its session equals the committed one."""
+    root = make_project(tmp_path / "repo", without=(E2E_FAMILY,))
+    session = tmp_path / "e2e.jsonl"
+    transcript = anyio.run(lambda: port_over_stdio(root, E2E_FAMILY, session=session, stages=[1]))
+    assert transcript.passed, transcript.failed_at
+    tools_called = [tool for tool, *_ in transcript.calls]
+    assert tools_called[0] == "analyze_hf_model" and tools_called[-1] == "run_test_stage"
+    stage = transcript.calls[-1][2]
+    assert stage["passed"] and stage["stage"] == 1
+    # The port is the committed package, byte for byte.
+    for path in sorted((REPO / "archon_models" / E2E_FAMILY).rglob("*.py")):
+        rel = path.relative_to(REPO)
+        assert (root / rel).read_bytes() == path.read_bytes(), rel
+    # The recorded session is the committed session (steps 1-9), plus the stage-1 call.
+    recorded = [r for r in sessions.read_session(session) if isinstance(r, sessions.CallRecord)]
+    assert recorded[-1].tool == "run_test_stage" and "tests/archon/test_llama.py" in recorded[-1].files
+    recorded = recorded[:-1]
+    committed_path = SESSIONS / f"{E2E_FAMILY}.jsonl"
+    committed = [r for r in sessions.read_session(committed_path) if isinstance(r, sessions.CallRecord)]
+    assert [(r.tool, r.arguments) for r in recorded] == [(r.tool, r.arguments) for r in committed]
+    for old, new in zip(committed, recorded, strict=True):
+        mismatch = _check_call(old, new)
+        assert mismatch is None, f"{committed_path.name}: {mismatch}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("session", [p for p in COMMITTED if p.stem != E2E_FAMILY], ids=lambda p: p.stem)
+def test_committed_sessions_replay(session: Path):
+    report = replay_session(ReplayInput(session=session, source=REPO))
+    assert report.ok, report.describe()
+    assert report.calls == 9  # analyze_hf_model ... check_package
+
+
+def test_committed_sessions_are_closed_and_portable():
+    assert COMMITTED, "tests/mcp/sessions/ holds the sessions that produced the committed families"
+    for path in COMMITTED:
+        records = sessions.read_session(path)
+        assert isinstance(records[-1], sessions.CloseRecord), f"{path.name} was not closed"
+        text = path.read_text()
+        assert "/tmp/" not in text and str(REPO) not in text, f"{path.name} holds a machine-specific path"
+        calls = [json.loads(line) for line in text.splitlines() if '"kind":"call"' in line]
+        assert all(call["ok"] for call in calls)
