@@ -53,9 +53,7 @@ class ActivationCheckpointConfig:
 
     mode: str = "selective"
     selective_ac_option: str = "op"
-    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
-        default_factory=lambda: ["moe.router.gate"]
-    )
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
     early_stop: bool = False
     memory_budget: float = 0.5
     visualize_memory_budget_pareto: bool = False
@@ -134,9 +132,7 @@ def _apply_op_sac(
                 counts[key] += 1
             # Save the listed ops, but recompute every second matmul: half the matmul
             # memory for a quarter of the matmul compute.
-            save = func in op_sac_save_list and not (
-                func == torch.ops.aten.mm.default and counts[key] % 2 == 0
-            )
+            save = func in op_sac_save_list and not (func == torch.ops.aten.mm.default and counts[key] % 2 == 0)
             return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
         return policy

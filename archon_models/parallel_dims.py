@@ -70,8 +70,10 @@ class ArchonParallelDims:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ArchonParallelDims.{name} must be an integer >= 1, got {value!r}.")
-        if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or (
-            self.dp_shard < 1 and self.dp_shard != -1
+        if (
+            isinstance(self.dp_shard, bool)
+            or not isinstance(self.dp_shard, int)
+            or (self.dp_shard < 1 and self.dp_shard != -1)
         ):
             raise ValueError(
                 f"ArchonParallelDims.dp_shard must be an integer >= 1, or -1 to derive it from "
@@ -97,9 +99,7 @@ class ArchonParallelDims:
             )
 
         if self.etp not in (1, self.tp):
-            raise ValueError(
-                f"etp ({self.etp}) must be 1 (experts not split by TP) or equal to tp ({self.tp})."
-            )
+            raise ValueError(f"etp ({self.etp}) must be 1 (experts not split by TP) or equal to tp ({self.tp}).")
 
         if self.ep > 1:
             # The ranks EP may borrow: dp_shard * cp, plus tp when TP does not split experts.
@@ -234,9 +234,7 @@ class ArchonParallelDims:
             )
         dims = self._base_dims()
         names = tuple(name for name, _ in dims)
-        world_mesh = init_device_mesh(
-            self.device_type, tuple(size for _, size in dims), mesh_dim_names=names
-        )
+        world_mesh = init_device_mesh(self.device_type, tuple(size for _, size in dims), mesh_dim_names=names)
         meshes: dict[str, DeviceMesh] = {name: world_mesh[name] for name in names}
         for flat_name, parts in self._flattened_dims().items():
             meshes[flat_name] = world_mesh[parts]._flatten(mesh_dim_name=flat_name)

@@ -187,8 +187,7 @@ def _num_layers(model: nn.Module) -> int:
     if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
         return len(layers)
     raise ValueError(
-        f"Cannot tell how many layers {type(model).__name__} has: give it model_args.n_layers "
-        "or a `layers` ModuleDict."
+        f"Cannot tell how many layers {type(model).__name__} has: give it model_args.n_layers or a `layers` ModuleDict."
     )
 
 

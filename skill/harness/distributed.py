@@ -286,7 +286,7 @@ def _reference(model: nn.Module, batches: Sequence[PackedInputs], mean: bool = T
     """One process: logits and loss of each batch, gradients of their mean (or sum), one SGD step."""
     ref = copy.deepcopy(model)
     logits = [_forward(ref, b) for b in batches]
-    losses = [next_token_loss(lg, b.tokens, b.doc_lens) for lg, b in zip(logits, batches)]
+    losses = [next_token_loss(lg, b.tokens, b.doc_lens) for lg, b in zip(logits, batches, strict=True)]
     total = torch.stack(losses).sum()
     (total / len(losses) if mean else total).backward()
     grads = _grads(ref)
@@ -366,7 +366,9 @@ def _check_tp_critic(rec: StageRecorder, setup: _Setup, dims: ArchonParallelDims
     rec.add(compare_tensor_dicts("gradients (tp=2, critic)", _grads(model), _grads(ref)))
 
 
-def _check_data_parallel(rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any) -> None:
+def _check_data_parallel(
+    rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any
+) -> None:
     """A training step with a different batch per rank against one process on the mean loss."""
     ref = _reference(setup.model, setup.batches)
     model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs(**kw))
@@ -409,7 +411,9 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return next_token_loss(logits, target, doc_lens)
 
-    schedule = build_pipeline_schedule(stages, "1F1B", n_microbatches=len(microbatches), pp_degree=dims.pp, loss_fn=loss_fn)
+    schedule = build_pipeline_schedule(
+        stages, "1F1B", n_microbatches=len(microbatches), pp_degree=dims.pp, loss_fn=loss_fn
+    )
     tokens = torch.cat([b.tokens for b in microbatches])
     kwargs = {
         "positions": torch.cat([b.positions for b in microbatches]),

@@ -31,15 +31,33 @@ def test_dp_shard_is_derived_from_world_size():
             dict(ep=2, world_size=2),
             {"ep_enabled", "dp_enabled", "dp_shard_enabled", "fsdp_enabled", "dp_cp_enabled"},
         ),
-        (dict(tp=2, ep=2, etp=2, world_size=4), {"tp_enabled", "ep_enabled", "etp_enabled", "dp_enabled",
-                                                 "dp_shard_enabled", "fsdp_enabled", "dp_cp_enabled"}),
+        (
+            dict(tp=2, ep=2, etp=2, world_size=4),
+            {
+                "tp_enabled",
+                "ep_enabled",
+                "etp_enabled",
+                "dp_enabled",
+                "dp_shard_enabled",
+                "fsdp_enabled",
+                "dp_cp_enabled",
+            },
+        ),
     ],
 )
 def test_enabled_flags(kwargs, flags):
     dims = ArchonParallelDims(device_type="cpu", **kwargs)
     all_flags = {
-        "dp_enabled", "dp_replicate_enabled", "dp_shard_enabled", "dp_cp_enabled", "fsdp_enabled",
-        "cp_enabled", "tp_enabled", "pp_enabled", "ep_enabled", "etp_enabled",
+        "dp_enabled",
+        "dp_replicate_enabled",
+        "dp_shard_enabled",
+        "dp_cp_enabled",
+        "fsdp_enabled",
+        "cp_enabled",
+        "tp_enabled",
+        "pp_enabled",
+        "ep_enabled",
+        "etp_enabled",
     }
     assert {f for f in all_flags if getattr(dims, f)} == flags
 

@@ -148,8 +148,11 @@ def test_pipeline_split_balances_layers_with_embedding_and_head():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((0, 4), "num_stages must be >= 1"), ((7, 4), r"cannot exceed the effective layer count 6"),
-     ((2, 2, 4, 1), r"must not exceed the 3 layers per stage")],
+    [
+        ((0, 4), "num_stages must be >= 1"),
+        ((7, 4), r"cannot exceed the effective layer count 6"),
+        ((2, 2, 4, 1), r"must not exceed the 3 layers per stage"),
+    ],
 )
 def test_pipeline_split_rejects_impossible_splits(args, message):
     with pytest.raises(ValueError, match=message):
@@ -186,9 +189,7 @@ def _loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Ten
     logits = model(batch.tokens, batch.positions, batch.cu_seqlens, batch.max_seqlen)
     loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
     loss.backward()
-    return loss.detach(), {
-        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
-    }
+    return loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize(
@@ -282,7 +283,9 @@ def test_launcher_returns_every_rank():
 
 
 def test_launcher_propagates_worker_exceptions_with_traceback():
-    with pytest.raises(WorkerFailure, match=r"(?s)rank 1: ValueError: boom from the worker.*Traceback.*_raise_on_rank_one"):
+    with pytest.raises(
+        WorkerFailure, match=r"(?s)rank 1: ValueError: boom from the worker.*Traceback.*_raise_on_rank_one"
+    ):
         launch(_raise_on_rank_one, 2, timeout_s=60)
 
 

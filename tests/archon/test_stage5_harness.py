@@ -47,9 +47,7 @@ def test_router_gate_gradient_taken_whole_is_caught(monkeypatch, tmp_path):
     # AReaL 1.0.4's bug: the router output taken local without declaring its
     # gradient partial over the TP ranks.
     original = qwen3_parallelize.ReplicateParallel
-    monkeypatch.setattr(
-        qwen3_parallelize, "ReplicateParallel", lambda local_output_grad_placements=None: original()
-    )
+    monkeypatch.setattr(qwen3_parallelize, "ReplicateParallel", lambda local_output_grad_placements=None: original())
     result = run_stage5(
         ModelCase(model_type="qwen3_moe"), workdir=tmp_path, raise_on_failure=False, parallelisms=["tp"]
     )

@@ -266,9 +266,7 @@ def apply_non_moe_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool 
         if not _is_moe_block(block) and getattr(block, "feed_forward", None) is not None:
             layer_plan.update(
                 {
-                    "feed_forward": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                    ),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                     "feed_forward.w1": ColwiseParallel(),
                     "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
                     "feed_forward.w3": ColwiseParallel(),
@@ -397,9 +395,7 @@ def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
             # Under PP each micro-batch would re-gather the weights; keep them instead.
             return not pp_enabled
         case _:
-            raise ValueError(
-                f"Invalid reshard_after_forward_policy {policy!r}; use 'default', 'always' or 'never'."
-            )
+            raise ValueError(f"Invalid reshard_after_forward_policy {policy!r}; use 'default', 'always' or 'never'.")
 
 
 def apply_fsdp(
