@@ -23,10 +23,10 @@ from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.tools import Tool as MCPTool
 from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from skill.codemod.workspace import WorkspaceError
-from skill.tools import Tool, ToolBusyError, invoke
+from skill.tools import InvalidArgumentsError, Tool, ToolBusyError, invoke
 
 from mcp_server.state import ServerState
 
@@ -89,18 +89,13 @@ def annotations(tool: Tool) -> ToolAnnotations:
 
 def failure_result(tool: Tool, error: BaseException) -> CallToolResult:
     """A tool result with ``isError`` and a :class:`ToolFailure` as structured content."""
-    if isinstance(error, ValidationError):
-        fields = [
-            FieldProblem(field=".".join(str(p) for p in err["loc"]) or "(arguments)", problem=err["msg"])
-            for err in error.errors()
-        ]
-        listed = "; ".join(f"{f.field}: {f.problem}" for f in fields)
+    if isinstance(error, InvalidArgumentsError):
         failure = ToolFailure(
             tool=tool.name,
             kind="invalid_arguments",
-            exception="ValidationError",
-            message=f"invalid arguments for {tool.name}: {listed}. See the tool's input schema.",
-            fields=fields,
+            exception=type(error).__name__,
+            message=str(error),
+            fields=[FieldProblem(field=field, problem=problem) for field, problem in error.problems],
         )
     else:
         kind = "step_failed"
@@ -167,7 +162,7 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             finally:
                 group.cancel_scope.cancel()
         if error is not None:
-            if not isinstance(error, ValidationError | WorkspaceError | ToolBusyError | ValueError):
+            if not isinstance(error, WorkspaceError | ToolBusyError | ValueError):
                 logger.error("tool %s failed", tool.name, exc_info=error)
             return failure_result(tool, error)
         state.reports.save(tool, arguments, result)

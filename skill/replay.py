@@ -175,14 +175,18 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                 edits += 1
             elif isinstance(record, CallRecord):
                 logger.info("replaying call #%d %s", record.seq, record.tool)
+                before = recorder.last_call
                 try:
                     invoke(record.tool, record.arguments, workspace=workspace, session=recorder)
                 except Exception as e:  # recorded in the replayed session, compared below
                     logger.debug("replayed call #%d raised %s", record.seq, e)
-                replayed = recorder.last_call
-                assert replayed is not None and replayed.tool == record.tool
+                    if recorder.last_call is before:  # refused before it ran: unknown tool, bad arguments
+                        mismatch = ReplayMismatch(
+                            seq=record.seq, tool=record.tool, kind="outcome", detail=f"the call did not run: {e}"
+                        )
+                        break
                 calls += 1
-                mismatch = _check_call(record, replayed)
+                mismatch = _check_call(record, recorder.last_call)
                 if mismatch:
                     break
     finally:

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 import threading
 import time
 import uuid
@@ -75,6 +76,9 @@ MAX_STORED_RESULT_BYTES = 16_384
 # Float results are compared to this many significant digits (CPU kernels differ in the last bits).
 DIGEST_SIGNIFICANT_DIGITS = 4
 WORKSPACE_TOKEN = "<workspace>"
+TMP_TOKEN = "<tmp>"
+# A path under the system temporary directory: never the same twice, never worth comparing.
+_TMP_PATH_RE = re.compile(re.escape(tempfile.gettempdir().rstrip(os.sep)) + r"/[^\s'\"(),:;]+")
 
 
 # --- records -------------------------------------------------------------------------------
@@ -212,23 +216,28 @@ def _plain(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+def normalise_text(text: str, root: str) -> str:
+    """``text`` with the workspace root as ``<workspace>`` and other temporary paths as ``<tmp>``."""
+    return _TMP_PATH_RE.sub(TMP_TOKEN, text.replace(root, WORKSPACE_TOKEN))
+
+
 def _normalise(value: Any, root: str) -> Any:
     if isinstance(value, str):
-        return value.replace(root, WORKSPACE_TOKEN)
+        return normalise_text(value, root)
     if isinstance(value, float):
         if not math.isfinite(value) or value == 0.0:
             return value
         return float(f"{value:.{DIGEST_SIGNIFICANT_DIGITS}g}")
     if isinstance(value, dict):
-        return {k.replace(root, WORKSPACE_TOKEN): _normalise(v, root) for k, v in value.items()}
+        return {normalise_text(k, root): _normalise(v, root) for k, v in value.items()}
     if isinstance(value, list):
         return [_normalise(v, root) for v in value]
     return value
 
 
 def normalise_result(result: Any, workspace: Workspace) -> Any:
-    """The result as compared across runs: no volatile fields, workspace path as ``<workspace>``,
-    floats to 4 significant digits."""
+    """The result as compared across runs: no volatile fields, the workspace path as
+    ``<workspace>``, other temporary paths as ``<tmp>``, floats to 4 significant digits."""
     return _normalise(_plain(result), str(workspace.root))
 
 
@@ -635,7 +644,7 @@ class SessionRecorder:
                 if error is not None:
                     record.error = ErrorInfo(
                         type=type(error).__name__,
-                        message=str(error).replace(str(self.workspace.root), WORKSPACE_TOKEN),
+                        message=normalise_text(str(error), str(self.workspace.root)),
                     )
                 elif handle.result is not None:
                     normalised = normalise_result(handle.result, self.workspace)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from skill.codemod.workspace import Workspace, WorkspaceError
 
@@ -155,6 +155,20 @@ class ToolRegistryError(ValueError):
 
 class ToolBusyError(RuntimeError):
     """Another call holds the package this call needs; raised after waiting ``timeout``."""
+
+
+class InvalidArgumentsError(ValueError):
+    """Arguments that do not validate against a step's input model.
+
+    ``problems`` lists ``(field path, message)`` for each offending field, so a face can
+    show them one by one; the message names them all.
+    """
+
+    def __init__(self, tool: str, problems: list[tuple[str, str]]):
+        self.tool = tool
+        self.problems = problems
+        listed = "; ".join(f"{field}: {problem}" for field, problem in problems)
+        super().__init__(f"invalid arguments for {tool}: {listed}. See the tool's input schema.")
 
 
 def resolve_entry(entry: ToolEntry) -> Tool:
@@ -453,7 +467,11 @@ def invoke(
             "record each workspace in its own session"
         )
     recorded_arguments = session_module.portable_arguments(arguments, ws)
-    request = prepare_request(tool, arguments, ws)
+    try:
+        request = prepare_request(tool, arguments, ws)
+    except ValidationError as e:
+        problems = [(".".join(str(p) for p in err["loc"]) or "(arguments)", err["msg"]) for err in e.errors()]
+        raise InvalidArgumentsError(tool.name, problems) from e
     package = tool.package_of(request)
     with contextlib.ExitStack() as stack:
         if package is not None:

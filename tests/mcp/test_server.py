@@ -190,3 +190,38 @@ def test_model_resources_refuse_what_is_not_a_package_name(workspace: Path, uri:
 
     error = run(main)
     assert error is not None and message in str(error)
+
+
+def test_streamable_http_serves_on_localhost(workspace: Path):
+    """The HTTP transport: the same tools at http://127.0.0.1:<port>/mcp (the CLI's default host)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from skill.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--http", "0"])
+    assert args.host == "127.0.0.1"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = build_server(workspace, record=False).streamable_http_app(host="127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        async def main():
+            while not server.started:
+                await anyio.sleep(0.05)
+            async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+                names = {t.name for t in (await client.list_tools()).tools}
+                result = await client.call_tool("toy_append_note", {"model_name": "http", "text": "over http"})
+                return names, result
+
+        names, result = run(main)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert set(tools.load_tools()) <= names
+    assert not result.is_error and result.structured_content["lines"] == 2

@@ -141,3 +141,11 @@ def test_a_session_continues_across_processes_and_refuses_after_close(workspace:
     with pytest.raises(ValueError, match="closed"):
         sessions.SessionRecorder(path, workspace)
     assert replay_session(ReplayInput(session=path, source=workspace)).ok
+
+
+def test_replay_reports_a_call_that_cannot_run_any_more(workspace: Path):
+    path = _record_example(workspace)
+    _tamper(path, 1, lambda record: record.update(tool="no_longer_a_tool"))
+    report = replay_session(ReplayInput(session=path, source=workspace))
+    assert (report.mismatch.seq, report.mismatch.kind) == (1, "outcome")
+    assert "did not run" in report.mismatch.detail and "unknown tool" in report.mismatch.detail
