@@ -12,6 +12,7 @@ from archon_models.model_spec import (  # noqa: F401
     register_model_spec,
 )
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
+from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401

@@ -198,12 +198,17 @@ def edit_dict_literal(
     target: str,
     set_entries: Mapping[str, str | None] | None = None,
     remove: Iterable[str] = (),
+    *,
+    raw_values: bool = False,
 ) -> str:
     """Set, add or remove string entries of the dict literal assigned to ``target``.
 
     Existing entries keep their place, comments and layout; new entries are appended
     with the layout of the last one. Returns ``source`` unchanged when nothing differs.
+    With ``raw_values`` the values are expression sources (``"SequenceParallel()"``).
     """
+    if raw_values:
+        return _edit_dict_raw(source, target, dict(set_entries or {}), set(remove))
     set_entries = dict(set_entries or {})
     remove = set(remove)
     module = _parse(source)
@@ -754,3 +759,51 @@ def prune_unused_imports(source: str) -> str:
                 stmt = stmt.with_changes(body=[imp])
         body.append(stmt)
     return module.with_changes(body=body).code if changed else source
+
+
+def _edit_dict_raw(source: str, target: str, set_entries: dict[str, str | None], remove: set[str]) -> str:
+    module = _parse(source)
+    original = _find_dict_literal(module, target)
+    elements: list[cst.BaseDictElement] = []
+    origins: list[int | None] = []
+    seen: set[str] = set()
+    changed = False
+    for position, element in enumerate(original.elements):
+        key = _string_value(element.key) if isinstance(element, cst.DictElement) else None
+        if key is not None and key in remove:
+            changed = True
+            continue
+        if key is not None and key in set_entries:
+            seen.add(key)
+            wanted = set_entries[key] or "None"
+            if _target_code(element.value) != _target_code(cst.parse_expression(wanted)):
+                element = element.with_changes(value=cst.parse_expression(wanted))
+                changed = True
+        elements.append(element)
+        origins.append(position)
+    for key, value in set_entries.items():
+        if key not in seen:
+            changed = True
+            elements.append(cst.DictElement(key=_literal(key), value=cst.parse_expression(value or "None")))
+            origins.append(None)
+    if not changed:
+        return source
+    new_dict = original.with_changes(elements=_relayout_commas(original, elements, origins))
+    return module.deep_replace(original, new_dict).code
+
+
+def add_parameter(source: str, class_name: str | None, func_name: str, param_source: str) -> str:
+    """Append a parameter (``"sliding_window: int | None = None"``) to a function's signature."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    probe = cst.parse_statement(f"def _probe({param_source}): pass")
+    assert isinstance(probe, cst.FunctionDef)
+    param = probe.params.params[0] if probe.params.params else probe.params.kwonly_params[0]
+    if any(p.name.value == param.name.value for p in (*func.params.params, *func.params.kwonly_params)):
+        return source
+    params = list(func.params.params)
+    if params:
+        params[-1] = params[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    params.append(param)
+    new_func = func.with_changes(params=func.params.with_changes(params=params))
+    return module.deep_replace(func, new_func).code

@@ -99,6 +99,23 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
         fields.append(
             ArgField("sliding_window", "int", int(config.sliding_window), "hf_config.sliding_window", lambda c: c.sliding_window)
         )
+    if profile.sliding_layer_types:
+        fields.append(
+            ArgField(
+                "layer_types",
+                "tuple[str, ...]",
+                tuple(config.layer_types),
+                "tuple(hf_config.layer_types)",
+                lambda c: tuple(c.layer_types),
+            )
+        )
+    for name, wanted in (
+        ("attn_logit_softcapping", profile.attn_softcap),
+        ("final_logit_softcapping", profile.final_softcap),
+        ("query_pre_attn_scalar", profile.query_pre_attn_scalar),
+    ):
+        if wanted:
+            fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
     for name in profile.multipliers:
         fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
     fields += [
@@ -117,12 +134,22 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) > 3:
+        # A per-layer pattern reads best as its period times the repeat count.
+        for period in range(1, len(value) // 2 + 1):
+            if len(value) % period == 0 and value == value[:period] * (len(value) // period):
+                return f"{_literal(value[:period])} * {len(value) // period}"
     if isinstance(value, float):
         if value >= 1e5 and value == int(value):
             return f"{int(value):_}.0"
         return repr(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
         return f"{value:_}"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
     return repr(value)
 
 

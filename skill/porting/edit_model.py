@@ -39,16 +39,8 @@ def unsupported_features(profile: FamilyProfile) -> list[str]:
     found = list(profile.unsupported)
     if profile.qk_norm != "none":
         found.append(f"QK norm ({profile.qk_norm})")
-    if profile.block != "pre_norm":
-        found.append(f"{profile.block} blocks")
-    if profile.sliding_layer_types:
-        found.append("sliding window on some layers only (layer_types)")
-    if profile.attn_softcap:
-        found.append("attention logit soft-capping")
-    if profile.final_softcap:
-        found.append("final logit soft-capping")
-    if profile.query_pre_attn_scalar:
-        found.append("query_pre_attn_scalar attention scale")
+    if profile.block == "post_norm":
+        found.append("post-norm blocks (norm after each sub-layer, none before)")
     return found
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from skill.codemod.cst import (
+    add_parameter,
     insert_before_class,
     prune_unused_imports,
     remove_class,
@@ -116,6 +117,153 @@ def _sliding_window(text: str, ctx: EditContext) -> str:
         "self.packed_attn = SlidingWindowAttention(model_args.sliding_window)\n",
     )
     return text
+
+
+EAGER_ATTENTION = '''
+class EagerAttention(nn.Module):
+    """Attention over packed documents computed step by step, because SDPA cannot
+    soft-cap scores: ``softcap * tanh(scores / softcap)`` before the causal (and, for a
+    sliding-window layer, banded) mask and an fp32 softmax, as HF's eager path does.
+
+    Archon's shared attention wrappers have neither soft-capping nor windows, so this
+    lives in the package. One document at a time; no document attends to another.
+    """
+
+    def __init__(self, softcap: float | None = None, window: int | None = None):
+        super().__init__()
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
+        self.softcap = softcap
+        self.window = window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        n_rep = q.shape[1] // k.shape[1]
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[-1] < q.shape[2]:
+            bounds.append(q.shape[2])  # trailing padding attends as its own document
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end <= start:
+                continue
+            keys = k[:, :, start:end].repeat_interleave(n_rep, dim=1)
+            values = v[:, :, start:end].repeat_interleave(n_rep, dim=1)
+            scores = torch.matmul(q[:, :, start:end], keys.transpose(2, 3)) * scale
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            index = torch.arange(end - start, device=q.device)
+            distance = index[:, None] - index[None, :]
+            allowed = distance >= 0
+            if self.window is not None:
+                allowed = allowed & (distance < self.window)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            outputs.append(torch.matmul(probs, values))
+        return torch.cat(outputs, dim=2)
+'''
+
+
+def _eager_attention(text: str, ctx: EditContext) -> str:
+    profile = ctx.profile
+    text = insert_before_class(text, "Attention", EAGER_ATTENTION)
+    softcap = "model_args.attn_logit_softcapping" if profile.attn_softcap else "None"
+    if profile.sliding_layer_types:
+        text = add_parameter(text, "Attention", "__init__", "sliding_window: int | None = None")
+        window = "sliding_window"
+    elif profile.sliding_window:
+        window = "model_args.sliding_window"
+    else:
+        window = "None"
+    text = replace_statement_assigning(
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = EagerAttention({softcap}, {window})\n"
+    )
+    if profile.sliding_layer_types:
+        text = replace_in_function(
+            text,
+            "TransformerBlock",
+            "__init__",
+            "self.attention = Attention(model_args)",
+            "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
+            "sliding = model_args.layer_types[layer_id] == \"sliding_attention\"\n"
+            "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n",
+        )
+    return text
+
+
+def _query_pre_attn_scalar(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        "Attention",
+        "__init__",
+        "self.scaling = self.head_dim**-0.5",
+        "self.scaling = model_args.query_pre_attn_scalar**-0.5\n",
+    )
+
+
+def _sandwich_norm(text: str, ctx: EditContext) -> str:
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
+        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+        "self.post_attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+        "self.post_ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "init_weights",
+        "self.ffn_norm.reset_parameters()",
+        "self.ffn_norm.reset_parameters()\nself.post_attention_norm.reset_parameters()\nself.post_ffn_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
+        "attn_out = self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)\n"
+        "x = x + self.post_attention_norm(attn_out)\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "return x + self.feed_forward(self.ffn_norm(x))",
+        "return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))\n",
+    )
+    return set_docstring(
+        text,
+        "TransformerBlock",
+        "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the feed-forward.",
+    )
+
+
+def _final_softcap(text: str, ctx: EditContext) -> str:
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        "return head(h) if head is not None else h",
+        """if head is None:
+    return h
+if self.is_critic:
+    return head(h)
+# The LM head's logits are soft-capped: cap * tanh(logits / cap).
+cap = self.model_args.final_logit_softcapping
+return torch.tanh(head(h) / cap) * cap
+""",
+    )
 
 
 def _attention_multiplier(text: str, ctx: EditContext) -> str:
@@ -299,7 +447,21 @@ return head(h) if self.is_critic else head(h) / self.model_args.logits_scaling
 
 MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
-    ModelEdit("sliding_window", "sliding-window attention inside each document", lambda p: p.sliding_window and not p.sliding_layer_types, _sliding_window),
+    ModelEdit(
+        "sliding_window",
+        "sliding-window attention inside each document",
+        lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap,
+        _sliding_window,
+    ),
+    ModelEdit(
+        "eager_attention",
+        "explicit attention for soft-capped scores and/or a per-layer sliding window",
+        lambda p: p.attn_softcap or p.sliding_layer_types,
+        _eager_attention,
+    ),
+    ModelEdit("query_pre_attn_scalar", "attention scale from query_pre_attn_scalar", lambda p: p.query_pre_attn_scalar, _query_pre_attn_scalar),
+    ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
+    ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
     ModelEdit("attention_multiplier", "attention scores scaled by a config multiplier", lambda p: "attention_multiplier" in p.multipliers, _attention_multiplier),
     ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
     ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
@@ -325,7 +487,9 @@ def describe(profile: FamilyProfile, camel: str) -> str:
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
     if profile.sliding_window:
-        attention.append("sliding-window attention")
+        attention.append("sliding-window attention" + (" on some layers" if profile.sliding_layer_types else ""))
+    if profile.attn_softcap:
+        attention.append("soft-capped attention scores")
     norm = {"rms": "RMSNorm", "rms_offset": "(1 + w) RMSNorm", "layernorm": "LayerNorm"}[profile.norm]
     mlp = (
         ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
@@ -337,11 +501,13 @@ def describe(profile: FamilyProfile, camel: str) -> str:
         extras.append("sqrt(dim)-scaled embeddings")
     if profile.multipliers:
         extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
+    if profile.final_softcap:
+        extras.append("soft-capped logits")
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
     sentence = (
-        f"{camel}: a pre-norm decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
+        f"{camel}: a {'sandwich-norm' if profile.block == 'sandwich' else 'pre-norm'} decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
         + (f"; {tail}" if tail else "")
         + ", over packed documents."
     )
@@ -363,8 +529,15 @@ def _attention_features(profile: FamilyProfile) -> str:
         sentences.append("The q/k/v projections have biases" + (", and so does the output projection." if profile.o_bias else "."))
     elif profile.o_bias:
         sentences.append("The output projection has a bias.")
-    if profile.sliding_window:
+    if profile.sliding_layer_types:
+        sentences.append(
+            "On layers marked ``sliding_attention`` each token attends to the last ``sliding_window`` "
+            "tokens of its own document."
+        )
+    elif profile.sliding_window:
         sentences.append("Each token attends to the last ``sliding_window`` tokens of its own document.")
+    if profile.attn_softcap:
+        sentences.append("Scores are soft-capped before the softmax.")
     if not sentences:
         return ""
     wrapped = textwrap.wrap(" ".join(sentences), width=88)

@@ -74,6 +74,17 @@ def test_file_source(camel: str, model_type: str, profile: FamilyProfile, summar
     # Two KV heads for four query heads, so grouped-query attention is exercised.
     overrides["num_key_value_heads"] = 2
     comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
+    if profile.attn_softcap or profile.final_softcap:
+        # Published caps (50, 30) are far above a tiny model's scores and logits, where tanh is
+        # the identity; small caps put both in tanh's curved range.
+        if profile.attn_softcap:
+            overrides["attn_logit_softcapping"] = 0.5
+        if profile.final_softcap:
+            overrides["final_logit_softcapping"] = 0.5
+        comments.append("# Soft-caps small enough to bend the tiny model's scores and logits.")
+    if profile.query_pre_attn_scalar:
+        overrides["query_pre_attn_scalar"] = 24
+        comments.append("# query_pre_attn_scalar away from head_dim, so the scale it sets is exercised.")
     if profile.multipliers:
         # Defaults of 1.0 would let a dropped multiplier pass; distinct values catch a swap too.
         for name, value in zip(profile.multipliers, NON_TRIVIAL_SCALARS):

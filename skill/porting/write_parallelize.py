@@ -61,6 +61,18 @@ def apply_write_parallelize(
         raise ValueError("TP plans for QK norm or MoE come from the qwen3 reference; copy qwen3 for this family.")
     remove = ["feed_forward.w3"] if profile.mlp == "plain" else []
     text = edit_dict_literal(text, PLAN_TARGET, remove=remove)
+    if profile.block == "sandwich":
+        # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
+        # reduce-scatter to; local outputs, because they are added to the local residual.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "post_attention_norm": "SequenceParallel(use_local_output=True)",
+                "post_ffn_norm": "SequenceParallel(use_local_output=True)",
+            },
+            raw_values=True,
+        )
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

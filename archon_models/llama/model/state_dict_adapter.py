@@ -65,6 +65,9 @@ class LlamaStateDictAdapter(BaseStateDictAdapter):
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):
         super().__init__(model_config, hf_assets_path)
+        # AReaL's base class resets both maps on the instance; rebuild them from the class literal.
+        self.from_hf_map = dict(type(self).from_hf_map)
+        self.to_hf_map = {archon: hf for hf, archon in self.from_hf_map.items() if archon is not None}
         if isinstance(model_config, LlamaModelArgs):
             self.model_args = model_config
         else:

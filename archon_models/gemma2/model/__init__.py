@@ -1,0 +1,1 @@
+"""Gemma2 model definition: args, modules, RoPE and the HF state-dict adapter."""
