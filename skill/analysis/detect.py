@@ -217,11 +217,22 @@ def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
 def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
     if isinstance(ctx.get("kv_lora_rank"), int):
         return False  # MLA's query width is its own (nope + rope), not a gate
-    heads, hd = ctx.tiny.num_attention_heads, ctx.tiny_head_dim()
     q = roles.get("q")
-    if q is not None and q.out_features == 2 * heads * hd:
-        return True
-    return any(k.startswith("other:") and "gate" in k for k in roles)
+    if q is not None and q.out_features == 2 * ctx.tiny.num_attention_heads * ctx.tiny_head_dim():
+        return True  # the query projection also yields the gate
+    return any(_is_gate_projection(ctx, key, proj) for key, proj in roles.items())
+
+
+def _is_gate_projection(ctx: Context, role: str, proj: mt.Projection) -> bool:
+    """An extra projection of the layer input to one value per head (or per head channel)."""
+    if not role.startswith("other:"):
+        return False
+    heads, hd = ctx.tiny.num_attention_heads, ctx.tiny_head_dim()
+    # Layer 0's own head count, where layers differ (a per-layer heads list).
+    own = getattr(ctx.anatomy.attention, "num_heads", None)
+    counts = {heads} | ({own} if isinstance(own, int) else set())
+    widths = {n for n in counts} | {n * hd for n in counts}
+    return proj.in_features == ctx.tiny.hidden_size and proj.out_features in widths
 
 
 def _nope_layers(ctx: Context) -> list[int]:
@@ -281,7 +292,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             f"attention parameters outside the vocabulary: {', '.join(unexplained)} ({type(attention).__name__})"
         )
     if mla is None:
-        extra = [k.split(":", 1)[1] for k in roles if k.startswith("other:") and "gate" not in k]
+        extra = [k.split(":", 1)[1] for k, p in roles.items() if k.startswith("other:") and not _is_gate_projection(ctx, k, p)]
         if extra:
             ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
     if ctx.get("attention_chunk_size"):
@@ -423,6 +434,25 @@ def _expert_layout(ctx: Context) -> tuple[ExpertLayout, WeightOrientation, str]:
     return ExpertLayout.FUSED_3D, orientation, re.sub(r"\.\d+\.", ".{}.", key, count=1)
 
 
+def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
+    """A per-expert vector in the MoE block that is not a projection's bias.
+
+    Added to the scores only to pick experts (DeepSeek's ``e_score_correction_bias``,
+    other families' ``expert_bias``); a router Linear's own bias does not count.
+    """
+    if num_experts <= 0:
+        return False
+    for _, module in ffn.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in tensors:
+            if tensor.dim() != 1 or tensor.numel() != num_experts:
+                continue
+            if name == "bias" and mt.weight_2d(module) is not None:
+                continue
+            return True
+    return False
+
+
 def moe_features(ctx: Context) -> MoEFeatures | None:
     num_experts = _expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
@@ -457,7 +487,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         else:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
-    correction = any("correction" in k for k in ctx.saved_keys)
+    correction = any("correction" in k for k in ctx.saved_keys) or (
+        ffn is not None and _has_selection_bias(ffn, _expert_count(ctx.tiny) or 0)
+    )
     router_bias = False
     shared_gate = False
     shared = 0
@@ -480,7 +512,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         ctx.other.append("router linear with a bias")
     n_group = ctx.get("n_group") or ctx.get("num_expert_group")
     topk_group = ctx.get("topk_group")
-    scaling = ctx.get("routed_scaling_factor")
+    scaling = next(
+        (v for v in _fields_matching(ctx.config, "rout", "scal").values() if isinstance(v, (int, float))), None
+    )
     layout, orientation, template = _expert_layout(ctx)
     return MoEFeatures(
         num_experts=num_experts,

@@ -140,6 +140,12 @@ FACTS: dict[str, dict[str, Any]] = {
                 "attention.qk_norm": "per_head_rms"},
     # MPT: ALiBi, LayerNorm without bias (no_bias=True), fused Wqkv.
     "mpt": {"positions.kind": "alibi", "norm.kind": "layer_norm_no_bias", "attention.fused_qkv": True},
+    # AFMoE: gate_proj (hidden -> heads * head_dim) gates the attention output; sigmoid router
+    # with a selection-only expert_bias; num_dense_layers=1; four norms per layer.
+    "afmoe": {"attention.output_gate": True, "moe.router_scoring": "sigmoid", "moe.score_correction_bias": True,
+              "moe.moe_layers.0": 1, "norm.placement": "sandwich"},
+    # Laguna: g_proj gate per head (softplus) on the attention output, sigmoid routing.
+    "laguna": {"attention.output_gate": True, "moe.router_scoring": "sigmoid"},
     # DiffLlama: differential attention's lambda_q1/k1/q2/k2 are outside the vocabulary.
     "diffllama": {"reference": "qwen2"},
 }
