@@ -18,6 +18,7 @@ time of the session recorded by the stdio run.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import shutil
 import statistics
@@ -77,12 +78,11 @@ def measure(workspace: Path, repeat: int) -> tuple[list[tuple[str, str, float]],
     for name, arguments in CALLS:
         tool = get_tool(name)
         request = tool.input_model.model_validate({**arguments, "workspace": workspace})
-        rows.append((name, "direct", _median_ms(lambda: tool.function(request), repeat)))
-        rows.append((name, "invoke", _median_ms(lambda: invoke(name, arguments, workspace=workspace), repeat)))
+        rows.append((name, "direct", _median_ms(functools.partial(tool.function, request), repeat)))
+        call = functools.partial(invoke, name, arguments, workspace=workspace)
+        rows.append((name, "invoke", _median_ms(call, repeat)))
         with recording(workspace / f"bench-invoke-{name}.jsonl", workspace, close=True) as session:
-            rows.append(
-                (name, "invoke+session", _median_ms(lambda: invoke(name, arguments, workspace=workspace, session=session), repeat))
-            )
+            rows.append((name, "invoke+session", _median_ms(functools.partial(call, session=session), repeat)))
 
     async def in_process() -> None:
         async with Client(build_server(workspace, session=workspace / "bench-inproc.jsonl")) as client:

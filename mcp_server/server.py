@@ -21,12 +21,11 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.server.mcpserver.prompts.base import UserMessage
 
 import skill
+from mcp_server.state import ServerState
+from mcp_server.tools import make_tool
 from skill.codemod.workspace import Workspace
 from skill.session import SessionRecorder
 from skill.tools import DEFAULT_LOCK_TIMEOUT_S, load_tools, state_dir
-
-from mcp_server.state import ServerState
-from mcp_server.tools import make_tool
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +52,8 @@ def skill_md_path(workspace: Workspace) -> Path:
 
 def reference_table() -> dict[str, Any]:
     """The references a port starts from, with the model types each registers."""
-    from skill.porting.copy_reference import REFERENCES
-
     import archon_models
+    from skill.porting.copy_reference import REFERENCES
 
     supported = archon_models.get_supported_model_types()
     table = []
@@ -120,7 +118,9 @@ def build_server(
         lifespan=lifespan,
     )
 
-    @server.resource(SKILL_URI, name="SKILL.md", mime_type="text/markdown", description="The porting playbook for agents")
+    @server.resource(
+        SKILL_URI, name="SKILL.md", mime_type="text/markdown", description="The porting playbook for agents"
+    )
     def skill_md() -> str:
         return skill_md_path(ws).read_text(encoding="utf-8")
 
@@ -137,7 +137,7 @@ def build_server(
         CONTRACTS_URI,
         name="contracts",
         mime_type="text/markdown",
-        description="BaseModelArgs, BaseArchonModel, BaseStateDictAdapter and ModelSpec, as this workspace defines them",
+        description="BaseModelArgs, BaseArchonModel, BaseStateDictAdapter and ModelSpec as this workspace defines them",
     )
     def contracts() -> str:
         return contracts_text(ws)

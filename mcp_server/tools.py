@@ -25,10 +25,9 @@ from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetad
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict
 
+from mcp_server.state import ServerState
 from skill.codemod.workspace import WorkspaceError
 from skill.tools import InvalidArgumentsError, Tool, ToolBusyError, invoke
-
-from mcp_server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

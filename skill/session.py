@@ -127,7 +127,9 @@ class CallRecord(BaseModel):
     result_digest: str | None = None
     result: Any = Field(default=None, description="the normalised result when small enough to keep")
     error: ErrorInfo | None = None
-    files: dict[str, str | None] = Field(default_factory=dict, description="path -> sha256 after the call (None: deleted)")
+    files: dict[str, str | None] = Field(
+        default_factory=dict, description="path -> sha256 after the call (None: deleted)"
+    )
     base: dict[str, FileContent | None] = Field(
         default_factory=dict, description="content before the session first changed the path (None: absent)"
     )
@@ -206,7 +208,9 @@ def _plain(value: Any) -> Any:
     """JSON-able form of ``value`` with fields marked volatile left out."""
     if isinstance(value, BaseModel):
         return {
-            name: _plain(getattr(value, name)) for name, info in type(value).model_fields.items() if not _is_volatile(info)
+            name: _plain(getattr(value, name))
+            for name, info in type(value).model_fields.items()
+            if not _is_volatile(info)
         }
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -381,6 +385,7 @@ def _lines(text: str) -> list[str]:
     """``text`` split after each ``\\n`` only (``str.splitlines`` also splits on \\f, \\x1c, ...)."""
     return re.findall(r"[^\n]*\n|[^\n]+$", text)
 
+
 _HUNK_RE = re.compile(r"^@@ -(?P<start>\d+)(?:,(?P<count>\d+))? \+\d+(?:,\d+)? @@")
 
 
@@ -495,7 +500,11 @@ class SessionRecorder:
         self.path = Path(path).resolve()
         self.workspace = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
         # The session file itself may live in the workspace; its own growth is not an edit.
-        own = {self.path.relative_to(self.workspace.root).as_posix()} if self.workspace.root in self.path.parents else set()
+        own = (
+            {self.path.relative_to(self.workspace.root).as_posix()}
+            if self.workspace.root in self.path.parents
+            else set()
+        )
         self.state = WorkspaceState(self.workspace, ObjectStore(self.workspace), frozenset(own))
         self._write_lock = threading.Lock()
         self._change_lock = threading.RLock()
@@ -533,7 +542,9 @@ class SessionRecorder:
     def _load_checkpoint(self) -> dict[str, str]:
         if self._checkpoint_path.is_file():
             return json.loads(self._checkpoint_path.read_text(encoding="utf-8"))["files"]
-        logger.warning("session %s has no checkpoint in this workspace; edits made before now are not captured", self.path)
+        logger.warning(
+            "session %s has no checkpoint in this workspace; edits made before now are not captured", self.path
+        )
         return self.state.scan()
 
     def _save_checkpoint(self) -> None:

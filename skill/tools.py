@@ -93,7 +93,10 @@ class ToolEntry(BaseModel):
 # their own lines here as their functions land.
 TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ToolEntry(
-        name="analyze_hf_model", target="skill.analysis.analyze:analyze_hf_model", read_only=True, path_fields=("source",)
+        name="analyze_hf_model",
+        target="skill.analysis.analyze:analyze_hf_model",
+        read_only=True,
+        path_fields=("source",),
     ),
     ToolEntry(
         name="copy_reference",
@@ -101,9 +104,21 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         destructive=True,
         package_field="model_name",
     ),
-    ToolEntry(name="edit_args", target="skill.porting.edit_args:edit_args", package_field="model_name", path_fields=("source",)),
-    ToolEntry(name="edit_model", target="skill.porting.edit_model:edit_model", package_field="model_name", path_fields=("source",)),
-    ToolEntry(name="set_rope", target="skill.porting.set_rope:set_rope", package_field="model_name", path_fields=("source",)),
+    ToolEntry(
+        name="edit_args",
+        target="skill.porting.edit_args:edit_args",
+        package_field="model_name",
+        path_fields=("source",),
+    ),
+    ToolEntry(
+        name="edit_model",
+        target="skill.porting.edit_model:edit_model",
+        package_field="model_name",
+        path_fields=("source",),
+    ),
+    ToolEntry(
+        name="set_rope", target="skill.porting.set_rope:set_rope", package_field="model_name", path_fields=("source",)
+    ),
     ToolEntry(
         name="edit_adapter_map",
         target="skill.porting.edit_adapter_map:edit_adapter_map",
@@ -111,7 +126,12 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         package_field="model_name",
         path_fields=("source",),
     ),
-    ToolEntry(name="write_parallelize", target="skill.porting.write_parallelize:write_parallelize", package_field="model_name", path_fields=("source",)),
+    ToolEntry(
+        name="write_parallelize",
+        target="skill.porting.write_parallelize:write_parallelize",
+        package_field="model_name",
+        path_fields=("source",),
+    ),
     ToolEntry(name="register_spec", target="skill.porting.register_spec:register_spec", package_field="model_name"),
     ToolEntry(
         name="check_package",
@@ -120,9 +140,27 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         package_field="model_name",
         path_fields=("source",),
     ),
-    ToolEntry(name="run_test_stage", target="skill.porting.run_test_stage:run_test_stage", package_field="model_name", long_running=True),
-    ToolEntry(name="port_model", target="skill.porting.port_model:port_model", destructive=True, package_field="model_name", path_fields=("source",), long_running=True),
-    ToolEntry(name="locate_divergence", target="skill.porting.locate_divergence:locate_divergence", read_only=True, package_field="model_name", long_running=True),
+    ToolEntry(
+        name="run_test_stage",
+        target="skill.porting.run_test_stage:run_test_stage",
+        package_field="model_name",
+        long_running=True,
+    ),
+    ToolEntry(
+        name="port_model",
+        target="skill.porting.port_model:port_model",
+        destructive=True,
+        package_field="model_name",
+        path_fields=("source",),
+        long_running=True,
+    ),
+    ToolEntry(
+        name="locate_divergence",
+        target="skill.porting.locate_divergence:locate_divergence",
+        read_only=True,
+        package_field="model_name",
+        long_running=True,
+    ),
 )
 
 

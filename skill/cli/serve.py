@@ -21,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; anything else exposes the tools)"
     )
-    parser.add_argument("--workspace", metavar="DIR", help="project root holding archon_models/ (default: this project)")
+    parser.add_argument(
+        "--workspace", metavar="DIR", help="project root holding archon_models/ (default: this project)"
+    )
     parser.add_argument(
         "--session", metavar="FILE", help="session file to record into (default: .archon-port/sessions/serve-*.jsonl)"
     )

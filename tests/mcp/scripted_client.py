@@ -171,7 +171,12 @@ def stdio_server(workspace: Path, session: Path | None) -> StdioServerParameters
 
 
 async def port_over_stdio(
-    workspace: Path, source: str, *, session: Path | None, model_name: str | None = None, stages: list[int] | None = None
+    workspace: Path,
+    source: str,
+    *,
+    session: Path | None,
+    model_name: str | None = None,
+    stages: list[int] | None = None,
 ) -> Transcript:
     async with Client(stdio_server(workspace, session), read_timeout_seconds=600) as client:
         return await follow_playbook(client, source, model_name=model_name, stages=stages)
@@ -215,7 +220,9 @@ def refresh_session(family: str) -> Path:
             raise RuntimeError(f"{family}: the SKILL.md flow failed at {transcript.failed_at}; session not written")
         produced, committed = root / "archon_models" / family, REPO / "archon_models" / family
         if subprocess.run(["diff", "-rq", "-x", "__pycache__", str(produced), str(committed)]).returncode:
-            raise RuntimeError(f"{family}: the SKILL.md flow produces an archon_models/{family}/ unlike the committed one")
+            raise RuntimeError(
+                f"{family}: the SKILL.md flow produces an archon_models/{family}/ unlike the committed one"
+            )
         SESSIONS.mkdir(exist_ok=True)
         shutil.copy(session, target)
     logger.info("recorded %s", target)

@@ -32,7 +32,9 @@ def _untyped(request):
     return request
 
 
-@pytest.mark.parametrize(("target", "match"), [(f"{__name__}:_two_params", "exactly one"), (f"{__name__}:_untyped", "BaseModel")])
+@pytest.mark.parametrize(
+    ("target", "match"), [(f"{__name__}:_two_params", "exactly one"), (f"{__name__}:_untyped", "BaseModel")]
+)
 def test_registry_rejects_what_is_not_a_step(target, match):
     with pytest.raises(tools.ToolRegistryError, match=match):
         tools.register_tool(tools.ToolEntry(name="not_a_step", target=target))
@@ -79,9 +81,11 @@ def test_exclusive_package_lock_refuses_or_waits(workspace: Path):
     thread = threading.Thread(target=holder)
     thread.start()
     held.wait(5)
-    with pytest.raises(tools.ToolBusyError, match="edit_model"):
-        with tools.package_lock(ws, "mistral", exclusive=False, holder="check_package", timeout=0):
-            pass
+    with (
+        pytest.raises(tools.ToolBusyError, match="edit_model"),
+        tools.package_lock(ws, "mistral", exclusive=False, holder="check_package", timeout=0),
+    ):
+        pass
     # Another package is independent.
     with tools.package_lock(ws, "llama", exclusive=True, holder="edit_model", timeout=0):
         pass
@@ -93,6 +97,8 @@ def test_exclusive_package_lock_refuses_or_waits(workspace: Path):
 
 def test_shared_package_locks_coexist(workspace: Path):
     ws = Workspace(workspace)
-    with tools.package_lock(ws, "mistral", exclusive=False, holder="a", timeout=0):
-        with tools.package_lock(ws, "mistral", exclusive=False, holder="b", timeout=0):
-            pass
+    with (
+        tools.package_lock(ws, "mistral", exclusive=False, holder="a", timeout=0),
+        tools.package_lock(ws, "mistral", exclusive=False, holder="b", timeout=0),
+    ):
+        pass

@@ -141,7 +141,12 @@ def test_resources_and_the_add_model_prompt(workspace: Path):
             listed = {str(r.uri) for r in (await client.list_resources()).resources}
             templates = {t.uri_template for t in (await client.list_resource_templates()).resource_templates}
             read = {}
-            for uri in ("archon://skill", "archon://contracts", "archon://references", "archon://models/mistral/report"):
+            for uri in (
+                "archon://skill",
+                "archon://contracts",
+                "archon://references",
+                "archon://models/mistral/report",
+            ):
                 read[uri] = (await client.read_resource(uri)).contents[0].text
             prompt = await client.get_prompt("add_model", {"model": "mistral"})
             return listed, templates, read, prompt
@@ -177,7 +182,10 @@ def test_the_server_records_a_session_that_replays(workspace: Path):
 
 @pytest.mark.parametrize(
     ("uri", "message"),
-    [("archon://models/..%2F..%2Fetc/report", "Unknown resource"), ("archon://models/NOPE/stages", "not a package name")],
+    [
+        ("archon://models/..%2F..%2Fetc/report", "Unknown resource"),
+        ("archon://models/NOPE/stages", "not a package name"),
+    ],
 )
 def test_model_resources_refuse_what_is_not_a_package_name(workspace: Path, uri: str, message: str):
     async def main():
@@ -211,6 +219,7 @@ def test_streamable_http_serves_on_localhost(workspace: Path):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
+
         async def main():
             while not server.started:
                 await anyio.sleep(0.05)
