@@ -51,16 +51,28 @@ def skill_md_path(workspace: Workspace) -> Path:
 
 
 def reference_table() -> dict[str, Any]:
-    """The references a port starts from, with the model types each registers."""
+    """The guide's decision map: each reference's measured feature values, and what edits produce.
+
+    A family's feature either matches a reference's value, or is in ``edits`` (an engine
+    edit produces it), or is unsupported; ``analyze_hf_model`` does this comparison.
+    """
     import archon_models
-    from skill.porting.copy_reference import REFERENCES
+    from skill.analysis.reference import REFERENCES, reference_values
+    from skill.features import FEATURE_TITLES, SUPPORTED_EDITS
 
     supported = archon_models.get_supported_model_types()
-    table = []
-    for name in REFERENCES:
-        types = sorted(t for t in supported if archon_models.get_model_spec(t).name.lower() == name)
-        table.append({"reference": name, "package": f"archon_models/{name}", "model_types": types})
-    return {"references": table}
+    references = []
+    for name, model_types in REFERENCES.items():
+        registered = sorted(t for t in supported if archon_models.get_model_spec(t).name.lower() == name)
+        features = {
+            model_type: {FEATURE_TITLES[f]: value for f, value in reference_values(model_type).items()}
+            for model_type in model_types
+        }
+        references.append(
+            {"reference": name, "package": f"archon_models/{name}", "model_types": registered, "features": features}
+        )
+    edits = {FEATURE_TITLES[f]: sorted(values) for f, values in SUPPORTED_EDITS.items()}
+    return {"references": references, "edits": edits}
 
 
 def contracts_text(workspace: Workspace) -> str:
@@ -128,7 +140,8 @@ def build_server(
         REFERENCES_URI,
         name="references",
         mime_type="application/json",
-        description="The reference packages a port starts from and the model types they register",
+        description="The references a port starts from (model types, measured feature values) and the feature "
+        "values engine edits produce",
     )
     def references() -> str:
         return json.dumps(reference_table(), indent=2)

@@ -156,7 +156,14 @@ def test_resources_and_the_add_model_prompt(workspace: Path):
     assert {"archon://models/{model}/report", "archon://models/{model}/stages"} <= templates
     assert read["archon://skill"].startswith("---\nname: ")
     assert "class BaseStateDictAdapter" in read["archon://contracts"]
-    assert {r["reference"] for r in json.loads(read["archon://references"])["references"]} == {"qwen2", "qwen3"}
+    table = json.loads(read["archon://references"])
+    assert {r["reference"]: r["model_types"] for r in table["references"]} == {
+        "qwen2": ["qwen2"],
+        "qwen3": ["qwen3", "qwen3_moe"],
+    }
+    qwen3 = next(r for r in table["references"] if r["reference"] == "qwen3")
+    assert qwen3["features"]["qwen3"]["QK norm"] == "per_head_rms"
+    assert table["edits"]["QK norm"] == ["none", "per_head_rms"]
     report = json.loads(read["archon://models/mistral/report"])
     assert report["toy_append_note"]["arguments"]["text"] == "r"
     text = prompt.messages[0].content.text
