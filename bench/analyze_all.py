@@ -40,11 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         except AnalysisError as exc:
             refused.append((model_type, str(exc)))
             continue
-        except Exception as exc:  # the bench reports every failure instead of stopping
+        except Exception as exc:  # noqa: BLE001 - the bench reports every failure instead of stopping
             failed.append((model_type, f"{type(exc).__name__}: {exc}"))
             continue
         seconds = time.perf_counter() - started
-        rows.append((model_type, report.reference, len(report.deltas), len(report.unsupported), seconds, report.unsupported))
+        rows.append(
+            (model_type, report.reference, len(report.deltas), len(report.unsupported), seconds, report.unsupported)
+        )
     out = sys.stdout
     out.write(f"{'model_type':28} {'ref':6} {'deltas':>6} {'unsup':>5} {'sec':>6}\n")
     for model_type, reference, n_deltas, n_unsupported, seconds, _ in rows:
@@ -60,14 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     clean = sum(1 for r in rows if r[3] == 0)
     out.write(
         f"\nanalysed {len(rows)} families, {clean} with no unsupported feature, refused {len(refused)}, "
-        f"failed {len(failed)}; slowest {slowest[0]} {slowest[4]:.2f}s\n" if slowest else "\nnothing analysed\n"
+        f"failed {len(failed)}; slowest {slowest[0]} {slowest[4]:.2f}s\n"
+        if slowest
+        else "\nnothing analysed\n"
     )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as handle:
             json.dump(
                 {
                     "analysed": [
-                        {"model_type": r[0], "reference": r[1], "deltas": r[2], "unsupported": r[5], "seconds": round(r[4], 3)}
+                        {
+                            "model_type": r[0],
+                            "reference": r[1],
+                            "deltas": r[2],
+                            "unsupported": r[5],
+                            "seconds": round(r[4], 3),
+                        }
                         for r in rows
                     ],
                     "refused": dict(refused),

@@ -428,7 +428,6 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.FUSED_GATE_UP: _flag(ffn.fused_gate_up),
         Feature.MOE: _flag(moe is not None),
         Feature.POSITION_KIND: pos.kind.value,
-
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,

@@ -187,8 +187,8 @@ def _resize_rope_lists(rope: Any, scale: float) -> Any:
             if isinstance(value, dict):
                 out[key] = _resize_rope_lists(value, scale)
             elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                if key.endswith("_factor") or key.endswith("factors"):
-                    new_len = max(1, int(round(len(value) * scale)))
+                if key.endswith(("_factor", "factors")):
+                    new_len = max(1, round(len(value) * scale))
                     out[key] = [value[i % len(value)] for i in range(new_len)]
                 else:
                     out[key] = value
@@ -446,7 +446,7 @@ def read_safetensors_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
     return dict(sorted(shapes.items()))
 
@@ -459,7 +459,9 @@ def saved_checkpoint_keys(
     Accepts a (tiny) config, from which a seeded model is built, or a model. The files
     go to a temporary directory that is removed before returning.
     """
-    model = build_tiny_model(config_or_model, seed) if isinstance(config_or_model, PretrainedConfig) else config_or_model
+    model = (
+        build_tiny_model(config_or_model, seed) if isinstance(config_or_model, PretrainedConfig) else config_or_model
+    )
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -473,7 +475,14 @@ def saved_checkpoint_keys(
 
 def config_summary(config: PretrainedConfig) -> str:
     """A one-line JSON of the sizes that matter, for logs and error messages."""
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
     return json.dumps({k: getattr(config, k, None) for k in keys})
 
 

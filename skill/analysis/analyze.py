@@ -90,7 +90,7 @@ def _deep_model(config: PretrainedConfig, trust_remote_code: bool) -> nn.Module 
         deep = tiny_config(config, num_hidden_layers=n_layers)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(deep, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # a constructor may reject odd depths; the tiny stack is the fallback
+    except Exception as exc:  # noqa: BLE001 - a constructor may reject odd depths; the tiny stack is the fallback
         logger.debug("full-depth meta model of %s failed: %s", config.model_type, exc)
         return None
 
@@ -127,7 +127,7 @@ def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> b
     try:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # any failure means transformers itself cannot build it
+    except Exception:  # noqa: BLE001 - any failure means transformers itself cannot build it
         return False
     return True
 
@@ -185,7 +185,7 @@ def build_checklist(model_type: str) -> Checklist:
 def _checkpoint(analysis: _Analysis) -> CheckpointKeys:
     ctx = analysis.context
     prefix = ctx.layer_prefix
-    stack = prefix[:-2] if prefix.endswith("0.") else prefix
+    stack = prefix.removesuffix("0.")
     top = [KeyShape(key=k, shape=list(s)) for k, s in ctx.saved_keys.items() if not (stack and k.startswith(stack))]
     layer0 = [KeyShape(key=k, shape=list(s)) for k, s in ctx.saved_keys.items() if prefix and k.startswith(prefix)]
     from_files: list[KeyShape] = []
@@ -201,12 +201,23 @@ def _checkpoint(analysis: _Analysis) -> CheckpointKeys:
         ]
     sizes = {
         name: getattr(ctx.tiny, name)
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "num_hidden_layers", "vocab_size")
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "num_hidden_layers",
+            "vocab_size",
+        )
         if isinstance(getattr(ctx.tiny, name, None), int)
     }
     return CheckpointKeys(
-        layer_prefix=prefix, top_level=top, layer0=layer0, n_keys=len(ctx.saved_keys), tiny_sizes=sizes,
+        layer_prefix=prefix,
+        top_level=top,
+        layer0=layer0,
+        n_keys=len(ctx.saved_keys),
+        tiny_sizes=sizes,
         from_files=from_files,
     )
 

@@ -105,8 +105,11 @@ def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
     for proj in mt.projections(attention, recurse=False):
         name = proj.name.lower()
         out = proj.out_features
-        if "qkv" in name or "query_key_value" in name or name in ("c_attn", "w_pack", "wqkv") or (
-            proj.in_features == hidden and out == (heads + 2 * kv) * hd and heads + 2 * kv > 3
+        if (
+            "qkv" in name
+            or "query_key_value" in name
+            or name in ("c_attn", "w_pack", "wqkv")
+            or (proj.in_features == hidden and out == (heads + 2 * kv) * hd and heads + 2 * kv > 3)
         ):
             roles.setdefault("qkv", proj)
         elif _Q.search(name):
@@ -283,16 +286,18 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         )
     sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
     unexplained = [
-        n
-        for n, _ in (attention.named_parameters(recurse=False) if attention is not None else [])
-        if "sink" not in n
+        n for n, _ in (attention.named_parameters(recurse=False) if attention is not None else []) if "sink" not in n
     ]
     if unexplained:
         ctx.other.append(
             f"attention parameters outside the vocabulary: {', '.join(unexplained)} ({type(attention).__name__})"
         )
     if mla is None:
-        extra = [k.split(":", 1)[1] for k, p in roles.items() if k.startswith("other:") and not _is_gate_projection(ctx, k, p)]
+        extra = [
+            k.split(":", 1)[1]
+            for k, p in roles.items()
+            if k.startswith("other:") and not _is_gate_projection(ctx, k, p)
+        ]
         if extra:
             ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
     if ctx.get("attention_chunk_size"):
@@ -371,7 +376,10 @@ def ffn_features(ctx: Context) -> FFNFeatures:
     hidden = ctx.tiny.hidden_size
     ups = [p for p in projs if p.in_features == hidden]
     downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
-    fused = any("gate_up" in p.name or (len(ups) == 1 and len(downs) == 1 and p.out_features == 2 * downs[0].in_features) for p in ups)
+    fused = any(
+        "gate_up" in p.name or (len(ups) == 1 and len(downs) == 1 and p.out_features == 2 * downs[0].in_features)
+        for p in ups
+    )
     gated = len(ups) >= 2 or fused
     bias = any(p.bias for p in projs)
     return FFNFeatures(
@@ -411,7 +419,7 @@ def _moe_layers(ctx: Context) -> tuple[list[int], int]:
             return [i for i, layer in enumerate(layers) if mt.layer_has_experts(layer)], n
         except LookupError:
             pass
-    _, tiny_layers = ctx.anatomy.layers_path, ctx.anatomy.layers
+    tiny_layers = ctx.anatomy.layers
     ctx.evidence.append("MoE layers: full-depth module tree unavailable; listed for the tiny stack")
     return [i for i, layer in enumerate(tiny_layers) if mt.layer_has_experts(layer)], len(tiny_layers)
 
@@ -423,7 +431,9 @@ def _expert_layout(ctx: Context) -> tuple[ExpertLayout, WeightOrientation, str]:
     per_expert = [k for k in keys if re.search(r"\.experts\.\d+\.", k)]
     hidden = ctx.tiny.hidden_size
     if per_expert:
-        key = next((k for k in per_expert if re.search(r"(up|gate|w1|w3|fc1)", k) and k.endswith("weight")), per_expert[0])
+        key = next(
+            (k for k in per_expert if re.search(r"(up|gate|w1|w3|fc1)", k) and k.endswith("weight")), per_expert[0]
+        )
         shape = ctx.saved_keys[key]
         orientation = WeightOrientation.OUT_IN if shape[-1] == hidden else WeightOrientation.IN_OUT
         template = re.sub(r"\.experts\.\d+\.", ".experts.{}.", re.sub(r"\.\d+\.", ".{}.", key, count=1), count=1)
@@ -469,9 +479,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
             if mt.experts_module(child) is not None and not mt.is_norm(child):
                 ffn = child
                 break
-    scoring_field = next(
-        (v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None
-    )
+    scoring_field = next((v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None)
     if scoring_field in ("sigmoid", "softmax"):
         scoring = RouterScoring(scoring_field)
     else:
@@ -494,7 +502,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     shared_gate = False
     shared = 0
     if ffn is not None:
-        router = mt.router_module(ffn, int(ctx.tiny.__dict__.get("num_experts") or _expert_count(ctx.tiny) or 0))
+        router = mt.router_module(ffn, _expert_count(ctx.tiny) or 0)
         if router is not None and isinstance(getattr(router[1], "bias", None), torch.Tensor):
             router_bias = True
         shared_children = [(n, c) for n, c in ffn.named_children() if "shared" in n]
@@ -504,8 +512,11 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
                 shared_gate = True
         if any("gate" not in n for n, _ in shared_children):
             shared = next(
-                (int(v) for k, v in _fields_matching(ctx.config, "shared", "expert").items()
-                 if isinstance(v, int) and not isinstance(v, bool) and "size" not in k and "dim" not in k),
+                (
+                    int(v)
+                    for k, v in _fields_matching(ctx.config, "shared", "expert").items()
+                    if isinstance(v, int) and not isinstance(v, bool) and "size" not in k and "dim" not in k
+                ),
                 1,
             )
     if router_bias:
@@ -524,7 +535,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         score_correction_bias=correction,
         routed_scaling_factor=float(scaling) if isinstance(scaling, (int, float)) and scaling != 1.0 else None,
         n_group=int(n_group) if isinstance(n_group, int) and n_group > 1 else None,
-        topk_group=int(topk_group) if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int) else None,
+        topk_group=int(topk_group)
+        if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int)
+        else None,
         shared_experts=shared,
         shared_expert_gate=shared_gate,
         moe_layers=moe_layers,
@@ -650,8 +663,11 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         kind = "constant"
         value = _full_size_value(ctx, match, scale)
     residual = next(
-        (float(v) for k, v in _fields_matching(ctx.config, "residual").items()
-         if isinstance(v, (int, float)) and not isinstance(v, bool) and ("mult" in k or "scal" in k)),
+        (
+            float(v)
+            for k, v in _fields_matching(ctx.config, "residual").items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and ("mult" in k or "scal" in k)
+        ),
         None,
     )
     logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)

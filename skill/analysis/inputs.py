@@ -55,9 +55,7 @@ def _read_config_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise AnalysisError(f"{path} holds a JSON {type(data).__name__}, not an object; a config.json is an object")
     if not data.get("model_type"):
-        raise AnalysisError(
-            f"{path} has no 'model_type'; add the family's model_type (e.g. \"mistral\") to the config"
-        )
+        raise AnalysisError(f"{path} has no 'model_type'; add the family's model_type (e.g. \"mistral\") to the config")
     return data
 
 
@@ -198,7 +196,16 @@ def check_decoder_only(config: PretrainedConfig) -> None:
         )
 
 
-_SSM_FIELD_WORDS = ("mamba", "ssm", "linear_attn", "linear_num", "linear_key", "linear_value", "conv_kernel", "time_step")
+_SSM_FIELD_WORDS = (
+    "mamba",
+    "ssm",
+    "linear_attn",
+    "linear_num",
+    "linear_key",
+    "linear_value",
+    "conv_kernel",
+    "time_step",
+)
 
 
 def non_attention_config_fields(config: PretrainedConfig) -> list[str]:
@@ -240,7 +247,6 @@ def variant_types(model_type: str) -> list[str]:
     """
     stem = model_type
     for suffix in ("_text", "_moe"):
-        if stem.endswith(suffix):
-            stem = stem[: -len(suffix)]
+        stem = stem.removesuffix(suffix)
     candidates = {stem, f"{stem}_moe", f"{stem}_text", f"{stem}_moe_text"}
     return sorted(t for t in candidates if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

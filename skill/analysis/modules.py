@@ -99,15 +99,17 @@ class LayerAnatomy:
 def find_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
     """The module list of decoder layers: the first list with one entry per layer."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n_layers and len(module) > 0:
-            if any(isinstance(c, nn.Module) and list(c.children()) for c in module):
-                return name, module
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) == n_layers > 0
+            and any(list(child.children()) for child in module)
+        ):
+            return name, module
     # Some configs count sub-layers (two attentions per block): take the first list of
     # blocks that hold an attention module.
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if any(_is_attention(child) for child in module[0].modules()):
-                return name, module
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and any(map(_is_attention, module[0].modules())):
+            return name, module
     raise LookupError(f"no module list of {n_layers} decoder layers in {type(model).__name__}")
 
 
@@ -152,7 +154,9 @@ def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
     for name, child in parent.named_children():
         if is_norm(child):
             final_norm = child  # the last norm after the stack
-    return LayerAnatomy(path, layers, attention_name, attention, ffn_name, ffn, norms, embedding, lm_head, final_norm, others)
+    return LayerAnatomy(
+        path, layers, attention_name, attention, ffn_name, ffn, norms, embedding, lm_head, final_norm, others
+    )
 
 
 def norm_width(norm: nn.Module) -> int | None:
@@ -204,5 +208,6 @@ def router_module(ffn: nn.Module, num_experts: int) -> tuple[str, nn.Module] | N
 
 def layer_has_experts(layer: nn.Module) -> bool:
     return any(
-        "expert" in name.rsplit(".", 1)[-1].lower() and "shared" not in name.lower() for name, _ in layer.named_modules()
+        "expert" in name.rsplit(".", 1)[-1].lower() and "shared" not in name.lower()
+        for name, _ in layer.named_modules()
     )

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from skill.features import NormKind, NormPlacement
 from skill.analysis.modules import LayerAnatomy, is_norm
+from skill.features import NormKind, NormPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,12 @@ def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, confi
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         for value in [*args, *kwargs.values()]:
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2 and value.shape[-1] == top_k:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and value.dim() == 2
+                and value.shape[-1] == top_k
+            ):
                 captured.append(value.detach())
                 return
 

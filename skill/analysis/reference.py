@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 REFERENCES: dict[str, tuple[str, ...]] = {"qwen2": ("qwen2",), "qwen3": ("qwen3", "qwen3_moe")}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_values(model_type: str) -> dict[Feature, str]:
     """Feature values of a reference model type, measured by the analyser itself."""
     from skill.analysis.analyze import build_checklist  # deferred: analyze imports this module

@@ -44,9 +44,10 @@ class SourceFacts:
     def rotary_interleaved(self) -> bool:
         """Whether the rotary helpers pair adjacent dimensions (``x[..., ::2]``, repeat_interleave)."""
         for name, definition in self.functions.items():
-            if name.startswith(("rotate", "apply_rotary", "apply_rope")):
-                if re.search(r"::\s*2\]|repeat_interleave|view_as_complex", definition.code):
-                    return True
+            if name.startswith(("rotate", "apply_rotary", "apply_rope")) and re.search(
+                r"::\s*2\]|repeat_interleave|view_as_complex", definition.code
+            ):
+                return True
         return False
 
     def qk_norm_before_rope(self, attention_class: str, q_norm_attr: str) -> bool | None:
@@ -58,7 +59,9 @@ class SourceFacts:
         if forward is None:
             return None
         norm_index = next((i for i, c in enumerate(forward.calls) if c.endswith(q_norm_attr)), None)
-        rope_index = next((i for i, c in enumerate(forward.calls) if "rotary" in c.lower() or "rope" in c.lower()), None)
+        rope_index = next(
+            (i for i, c in enumerate(forward.calls) if "rotary" in c.lower() or "rope" in c.lower()), None
+        )
         if norm_index is None or rope_index is None:
             return None
         return norm_index < rope_index
