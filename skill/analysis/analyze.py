@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from skill.analysis import detect
+from skill.analysis import detect, probes
 from skill.analysis import modules as mt
 from skill.analysis.config_fields import config_fields
 from skill.analysis.inputs import AnalysisError, ResolvedSource, check_decoder_only, resolve_source, variant_types
@@ -151,6 +151,11 @@ def _inspect(
         raise AnalysisError(
             f"{config.model_type!r} is a hybrid, state-space or recurrent model ({what}); Archon ports "
             "softmax-attention decoders. Pick an attention-only family"
+        )
+    if not probes.probe_is_causal(model, tiny):
+        raise AnalysisError(
+            f"{config.model_type!r} attends to later tokens with this config (bidirectional, an encoder); Archon "
+            "ports causal decoders. Use a decoder config of the family (e.g. is_decoder=True) or another family"
         )
     keys = saved_checkpoint_keys(model)
     prefix = _layer_prefix(list(keys), tiny.num_hidden_layers)

@@ -219,7 +219,7 @@ def non_attention_config_fields(config: PretrainedConfig) -> list[str]:
     for name, value in sorted(config.to_dict().items()):
         if value is None or value is False:
             continue
-        if any(word in name for word in _SSM_FIELD_WORDS):
+        if any(word in name for word in _SSM_FIELD_WORDS) or name.startswith("conv_"):
             found.append(name)
         elif name in ("layer_types", "layers_block_type", "block_types", "attention_types") and isinstance(value, list):
             kinds = sorted({str(v) for v in value if isinstance(v, str)})

@@ -167,6 +167,16 @@ def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -
     return None
 
 
+def probe_is_causal(model: nn.Module, config: Any) -> bool:
+    """Whether earlier positions are blind to later tokens (a decoder, not an encoder)."""
+    tokens = tokens_for(config, 6)
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 5) % int(config.vocab_size)
+    a = _logits(model, tokens)[0, :-1]
+    b = _logits(model, changed)[0, :-1]
+    return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
+
+
 def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
     """Ratio of layer 0's input to the raw embedding rows; ``None`` when not a constant.
 
@@ -284,6 +294,7 @@ def matching_field(config: Any, target: float, *, tolerance: float = 1e-3) -> tu
 
 __all__ = [
     "is_norm",
+    "probe_is_causal",
     "matching_field",
     "norm_is_centred",
     "probe_embedding_scale",

@@ -31,6 +31,8 @@ def _snapshot(folder: Path) -> dict[str, float]:
         ("gemma3", "analyse its text model instead: model_type 'gemma3_text'"),
         ("jamba", "hybrid, state-space or recurrent"),
         ("mamba", "hybrid, state-space or recurrent"),
+        ("lfm2", "hybrid, state-space or recurrent"),  # conv_* fields: short-convolution layers
+        ("bert-generation", "attends to later tokens"),  # causal-LM head on a bidirectional encoder
         ("org/some-model", "not fetched (no network)"),
     ],
 )
