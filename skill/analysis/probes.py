@@ -294,10 +294,10 @@ def matching_field(config: Any, target: float, *, tolerance: float = 1e-3) -> tu
 
 __all__ = [
     "is_norm",
-    "probe_is_causal",
     "matching_field",
     "norm_is_centred",
     "probe_embedding_scale",
+    "probe_is_causal",
     "probe_logit_multiplier",
     "probe_norm_kind",
     "probe_norm_placement",
