@@ -146,3 +146,13 @@ def test_every_candidate_family_resolves_or_is_refused_by_name() -> None:
         assert tiny.hidden_size <= 64, model_type
         accepted += 1
     assert accepted > 80
+
+
+def test_bench_table_counts_analysed_and_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "bench" / "analyze_all.py"))
+    assert bench["main"](["qwen2", "bart"]) == 0
+    out = capsys.readouterr().out
+    assert "analysed 1 families, 1 with no unsupported feature, refused 1, failed 0" in out
+    assert "bart: 'bart' is an encoder-decoder model" in out
