@@ -23,7 +23,9 @@ class AnalyzeInput(BaseModel):
 
     source: str = Field(description="model_type, checkpoint folder, or config.json path")
     trust_remote_code: bool = Field(
-        False, description="execute the folder's configuration_*.py / modeling_*.py (read them first)"
+        False,
+        description="execute the folder's configuration_*.py / modeling_*.py (read them first); transformers "
+        "imports them through its modules cache (HF_MODULES_CACHE), the one place outside a temp dir it writes",
     )
 
 
