@@ -492,7 +492,9 @@ class SessionRecorder:
     """Appends a workspace's tool calls to one session file.
 
     Calls that change files run one at a time (a recorder lock), so each call's file
-    changes are its own; read-only calls only serialise the write of their line.
+    changes are its own; a read-only call takes the lock only to capture earlier edits,
+    then runs alongside others (the package locks keep it off a package being changed).
+    Lines are written in completion order, which is the order a replay runs them in.
     Opening an existing session that was not closed continues it.
     """
 

@@ -7,7 +7,7 @@ fails it calls the tool of the "When a stage fails" section and stops. It is the
 end-to-end proof that SKILL.md plus the tools port a family, and the recorder of the
 sessions kept under ``tests/mcp/sessions/``, re-recorded when the engine's output changes:
 
-    python -m tests.mcp.scripted_client --refresh llama mistral
+    python -m tests.mcp.scripted_client --refresh [family ...]
 """
 
 from __future__ import annotations
@@ -189,6 +189,16 @@ SESSIONS = Path(__file__).resolve().parent / "sessions"
 SESSION_STAGES: list[int] = []
 
 
+def ported_families(root: Path = REPO) -> list[str]:
+    """The packages under ``archon_models/`` the engine ported (every spec-bearing package
+    that is not a hand-written reference)."""
+    from skill.analysis.reference import REFERENCES
+
+    return sorted(
+        path.parent.name for path in (root / "archon_models").glob("*/spec.py") if path.parent.name not in REFERENCES
+    )
+
+
 def remove_packages(root: Path, packages: tuple[str, ...]) -> None:
     """Take ``packages`` out of a project copy, as it was before they were ported."""
     init = root / "archon_models" / "__init__.py"
@@ -231,8 +241,12 @@ def refresh_session(family: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", nargs="+", help="model_type(s) or checkpoint folder to port")
-    parser.add_argument("--refresh", action="store_true", help="re-record tests/mcp/sessions/<family>.jsonl for each")
+    parser.add_argument("source", nargs="*", help="model_type(s) or checkpoint folder to port")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="re-record tests/mcp/sessions/<family>.jsonl for each family named (default: every ported family)",
+    )
     parser.add_argument("--workspace", type=Path, help="project root the server works in (not with --refresh)")
     parser.add_argument("--session", type=Path, help="record the server's session here")
     parser.add_argument("--model-name")
@@ -240,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.refresh:
-        for family in args.source:
+        committed = subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "archon_models/*/spec.py"], check=True, capture_output=True, text=True
+        ).stdout.split()
+        for family in args.source or [f for f in ported_families() if f"archon_models/{f}/spec.py" in committed]:
             refresh_session(family)
         return 0
     if args.workspace is None or len(args.source) != 1:

@@ -12,7 +12,7 @@ import pytest
 from skill import session as sessions
 from skill.replay import ReplayInput, _check_call, replay_session
 from tests.mcp.conftest import REPO, make_project
-from tests.mcp.scripted_client import SESSIONS, port_over_stdio
+from tests.mcp.scripted_client import SESSIONS, port_over_stdio, ported_families
 
 COMMITTED = sorted(SESSIONS.glob("*.jsonl"))
 E2E_FAMILY = "llama"
@@ -50,12 +50,19 @@ def test_a_skill_md_client_ports_a_family_over_stdio(tmp_path: Path):
 @pytest.mark.parametrize("session", [p for p in COMMITTED if p.stem != E2E_FAMILY], ids=lambda p: p.stem)
 def test_committed_sessions_replay(session: Path):
     report = replay_session(ReplayInput(session=session, source=REPO))
-    assert report.ok, report.describe()
+    assert report.ok, (
+        f"{report.describe()}\nIf the engine's output changed on purpose, re-record: "
+        f"python -m tests.mcp.scripted_client --refresh {session.stem}"
+    )
     assert report.calls == 9  # analyze_hf_model ... check_package
 
 
 def test_committed_sessions_are_closed_and_portable():
-    assert COMMITTED, "tests/mcp/sessions/ holds the sessions that produced the committed families"
+    missing = sorted(set(ported_families()) - {p.stem for p in COMMITTED})
+    assert not missing, (
+        f"ported families without a session in tests/mcp/sessions/: {missing}; "
+        "record them with `python -m tests.mcp.scripted_client --refresh`"
+    )
     for path in COMMITTED:
         records = sessions.read_session(path)
         assert isinstance(records[-1], sessions.CloseRecord), f"{path.name} was not closed"
