@@ -17,5 +17,6 @@ from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
+from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401

@@ -807,3 +807,10 @@ def add_parameter(source: str, class_name: str | None, func_name: str, param_sou
     params.append(param)
     new_func = func.with_changes(params=func.params.with_changes(params=params))
     return module.deep_replace(func, new_func).code
+
+
+def remove_function(source: str, func_name: str) -> str:
+    """Drop a module-level function, if present."""
+    module = _parse(source)
+    body = [s for s in module.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
+    return source if len(body) == len(module.body) else module.with_changes(body=body).code

@@ -29,7 +29,22 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.down_proj": "feed_forward.w2",
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
+    "mlp.gate": "moe.router.gate",
+    "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
+    "mlp.shared_expert_gate": "moe.shared_expert_gate",
 }
+# Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
+# (named without ".weight"), so these map layer and expert index to that parameter.
+EXPERT_MODULES: dict[str, str] = {
+    "mlp.experts.{}.gate_proj": "moe.experts.w1",
+    "mlp.experts.{}.up_proj": "moe.experts.w3",
+    "mlp.experts.{}.down_proj": "moe.experts.w2",
+}
+# A MoE family's dense layers (mlp_only_layers, decoder_sparse_step) use the dense MLP;
+# a tiny checkpoint may have none, so their entries are added whenever experts exist.
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 TOP_MODULES: dict[str, str] = {
     "model.embed_tokens": "tok_embeddings",
     "model.norm": "norm",
@@ -92,6 +107,9 @@ def derive_from_hf_map(hf_keys: list[str]) -> dict[str, str | None]:
             unmapped.append(key)
             continue
         module, param = match.group("module"), match.group("param")
+        if inner is not None and module in EXPERT_MODULES:
+            mapping[key] = f"layers.{{}}.{EXPERT_MODULES[module]}"
+            continue
         target = layer_rules.get(module) if inner is not None else TOP_MODULES.get(module)
         if target is None:
             unmapped.append(key)
@@ -102,10 +120,15 @@ def derive_from_hf_map(hf_keys: list[str]) -> dict[str, str | None]:
             f"no Archon parameter for HF checkpoint key(s) {unmapped}; the engine has no edit that "
             "creates these modules (fused or renamed layouts need an adapter edit)."
         )
+    if any(".experts.{}." in k for k in keys):
+        for module in DENSE_MLP:
+            mapping.setdefault(f"{LAYER_PREFIX}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
     mapping.update({k: v for k, v in RUNTIME_BUFFERS.items() if k not in mapping})
     # A tied checkpoint has no lm_head; the adapter fills it from the embedding, so the
     # entry stays for to_hf of untied fine-tunes and for the tying fill-in.
     mapping.setdefault("lm_head.weight", "output.weight")
+    # A critic's value head (Archon models only; HF checkpoints of a critic carry it too).
+    mapping.setdefault("score.weight", "score.weight")
     return dict(sorted(mapping.items()))
 
 

@@ -14,6 +14,8 @@ from pydantic import BaseModel, Field
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     class_field_names,
+    remove_function,
+    remove_statements,
     replace_function,
     set_class_fields,
     set_docstring,
@@ -46,6 +48,7 @@ class ArgField:
     default: Any
     expression: str
     expected: Callable[[Any], Any]
+    default_source: str | None = None  # written verbatim instead of the default's literal
 
 
 def _eos(config: Any, default: int) -> int:
@@ -116,6 +119,34 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
     ):
         if wanted:
             fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
+    if profile.moe:
+        from archon_models.moe import MoEArgs
+
+        fields += [
+            ArgField(
+                "moe_inter_dim",
+                "int",
+                config.moe_intermediate_size,
+                "hf_config.moe_intermediate_size",
+                lambda c: c.moe_intermediate_size,
+            ),
+            ArgField("moe_args", "MoEArgs | None", None, "moe_args", MoEArgs.from_hf_config),
+            ArgField(
+                "decoder_sparse_step",
+                "int",
+                1,
+                'getattr(hf_config, "decoder_sparse_step", None) or 1',
+                lambda c: getattr(c, "decoder_sparse_step", None) or 1,
+            ),
+            ArgField(
+                "mlp_only_layers",
+                "list[int]",
+                None,
+                'list(getattr(hf_config, "mlp_only_layers", None) or [])',
+                lambda c: list(getattr(c, "mlp_only_layers", None) or []),
+                default_source="field(default_factory=list)",
+            ),
+        ]
     for name in profile.multipliers:
         fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
     fields += [
@@ -154,7 +185,15 @@ def _literal(value: Any) -> str:
 
 
 def required_fields(profile: FamilyProfile) -> tuple[str, ...]:
-    return (*CORE_REQUIRED, profile.norm_eps_field)
+    moe = ("moe_intermediate_size", "num_experts_per_tok") if profile.moe else ()
+    return (*CORE_REQUIRED, profile.norm_eps_field, *moe)
+
+
+MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)
+router_dtype: torch.dtype | None = kwargs.get("router_dtype")
+if router_dtype is not None:
+    moe_args.router_dtype = router_dtype
+"""
 
 
 def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> str:
@@ -203,17 +242,26 @@ def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> s
     return "\n".join(lines) + "\n"
 
 
-def from_hf_config_source(fields: list[ArgField], camel: str, config_class: str) -> str:
+def from_hf_config_source(fields: list[ArgField], camel: str, config_class: str, moe: bool = False) -> str:
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
+    kwargs = '{"attn_type", "num_labels", "router_dtype"}' if moe else '{"attn_type", "num_labels"}'
+    kwargs_doc = (
+        "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``), ``num_labels``\n"
+        "    (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
+        "    the router GEMM)."
+        if moe
+        else "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``) and\n"
+        "    ``num_labels`` (outputs of a critic's ``score`` head, default 1)."
+    )
+    setup = "".join(f"    {line}\n" if line else "\n" for line in MOE_SETUP.splitlines()) if moe else ""
     return f'''@classmethod
 def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> {camel}ModelArgs:
     """Map a ``{config_class}``.
 
-    Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and
-    ``num_labels`` (outputs of a critic's ``score`` head, default 1).
+    {kwargs_doc}
     ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
     """
-    unknown = sorted(set(kwargs) - {{"attn_type", "num_labels"}})
+    unknown = sorted(set(kwargs) - {kwargs})
     if unknown:
         raise TypeError(f"{camel}ModelArgs.from_hf_config got unexpected keyword arguments {{unknown}}.")
     missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
@@ -223,7 +271,7 @@ def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) 
             f"must set all of {{list(_REQUIRED_HF_FIELDS)}}."
         )
     _check_supported(hf_config)
-    n_heads = hf_config.num_attention_heads
+{setup}    n_heads = hf_config.num_attention_heads
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
     return cls(
@@ -265,7 +313,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
     config = load_config(request.source)
     camel = layout.names.camel
     fields = arg_fields(profile, config)
-    spec = {f.name: f"{f.annotation} = {_literal(f.default)}" for f in fields}
+    spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
     stale = [n for n in class_field_names(text, layout.args_class) if n not in spec]
     text = set_class_fields(text, layout.args_class, spec, remove=stale)
     text = set_docstring(
@@ -277,7 +325,12 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
     required = "".join(f'\n    "{n}",' for n in required_fields(profile))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
-    text = replace_function(text, layout.args_class, "from_hf_config", from_hf_config_source(fields, camel, profile.config_class))
+    text = replace_function(
+        text, layout.args_class, "from_hf_config", from_hf_config_source(fields, camel, profile.config_class, profile.moe)
+    )
+    # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
+    text = remove_function(text, "_num_experts")
+    text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
     checks = verify_args_source(text, layout.args_class, fields, request.source)
     failed = [c for c in checks if not c.passed]
     if failed:

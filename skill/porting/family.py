@@ -54,6 +54,7 @@ class FamilyProfile(BaseModel):
     rope_type: str = "default"
     partial_rotary: bool = False
     moe: bool = False
+    shared_expert: bool = False
     tied: bool = False
     unsupported: list[str] = Field(default_factory=list, description="features no edit supports, named")
 
@@ -165,7 +166,12 @@ def detect_family(source: str) -> FamilyProfile:
         unsupported.append(f"embedding scaled by {scale:.4g} (neither 1 nor sqrt(hidden_size))")
     moe = any(".experts.{}." in k for k in keys)
     if moe:
-        unsupported.append("mixture of experts")
+        if not hasattr(config, "norm_topk_prob"):
+            unsupported.append(
+                "MoE router whose top-k renormalisation is not a config field (norm_topk_prob)"
+            )
+        if not any(k.startswith(LAYER + "mlp.experts.{}.") for k in keys):
+            unsupported.append("MoE experts stored under another module than mlp.experts")
     fused = [k for k in keys if k.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
     if fused:
         unsupported.append(f"fused projections on disk {fused}")
@@ -195,6 +201,7 @@ def detect_family(source: str) -> FamilyProfile:
         rope_type=rope_type,
         partial_rotary=partial != 1.0,
         moe=moe,
+        shared_expert=LAYER + "mlp.shared_expert_gate.weight" in keyset,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         unsupported=unsupported,
     )

@@ -18,6 +18,7 @@ from skill.codemod.cst import (
     insert_before_class,
     prune_unused_imports,
     remove_class,
+    remove_function,
     remove_from_all,
     replace_class,
     replace_in_function,
@@ -266,6 +267,22 @@ return torch.tanh(head(h) / cap) * cap
     )
 
 
+def _remove_qk_norm(text: str, ctx: EditContext) -> str:
+    """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
+    if "self.q_norm" not in text:
+        return text
+    for statement in (
+        "self.q_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)",
+        "self.k_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)",
+    ):
+        text = replace_in_function(text, "Attention", "__init__", statement, "")
+    for statement in ("self.q_norm.reset_parameters()", "self.k_norm.reset_parameters()"):
+        text = replace_in_function(text, "Attention", "init_weights", statement, "")
+    for statement in ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))"):
+        text = replace_in_function(text, "Attention", "forward", statement, "")
+    return remove_function(text, "maybe_to_local")
+
+
 def _attention_multiplier(text: str, ctx: EditContext) -> str:
     return replace_in_function(
         text,
@@ -446,6 +463,7 @@ return head(h) if self.is_critic else head(h) / self.model_args.logits_scaling
 
 
 MODEL_EDITS: tuple[ModelEdit, ...] = (
+    ModelEdit("remove_qk_norm", "no QK norm (the qwen3 reference has one)", lambda p: p.qk_norm == "none", _remove_qk_norm),
     ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
     ModelEdit(
         "sliding_window",
@@ -497,6 +515,8 @@ def describe(profile: FamilyProfile, camel: str) -> str:
         else f"two-layer {_activation_name(profile)}"
     )
     extras = []
+    if profile.moe:
+        extras.append("mixture-of-experts MLPs" + (" with a gated shared expert" if profile.shared_expert else ""))
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")
     if profile.multipliers:

@@ -148,8 +148,6 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             )
         reference = choose_reference(profile)
         state["reference"] = reference
-        if reference != "qwen2":
-            raise ValueError(f"{model_type} needs the {reference} reference, whose edits the engine lacks. Nothing was written.")
     except Exception as e:
         return result(False, runner.steps[-1].step if runner.steps and not runner.steps[-1].ok else "analyze", f"{type(e).__name__}: {e}")
 

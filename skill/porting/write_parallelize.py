@@ -7,7 +7,7 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.codemod.cst import edit_dict_literal, read_dict_literal, set_docstring
+from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
 from skill.porting.family import FamilyProfile, detect_family
 
@@ -36,11 +36,67 @@ def _docstring(camel: str, profile: FamilyProfile) -> str:
         if bias
         else ""
     )
+    moe = (
+        "MoE layers: experts are sharded over EP (and TP), the block's input is gathered for the\n"
+        "MoE and its partial output reduce-scattered back to the sequence shard; the router and\n"
+        "shared-expert gates declare their gradients partial, so the backward sums them.\n"
+        if profile.moe
+        else ""
+    )
+    order = "TP, EP, CP, activation checkpointing, compile, FSDP" if profile.moe else (
+        "TP, CP, activation checkpointing, compile, FSDP"
+    )
     return (
-        f"How a {camel} model is laid out over devices: TP, CP, activation checkpointing, compile, FSDP.\n\n"
+        f"How a {camel} model is laid out over devices: {order}.\n\n"
         f"{camel} attention has no QK norm, so every projection hands local tensors straight to the\n"
         f"attention (``use_local_output=True``). {bias_text}\n"
+        + (f"\n{moe}" if moe else "")
     ).replace(" \n", "\n")
+
+
+QK_NORM_IF = """if has_qk_norm:
+    layer_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
+    layer_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
+"""
+
+
+def _set_function_docstring(text: str, function: str, edit) -> str:
+    """Rewrite a module-level function's docstring through ``edit`` (str -> str)."""
+    import libcst as cst
+    import libcst.matchers as m
+
+    module = cst.parse_module(text)
+    for stmt in module.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == function:
+            first = stmt.body.body[0]
+            if m.matches(first, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
+                old = first.body[0].value
+                new_value = edit(old.value)
+                if new_value != old.value:
+                    return module.deep_replace(old, old.with_changes(value=new_value)).code
+    return text
+
+
+def _drop_qk_norm_plan(text: str) -> str:
+    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+    text = edit_dict_literal(
+        text,
+        PLAN_TARGET,
+        {
+            "attention.wq": "ColwiseParallel(use_local_output=True)",
+            "attention.wk": "ColwiseParallel(use_local_output=True)",
+        },
+        raw_values=True,
+    )
+    text = replace_in_function(text, None, function, QK_NORM_IF, "")
+    text = _set_function_docstring(
+        text,
+        function,
+        lambda doc: doc.replace("q/k/v column-wise (q/k as DTensors for the QK norms)", "q/k/v column-wise"),
+    )
+    return replace_in_function(
+        text, None, function, 'has_qk_norm = getattr(block.attention, "q_norm", None) is not None', ""
+    )
 
 
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
@@ -57,8 +113,11 @@ def apply_write_parallelize(
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
     profile = profile or detect_family(request.source)
-    if profile.qk_norm != "none" or profile.moe:
-        raise ValueError("TP plans for QK norm or MoE come from the qwen3 reference; copy qwen3 for this family.")
+    if profile.qk_norm not in ("none", "per_head"):
+        raise ValueError(f"no TP plan for {profile.qk_norm} QK norm; only per-head QK norm is supported.")
+    if profile.qk_norm == "none" and "has_qk_norm" in text:
+        # The qwen3 reference decides per block; a family without QK norm keeps local outputs.
+        text = _drop_qk_norm_plan(text)
     remove = ["feed_forward.w3"] if profile.mlp == "plain" else []
     text = edit_dict_literal(text, PLAN_TARGET, remove=remove)
     if profile.block == "sandwich":

@@ -61,6 +61,7 @@ class Gemma2StateDictAdapter(BaseStateDictAdapter):
         "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
         "model.norm.weight": "norm.weight",
         "lm_head.weight": "output.weight",
+        "score.weight": "score.weight",
         "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_ffn_norm.weight",
         "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
     }

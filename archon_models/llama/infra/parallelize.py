@@ -205,9 +205,7 @@ def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
             # Under PP each micro-batch would re-gather the weights; keep them instead.
             return not pp_enabled
         case _:
-            raise ValueError(
-                f"Invalid reshard_after_forward_policy {policy!r}; use 'default', 'always' or 'never'."
-            )
+            raise ValueError(f"Invalid reshard_after_forward_policy {policy!r}; use 'default', 'always' or 'never'.")
 
 
 def apply_fsdp(

@@ -61,6 +61,7 @@ class LlamaStateDictAdapter(BaseStateDictAdapter):
         "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
         "model.norm.weight": "norm.weight",
         "lm_head.weight": "output.weight",
+        "score.weight": "score.weight",
     }
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):

@@ -61,6 +61,7 @@ class Starcoder2StateDictAdapter(BaseStateDictAdapter):
         "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
         "model.norm.weight": "norm.weight",
         "lm_head.weight": "output.weight",
+        "score.weight": "score.weight",
         "model.layers.{}.input_layernorm.bias": "layers.{}.attention_norm.bias",
         "model.layers.{}.mlp.c_fc.bias": "layers.{}.feed_forward.w1.bias",
         "model.layers.{}.mlp.c_fc.weight": "layers.{}.feed_forward.w1.weight",

@@ -1,0 +1,1 @@
+"""Qwen2Moe model definition: args, modules, RoPE and the HF state-dict adapter."""
