@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 STATE_DIR = ".archon-port"
 
 DEFAULT_LOCK_TIMEOUT_S = 300.0
+# The lock every package-level call shares and a call on a not-yet-named package holds
+# exclusively; no package name can start with an underscore.
+WORKSPACE_LOCK = "_workspace"
 
 
 def state_dir(workspace: Workspace, *parts: str) -> Path:
@@ -389,9 +392,9 @@ def package_lock(
                 if time.monotonic() >= deadline:
                     handle.seek(0)
                     current = handle.read().strip() or "another call"
+                    what = "the workspace" if package == WORKSPACE_LOCK else f"package {package!r}"
                     raise ToolBusyError(
-                        f"package {package!r} is busy: {current} holds it "
-                        f"(waited {timeout:g} s). Retry when that call has finished."
+                        f"{what} is busy: {current} holds it (waited {timeout:g} s). Retry when that call has finished."
                     ) from None
                 time.sleep(0.02)
         try:
@@ -512,6 +515,13 @@ def invoke(
         raise InvalidArgumentsError(tool.name, problems) from e
     package = tool.package_of(request)
     with contextlib.ExitStack() as stack:
+        if tool.entry.package_field is not None:
+            # A step that names no package yet (port_model before it reads the config's
+            # model_type) may touch any: it holds the whole workspace, every other call shares it.
+            whole = package is None and not tool.entry.read_only
+            stack.enter_context(
+                package_lock(ws, WORKSPACE_LOCK, exclusive=whole, holder=tool.name, timeout=lock_timeout)
+            )
         if package is not None:
             stack.enter_context(
                 package_lock(ws, package, exclusive=not tool.entry.read_only, holder=tool.name, timeout=lock_timeout)

@@ -102,3 +102,14 @@ def test_shared_package_locks_coexist(workspace: Path):
         tools.package_lock(ws, "mistral", exclusive=False, holder="b", timeout=0),
     ):
         pass
+
+
+def test_a_change_to_a_not_yet_named_package_holds_the_whole_workspace(workspace: Path):
+    """port_model without model_name may write any package: it excludes every package call."""
+    ws = Workspace(workspace)
+    with tools.package_lock(ws, tools.WORKSPACE_LOCK, exclusive=True, holder="port_model"):
+        with pytest.raises(tools.ToolBusyError, match="the workspace is busy: port_model"):
+            tools.invoke("toy_append_note", {"model_name": "m", "text": "x"}, workspace=ws, lock_timeout=0)
+        # A step that names no package (the analysis) does not wait for it.
+        assert tools.get_tool("analyze_hf_model").entry.package_field is None
+    tools.invoke("toy_append_note", {"model_name": "m", "text": "x"}, workspace=ws, lock_timeout=0)
