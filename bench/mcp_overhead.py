@@ -1,18 +1,20 @@
 """Warm cost of calling an engine step through the registry, a session and the MCP server.
 
-For each step, times the direct function call and the same call through each face, after
-one warm-up call (imports, caches), in a throw-away copy of the workspace:
+For each step and each face, after one warm-up call (imports, caches), in a throw-away
+copy of the workspace, the face's call and the direct function call are timed in
+alternation, and the overhead is the median of the per-pair differences: on a shared,
+loaded machine that cancels the drift that makes two separate medians incomparable.
+Faces:
 
-- ``direct``: ``step(InputModel(...))``;
 - ``invoke``: ``skill.tools.invoke`` (validation, workspace confinement, package lock);
-- ``invoke+session``: the same, recorded into a session (workspace scan, hashes, one JSON line);
-- ``mcp in-process``: the SDK's ``Client`` against ``build_server`` in this process, recording;
-- ``mcp stdio``: the server as a subprocess over stdio, recording (what an agent sees).
+- ``invoke +session``: the same, recorded into a session (workspace scans, hashes, one JSON line);
+- ``mcp in-process``: the SDK's ``Client`` against ``build_server`` in this process;
+- ``mcp stdio``: the server as a subprocess over stdio (what an agent sees);
 
-Prints a table of the median per call and the overhead over ``direct``, and the replay
-time of the session recorded by the stdio run.
+each MCP face without and with a session (the server records by default). Prints the
+table and the time to replay the session recorded by the stdio run.
 
-    python bench/mcp_overhead.py [--repeat 20] [--workspace DIR]
+    python bench/mcp_overhead.py [--repeat 30] [--workspace DIR]
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,91 +44,119 @@ logger = logging.getLogger("bench.mcp_overhead")
 # Steps cheap and deterministic enough that the face's cost is visible: a read-only
 # check and an idempotent write that finds nothing to change.
 CALLS: list[tuple[str, dict[str, Any]]] = [
-    ("check_package", {"model_name": "llama", "source": "llama"}),
     ("register_spec", {"model_name": "llama", "model_types": ["llama"]}),
+    ("check_package", {"model_name": "llama", "source": "llama"}),
 ]
 
 
-def _median_ms(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm-up
-    times = []
+class Row:
+    def __init__(self, tool: str, face: str, face_ms: list[float], direct_ms: list[float]):
+        self.tool = tool
+        self.face = face
+        self.face_ms = statistics.median(face_ms)
+        self.direct_ms = statistics.median(direct_ms)
+        self.overhead_ms = statistics.median(f - d for f, d in zip(face_ms, direct_ms, strict=True))
+
+
+async def _paired(
+    tool: str, face: str, call: Callable[[], Awaitable[Any]], direct: Callable[[], Any], repeat: int
+) -> Row:
+    await call()  # warm-up
+    direct()
+    face_ms, direct_ms = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+        await call()
+        face_ms.append((time.perf_counter() - start) * 1000)
+        start = time.perf_counter()
+        direct()
+        direct_ms.append((time.perf_counter() - start) * 1000)
+    return Row(tool, face, face_ms, direct_ms)
 
 
-async def _mcp_median_ms(client: Client, name: str, arguments: dict[str, Any], repeat: int) -> float:
-    async def once() -> None:
+def _as_async(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    async def call() -> Any:
+        return fn()
+
+    return call
+
+
+def _mcp_call(client: Client, name: str, arguments: dict[str, Any]) -> Callable[[], Awaitable[Any]]:
+    async def call() -> None:
         result = await client.call_tool(name, arguments)
         if result.is_error:
             raise RuntimeError(f"{name} failed: {result.content[0].text}")
 
-    await once()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        await once()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return call
 
 
-def measure(workspace: Path, repeat: int) -> tuple[list[tuple[str, str, float]], float]:
-    rows: list[tuple[str, str, float]] = []
+def measure(workspace: Path, repeat: int) -> tuple[list[Row], float, int]:
+    rows: list[Row] = []
+    directs = {}
     for name, arguments in CALLS:
         tool = get_tool(name)
-        request = tool.input_model.model_validate({**arguments, "workspace": workspace})
-        rows.append((name, "direct", _median_ms(functools.partial(tool.function, request), repeat)))
-        call = functools.partial(invoke, name, arguments, workspace=workspace)
-        rows.append((name, "invoke", _median_ms(call, repeat)))
-        with recording(workspace / f"bench-invoke-{name}.jsonl", workspace, close=True) as session:
-            rows.append((name, "invoke+session", _median_ms(functools.partial(call, session=session), repeat)))
+        directs[name] = functools.partial(
+            tool.function, tool.input_model.model_validate({**arguments, "workspace": workspace})
+        )
 
-    async def in_process() -> None:
-        async with Client(build_server(workspace, session=workspace / "bench-inproc.jsonl")) as client:
+    async def registry_faces() -> None:
+        for name, arguments in CALLS:
+            call = functools.partial(invoke, name, arguments, workspace=workspace)
+            rows.append(await _paired(name, "invoke", _as_async(call), directs[name], repeat))
+            with recording(workspace / f"bench-invoke-{name}.jsonl", workspace, close=True) as session:
+                recorded = _as_async(functools.partial(call, session=session))
+                rows.append(await _paired(name, "invoke +session", recorded, directs[name], repeat))
+
+    async def in_process(record: bool) -> None:
+        server = build_server(workspace, session=workspace / "bench-inproc.jsonl", record=record)
+        async with Client(server) as client:
             for name, arguments in CALLS:
-                rows.append((name, "mcp in-process", await _mcp_median_ms(client, name, arguments, repeat)))
+                face = "mcp in-process" + (" +session" if record else "")
+                rows.append(await _paired(name, face, _mcp_call(client, name, arguments), directs[name], repeat))
 
     stdio_session = workspace / "bench-stdio.jsonl"
 
-    async def stdio() -> None:
+    async def stdio(record: bool) -> None:
+        recording_args = ["--session", str(stdio_session)] if record else ["--no-record"]
         params = StdioServerParameters(
             command=sys.executable,
-            args=["-m", "mcp_server", "--workspace", str(workspace), "--session", str(stdio_session)],
+            args=["-m", "mcp_server", "--workspace", str(workspace), *recording_args],
             cwd=str(workspace),
         )
         async with Client(params, read_timeout_seconds=300) as client:
             for name, arguments in CALLS:
-                rows.append((name, "mcp stdio", await _mcp_median_ms(client, name, arguments, repeat)))
+                face = "mcp stdio" + (" +session" if record else "")
+                rows.append(await _paired(name, face, _mcp_call(client, name, arguments), directs[name], repeat))
 
-    anyio.run(in_process)
-    anyio.run(stdio)
+    anyio.run(registry_faces)
+    for record in (False, True):
+        anyio.run(in_process, record)
+    for record in (False, True):
+        anyio.run(stdio, record)
     start = time.perf_counter()
     report = replay_session(ReplayInput(session=stdio_session, source=workspace))
     replay_s = time.perf_counter() - start
     if not report.ok:
         raise RuntimeError(report.describe())
-    return rows, replay_s
+    return rows, replay_s, report.calls
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20, help="timed calls per face (after one warm-up)")
+    parser.add_argument("--repeat", type=int, default=30, help="timed pairs per face (after one warm-up)")
     parser.add_argument("--workspace", type=Path, help="project to copy (default: this one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     source = (args.workspace or find_project_root()).resolve()
     with tempfile.TemporaryDirectory(prefix="archon-port-bench-") as tmp:
         workspace = copy_repository(source, Path(tmp) / "ws")
-        rows, replay_s = measure(workspace, args.repeat)
-        shutil.rmtree(workspace / ".archon-port", ignore_errors=True)
-    direct = {name: ms for name, face, ms in rows if face == "direct"}
+        rows, replay_s, calls = measure(workspace, args.repeat)
     out = sys.stdout
-    out.write(f"{'tool':<16} {'face':<16} {'median ms':>10} {'overhead ms':>12}\n")
-    for name, face, ms in rows:
-        out.write(f"{name:<16} {face:<16} {ms:>10.2f} {ms - direct[name]:>12.2f}\n")
-    calls = 2 * (args.repeat + 1)
+    out.write(f"{'tool':<15} {'face':<24} {'face ms':>9} {'direct ms':>10} {'overhead ms':>12}\n")
+    for row in sorted(rows, key=lambda r: r.tool):
+        out.write(
+            f"{row.tool:<15} {row.face:<24} {row.face_ms:>9.2f} {row.direct_ms:>10.2f} {row.overhead_ms:>12.2f}\n"
+        )
     out.write(f"\nreplay of the stdio session ({calls} calls, fresh copy, in-process): {replay_s:.1f} s\n")
     return 0
 
