@@ -16,6 +16,7 @@ from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
+from archon_models.mixtral import spec as mixtral_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401

@@ -10,7 +10,7 @@ from pydantic import Field
 from skill.codemod import StagedTree
 from skill.codemod.cst import CodemodError, edit_dict_literal, read_dict_literal
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
-from skill.porting.hf_source import checkpoint_keys, generalised_keys
+from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
+    "block_sparse_moe.gate": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
@@ -41,6 +42,9 @@ EXPERT_MODULES: dict[str, str] = {
     "mlp.experts.{}.gate_proj": "moe.experts.w1",
     "mlp.experts.{}.up_proj": "moe.experts.w3",
     "mlp.experts.{}.down_proj": "moe.experts.w2",
+    "block_sparse_moe.experts.{}.w1": "moe.experts.w1",
+    "block_sparse_moe.experts.{}.w3": "moe.experts.w3",
+    "block_sparse_moe.experts.{}.w2": "moe.experts.w2",
 }
 # A MoE family's dense layers (mlp_only_layers, decoder_sparse_step) use the dense MLP;
 # a tiny checkpoint may have none, so their entries are added whenever experts exist.
@@ -83,7 +87,7 @@ def _norm_names(layer_modules: set[str]) -> dict[str, str]:
     return names
 
 
-def derive_from_hf_map(hf_keys: list[str]) -> dict[str, str | None]:
+def derive_from_hf_map(hf_keys: list[str], dense_layers: bool = True) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
     Raises ``UnmappedKeyError`` listing every key no rule covers.
@@ -120,7 +124,7 @@ def derive_from_hf_map(hf_keys: list[str]) -> dict[str, str | None]:
             f"no Archon parameter for HF checkpoint key(s) {unmapped}; the engine has no edit that "
             "creates these modules (fused or renamed layouts need an adapter edit)."
         )
-    if any(".experts.{}." in k for k in keys):
+    if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
             mapping.setdefault(f"{LAYER_PREFIX}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
     mapping.update({k: v for k, v in RUNTIME_BUFFERS.items() if k not in mapping})
@@ -182,7 +186,9 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     remove = set(request.remove)
     wanted: dict[str, str | None] = dict(current)
     if request.source is not None:
-        derived = derive_from_hf_map(list(checkpoint_keys(request.source)))
+        config = load_config(request.source)
+        dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
+        derived = derive_from_hf_map(list(checkpoint_keys(request.source)), dense_layers=dense_layers)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)

@@ -122,15 +122,24 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
     if profile.moe:
         from archon_models.moe import MoEArgs
 
+        # Expert width: its own field where the family has one, else the MLP width.
+        width = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
+
+        def expected_moe_args(c: Any) -> Any:
+            moe_args = MoEArgs.from_hf_config(c)
+            if profile.router_renormalizes and not profile.router_norm_field:
+                moe_args.route_norm = True
+            return moe_args
+
         fields += [
             ArgField(
                 "moe_inter_dim",
                 "int",
-                config.moe_intermediate_size,
-                "hf_config.moe_intermediate_size",
-                lambda c: c.moe_intermediate_size,
+                getattr(config, width),
+                f"hf_config.{width}",
+                lambda c: getattr(c, width),
             ),
-            ArgField("moe_args", "MoEArgs | None", None, "moe_args", MoEArgs.from_hf_config),
+            ArgField("moe_args", "MoEArgs | None", None, "moe_args", expected_moe_args),
             ArgField(
                 "decoder_sparse_step",
                 "int",
@@ -184,8 +193,11 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
-def required_fields(profile: FamilyProfile) -> tuple[str, ...]:
-    moe = ("moe_intermediate_size", "num_experts_per_tok") if profile.moe else ()
+def required_fields(profile: FamilyProfile, config: Any) -> tuple[str, ...]:
+    moe: tuple[str, ...] = ()
+    if profile.moe:
+        moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
+        moe += ("num_experts_per_tok",)
     return (*CORE_REQUIRED, profile.norm_eps_field, *moe)
 
 
@@ -242,7 +254,9 @@ def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> s
     return "\n".join(lines) + "\n"
 
 
-def from_hf_config_source(fields: list[ArgField], camel: str, config_class: str, moe: bool = False) -> str:
+def from_hf_config_source(
+    fields: list[ArgField], camel: str, config_class: str, moe: bool = False, route_norm: bool = False
+) -> str:
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs = '{"attn_type", "num_labels", "router_dtype"}' if moe else '{"attn_type", "num_labels"}'
     kwargs_doc = (
@@ -253,7 +267,15 @@ def from_hf_config_source(fields: list[ArgField], camel: str, config_class: str,
         else "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``) and\n"
         "    ``num_labels`` (outputs of a critic's ``score`` head, default 1)."
     )
-    setup = "".join(f"    {line}\n" if line else "\n" for line in MOE_SETUP.splitlines()) if moe else ""
+    moe_setup = MOE_SETUP
+    if route_norm:
+        moe_setup = moe_setup.replace(
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n",
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n"
+            "# The router always rescales its top-k weights to sum to 1; no config field says so.\n"
+            "moe_args.route_norm = True\n",
+        )
+    setup = "".join(f"    {line}\n" if line else "\n" for line in moe_setup.splitlines()) if moe else ""
     return f'''@classmethod
 def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> {camel}ModelArgs:
     """Map a ``{config_class}``.
@@ -322,11 +344,20 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
         f"{camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``.",
     )
     text = set_docstring(text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``.")
-    required = "".join(f'\n    "{n}",' for n in required_fields(profile))
+    required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
     text = replace_function(
-        text, layout.args_class, "from_hf_config", from_hf_config_source(fields, camel, profile.config_class, profile.moe)
+        text,
+        layout.args_class,
+        "from_hf_config",
+        from_hf_config_source(
+            fields,
+            camel,
+            profile.config_class,
+            profile.moe,
+            route_norm=profile.router_renormalizes and not profile.router_norm_field,
+        ),
     )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
     text = remove_function(text, "_num_experts")

@@ -55,6 +55,10 @@ class FamilyProfile(BaseModel):
     partial_rotary: bool = False
     moe: bool = False
     shared_expert: bool = False
+    router_renormalizes: bool = Field(
+        default=False, description="the router rescales its top-k weights to sum to 1 (probed on a tiny instance)"
+    )
+    router_norm_field: bool = Field(default=False, description="the config says so itself (norm_topk_prob)")
     tied: bool = False
     unsupported: list[str] = Field(default_factory=list, description="features no edit supports, named")
 
@@ -78,6 +82,44 @@ def _probe_norm(norm: torch.nn.Module, width: int) -> Literal["rms", "rms_offset
             for name, p in norm.named_parameters():
                 p.copy_(saved[name])
     return "layernorm" if float(unit_out.mean(-1).abs().max()) < 1e-4 else "rms"
+
+
+MOE_MODULES = ("mlp", "block_sparse_moe")
+
+
+def _probe_router_renormalizes(model: torch.nn.Module) -> bool | None:
+    """Whether layer 0's router returns top-k weights that sum to 1 per token.
+
+    The router is the ``gate`` module with one row per expert; its second output is the
+    routing weights (transformers 5 routers return logits, weights, indices).
+    """
+    # Found by shape, not by name: transformers 5 may name a module differently in memory
+    # (``mlp``) than on disk (``block_sparse_moe``).
+    layer = model.model.layers[0]
+    router = next(
+        (
+            module
+            for name, module in layer.named_modules()
+            if name.split(".")[-1] == "gate"
+            and "shared" not in name
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and module.weight.ndim == 2
+            and module.weight.shape[0] > 1
+        ),
+        None,
+    )
+    if router is None:
+        return None
+    width = router.weight.shape[1]
+    hidden = torch.randn(7, width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = router(hidden)
+    if not isinstance(out, tuple) or len(out) < 2 or not isinstance(out[1], torch.Tensor):
+        return None
+    weights = out[1].float()
+    if weights.shape[-1] >= router.weight.shape[0]:
+        return None  # dense scores over every expert: not a top-k output
+    return bool(torch.allclose(weights.sum(-1), torch.ones(weights.shape[0]), atol=1e-5))
 
 
 def _probe_embedding_scale(model: torch.nn.Module, config: Any) -> float:
@@ -166,12 +208,14 @@ def detect_family(source: str) -> FamilyProfile:
         unsupported.append(f"embedding scaled by {scale:.4g} (neither 1 nor sqrt(hidden_size))")
     moe = any(".experts.{}." in k for k in keys)
     if moe:
-        if not hasattr(config, "norm_topk_prob"):
-            unsupported.append(
-                "MoE router whose top-k renormalisation is not a config field (norm_topk_prob)"
-            )
-        if not any(k.startswith(LAYER + "mlp.experts.{}.") for k in keys):
-            unsupported.append("MoE experts stored under another module than mlp.experts")
+        if not any(k.startswith(LAYER + prefix + ".experts.{}.") for k in keys for prefix in MOE_MODULES):
+            unsupported.append(f"MoE experts stored under another module than {' or '.join(MOE_MODULES)}")
+        else:
+            renormalizes = _probe_router_renormalizes(model)
+            if renormalizes is None:
+                unsupported.append("MoE router whose output the engine cannot read (expected scores per token)")
+            elif hasattr(config, "norm_topk_prob") and bool(config.norm_topk_prob) != renormalizes:
+                unsupported.append("MoE router that renormalises differently from its norm_topk_prob field")
     fused = [k for k in keys if k.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
     if fused:
         unsupported.append(f"fused projections on disk {fused}")
@@ -202,6 +246,8 @@ def detect_family(source: str) -> FamilyProfile:
         partial_rotary=partial != 1.0,
         moe=moe,
         shared_expert=LAYER + "mlp.shared_expert_gate.weight" in keyset,
+        router_renormalizes=bool(moe and _probe_router_renormalizes(model)),
+        router_norm_field=hasattr(config, "norm_topk_prob"),
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         unsupported=unsupported,
     )

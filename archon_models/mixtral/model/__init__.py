@@ -1,0 +1,1 @@
+"""Mixtral model definition: args, modules, RoPE and the HF state-dict adapter."""
