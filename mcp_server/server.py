@@ -50,20 +50,23 @@ def skill_md_path(workspace: Workspace) -> Path:
     raise FileNotFoundError(f"SKILL.md not found in {workspace.root} or next to the engine")
 
 
-def reference_table() -> dict[str, Any]:
+def reference_table(workspace: Workspace) -> dict[str, Any]:
     """The guide's decision map: each reference's measured feature values, and what edits produce.
 
     A family's feature either matches a reference's value, or is in ``edits`` (an engine
     edit produces it), or is unsupported; ``analyze_hf_model`` does this comparison.
+    ``registered`` maps every model_type a package of the workspace already serves to that
+    package (read from the spec files): a new package cannot claim those.
     """
-    import archon_models
     from skill.analysis.reference import REFERENCES, reference_values
+    from skill.codemod import StagedTree
     from skill.features import FEATURE_TITLES, SUPPORTED_EDITS
+    from skill.porting.register_spec import registered_types
 
-    supported = archon_models.get_supported_model_types()
+    owners = registered_types(StagedTree(workspace))
     references = []
     for name, model_types in REFERENCES.items():
-        registered = sorted(t for t in supported if archon_models.get_model_spec(t).name.lower() == name)
+        registered = sorted(t for t, package in owners.items() if package == name)
         features = {
             model_type: {FEATURE_TITLES[f]: value for f, value in reference_values(model_type).items()}
             for model_type in model_types
@@ -72,7 +75,7 @@ def reference_table() -> dict[str, Any]:
             {"reference": name, "package": f"archon_models/{name}", "model_types": registered, "features": features}
         )
     edits = {FEATURE_TITLES[f]: sorted(values) for f, values in SUPPORTED_EDITS.items()}
-    return {"references": references, "edits": edits}
+    return {"references": references, "edits": edits, "registered": owners}
 
 
 def contracts_text(workspace: Workspace) -> str:
@@ -140,11 +143,11 @@ def build_server(
         REFERENCES_URI,
         name="references",
         mime_type="application/json",
-        description="The references a port starts from (model types, measured feature values) and the feature "
-        "values engine edits produce",
+        description="The references a port starts from (model types, measured feature values), the feature "
+        "values engine edits produce, and every model_type a package already registers",
     )
     def references() -> str:
-        return json.dumps(reference_table(), indent=2)
+        return json.dumps(reference_table(ws), indent=2)
 
     @server.resource(
         CONTRACTS_URI,

@@ -159,6 +159,10 @@ async def follow_playbook(
             found = _find(content, key)
             if found:
                 values[placeholder] = found
+        if "variant_types" in content:  # SKILL.md: less the types another package registers
+            table = json.loads((await client.read_resource("archon://references")).contents[0].text)
+            owners = table["registered"]
+            values["model_types"] = [t for t in values["model_types"] if owners.get(t, name) == name]
     transcript.passed = True
     return transcript
 
@@ -257,9 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         committed = subprocess.run(
             ["git", "-C", str(REPO), "ls-files", "archon_models/*/spec.py"], check=True, capture_output=True, text=True
         ).stdout.split()
+        failed = []
         for family in args.source or [f for f in ported_families() if f"archon_models/{f}/spec.py" in committed]:
-            refresh_session(family)
-        return 0
+            try:
+                refresh_session(family)
+            except Exception as e:  # report every family, not only the first failure
+                logger.error("%s: %s", family, e)
+                failed.append(family)
+        return 1 if failed else 0
     if args.workspace is None or len(args.source) != 1:
         parser.error("give one source and --workspace (or --refresh with family names)")
     transcript = anyio.run(

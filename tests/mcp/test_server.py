@@ -157,6 +157,7 @@ def test_resources_and_the_add_model_prompt(workspace: Path):
     assert read["archon://skill"].startswith("---\nname: ")
     assert "class BaseStateDictAdapter" in read["archon://contracts"]
     table = json.loads(read["archon://references"])
+    assert table["registered"]["qwen3_moe"] == "qwen3"
     assert {r["reference"]: r["model_types"] for r in table["references"]} == {
         "qwen2": ["qwen2"],
         "qwen3": ["qwen3", "qwen3_moe"],
