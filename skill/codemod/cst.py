@@ -814,3 +814,23 @@ def remove_function(source: str, func_name: str) -> str:
     module = _parse(source)
     body = [s for s in module.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
     return source if len(body) == len(module.body) else module.with_changes(body=body).code
+
+
+def insert_after_statement_assigning(
+    source: str, class_name: str | None, func_name: str, target: str, new_source: str
+) -> str:
+    """Insert statements right after the top-level statement of a function that assigns
+    ``target``; a no-op when the first new statement is already there."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    body = list(func.body.body)
+    new_stmts = list(cst.parse_module(new_source).body)
+    keys = {_stmt_key(s) for s in body}
+    if _stmt_key(new_stmts[0]) in keys:
+        return source
+    for i, stmt in enumerate(body):
+        if _assigns_target(stmt, target):
+            body[i + 1 : i + 1] = new_stmts
+            new_func = func.with_changes(body=func.body.with_changes(body=body))
+            return module.deep_replace(func, new_func).code
+    raise CodemodError(f"no statement assigning {target} in {func_name!r}")

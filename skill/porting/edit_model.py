@@ -37,10 +37,8 @@ def edit_model(request: EditModelRequest) -> EditModelResult:
 def unsupported_features(profile: FamilyProfile) -> list[str]:
     """Features of the family that neither the reference nor any edit reproduces."""
     found = list(profile.unsupported)
-    if profile.qk_norm != "none":
-        found.append(f"QK norm ({profile.qk_norm})")
-    if profile.block == "post_norm":
-        found.append("post-norm blocks (norm after each sub-layer, none before)")
+    if profile.block == "post_norm" and profile.norm != "rms":
+        found.append(f"post-norm blocks with a {profile.norm} norm")
     return found
 
 
@@ -54,7 +52,7 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, profile: Famil
             f"{profile.model_type} has feature(s) no edit supports: {', '.join(missing)}. "
             "Teach the engine an edit for them (skill/porting/model_edits.py) before porting."
         )
-    names = request.edits if request.edits is not None else select_edits(profile)
+    names = request.edits if request.edits is not None else select_edits(profile, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=profile)
     new_text = apply_model_edits(text, ctx, names)
     changed: list[str] = []

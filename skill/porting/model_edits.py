@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from skill.codemod.cst import (
     add_parameter,
+    insert_after_statement_assigning,
     insert_before_class,
     prune_unused_imports,
     remove_class,
@@ -45,6 +46,8 @@ class ModelEdit:
     description: str
     applies: Callable[[FamilyProfile], bool]
     apply: Callable[[str, EditContext], str]
+    # Whether the copied reference's source still needs it (default: always).
+    needed: Callable[[str], bool] = lambda text: True
 
 
 # --- attention --------------------------------------------------------------------------
@@ -283,6 +286,84 @@ def _remove_qk_norm(text: str, ctx: EditContext) -> str:
     return remove_function(text, "maybe_to_local")
 
 
+def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
+    """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE."""
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# Queries and keys are normalised over all heads at once (the full projection width).\n"
+        "self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=model_args.norm_eps)\n"
+        "self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\n"
+        "self.q_norm.reset_parameters()\nself.k_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        "xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)",
+        "xq = self.q_norm(self.wq(x)).view(bs, seqlen, -1, self.head_dim)\n",
+    )
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        "xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)",
+        "xk = self.k_norm(self.wk(x)).view(bs, seqlen, -1, self.head_dim)\n",
+    )
+
+
+def _post_norm(text: str, ctx: EditContext) -> str:
+    """Norms after each sub-layer instead of before it: ``x + norm(f(x))``."""
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
+        "self.post_attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
+        "self.post_ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text, "TransformerBlock", "init_weights", "self.attention_norm.reset_parameters()",
+        "self.post_attention_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text, "TransformerBlock", "init_weights", "self.ffn_norm.reset_parameters()",
+        "self.post_ffn_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
+        "x = x + self.post_attention_norm(self.attention(x, rope_cache, positions, cu_seqlens, max_seqlen))\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "forward",
+        "return x + self.feed_forward(self.ffn_norm(x))",
+        "return x + self.post_ffn_norm(self.feed_forward(x))\n",
+    )
+    return set_docstring(
+        text, "TransformerBlock", "Post-norm: ``x + norm(attention(x))``, then ``x + norm(feed_forward(x))``."
+    )
+
+
 def _attention_multiplier(text: str, ctx: EditContext) -> str:
     return replace_in_function(
         text,
@@ -463,7 +544,13 @@ return head(h) if self.is_critic else head(h) / self.model_args.logits_scaling
 
 
 MODEL_EDITS: tuple[ModelEdit, ...] = (
-    ModelEdit("remove_qk_norm", "no QK norm (the qwen3 reference has one)", lambda p: p.qk_norm == "none", _remove_qk_norm),
+    ModelEdit(
+        "remove_qk_norm",
+        "no QK norm (the qwen3 reference has one)",
+        lambda p: p.qk_norm == "none",
+        _remove_qk_norm,
+        needed=lambda text: "self.q_norm" in text,
+    ),
     ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
     ModelEdit(
         "sliding_window",
@@ -478,6 +565,8 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _eager_attention,
     ),
     ModelEdit("query_pre_attn_scalar", "attention scale from query_pre_attn_scalar", lambda p: p.query_pre_attn_scalar, _query_pre_attn_scalar),
+    ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
+    ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
     ModelEdit("attention_multiplier", "attention scores scaled by a config multiplier", lambda p: "attention_multiplier" in p.multipliers, _attention_multiplier),
@@ -495,8 +584,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 
 
-def select_edits(profile: FamilyProfile) -> list[str]:
-    return [edit.name for edit in MODEL_EDITS if edit.applies(profile)]
+def select_edits(profile: FamilyProfile, text: str) -> list[str]:
+    """The edits the family's features call for, given the copied reference's ``model.py``."""
+    return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
+
+
+BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
 
 
 def describe(profile: FamilyProfile, camel: str) -> str:
@@ -504,6 +597,10 @@ def describe(profile: FamilyProfile, camel: str) -> str:
     attention = ["GQA"]
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
+    if profile.qk_norm == "full":
+        attention.append("full-width QK RMSNorm")
+    elif profile.qk_norm == "per_head":
+        attention.append("per-head QK RMSNorm")
     if profile.sliding_window:
         attention.append("sliding-window attention" + (" on some layers" if profile.sliding_layer_types else ""))
     if profile.attn_softcap:
@@ -527,7 +624,7 @@ def describe(profile: FamilyProfile, camel: str) -> str:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
     sentence = (
-        f"{camel}: a {'sandwich-norm' if profile.block == 'sandwich' else 'pre-norm'} decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
+        f"{camel}: a {BLOCK_NAMES[profile.block]} decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
         + (f"; {tail}" if tail else "")
         + ", over packed documents."
     )
@@ -558,6 +655,10 @@ def _attention_features(profile: FamilyProfile) -> str:
         sentences.append("Each token attends to the last ``sliding_window`` tokens of its own document.")
     if profile.attn_softcap:
         sentences.append("Scores are soft-capped before the softmax.")
+    if profile.qk_norm == "full":
+        sentences.append(
+            "``q_norm``/``k_norm`` normalise the whole q and k projections (all heads at once) before RoPE."
+        )
     if not sentences:
         return ""
     wrapped = textwrap.wrap(" ".join(sentences), width=88)

@@ -48,8 +48,15 @@ def _docstring(camel: str, profile: FamilyProfile) -> str:
     )
     return (
         f"How a {camel} model is laid out over devices: {order}.\n\n"
-        f"{camel} attention has no QK norm, so every projection hands local tensors straight to the\n"
-        f"attention (``use_local_output=True``). {bias_text}\n"
+        + (
+            f"{camel} attention normalises the full q/k projections, so ``wq``/``wk`` keep DTensor outputs\n"
+            "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as\n"
+            "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
+            if profile.qk_norm == "full"
+            else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the\n"
+            "attention (``use_local_output=True``). "
+        )
+        + f"{bias_text}\n"
         + (f"\n{moe}" if moe else "")
     ).replace(" \n", "\n")
 
@@ -113,12 +120,38 @@ def apply_write_parallelize(
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
     profile = profile or detect_family(request.source)
-    if profile.qk_norm not in ("none", "per_head"):
-        raise ValueError(f"no TP plan for {profile.qk_norm} QK norm; only per-head QK norm is supported.")
     if profile.qk_norm == "none" and "has_qk_norm" in text:
         # The qwen3 reference decides per block; a family without QK norm keeps local outputs.
         text = _drop_qk_norm_plan(text)
     remove = ["feed_forward.w3"] if profile.mlp == "plain" else []
+    if profile.block == "post_norm":
+        remove += ["attention_norm", "ffn_norm"]
+        # The sub-layers read the sequence-sharded residual itself; their outputs are
+        # normalised on the shard the row-wise projections reduce-scatter to.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "post_attention_norm": "SequenceParallel(use_local_output=True)",
+                "post_ffn_norm": "SequenceParallel(use_local_output=True)",
+            },
+            raw_values=True,
+        )
+    if profile.qk_norm == "full" and "has_qk_norm" not in text:
+        # Full-width QK norm: wq/wk hand DTensors sharded over the features to norms that
+        # reduce over that sharded width; the norms' weights are replicated DTensors whose
+        # gradients are summed over the TP ranks.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "attention.wq": "ColwiseParallel(use_local_output=False)",
+                "attention.wk": "ColwiseParallel(use_local_output=False)",
+                "attention.q_norm": "SequenceParallel(sequence_dim=-1, use_local_output=True)",
+                "attention.k_norm": "SequenceParallel(sequence_dim=-1, use_local_output=True)",
+            },
+            raw_values=True,
+        )
     text = edit_dict_literal(text, PLAN_TARGET, remove=remove)
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections

@@ -84,9 +84,10 @@ def test_port_model_reproduces_the_committed_llama_and_a_rerun_changes_nothing(w
 
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
-    result = port_model(PortModelRequest(source="olmo2", stages=[], workspace=workspace))
+    # phi3 stores q/k/v and gate/up fused on disk, a layout no adapter edit splits yet.
+    result = port_model(PortModelRequest(source="phi3", stages=[], workspace=workspace))
     assert not result.passed
-    assert "QK norm" in result.error and "Nothing was written" in result.error
+    assert "fused projections" in result.error and "Nothing was written" in result.error
     assert _snapshot(workspace) == before
 
 

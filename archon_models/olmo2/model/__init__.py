@@ -1,0 +1,1 @@
+"""Olmo2 model definition: args, modules, RoPE and the HF state-dict adapter."""
