@@ -331,7 +331,7 @@ FEATURE_TITLES: dict[Feature, str] = {
 SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Reference code: qwen2 has q/k/v bias, qwen3 switches it with attention_bias.
     Feature.QKV_BIAS: frozenset({"true", "false"}),
-    Feature.QK_NORM: frozenset({QKNormKind.NONE, QKNormKind.PER_HEAD_RMS}),
+    Feature.QK_NORM: frozenset({QKNormKind.NONE, QKNormKind.PER_HEAD_RMS, QKNormKind.FULL_WIDTH_RMS}),
     Feature.QK_NORM_PLACEMENT: frozenset({QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE}),
     Feature.GQA: frozenset({"true", "false"}),
     Feature.EXPLICIT_HEAD_DIM: frozenset({"true", "false"}),
@@ -349,17 +349,20 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
-    Feature.SLIDING_WINDOW: frozenset({SlidingWindowKind.NONE, SlidingWindowKind.ALL_LAYERS}),
+    Feature.SLIDING_WINDOW: frozenset(
+        {SlidingWindowKind.NONE, SlidingWindowKind.ALL_LAYERS, SlidingWindowKind.PER_LAYER_PATTERN}
+    ),
+    Feature.ATTN_SOFTCAP: frozenset({"true", "false"}),
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu"}),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
     Feature.NORM_KIND: frozenset({NormKind.RMS, NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM}),
-    Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE}),
+    Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
-    Feature.FINAL_SOFTCAP: frozenset({"false"}),
+    Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
     Feature.ROPE_TYPE: frozenset({"default"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
     Feature.PARTIAL_ROTARY: frozenset({"false"}),
