@@ -40,6 +40,9 @@ class ModuleDiff(BaseModel):
     max_abs_diff: float
     shape: list[int]
     within_tolerance: bool
+    input_max_abs_diff: float | None = Field(
+        default=None, description="difference of the module's first input, when both sides' inputs compare"
+    )
 
 
 class LocateDivergenceRequest(PackageRequest):
@@ -141,8 +144,10 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32)
 
     archon_out: dict[str, torch.Tensor] = {}
+    archon_in: dict[str, torch.Tensor] = {}
     order: list[str] = []
     hf_out: dict[str, torch.Tensor] = {}
+    hf_in: dict[str, torch.Tensor] = {}
     handles = []
     for name, module in model.named_modules():
         if name in matches:
@@ -151,15 +156,21 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
                 if tensor is not None and name not in archon_out:
                     archon_out[name] = tensor.detach()
                     order.append(name)
+                    first_in = _first_tensor(args)
+                    if first_in is not None:
+                        archon_in[name] = first_in.detach()
             handles.append(module.register_forward_hook(hook))
     wanted_hf = set(matches.values())
     for name, module in hf_model.named_modules():
         if name in wanted_hf:
-            def hf_hook(mod, args, out, name=name):
+            def hf_hook(mod, args, kwargs, out, name=name):
                 tensor = _first_tensor(out)
                 if tensor is not None and name not in hf_out:
                     hf_out[name] = tensor.detach()
-            handles.append(module.register_forward_hook(hf_hook))
+                    first_in = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+                    if first_in is not None:
+                        hf_in[name] = first_in.detach()
+            handles.append(module.register_forward_hook(hf_hook, with_kwargs=True))
     try:
         with torch.no_grad():
             hf_logits = hf_model(tokens).logits
@@ -176,7 +187,20 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
             continue
         diff = float((a.float() - h.float()).abs().max()) if a.numel() else 0.0
         ok = bool(torch.allclose(a.float(), h.float(), rtol=RTOL, atol=ATOL))
-        compared.append(ModuleDiff(archon_module=name, hf_module=hf_name, max_abs_diff=diff, shape=list(a.shape), within_tolerance=ok))
+        a_in, h_in = archon_in.get(name), hf_in.get(hf_name)
+        in_diff = None
+        if a_in is not None and h_in is not None and a_in.shape == h_in.shape and a_in.is_floating_point():
+            in_diff = float((a_in.float() - h_in.float()).abs().max()) if a_in.numel() else 0.0
+        compared.append(
+            ModuleDiff(
+                archon_module=name,
+                hf_module=hf_name,
+                max_abs_diff=diff,
+                shape=list(a.shape),
+                within_tolerance=ok,
+                input_max_abs_diff=in_diff,
+            )
+        )
     logits_diff = float((logits.float() - hf_logits.float()).abs().max())
     logits_ok = bool(torch.allclose(logits, hf_logits, rtol=RTOL, atol=ATOL))
     first = None if logits_ok else _first_lasting(compared)
@@ -199,13 +223,33 @@ def _first_lasting(compared: list[ModuleDiff]) -> ModuleDiff | None:
     embedding inside its embedding module, Archon right after it); the difference then
     vanishes at the next module, so it is not where the port went wrong.
     """
+    by_name = {c.archon_module: c for c in compared}
     for i, diff in enumerate(compared):
         if diff.within_tolerance:
             continue
         following = compared[i + 1] if i + 1 < len(compared) else None
         if following is None or not following.within_tolerance:
-            return diff
-    return next((c for c in compared if not c.within_tolerance), None)
+            return _culprit(diff, by_name)
+    first = next((c for c in compared if not c.within_tolerance), None)
+    return None if first is None else _culprit(first, by_name)
+
+
+def _culprit(diff: ModuleDiff, by_name: dict[str, ModuleDiff]) -> ModuleDiff:
+    """The module whose own code went wrong.
+
+    A sub-module that already receives a different input, although every module before
+    it matched, is fed by its parent's own code (the glue between sub-modules): report
+    the nearest matched parent instead.
+    """
+    tolerance = ATOL
+    if diff.input_max_abs_diff is None or diff.input_max_abs_diff <= tolerance:
+        return diff
+    parts = diff.archon_module.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = by_name.get(".".join(parts[:i]))
+        if parent is not None and not parent.within_tolerance:
+            return parent
+    return diff
 
 
 def main(argv: list[str] | None = None) -> int:
