@@ -88,9 +88,12 @@ def _concurrent_notes(workspace: Path, lock_timeout: float):
                     "toy_append_note", {"model_name": "mistral", "text": text, "delay_s": delay}
                 )
 
+            notes = workspace / "archon_models" / "mistral" / "NOTES.txt"
             async with anyio.create_task_group() as group:
-                group.start_soon(call, "one", 0.6)
-                await anyio.sleep(0.2)
+                group.start_soon(call, "one", 0.9)
+                with anyio.fail_after(30):  # "one" holds the package lock once it has begun writing
+                    while not (notes.is_file() and "begin one" in notes.read_text()):
+                        await anyio.sleep(0.01)
                 group.start_soon(call, "two", 0.0)
         return results
 
