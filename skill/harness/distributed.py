@@ -81,6 +81,7 @@ SGD_LR = 0.1
 # A collective that waits longer than this is a hang, not slowness (tiny models).
 COLLECTIVE_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_S = 300.0
+ERROR_GRACE_S = 5.0
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -111,6 +112,9 @@ def _worker_main(
             world_size=world_size,
             timeout=timeout,
         )
+        # init returns per rank; without this barrier a fast rank can finish and close
+        # its connections while its peer is still in gloo's connectFullMesh.
+        dist.barrier()
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -170,13 +174,14 @@ def launch(
     pending = set(range(world_size))
     errors: list[str] = []
     try:
-        while pending and not errors:
+        while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                errors.append(
-                    f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
-                    "(a hang in a collective, or a deadlock in a forked worker)"
-                )
+                if not errors:
+                    errors.append(
+                        f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
+                        "(a hang in a collective, or a deadlock in a forked worker)"
+                    )
                 break
             ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 1.0))
             for conn in ready:
@@ -192,6 +197,10 @@ def launch(
                 if status == "ok":
                     results[rank] = payload
                 else:
+                    if not errors:
+                        # The first failure usually breaks its peers' collectives too;
+                        # wait briefly for their reports so the root cause is among them.
+                        deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                     errors.append(payload)
     finally:
         for proc in procs:
