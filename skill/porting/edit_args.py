@@ -98,6 +98,18 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
         ),
         ArgField("depth_init", "bool", True, "", lambda c: True),
     ]
+    if profile.rope_type != "default":
+        scaling = _rope_scaling_of(config)
+        fields.append(
+            ArgField(
+                "rope_freq_scaling",
+                "dict[str, float] | None",
+                None,
+                "_rope_freq_scaling(hf_config)",
+                _rope_scaling_of,
+                default_source=f"field(default_factory=lambda: {_literal(scaling)})",
+            )
+        )
     if profile.sliding_window:
         fields.append(
             ArgField("sliding_window", "int", int(config.sliding_window), "hf_config.sliding_window", lambda c: c.sliding_window)
@@ -173,6 +185,23 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
     return fields
 
 
+def _rope_scaling_of(config: Any) -> dict[str, float] | None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+
+
+ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
+    """The RoPE frequency-scaling parameters (``rope_parameters`` less its type and theta);
+    ``None`` for the unscaled default RoPE."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if rope_parameters.get("rope_type", "default") == "default":
+        return None
+    return {k: float(v) for k, v in rope_parameters.items() if k not in ("rope_type", "rope_theta")}
+'''
+
+
 def _literal(value: Any) -> str:
     if isinstance(value, tuple) and len(value) > 3:
         # A per-layer pattern reads best as its period times the repeat count.
@@ -185,6 +214,8 @@ def _literal(value: Any) -> str:
         return repr(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
         return f"{value:_}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, tuple):
@@ -221,11 +252,24 @@ def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> s
         f'        raise ValueError(f"{camel} in Archon implements the {profile.activation} activation; {act_field}={{act!r}} is not supported.")',
         '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
         '    rope_type = rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
-        f'    if rope_type != "{profile.rope_type}":',
-        "        raise ValueError(",
-        f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
-        f'            "only the {profile.rope_type} RoPE is. Port the variant with `archon-port add`."',
-        "        )",
+    ]
+    if profile.rope_type == "default":
+        lines += [
+            '    if rope_type != "default":',
+            "        raise ValueError(",
+            f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
+            '            "only the default RoPE is. Port the variant with `archon-port add`."',
+            "        )",
+        ]
+    else:
+        lines += [
+            f'    if rope_type not in ("default", "{profile.rope_type}"):',
+            "        raise ValueError(",
+            f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
+            f'            "only the default and {profile.rope_type} RoPE are. Port the variant with `archon-port add`."',
+            "        )",
+        ]
+    lines += [
     ]
     for flag, feature in STRUCTURAL_FLAGS.items():
         if hasattr(config, flag):
@@ -347,6 +391,10 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
+    if profile.rope_type != "default":
+        text = upsert_function(text, "_rope_freq_scaling", ROPE_SCALING_HELPER, before_class=layout.args_class)
+        if "\nfrom dataclasses import dataclass\n" in text:
+            text = text.replace("\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
     text = replace_function(
         text,
         layout.args_class,

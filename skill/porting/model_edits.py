@@ -364,6 +364,18 @@ def _post_norm(text: str, ctx: EditContext) -> str:
     )
 
 
+def _rope_scaling(text: str, ctx: EditContext) -> str:
+    """Hand the checkpoint's RoPE scaling parameters to the package's precompute_rope_cache."""
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "_precompute_rope_cache",
+        "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)",
+        "args = self.model_args\n"
+        "return precompute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_freq_scaling)\n",
+    )
+
+
 def _attention_multiplier(text: str, ctx: EditContext) -> str:
     return replace_in_function(
         text,
@@ -565,6 +577,7 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _eager_attention,
     ),
     ModelEdit("query_pre_attn_scalar", "attention scale from query_pre_attn_scalar", lambda p: p.query_pre_attn_scalar, _query_pre_attn_scalar),
+    ModelEdit("rope_scaling", "RoPE frequencies scaled as rope_parameters say", lambda p: p.rope_type != "default", _rope_scaling),
     ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
@@ -612,6 +625,8 @@ def describe(profile: FamilyProfile, camel: str) -> str:
         else f"two-layer {_activation_name(profile)}"
     )
     extras = []
+    if profile.rope_type != "default":
+        extras.append(f"{profile.rope_type}-scaled RoPE")
     if profile.moe:
         extras.append("mixture-of-experts MLPs" + (" with a gated shared expert" if profile.shared_expert else ""))
     if profile.embedding_scale == "sqrt_dim":
@@ -628,7 +643,7 @@ def describe(profile: FamilyProfile, camel: str) -> str:
         + (f"; {tail}" if tail else "")
         + ", over packed documents."
     )
-    lines = textwrap.wrap(sentence, width=92)
+    lines = textwrap.wrap(sentence, width=92, break_on_hyphens=False)
     return lines[0] if len(lines) == 1 else "\n".join(lines) + "\n"
 
 
@@ -661,7 +676,7 @@ def _attention_features(profile: FamilyProfile) -> str:
         )
     if not sentences:
         return ""
-    wrapped = textwrap.wrap(" ".join(sentences), width=88)
+    wrapped = textwrap.wrap(" ".join(sentences), width=88, break_on_hyphens=False)
     return "\n" + "".join(f"    {line}\n" for line in wrapped)
 
 

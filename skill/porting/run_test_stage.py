@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, field_validator
 from skill.codemod import StagedTree, Workspace
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 from skill.porting.family import detect_family
+from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
 from skill.porting.test_file import test_file_source
 
@@ -69,7 +70,11 @@ def ensure_test_file(tree: StagedTree, model_name: str, model_type: str, source:
     if tree.exists(layout.test_file):
         return []
     profile = detect_family(source or model_type)
-    text = test_file_source(layout.names.camel, model_type, profile, describe(profile, layout.names.camel).split(": ", 1)[-1].rstrip("."))
+    rope_parameters = None
+    if profile.rope_type != "default":
+        rope_parameters = dict(getattr(load_config(source or model_type), "rope_parameters", None) or {})
+    summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
+    text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters)
     changed: list[str] = []
     write_if_changed(tree, layout.test_file, text, changed)
     return changed

@@ -1,5 +1,5 @@
-"""Gemma2: a sandwich-norm decoder with GQA, sliding-window attention on some layers, soft-
-capped attention scores, RoPE, (1 + w) RMSNorm and a gated tanh-approximated GELU MLP;
+"""Gemma2: a sandwich-norm decoder with GQA, sliding-window attention on some layers,
+soft-capped attention scores, RoPE, (1 + w) RMSNorm and a gated tanh-approximated GELU MLP;
 sqrt(dim)-scaled embeddings, soft-capped logits, tied embeddings, over packed documents.
 """
 

@@ -1,5 +1,5 @@
-"""Qwen2Moe: a pre-norm decoder with GQA, q/k/v bias, RoPE, RMSNorm and a SwiGLU MLP; mixture-
-of-experts MLPs with a gated shared expert, over packed documents.
+"""Qwen2Moe: a pre-norm decoder with GQA, q/k/v bias, RoPE, RMSNorm and a SwiGLU MLP;
+mixture-of-experts MLPs with a gated shared expert, over packed documents.
 """
 
 from __future__ import annotations
