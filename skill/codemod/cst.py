@@ -380,7 +380,7 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
     wanted = _stmt_key(cst.parse_statement(old))
-    replacement = list(cst.parse_module(new).body) if new.strip() else []
+    replacement = _parse_statements(new) if new.strip() else []
     replacement_keys = [_stmt_key(s) for s in replacement]
 
     class _Swap(cst.CSTTransformer):
@@ -396,7 +396,9 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
                         carried = stmt.leading_lines  # a blank line before a removed statement stays
                         continue
                     body.extend(
-                        r.with_changes(leading_lines=stmt.leading_lines) if i == 0 and hasattr(r, "leading_lines") else r
+                        r.with_changes(leading_lines=[*stmt.leading_lines, *r.leading_lines])
+                        if i == 0 and hasattr(r, "leading_lines")
+                        else r
                         for i, r in enumerate(replacement)
                     )
                 else:
@@ -414,6 +416,13 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
             return source  # already applied
         raise CodemodError(f"statement {old.strip()!r} not found in {func_name!r}; found: {keys}")
     return module.deep_replace(func, new_func).code
+
+
+def _parse_statements(source: str) -> list[cst.BaseStatement]:
+    """Statements of ``source`` with a leading comment kept on the first one (a bare parse
+    would move it into the module header and lose it)."""
+    body = list(cst.parse_module("pass\n" + source).body)
+    return body[1:]
 
 
 def _all_stmt_keys(node: cst.CSTNode) -> set[str]:
@@ -697,12 +706,12 @@ def replace_statement_assigning(source: str, class_name: str | None, func_name: 
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
     body = list(func.body.body)
-    replacement = list(cst.parse_module(new_source).body)
+    replacement = _parse_statements(new_source)
     for i, stmt in enumerate(body):
         if _assigns_target(stmt, target):
             if [_stmt_key(s) for s in replacement] == [_stmt_key(stmt)]:
                 return source
-            replacement[0] = replacement[0].with_changes(leading_lines=stmt.leading_lines)
+            replacement[0] = replacement[0].with_changes(leading_lines=[*stmt.leading_lines, *replacement[0].leading_lines])
             body[i : i + 1] = replacement
             new_func = func.with_changes(body=func.body.with_changes(body=body))
             return module.deep_replace(func, new_func).code
@@ -824,7 +833,7 @@ def insert_after_statement_assigning(
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
     body = list(func.body.body)
-    new_stmts = list(cst.parse_module(new_source).body)
+    new_stmts = _parse_statements(new_source)
     keys = {_stmt_key(s) for s in body}
     if _stmt_key(new_stmts[0]) in keys:
         return source

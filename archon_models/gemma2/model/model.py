@@ -211,6 +211,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.n_heads = model_args.n_heads
         self.dim = model_args.dim
+        # Layers marked sliding_attention see a window of their document; the others all of it.
         sliding = model_args.layer_types[layer_id] == "sliding_attention"
         self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)
         self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)

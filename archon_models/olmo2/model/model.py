@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(model_args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(model_args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, model_args.dim, bias=False)
+        # Queries and keys are normalised over all heads at once (the full projection width).
         self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=model_args.norm_eps)
         self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=model_args.norm_eps)
 
