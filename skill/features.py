@@ -363,7 +363,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
-    Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3"}),
+    Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
     Feature.PARTIAL_ROTARY: frozenset({"false"}),
 }

@@ -189,7 +189,7 @@ def _rope_scaling_of(config: Any) -> dict[str, float] | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") == "default":
         return None
-    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and v is not None}
 
 
 ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
@@ -198,7 +198,8 @@ ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, flo
     rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
     if rope_parameters.get("rope_type", "default") == "default":
         return None
-    return {k: float(v) for k, v in rope_parameters.items() if k not in ("rope_type", "rope_theta")}
+    skip = ("rope_type", "rope_theta")
+    return {k: float(v) for k, v in rope_parameters.items() if k not in skip and v is not None}
 '''
 
 

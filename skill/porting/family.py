@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 LAYER = "model.layers.{}."
 # Activations the edits can write, by the names transformers' ACT2FN uses.
 ACTIVATIONS = {"silu": "F.silu", "gelu_pytorch_tanh": 'functools.partial(F.gelu, approximate="tanh")', "gelu": "F.gelu"}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class FamilyProfile(BaseModel):

@@ -24,11 +24,17 @@ def reexport_source(camel: str) -> str:
     )
 
 
+DEFAULT_INV_FREQ = "    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
+
+# Body of ``_frequencies(dim, base, scaling) -> (inv_freq, attention_factor)`` per rope_type,
+# each following transformers' ROPE_INIT_FUNCTIONS[rope_type] operation by operation.
 SCALED_FREQUENCIES = {
-    "linear": '''    # Linear position interpolation: every frequency divided by the factor.
-    return inv_freq / scaling["factor"]
-''',
-    "llama3": '''    # Llama 3: long wavelengths divided by the factor, short ones kept, the band between
+    "linear": DEFAULT_INV_FREQ
+    + """    # Linear position interpolation: every frequency divided by the factor.
+    return inv_freq / scaling["factor"], 1.0
+""",
+    "llama3": DEFAULT_INV_FREQ
+    + """    # Llama 3: long wavelengths divided by the factor, short ones kept, the band between
     # interpolated smoothly (wavelengths measured against the original context length).
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -41,8 +47,41 @@ SCALED_FREQUENCIES = {
     smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-''',
+    return torch.where(is_medium, smoothed, scaled), 1.0
+""",
+    "yarn": """    # YaRN: interpolated frequencies for long wavelengths, extrapolated ones for short
+    # wavelengths, a linear ramp between the beta_fast/beta_slow correction dimensions, and
+    # cos/sin scaled by an attention factor.
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+""",
 }
 
 
@@ -51,37 +90,38 @@ def variant_source(camel: str, rope_type: str) -> str:
     names = [n for n in ROPE_NAMES if n != "precompute_rope_cache"]
     imports = "".join(f"    {n},\n" for n in names)
     listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
-    needs_math = "math." in SCALED_FREQUENCIES[rope_type]
     return (
         f'"""{camel} RoPE: HF\'s half-rotation layout (re-exported from Qwen2) with {rope_type} frequency scaling.\n\n'
-        "Only the inverse frequencies differ from the default RoPE; they follow transformers'\n"
-        f"``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
+        "Only the frequencies (and, for some variants, a factor on cos/sin) differ from the default\n"
+        f"RoPE; they follow transformers' ``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
         '"""\n\n'
         "from __future__ import annotations\n\n"
-        + ("import math\n\n" if needs_math else "")
-        + "import torch\n\n"
+        "import math\n\n"
+        "import torch\n\n"
         f"from archon_models.qwen2.model.rope import (\n{imports})\n\n"
         f"__all__ = [\n{listed}]\n\n\n"
-        "def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:\n"
-        f'    """The {rope_type}-scaled inverse frequencies."""\n'
+        "def _frequencies(dim: int, base: float, scaling: dict[str, float]) -> tuple[torch.Tensor, float]:\n"
+        f'    """The {rope_type}-scaled inverse frequencies and the factor on cos/sin."""\n'
         + SCALED_FREQUENCIES[rope_type]
         + "\n\n"
         "def precompute_rope_cache(\n"
         "    dim: int, max_seq_len: int, base: float = 10_000.0, scaling: dict[str, float] | None = None\n"
         ") -> torch.Tensor:\n"
         '    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest.\n\n'
-        "    ``scaling`` holds the ``rope_parameters`` of the checkpoint (``factor``, ...); ``None``\n"
+        "    ``scaling`` holds the checkpoint's ``rope_parameters`` (``factor``, ...); ``None``\n"
         '    gives the unscaled default RoPE.\n'
         '    """\n'
         "    if dim % 2 != 0:\n"
         '        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")\n'
-        "    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
-        "    if scaling is not None:\n"
-        "        inv_freq = _scaled_inv_freq(inv_freq, scaling)\n"
+        "    if scaling is None:\n"
+        "        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
+        "        attention_factor = 1.0\n"
+        "    else:\n"
+        "        inv_freq, attention_factor = _frequencies(dim, base, scaling)\n"
         "    t = torch.arange(max_seq_len, dtype=torch.int64).float()\n"
         "    angles = torch.outer(t, inv_freq)\n"
         "    angles = torch.cat([angles, angles], dim=-1)\n"
-        "    return torch.cat([angles.cos(), angles.sin()], dim=-1)\n"
+        "    return torch.cat([angles.cos() * attention_factor, angles.sin() * attention_factor], dim=-1)\n"
     )
 
 

@@ -27,6 +27,14 @@ ROPE = {
         "original_max_position_embeddings": 64,
     },
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+    },
 }
 
 
@@ -61,13 +69,15 @@ def _load(path: Path, name: str):
     return module
 
 
-@pytest.mark.parametrize("rope_type", ["llama3", "linear"])
+@pytest.mark.parametrize("rope_type", ["llama3", "linear", "yarn"])
 def test_scaled_rope_matches_transformers(tmp_path, rope_type):
     root = _port(tmp_path, rope_type)
     rope = _load(root / "archon_models/llama/model/rope.py", f"_rope_{rope_type}")
     head_dim, seq = 16, 200
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=dict(ROPE[rope_type]))
     scaling = {k: float(v) for k, v in ROPE[rope_type].items() if k not in ("rope_type", "rope_theta")}
+    # HF asks max_position_embeddings >= the original context for YaRN's factor check.
+    config.max_position_embeddings = 128
     cache = rope.precompute_rope_cache(head_dim, seq, ROPE[rope_type]["rope_theta"], scaling)
     hf = LlamaRotaryEmbedding(config)
     positions = torch.arange(seq).unsqueeze(0)
