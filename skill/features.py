@@ -365,7 +365,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
-    Feature.PARTIAL_ROTARY: frozenset({"false"}),
+    Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
 }
 
 

@@ -35,6 +35,12 @@ STRUCTURAL_FLAGS = {
     "attention_bias": "qkv_bias",
     "mlp_bias": "mlp_bias",
     "use_bias": "qkv_bias",
+    "use_qkv_bias": "qkv_bias",
+}
+# Config switches for features no edit writes: a port refuses a config that turns them on.
+ABSENT_FEATURE_FLAGS = {
+    "use_parallel_residual": "parallel attention and MLP residual branches",
+    "qk_layernorm": "QK LayerNorm",
 }
 
 
@@ -110,6 +116,16 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
                 default_source=f"field(default_factory=lambda: {_literal(scaling)})",
             )
         )
+    if profile.partial_rotary:
+        fields.append(
+            ArgField(
+                "rotary_dim",
+                "int",
+                int(_head_dim(config) * _partial_factor(config)),
+                "int(head_dim * _partial_rotary_factor(hf_config))",
+                lambda c: int(_head_dim(c) * _partial_factor(c)),
+            )
+        )
     if profile.sliding_window:
         fields.append(
             ArgField("sliding_window", "int", int(config.sliding_window), "hf_config.sliding_window", lambda c: c.sliding_window)
@@ -183,6 +199,18 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
     return fields
+
+
+def _partial_factor(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+
+
+PARTIAL_ROTARY_HELPER = '''def _partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head's features that rotate (``rope_parameters`` in transformers 5)."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(rope_parameters.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
+'''
 
 
 def _rope_scaling_of(config: Any) -> dict[str, float] | None:
@@ -281,6 +309,12 @@ def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> s
                 f'            "{flag}={not value} is not supported: {camel} checkpoints have {"" if value else "no "}"',
                 '            "such bias; port that variant as its own family."',
                 "        )",
+            ]
+    for flag, feature in ABSENT_FEATURE_FLAGS.items():
+        if hasattr(config, flag) and not getattr(config, flag):
+            lines += [
+                f'    if getattr(hf_config, "{flag}", False):',
+                f'        raise ValueError("{flag}=True ({feature}) is not supported by {camel} in Archon.")',
             ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
         condition = (
@@ -392,6 +426,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
+    if profile.partial_rotary:
+        text = upsert_function(text, "_partial_rotary_factor", PARTIAL_ROTARY_HELPER, before_class=layout.args_class)
     if profile.rope_type != "default":
         text = upsert_function(text, "_rope_freq_scaling", ROPE_SCALING_HELPER, before_class=layout.args_class)
         if "\nfrom dataclasses import dataclass\n" in text:

@@ -190,8 +190,8 @@ def detect_family(source: str) -> FamilyProfile:
         unsupported.append(f"rope_type {rope_type!r}")
     partial = float(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
     partial = float(getattr(config, "partial_rotary_factor", partial) or partial)
-    if partial != 1.0:
-        unsupported.append(f"partial rotary (factor {partial})")
+    if partial != 1.0 and rope_type != "default":
+        unsupported.append(f"partial rotary (factor {partial}) together with {rope_type} scaling")
     multipliers = [
         f for f in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         if getattr(config, f, None) is not None

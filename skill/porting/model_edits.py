@@ -376,6 +376,18 @@ def _rope_scaling(text: str, ctx: EditContext) -> str:
     )
 
 
+def _partial_rotary(text: str, ctx: EditContext) -> str:
+    """A RoPE cache for the rotary part of each head only."""
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "_precompute_rope_cache",
+        "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)",
+        "# Only the first rotary_dim features of each head rotate.\n"
+        "return precompute_rope_cache(self.model_args.rotary_dim, self.model_args.max_seq_len, self.model_args.rope_theta)\n",
+    )
+
+
 def _attention_multiplier(text: str, ctx: EditContext) -> str:
     return replace_in_function(
         text,
@@ -578,6 +590,7 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ),
     ModelEdit("query_pre_attn_scalar", "attention scale from query_pre_attn_scalar", lambda p: p.query_pre_attn_scalar, _query_pre_attn_scalar),
     ModelEdit("rope_scaling", "RoPE frequencies scaled as rope_parameters say", lambda p: p.rope_type != "default", _rope_scaling),
+    ModelEdit("partial_rotary", "RoPE on the leading rotary_dim features of each head", lambda p: p.partial_rotary, _partial_rotary),
     ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
@@ -627,6 +640,8 @@ def describe(profile: FamilyProfile, camel: str) -> str:
     extras = []
     if profile.rope_type != "default":
         extras.append(f"{profile.rope_type}-scaled RoPE")
+    if profile.partial_rotary:
+        extras.append("partial rotary embeddings")
     if profile.moe:
         extras.append("mixture-of-experts MLPs" + (" with a gated shared expert" if profile.shared_expert else ""))
     if profile.embedding_scale == "sqrt_dim":

@@ -125,6 +125,38 @@ def variant_source(camel: str, rope_type: str) -> str:
     )
 
 
+def partial_source(camel: str) -> str:
+    """A rope.py that rotates only the leading features of each head (partial rotary)."""
+    names = [n for n in ROPE_NAMES if n != "apply_rotary_emb"]
+    imports = "".join(f"    {n},\n" for n in names)
+    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
+    return (
+        f'"""{camel} RoPE: HF\'s default rotary embedding on the first ``rotary_dim`` features of\n'
+        "each head only (partial rotary); the remaining features pass through unrotated.\n"
+        '"""\n\n'
+        "from __future__ import annotations\n\n"
+        "import torch\n\n"
+        "from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb\n"
+        f"from archon_models.qwen2.model.rope import (\n{imports})\n\n"
+        f"__all__ = [\n{listed}]\n\n\n"
+        "def apply_rotary_emb(\n"
+        "    xq: torch.Tensor,\n"
+        "    xk: torch.Tensor,\n"
+        "    rope_cache: torch.Tensor,\n"
+        "    positions: torch.Tensor | None = None,\n"
+        ") -> tuple[torch.Tensor, torch.Tensor]:\n"
+        '    """Rotate the first ``rope_cache.shape[-1] // 2`` features of every head of queries\n'
+        "    ``[bs, seq, n_heads, hd]`` and keys ``[bs, seq, n_kv_heads, hd]``; keep the rest.\n"
+        '    """\n'
+        "    rotary_dim = rope_cache.shape[-1] // 2\n"
+        "    q_rot, k_rot = _apply_full_rotary_emb(xq[..., :rotary_dim], xk[..., :rotary_dim], rope_cache, positions)\n"
+        "    return (\n"
+        "        torch.cat([q_rot, xq[..., rotary_dim:]], dim=-1),\n"
+        "        torch.cat([k_rot, xk[..., rotary_dim:]], dim=-1),\n"
+        "    )\n"
+    )
+
+
 class SetRopeRequest(PackageRequest):
     source: str = Field(description="model_type or config path of the family")
 
@@ -146,12 +178,15 @@ def set_rope(request: SetRopeRequest) -> SetRopeResult:
 def apply_set_rope(tree: StagedTree, request: SetRopeRequest, profile: FamilyProfile | None = None) -> SetRopeResult:
     layout = PackageLayout.for_name(request.model_name)
     profile = profile or detect_family(request.source)
-    if profile.rope_type not in ROPE_TYPES or profile.partial_rotary:
+    if profile.rope_type not in ROPE_TYPES or (profile.partial_rotary and profile.rope_type != "default"):
         raise ValueError(
             f"rope_type {profile.rope_type!r}{' with partial rotary' if profile.partial_rotary else ''} has no "
             f"implementation in the engine (supported: {', '.join(ROPE_TYPES)})."
         )
     changed: list[str] = []
+    if profile.partial_rotary:
+        write_if_changed(tree, layout.rope, partial_source(layout.names.camel), changed)
+        return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
     if profile.rope_type == "default":
         write_if_changed(tree, layout.rope, reexport_source(layout.names.camel), changed)
         return SetRopeResult(rope_type=profile.rope_type, reexported=True, changed_files=changed)

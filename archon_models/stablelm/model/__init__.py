@@ -1,0 +1,1 @@
+"""Stablelm model definition: args, modules, RoPE and the HF state-dict adapter."""
