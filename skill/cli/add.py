@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
+
+from skill.cli._errors import reports_bad_input
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+@reports_bad_input
 def run(args: argparse.Namespace) -> int:
     from skill.porting.port_model import PortModelRequest
     from skill.tools import invoke

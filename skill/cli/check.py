@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from skill.cli._errors import reports_bad_input
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -21,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+@reports_bad_input
 def run(args: argparse.Namespace) -> int:
     from skill.porting.check_package import CheckPackageRequest
     from skill.tools import invoke

@@ -140,3 +140,11 @@ def test_check_package_catches_the_guides_common_mistakes(workspace):
     args.write_text(args.read_text().replace("hf_config.intermediate_size", "hf_config.ffn_dim"))
     failed = {c.name for c in check_package(request).failures}
     assert failed == {"runtime_buffers_dropped", "logging_not_print", "import_line", "config_attributes"}
+
+
+def test_cli_add_reports_a_bad_name_in_one_line(capsys):
+    from skill.cli import main
+
+    assert main(["add", "llama", "--name", "../escape", "--stages", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("archon-port: error: model_name:") and "leave archon_models/" in err
