@@ -24,6 +24,7 @@ from skill.codemod.cst import (
 )
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
 from skill.porting.family import FamilyProfile, detect_family
+from skill.porting.reference_choice import check_reference_fits
 from skill.porting.hf_source import load_config
 from skill.tiny_model import tiny_config
 
@@ -411,6 +412,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.args, "run copy_reference first.")
     profile = profile or detect_family(request.source)
+    check_reference_fits(profile, text)
     config = load_config(request.source)
     camel = layout.names.camel
     fields = arg_fields(profile, config)

@@ -17,7 +17,8 @@ from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_refere
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model, unsupported_features
-from skill.porting.family import FamilyProfile, detect_family
+from skill.porting.family import detect_family
+from skill.porting.reference_choice import choose_reference
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
 from skill.porting.set_rope import SetRopeRequest, apply_set_rope
@@ -71,11 +72,6 @@ class PortModelResult(BaseModel):
     max_abs_logit_diff: float | None = None
     stage_results: list[RunTestStageResult] = Field(default_factory=list)
     seconds: float = Field(json_schema_extra={"volatile": True})
-
-
-def choose_reference(profile: FamilyProfile) -> str:
-    """qwen3 carries QK norm and MoE; every other dense family starts from qwen2."""
-    return "qwen3" if profile.qk_norm == "per_head" or profile.moe else "qwen2"
 
 
 class _Runner:

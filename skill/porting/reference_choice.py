@@ -1,0 +1,30 @@
+"""Which reference a family is copied from, and a check that a copy fits the family."""
+
+from __future__ import annotations
+
+from skill.porting.family import FamilyProfile
+
+
+def choose_reference(profile: FamilyProfile) -> str:
+    """qwen3 carries per-head QK norm and MoE; every other family starts from qwen2.
+
+    A full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
+    split, and a dense family copied from qwen3 would keep its MoE machinery.
+    """
+    return "qwen3" if profile.qk_norm == "per_head" or profile.moe else "qwen2"
+
+
+def check_reference_fits(profile: FamilyProfile, args_text: str) -> None:
+    """Refuse, naming the right reference, a copy the family's edits cannot start from."""
+    wanted = choose_reference(profile)
+    copied = "qwen3" if "moe_args" in args_text else "qwen2"
+    if copied != wanted:
+        raise ValueError(
+            f"{profile.model_type} must be copied from the {wanted} reference, not {copied}: "
+            + (
+                "it has MoE or per-head QK norm, which only qwen3 carries."
+                if wanted == "qwen3"
+                else "it is dense without per-head QK norm; qwen3's MoE and QK-norm code would stay behind."
+            )
+            + f" Run copy_reference(reference={wanted!r}, overwrite=True) first."
+        )
