@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 _TOOL_RE = re.compile(r"^\*\*Tool:\*\* `(?P<tool>[a-z_]+)`\s*$")
 _CALL_RE = re.compile(r"^\*\*Call:\*\* `(?P<call>\{.*\})`(?P<rest>.*)$")
 _STAGES_RE = re.compile(r"`<stage>` = (?P<stages>[\d, ]+)")
+# SKILL.md step 3: a step that names the right reference to copy from.
+_RECOPY_RE = re.compile(r"Run copy_reference\(reference='(?P<reference>[a-z0-9_]+)', overwrite=True\) first")
 # SKILL.md's "Values you fill in": placeholders taken from earlier results, by result field.
 RESULT_VALUES = {"reference": "reference", "model_types": "variant_types"}
 
@@ -144,6 +146,19 @@ async def follow_playbook(
             raise RuntimeError(f"{tool} failed: {result.content[0].text}")
         return content
 
+    async def call_step(tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+        """One step; when it says the copy came from the wrong reference, recopy as SKILL.md says."""
+        try:
+            return await call(tool, arguments)
+        except RuntimeError as e:
+            wrong_copy = _RECOPY_RE.search(str(e))
+            if wrong_copy is None:
+                raise
+            transcript.failed_at = None
+            values["reference"] = wrong_copy["reference"]
+            await call("copy_reference", {**fill(playbook.steps[1].call, values), "overwrite": True})
+            return await call(tool, arguments)
+
     for step in playbook.steps:
         if step.stages:
             for stage in [s for s in step.stages if stages is None or s in stages]:
@@ -154,7 +169,7 @@ async def follow_playbook(
                         await call(playbook.on_stage_failure.tool, fill(playbook.on_stage_failure.call, values))
                     return transcript
             continue
-        content = await call(step.tool, fill(step.call, values))
+        content = await call_step(step.tool, fill(step.call, values))
         for placeholder, key in RESULT_VALUES.items():
             found = _find(content, key)
             if found:
