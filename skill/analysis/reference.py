@@ -1,8 +1,9 @@
 """The nearest hand-written reference and the ordered feature deltas from it.
 
 The references (``qwen2``; ``qwen3`` with its ``qwen3_moe`` variant) are analysed by the
-same rules as any family, so their feature values are measured, not typed in. The
-nearest reference is the one with the fewest deltas; a delta is supported when some
+same rules as any family, so their feature values are measured, not typed in. Which
+reference a family starts from is one structural rule (:func:`reference_for`) that the
+porting engine shares; a delta is supported when some
 reference already has the target value or an engine edit produces it
 (``skill.features.SUPPORTED_EDITS``).
 """
@@ -12,7 +13,15 @@ from __future__ import annotations
 import functools
 import logging
 
-from skill.features import FEATURE_TITLES, Checklist, Feature, FeatureDelta, feature_values, is_supported
+from skill.features import (
+    FEATURE_TITLES,
+    Checklist,
+    Feature,
+    FeatureDelta,
+    QKNormKind,
+    feature_values,
+    is_supported,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +82,22 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
     return deltas
 
 
+def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
+    """The one rule for which reference a family starts from (the analyser and the engine).
+
+    qwen3 carries per-head QK norm and MoE; every other family starts from qwen2. A
+    full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
+    split, and a dense family copied from qwen3 would keep its MoE machinery.
+    """
+    return "qwen3" if per_head_qk_norm or moe else "qwen2"
+
+
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
-    """The reference with the fewest deltas (unsupported ones weigh double), and those deltas."""
-    scored = []
-    for reference in REFERENCES:
-        deltas = deltas_from(reference, checklist)
-        cost = sum(1 if d.supported else 2 for d in deltas)
-        scored.append((cost, reference, deltas))
-    scored.sort(key=lambda item: (item[0], item[1]))
-    _, reference, deltas = scored[0]
-    return reference, deltas
+    """The reference the engine copies for this family, and the deltas from it."""
+    reference = reference_for(
+        checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None
+    )
+    return reference, deltas_from(reference, checklist)
 
 
 def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta]) -> list[str]:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+from skill.analysis.reference import reference_for
 from skill.porting.family import FamilyProfile
 
 
 def choose_reference(profile: FamilyProfile) -> str:
-    """qwen3 carries per-head QK norm and MoE; every other family starts from qwen2.
-
-    A full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
-    split, and a dense family copied from qwen3 would keep its MoE machinery.
-    """
-    return "qwen3" if profile.qk_norm == "per_head" or profile.moe else "qwen2"
+    """The reference the analyser names for this family (one rule, :func:`reference_for`)."""
+    return reference_for(profile.qk_norm == "per_head", bool(profile.moe))
 
 
 def check_reference_fits(profile: FamilyProfile, args_text: str) -> None:

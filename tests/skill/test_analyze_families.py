@@ -262,8 +262,14 @@ def test_deltas_follow_feature_order_and_flag_support() -> None:
     assert order == [f for f in Feature if f in set(order)]
     by_feature = {d.feature: d for d in report.deltas}
     assert by_feature[Feature.NORM_PLACEMENT].target == "sandwich"
-    assert not by_feature[Feature.ATTN_SOFTCAP].supported
-    assert "unsupported: attention logit soft-capping" in report.unsupported
+    # The engine's eager_attention edit ports gemma2's soft-capping.
+    assert by_feature[Feature.ATTN_SOFTCAP].supported
+    assert report.unsupported == []
+
+    cohere = report_for("cohere")
+    unsupported = {d.feature: d for d in cohere.deltas if not d.supported}
+    assert unsupported[Feature.NORM_PLACEMENT].target == "parallel"
+    assert "unsupported: norm placement = parallel" in cohere.unsupported
 
 
 def test_report_lists_keys_fields_and_variants() -> None:
