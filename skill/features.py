@@ -366,6 +366,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
+    # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
+    # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
+    Feature.FUSED_QKV: frozenset({"true", "false"}),
+    Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
 }
 
 

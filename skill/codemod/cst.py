@@ -843,3 +843,48 @@ def insert_after_statement_assigning(
             new_func = func.with_changes(body=func.body.with_changes(body=body))
             return module.deep_replace(func, new_func).code
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
+
+
+def insert_class_statement_after(source: str, class_name: str, target: str, new_source: str) -> str:
+    """Put one class-body statement right after the one assigning ``target``; when a
+    statement assigning the same name already exists it is replaced (a no-op if equal)."""
+    module = _parse(source)
+    cls = _find_class(module, class_name)
+    new_stmts = _parse_statements(new_source)
+    if len(new_stmts) != 1:
+        raise CodemodError("insert_class_statement_after takes exactly one statement")
+    new = new_stmts[0]
+    new_target = next(
+        (_target_code(n.target) for n in getattr(new, "body", []) if isinstance(n, cst.AnnAssign)),
+        None,
+    ) or next((_target_code(n.targets[0].target) for n in getattr(new, "body", []) if isinstance(n, cst.Assign)), None)
+    body = list(cls.body.body)
+    if new_target is not None:
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, new_target):
+                if _stmt_key(stmt) == _stmt_key(new):
+                    return source
+                body[i] = new.with_changes(leading_lines=stmt.leading_lines)
+                return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, target):
+            body[i + 1 : i + 1] = [new]
+            return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+    raise CodemodError(f"no class-level statement assigning {target} in class {class_name!r}")
+
+
+def upsert_method(source: str, class_name: str, func_name: str, new_source: str, *, after: str | None = None) -> str:
+    """Replace method ``func_name`` of ``class_name``, or insert it after method ``after``
+    (at the end of the class when ``after`` is None or absent)."""
+    module = _parse(source)
+    cls = _find_class(module, class_name)
+    if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in cls.body.body):
+        return replace_function(source, class_name, func_name, new_source)
+    new = _parse_def(new_source, in_class=True).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+    body = list(cls.body.body)
+    index = len(body)
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == after:
+            index = i + 1
+    body[index:index] = [new]
+    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code

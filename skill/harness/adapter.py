@@ -99,11 +99,15 @@ def check_single_conversion(
     With tied embeddings ``to_hf`` drops the output projection while a single
     conversion still names it, so it is left out of the comparison.
     """
-    single: dict[str, torch.Tensor] = {}
+    # A fused checkpoint key (q/k/v, gate/up) is named by each parameter it stacks, one
+    # slice each; the slices, in state-dict order, concatenate along dim 0 to the key.
+    slices: dict[str, list[torch.Tensor]] = {}
     for name, tensor in archon_state.items():
         if tied and name == OUTPUT_KEY:
             continue
-        single.update(adapter.convert_single_to_hf(name, tensor))
+        for hf_key, piece in adapter.convert_single_to_hf(name, tensor):
+            slices.setdefault(hf_key, []).append(piece)
+    single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=0) for k, v in slices.items()}
     rec.add(
         compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True)
     )

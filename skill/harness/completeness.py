@@ -29,6 +29,23 @@ def _shapes(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]
     return {key: tuple(tensor.shape) for key, tensor in pairs}
 
 
+def stacked_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape of ``shapes`` concatenated along dim 0 (one shape: itself), or None when
+    they cannot be concatenated (different ranks or trailing dimensions)."""
+    if len(shapes) == 1:
+        return shapes[0]
+    first = shapes[0]
+    if not first or any(len(s) != len(first) or s[1:] != first[1:] for s in shapes):
+        return None
+    return (sum(s[0] for s in shapes), *first[1:])
+
+
+def _describe(parts: list[tuple[str, tuple[int, ...]]]) -> str:
+    if len(parts) == 1:
+        return str(parts[0][1])
+    return " + ".join(f"{name} {shape}" for name, shape in parts) + " stacked on dim 0"
+
+
 def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, tuple[int, ...]]) -> None:
     """Parameter <-> key coverage, shapes, and explicit drops, from meta tensors only."""
     model, adapter = archon.model, archon.adapter
@@ -49,7 +66,9 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     if not params or not disk:
         return
 
-    produced: dict[str, tuple[int, ...]] = {}
+    # Checkpoint key -> the shapes of the parameters that fill it, in parameter order.
+    # A normal key has one; a fused key (q/k/v, gate/up) one per stacked parameter.
+    contributions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     unmapped: list[str] = []
     off_disk: list[str] = []
     for name, param in params.items():
@@ -64,7 +83,9 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         # A tied output projection names the lm_head key the checkpoint omits.
         if stray and name not in aliases:
             off_disk.append(f"{name} -> {stray}")
-        produced.update({k: v for k, v in shapes.items() if k in disk})
+        for key, shape in shapes.items():
+            if key in disk:
+                contributions.setdefault(key, []).append((name, shape))
     rec.check(
         "every Archon parameter maps to a checkpoint key",
         not unmapped and not off_disk,
@@ -73,6 +94,7 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         else f"{len(params)} parameters",
     )
 
+    produced = {key: stacked_shape([shape for _, shape in parts]) for key, parts in contributions.items()}
     orphans = sorted(k for k in set(disk) - set(produced) if not is_explicit_drop(adapter, k))
     dropped = sorted(k for k in set(disk) - set(produced) if is_explicit_drop(adapter, k))
     rec.check(
@@ -84,7 +106,9 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     )
 
     wrong = sorted(
-        f"{k}: Archon {produced[k]} vs checkpoint {disk[k]}" for k in produced if produced[k] != disk[k]
+        f"{k}: Archon {_describe(contributions[k])} vs checkpoint {disk[k]}"
+        for k in produced
+        if produced[k] != disk[k]
     )
     rec.check(
         "shapes equal",

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from skill.codemod import StagedTree, Workspace
 from skill.codemod.cst import CodemodError, read_dict_literal
 from skill.porting.common import PackageLayout, PackageRequest
-from skill.porting.edit_adapter_map import MAP_TARGETS, RUNTIME_BUFFERS
+from skill.porting.edit_adapter_map import FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
 
@@ -77,13 +77,14 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     model_types = request.model_types or [request.model_name]
     source = request.source or (model_types[0] if model_types else request.model_name)
     hf_map = _from_hf_map(sources["model/state_dict_adapter.py"] or "")
+    fused_map = _fused_map(sources["model/state_dict_adapter.py"] or "")
     keys: list[str] = []
     try:
         keys = generalised_keys(checkpoint_keys(source))
     except Exception as e:  # an unknown family: report it as a failed check, not a crash
         checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
     if keys:
-        unmapped = [k for k in keys if k not in hf_map and k != "lm_head.weight"]
+        unmapped = [k for k in keys if k not in hf_map and k not in fused_map and k != "lm_head.weight"]
         checks.append(_check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys"))
     drops = [k for k in RUNTIME_BUFFERS if hf_map.get(k, "missing") is not None]
     checks.append(
@@ -125,6 +126,24 @@ def _from_hf_map(adapter_text: str) -> dict[str, str | None]:
             return read_dict_literal(adapter_text, target)
         except CodemodError:
             continue
+    return {}
+
+
+def _fused_map(adapter_text: str) -> dict[str, list[str]]:
+    """The adapter's ``fused_from_hf_map`` literal (fused checkpoint key -> its parts), if any."""
+    try:
+        tree = ast.parse(adapter_text)
+    except SyntaxError:
+        return {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(getattr(t, "id", None) == FUSED_MAP or getattr(t, "attr", None) == FUSED_MAP for t in targets):
+                try:
+                    value = ast.literal_eval(node.value) if node.value is not None else {}
+                except ValueError:
+                    return {}
+                return value if isinstance(value, dict) else {}
     return {}
 
 

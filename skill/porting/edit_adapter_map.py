@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.codemod.cst import CodemodError, edit_dict_literal, read_dict_literal
+from skill.codemod.cst import (
+    CodemodError,
+    edit_dict_literal,
+    insert_after_statement_assigning,
+    insert_class_statement_after,
+    read_dict_literal,
+    replace_in_function,
+    upsert_method,
+)
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
-from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
+from skill.porting.hf_source import checkpoint_keys, generalise_key, generalised_keys, load_config
+from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,57 @@ class UnmappedKeyError(ValueError):
     """HF checkpoint keys no rule maps to an Archon parameter."""
 
 
+# Archon parameters a fused checkpoint tensor holds, stacked along dim 0 in this order.
+FUSED_QKV_PARTS = ("attention.wq", "attention.wk", "attention.wv")
+FUSED_GATE_UP_PARTS = ("feed_forward.w1", "feed_forward.w3")
+
+
+def fused_rows(config: Any) -> dict[int, tuple[str, ...]]:
+    """Row count of a fused projection -> the Archon modules it stacks, from the config.
+
+    A fused q/k/v projection has ``(n_heads + 2 * n_kv_heads) * head_dim`` rows, a fused
+    gate/up projection ``2 * intermediate_size``; found by shape, never by module name.
+    """
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    rows: dict[int, tuple[str, ...]] = {}
+    if hidden and heads:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        rows[(heads + 2 * kv_heads) * head_dim] = FUSED_QKV_PARTS
+    intermediate = getattr(config, "intermediate_size", None)
+    if intermediate and 2 * intermediate not in rows:
+        rows[2 * intermediate] = FUSED_GATE_UP_PARTS
+    return rows
+
+
+def detect_fused_keys(
+    shapes: dict[str, tuple[int, ...]], config: Any, known_modules: set[str] | None = None
+) -> dict[str, list[str]]:
+    """Layer keys (``{}`` for the layer) that stack several Archon parameters -> those parameters.
+
+    Only keys no rename rule covers are candidates; a candidate is fused when its first
+    dimension is the row count of a fused q/k/v or gate/up projection (``fused_rows``) and
+    a weight's second dimension is the hidden size.
+    """
+    known = set(LAYER_MODULES) if known_modules is None else known_modules
+    rows = fused_rows(config)
+    hidden = getattr(config, "hidden_size", None)
+    fused: dict[str, list[str]] = {}
+    for key, shape in shapes.items():
+        key = generalise_key(key)
+        if not key.startswith(LAYER_PREFIX) or ".experts.{}." in key:
+            continue
+        match = _PARAM_SUFFIX.match(key[len(LAYER_PREFIX) :])
+        if match is None or match.group("module") in known or not shape or shape[0] not in rows:
+            continue
+        param = match.group("param")
+        if (param == "weight" and (len(shape) != 2 or shape[1] != hidden)) or (param == "bias" and len(shape) != 1):
+            continue
+        fused[key] = [f"layers.{{}}.{part}.{param}" for part in rows[shape[0]]]
+    return dict(sorted(fused.items()))
+
+
 def _norm_names(layer_modules: set[str]) -> dict[str, str]:
     """Archon names of a block's norms from which norms the checkpoint holds.
 
@@ -87,11 +148,15 @@ def _norm_names(layer_modules: set[str]) -> dict[str, str]:
     return names
 
 
-def derive_from_hf_map(hf_keys: list[str], dense_layers: bool = True) -> dict[str, str | None]:
+def derive_from_hf_map(
+    hf_keys: list[str], dense_layers: bool = True, fused: dict[str, list[str]] | None = None
+) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
-    Raises ``UnmappedKeyError`` listing every key no rule covers.
+    ``fused`` keys (from ``detect_fused_keys``) are left out: they go to the adapter's
+    ``fused_from_hf_map``. Raises ``UnmappedKeyError`` listing every other key no rule covers.
     """
+    fused = fused or {}
     keys = generalised_keys(hf_keys)
     layer_modules = {
         _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :]).group("module")  # type: ignore[union-attr]
@@ -102,6 +167,8 @@ def derive_from_hf_map(hf_keys: list[str], dense_layers: bool = True) -> dict[st
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:
+        if key in fused:
+            continue
         if key in RUNTIME_BUFFERS:
             mapping[key] = None
             continue
@@ -188,7 +255,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     if request.source is not None:
         config = load_config(request.source)
         dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
-        derived = derive_from_hf_map(list(checkpoint_keys(request.source)), dense_layers=dense_layers)
+        shapes = checkpoint_keys(request.source)
+        fused = detect_fused_keys(shapes, tiny_config(config))
+        derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused)
+        text = apply_fused_adapter(text, layout, fused)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -203,3 +273,136 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     return EditAdapterMapResult(
         from_hf_map=read_dict_literal(new_text, target), added=added, removed=sorted(stale), changed_files=changed
     )
+
+
+# --- fused on-disk layouts ------------------------------------------------------------------
+
+FUSED_MAP = "fused_from_hf_map"
+
+_FUSED_INIT = """
+# Archon part -> (fused HF key that holds it, its position along dim 0).
+self.fused_to_hf_map = {
+    part: (hf, position) for hf, parts in self.fused_from_hf_map.items() for position, part in enumerate(parts)
+}
+self._rows: dict[str, int] | None = None
+"""
+
+_FUSED_HF_KEY = """
+if template in self.fused_to_hf_map:
+    return self.fused_to_hf_map[template][0].format(*indices)  # the slice's destination
+"""
+
+_FROM_HF_LOOP_OLD = """
+for hf_key, value in hf_state_dict.items():
+    archon_key = self._archon_key(hf_key)
+    if archon_key is not None:
+        state_dict[archon_key] = value
+"""
+
+_FROM_HF_LOOP_NEW = """
+for hf_key, value in hf_state_dict.items():
+    template, indices = _abstract(hf_key)
+    if template in self.fused_from_hf_map:
+        state_dict.update(self._split_fused(hf_key, template, indices, value))
+        continue
+    archon_key = self._archon_key(hf_key)
+    if archon_key is not None:
+        state_dict[archon_key] = value
+"""
+
+_TO_HF_LOOP_OLD = """
+for name, value in archon_state_dict.items():
+    for hf_key, tensor in self.convert_single_to_hf(name, value):
+        hf_state_dict[hf_key] = tensor
+"""
+
+_TO_HF_LOOP_NEW = """
+fused: dict[str, dict[int, Any]] = {}
+for name, value in archon_state_dict.items():
+    template, indices = _abstract(_strip_wrappers(name))
+    if template in self.fused_to_hf_map:
+        hf_template, position = self.fused_to_hf_map[template]
+        fused.setdefault(hf_template.format(*indices), {})[position] = value
+        continue
+    for hf_key, tensor in self.convert_single_to_hf(name, value):
+        hf_state_dict[hf_key] = tensor
+for hf_key, pieces in fused.items():
+    hf_state_dict[hf_key] = self._concat_fused(hf_key, pieces)
+"""
+
+_ROWS = """
+def _archon_rows(self) -> dict[str, int]:
+    \"\"\"Dim-0 size of every Archon parameter (from a meta-device model: no memory).\"\"\"
+    if self._rows is None:
+        with torch.device("meta"):
+            model = {model_class}(self.model_args)
+        self._rows = {{key: value.shape[0] for key, value in model.state_dict().items()}}
+    return self._rows
+"""
+
+_SPLIT = """
+def _split_fused(self, hf_key: str, template: str, indices: list[str], value: Any) -> dict[str, Any]:
+    \"\"\"One fused checkpoint tensor -> the Archon parameters it stacks along dim 0.\"\"\"
+    parts = [part.format(*indices) for part in self.fused_from_hf_map[template]]
+    rows = [self._archon_rows().get(part, 0) for part in parts]
+    if sum(rows) != value.shape[0] or 0 in rows:
+        raise KeyError(
+            f"HF checkpoint key {{hf_key!r}} has {{value.shape[0]}} rows; the Archon parameters "
+            f"{{parts}} it holds have {{rows}}. The checkpoint does not match this config."
+        )
+    return dict(zip(parts, torch.split(value, rows, dim=0)))
+"""
+
+_CONCAT = """
+def _concat_fused(self, hf_key: str, pieces: dict[int, Any]) -> Any:
+    \"\"\"The Archon parameters one fused checkpoint tensor holds, stacked along dim 0 in order.\"\"\"
+    template, _ = _abstract(hf_key)
+    count = len(self.fused_from_hf_map[template])
+    if sorted(pieces) != list(range(count)):
+        raise KeyError(f"{{hf_key!r}} stacks {{count}} Archon parameters; only parts {{sorted(pieces)}} were given.")
+    return torch.cat([pieces[position] for position in range(count)], dim=0)
+"""
+
+
+def _fused_literal(fused: dict[str, list[str]]) -> str:
+    lines = ["fused_from_hf_map: ClassVar[dict[str, list[str]]] = {"]
+    for hf_key, parts in sorted(fused.items()):
+        lines.append(f'    "{hf_key}": [')
+        lines.extend(f'        "{part}",' for part in parts)
+        lines.append("    ],")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[str]]) -> str:
+    """Teach a copied adapter a fused on-disk layout: ``from_hf`` splits each fused key
+    along dim 0 by its parts' sizes, ``to_hf`` concatenates them back, and
+    ``convert_single_to_hf`` names, for one part, the fused key its slice belongs to."""
+    if not fused:
+        return text
+    cls = layout.adapter_class
+    camel = layout.names.camel
+    text = text.replace(
+        f"Renames {camel} weights between Archon and HF checkpoints; no tensor is changed.",
+        f"Renames {camel} weights between Archon and HF checkpoints; splits and re-stacks fused tensors.",
+    )
+    text = insert_class_statement_after(
+        text,
+        cls,
+        "from_hf_map",
+        "# Checkpoint keys that stack several Archon parameters along dim 0, in this order.\n"
+        + _fused_literal(fused),
+    )
+    try:
+        text = insert_after_statement_assigning(text, cls, "__init__", "self.to_hf_map", _FUSED_INIT.strip() + "\n")
+        text = insert_after_statement_assigning(text, cls, "_hf_key", "template, indices", _FUSED_HF_KEY.strip() + "\n")
+        text = replace_in_function(text, cls, "from_hf", _FROM_HF_LOOP_OLD.strip(), _FROM_HF_LOOP_NEW.strip())
+        text = replace_in_function(text, cls, "to_hf", _TO_HF_LOOP_OLD.strip(), _TO_HF_LOOP_NEW.strip())
+    except CodemodError as e:
+        raise CodemodError(
+            f"fused on-disk keys {sorted(fused)} need the reference adapter's plain rename loops: {e}"
+        ) from e
+    text = upsert_method(text, cls, "_archon_rows", _ROWS.format(model_class=layout.model_class).strip() + "\n", after="_expected_archon_keys")
+    text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
+    text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
+    return text

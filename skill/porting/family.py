@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from skill.porting.edit_adapter_map import detect_fused_keys
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.tiny_model import build_tiny_model, tiny_config
 
@@ -216,9 +217,12 @@ def detect_family(source: str) -> FamilyProfile:
                 unsupported.append("MoE router whose output the engine cannot read (expected scores per token)")
             elif hasattr(config, "norm_topk_prob") and bool(config.norm_topk_prob) != renormalizes:
                 unsupported.append("MoE router that renormalises differently from its norm_topk_prob field")
-    fused = [k for k in keys if k.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
-    if fused:
-        unsupported.append(f"fused projections on disk {fused}")
+    # Fused q/k/v and gate/up tensors are split by the adapter (found by shape); a key
+    # that only looks fused by name but has no such shape stays unsupported.
+    fused = detect_fused_keys(checkpoint_keys(source), tiny)
+    odd = [k for k in keys if k.endswith(("qkv_proj.weight", "gate_up_proj.weight")) and k not in fused]
+    if odd:
+        unsupported.append(f"fused projections on disk whose shape is no q/k/v or gate/up stack {odd}")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         unsupported.append(f"pretraining_tp={config.pretraining_tp}")
     return FamilyProfile(

@@ -84,10 +84,10 @@ def test_port_model_reproduces_the_committed_llama_and_a_rerun_changes_nothing(w
 
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
-    # phi3 stores q/k/v and gate/up fused on disk, a layout no adapter edit splits yet.
-    result = port_model(PortModelRequest(source="phi3", stages=[], workspace=workspace))
+    # nemotron's MLP uses relu2, an activation no edit writes.
+    result = port_model(PortModelRequest(source="nemotron", stages=[], workspace=workspace))
     assert not result.passed
-    assert "fused projections" in result.error and "Nothing was written" in result.error
+    assert "relu2" in result.error and "Nothing was written" in result.error
     assert _snapshot(workspace) == before
 
 

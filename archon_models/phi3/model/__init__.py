@@ -1,0 +1,1 @@
+"""Phi3 model definition: args, modules, RoPE and the HF state-dict adapter."""

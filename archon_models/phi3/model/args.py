@@ -1,0 +1,115 @@
+"""Phi3 hyper-parameters and their mapping from a transformers ``Phi3Config``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from archon_models.base import BaseModelArgs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Phi3ModelArgs"]
+
+_REQUIRED_HF_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "rms_norm_eps",
+)
+
+
+def _check_supported(hf_config: Any) -> None:
+    """Refuse configs whose math this implementation does not reproduce."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Phi3 in Archon implements the silu activation; hidden_act={act!r} is not supported.")
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"
+    if rope_type != "default":
+        raise ValueError(
+            f"rope_parameters['rope_type']={rope_type!r} is not supported by Phi3 in Archon; "
+            "only the default RoPE is. Port the variant with `archon-port add`."
+        )
+    if getattr(hf_config, "sliding_window", None):
+        raise ValueError("sliding-window attention is not supported by Phi3 in Archon, which attends over whole documents.")
+    if getattr(hf_config, "attention_dropout", 0.0):
+        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", hf_config.attention_dropout)
+
+
+def _eos_id(hf_config: Any, default: int) -> int:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return default if eos is None else int(eos)
+
+
+@dataclass
+class Phi3ModelArgs(BaseModelArgs):
+    """Phi3 hyper-parameters. Defaults are those of transformers' ``Phi3Config``."""
+
+    dim: int = 3072
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    vocab_size: int = 32_064
+    head_dim: int = 96
+    hidden_dim: int = 8192
+    norm_eps: float = 1e-05
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    depth_init: bool = True
+    eos_id: int = 32_000
+    enable_weight_tying: bool = False
+    is_critic: bool = False
+    num_labels: int = 1
+
+    def __post_init__(self) -> None:
+        if self.attn_type not in ("varlen", "sdpa"):
+            raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> Phi3ModelArgs:
+        """Map a ``Phi3Config``.
+
+        Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and
+        ``num_labels`` (outputs of a critic's ``score`` head, default 1).
+        ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
+        """
+        unknown = sorted(set(kwargs) - {"attn_type", "num_labels"})
+        if unknown:
+            raise TypeError(f"Phi3ModelArgs.from_hf_config got unexpected keyword arguments {unknown}.")
+        missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
+        if missing:
+            raise ValueError(
+                f"{type(hf_config).__name__} lacks required field(s) {missing}; a Phi3 config "
+                f"must set all of {list(_REQUIRED_HF_FIELDS)}."
+            )
+        _check_supported(hf_config)
+        n_heads = hf_config.num_attention_heads
+        n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+        return cls(
+            attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),
+            dim=hf_config.hidden_size,
+            n_layers=hf_config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            vocab_size=hf_config.vocab_size,
+            head_dim=head_dim,
+            hidden_dim=hf_config.intermediate_size,
+            norm_eps=hf_config.rms_norm_eps,
+            rope_theta=cls._get_rope_theta(hf_config, cls.rope_theta),
+            max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
+            eos_id=_eos_id(hf_config, cls.eos_id),
+            enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            is_critic=is_critic,
+            num_labels=kwargs.get("num_labels", cls.num_labels),
+        )
