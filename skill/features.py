@@ -364,7 +364,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
-    Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF}),
+    Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.

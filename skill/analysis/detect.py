@@ -556,6 +556,13 @@ def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     return rope if isinstance(rope, dict) else {}
 
 
+def rotary_interleaved(config: PretrainedConfig, source: SourceFacts | None) -> bool:
+    """Whether the rotation pairs adjacent features ``(x[2i], x[2i+1])`` rather than the two
+    halves: the config says so (``rope_interleave``) or the modeling source's rotary helpers
+    slice ``::2`` / ``repeat_interleave`` / go through complex numbers."""
+    return bool(getattr(config, "rope_interleave", None)) or bool(source and source.rotary_interleaved())
+
+
 def position_features(ctx: Context) -> PositionFeatures:
     model = ctx.model
     rotary = [m for n, m in model.named_modules() if "Rotary" in type(m).__name__ or n.endswith("rotary_emb")]
@@ -595,7 +602,7 @@ def position_features(ctx: Context) -> PositionFeatures:
         for k, v in sorted((first or {}).items())
         if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and v is not None
     }
-    interleaved = bool(ctx.get("rope_interleave")) or bool(ctx.source and ctx.source.rotary_interleaved())
+    interleaved = rotary_interleaved(ctx.config, ctx.source)
     factor = _partial_rotary(ctx, rotary[0], first or {})
     return PositionFeatures(
         kind=kind,

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from skill.analysis.detect import rotary_interleaved
+from skill.analysis.source_scan import scan_model_source
 from skill.porting.edit_adapter_map import detect_fused_keys
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.tiny_model import build_tiny_model, tiny_config
@@ -54,6 +56,9 @@ class FamilyProfile(BaseModel):
     multipliers: list[str] = Field(default_factory=list, description="scalar multiplier config fields")
     rope_type: str = "default"
     partial_rotary: bool = False
+    rotary_interleaved: bool = Field(
+        default=False, description="RoPE rotates adjacent feature pairs (x0, x1), (x2, x3), ... instead of the halves"
+    )
     moe: bool = False
     shared_expert: bool = False
     router_renormalizes: bool = Field(
@@ -193,6 +198,11 @@ def detect_family(source: str) -> FamilyProfile:
     partial = float(getattr(config, "partial_rotary_factor", partial) or partial)
     if partial != 1.0 and rope_type != "default":
         unsupported.append(f"partial rotary (factor {partial}) together with {rope_type} scaling")
+    # The analyser's own test (config flag, or the rotary helpers' code: ::2, repeat_interleave).
+    interleaved = rotary_interleaved(config, scan_model_source(model))
+    if interleaved and (partial != 1.0 or rope_type != "default"):
+        other = "partial rotary" if partial != 1.0 else f"{rope_type} scaling"
+        unsupported.append(f"interleaved rotary pairing together with {other}")
     multipliers = [
         f for f in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         if getattr(config, f, None) is not None
@@ -248,6 +258,7 @@ def detect_family(source: str) -> FamilyProfile:
         multipliers=multipliers,
         rope_type=rope_type,
         partial_rotary=partial != 1.0,
+        rotary_interleaved=interleaved,
         moe=moe,
         shared_expert=LAYER + "mlp.shared_expert_gate.weight" in keyset,
         router_renormalizes=bool(moe and _probe_router_renormalizes(model)),

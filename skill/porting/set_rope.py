@@ -157,6 +157,61 @@ def partial_source(camel: str) -> str:
     )
 
 
+def interleaved_source(camel: str) -> str:
+    """A rope.py that rotates adjacent feature pairs ``(x[2i], x[2i+1])`` (interleaved RoPE)."""
+    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
+    return (
+        f'"""{camel} RoPE: adjacent features rotate together (interleaved pairing).\n\n'
+        "Feature pairs ``(x[2i], x[2i+1])`` rotate by the angle ``position * base ** (-2i / head_dim)``,\n"
+        "the layout of transformers' interleaved ``rotate_half`` (``x[..., ::2]`` / ``x[..., 1::2]``)\n"
+        "with ``repeat_interleave``d cos/sin, instead of Qwen2's two halves. The cache layout, the\n"
+        "row lookup by position and ``repeat_kv`` are Qwen2's.\n"
+        '"""\n\n'
+        "from __future__ import annotations\n\n"
+        "import torch\n"
+        "from torch.distributed.tensor import DTensor\n\n"
+        "from archon_models.qwen2.model.rope import repeat_kv, reshape_for_broadcast\n\n"
+        f"__all__ = [\n{listed}]\n\n\n"
+        "def _local(x: torch.Tensor) -> torch.Tensor:\n"
+        '    """The local shard of a DTensor (rope is applied per rank under TP), else ``x``."""\n'
+        "    return x.to_local() if isinstance(x, DTensor) else x\n\n\n"
+        "def precompute_rope_cache(dim: int, max_seq_len: int, base: float = 10_000.0) -> torch.Tensor:\n"
+        '    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest,\n'
+        "    each frequency repeated for the two features of its pair (``f0, f0, f1, f1, ...``).\n"
+        '    """\n'
+        "    if dim % 2 != 0:\n"
+        '        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")\n'
+        "    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
+        "    t = torch.arange(max_seq_len, dtype=torch.int64).float()\n"
+        "    angles = torch.outer(t, inv_freq)\n"
+        "    angles = torch.repeat_interleave(angles, 2, dim=-1)\n"
+        "    return torch.cat([angles.cos(), angles.sin()], dim=-1)\n\n\n"
+        "def rotate_half(x: torch.Tensor) -> torch.Tensor:\n"
+        '    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: each adjacent pair rotated."""\n'
+        "    x1 = x[..., ::2]\n"
+        "    x2 = x[..., 1::2]\n"
+        "    return torch.stack([-x2, x1], dim=-1).flatten(-2)\n\n\n"
+        "def apply_rotary_emb(\n"
+        "    xq: torch.Tensor,\n"
+        "    xk: torch.Tensor,\n"
+        "    rope_cache: torch.Tensor,\n"
+        "    positions: torch.Tensor | None = None,\n"
+        ") -> tuple[torch.Tensor, torch.Tensor]:\n"
+        '    """Rotate queries ``[bs, seq, n_heads, hd]`` and keys ``[bs, seq, n_kv_heads, hd]``.\n\n'
+        "    ``cos``/``sin`` are cast to the activation dtype before multiplying, as Qwen2's rope does.\n"
+        '    """\n'
+        "    rope_cache = _local(rope_cache)\n"
+        "    if positions is not None:\n"
+        "        positions = _local(positions)\n"
+        "    head_dim = xq.shape[-1]\n"
+        "    rows = reshape_for_broadcast(rope_cache, xq, positions).to(device=xq.device, dtype=xq.dtype)\n"
+        "    cos, sin = rows[..., :head_dim], rows[..., head_dim:]\n"
+        "    xq_out = xq * cos + rotate_half(xq) * sin\n"
+        "    xk_out = xk * cos + rotate_half(xk) * sin\n"
+        "    return xq_out, xk_out\n"
+    )
+
+
 class SetRopeRequest(PackageRequest):
     source: str = Field(description="model_type or config path of the family")
 
@@ -169,8 +224,9 @@ class SetRopeResult(StepResult):
 def set_rope(request: SetRopeRequest) -> SetRopeResult:
     """Write archon_models/<model_name>/model/rope.py: a re-export of the qwen2 reference's
     RoPE when the family uses HF's default formula; otherwise the reference's layout with
-    the variant's frequency scaling (linear, llama3). Fails naming the rope_type when no
-    variant is implemented."""
+    the variant's frequency scaling (linear, llama3, yarn), the partial-rotary variant, or
+    the interleaved-pairing variant. Fails naming the rope_type when no variant is
+    implemented."""
     with staged(request.workspace) as tree:
         return apply_set_rope(tree, request)
 
@@ -183,7 +239,16 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, profile: FamilyPro
             f"rope_type {profile.rope_type!r}{' with partial rotary' if profile.partial_rotary else ''} has no "
             f"implementation in the engine (supported: {', '.join(ROPE_TYPES)})."
         )
+    if profile.rotary_interleaved and (profile.partial_rotary or profile.rope_type != "default"):
+        raise ValueError(
+            "interleaved rotary pairing has an implementation in the engine only with the default rope_type "
+            f"and full rotary (got rope_type {profile.rope_type!r}"
+            f"{', partial rotary' if profile.partial_rotary else ''})."
+        )
     changed: list[str] = []
+    if profile.rotary_interleaved:
+        write_if_changed(tree, layout.rope, interleaved_source(layout.names.camel), changed)
+        return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
     if profile.partial_rotary:
         write_if_changed(tree, layout.rope, partial_source(layout.names.camel), changed)
         return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
