@@ -207,10 +207,24 @@ def edit_dict_literal(
     with the layout of the last one. Returns ``source`` unchanged when nothing differs.
     With ``raw_values`` the values are expression sources (``"SequenceParallel()"``).
     """
-    if raw_values:
-        return _edit_dict_raw(source, target, dict(set_entries or {}), set(remove))
     set_entries = dict(set_entries or {})
     remove = set(remove)
+    if raw_values:
+
+        def make_value(value: str | None) -> cst.BaseExpression:
+            return cst.parse_expression(value or "None")
+
+        def holds(node: cst.BaseExpression, value: str | None) -> bool:
+            return _target_code(node) == _target_code(make_value(value))
+
+    else:
+        make_value = _literal
+
+        def holds(node: cst.BaseExpression, value: str | None) -> bool:
+            if m.matches(node, m.Name("None")):
+                return value is None
+            return _string_value(node) == value
+
     module = _parse(source)
     original = _find_dict_literal(module, target)
     elements: list[cst.BaseDictElement] = []
@@ -224,10 +238,8 @@ def edit_dict_literal(
             continue
         if key is not None and key in set_entries:
             seen.add(key)
-            current = None if m.matches(element.value, m.Name("None")) else _string_value(element.value)
-            wanted = set_entries[key]
-            if current != wanted or (wanted is not None and m.matches(element.value, m.Name("None"))):
-                element = element.with_changes(value=_literal(wanted))
+            if not holds(element.value, set_entries[key]):
+                element = element.with_changes(value=make_value(set_entries[key]))
                 changed = True
         elements.append(element)
         origins.append(position)
@@ -236,7 +248,7 @@ def edit_dict_literal(
         if key in seen:
             continue
         changed = True
-        new = cst.DictElement(key=_literal(key), value=_literal(value))
+        new = cst.DictElement(key=_literal(key), value=make_value(value))
         if template is not None:
             new = new.with_changes(
                 whitespace_before_colon=template.whitespace_before_colon,
@@ -768,37 +780,6 @@ def prune_unused_imports(source: str) -> str:
                 stmt = stmt.with_changes(body=[imp])
         body.append(stmt)
     return module.with_changes(body=body).code if changed else source
-
-
-def _edit_dict_raw(source: str, target: str, set_entries: dict[str, str | None], remove: set[str]) -> str:
-    module = _parse(source)
-    original = _find_dict_literal(module, target)
-    elements: list[cst.BaseDictElement] = []
-    origins: list[int | None] = []
-    seen: set[str] = set()
-    changed = False
-    for position, element in enumerate(original.elements):
-        key = _string_value(element.key) if isinstance(element, cst.DictElement) else None
-        if key is not None and key in remove:
-            changed = True
-            continue
-        if key is not None and key in set_entries:
-            seen.add(key)
-            wanted = set_entries[key] or "None"
-            if _target_code(element.value) != _target_code(cst.parse_expression(wanted)):
-                element = element.with_changes(value=cst.parse_expression(wanted))
-                changed = True
-        elements.append(element)
-        origins.append(position)
-    for key, value in set_entries.items():
-        if key not in seen:
-            changed = True
-            elements.append(cst.DictElement(key=_literal(key), value=cst.parse_expression(value or "None")))
-            origins.append(None)
-    if not changed:
-        return source
-    new_dict = original.with_changes(elements=_relayout_commas(original, elements, origins))
-    return module.deep_replace(original, new_dict).code
 
 
 def add_parameter(source: str, class_name: str | None, func_name: str, param_source: str) -> str:
