@@ -119,6 +119,13 @@ class NormPlacement(StrEnum):
 # ----------------------------------------------------------------- checklist models
 
 
+class ConfigScalar(_Frozen):
+    """The config field that sets a measured factor, and how: ``factor = relation(field)``."""
+
+    field: str = Field(description="config field name")
+    relation: str = Field("x", description="x, 1/x, x**-0.5 or sqrt(x)")
+
+
 class SlidingWindow(_Frozen):
     kind: SlidingWindowKind = Field(SlidingWindowKind.NONE, description="which layers use the window")
     size: int | None = Field(None, description="window length in tokens (the config's value)")
@@ -154,6 +161,7 @@ class AttentionFeatures(_Frozen):
     logit_softcap: float | None = Field(None, description="tanh soft-capping of attention scores")
     custom_scaling: bool = Field(False, description="scores not scaled by head_dim ** -0.5")
     scaling_field: str | None = Field(None, description="config field that sets the custom scale")
+    scaling_source: ConfigScalar | None = Field(None, description="the scale's config field and relation")
     fused_qkv: bool = Field(False, description="one projection yields q, k and v")
     mla: MLA | None = None
     sinks: bool = Field(False, description="learned per-head attention sink logits")
@@ -211,8 +219,11 @@ class NormFeatures(_Frozen):
 class ScalarFeatures(_Frozen):
     embedding_scale: float | None = Field(None, description="factor on embeddings before layer 0 (tiny probe)")
     embedding_scale_kind: str = Field("none", description="none, sqrt_dim, or constant")
+    embedding_scale_source: ConfigScalar | None = Field(None, description="config field of a constant scale")
     residual_multiplier: float | None = None
+    residual_multiplier_field: str | None = Field(None, description="config field of the residual multiplier")
     logit_multiplier: float | None = Field(None, description="factor on the logits (1/x for a divisor)")
+    logit_multiplier_source: ConfigScalar | None = Field(None, description="config field of the logit factor")
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
 

@@ -452,7 +452,7 @@ def read_safetensors_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
 
 
 def saved_checkpoint_keys(
-    config_or_model: PretrainedConfig | torch.nn.Module, seed: int = 0
+    config_or_model: PretrainedConfig | torch.nn.Module, seed: int = 0, trust_remote_code: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """The keys and shapes ``save_pretrained`` writes for a tiny instance, sorted by key.
 
@@ -460,7 +460,9 @@ def saved_checkpoint_keys(
     go to a temporary directory that is removed before returning.
     """
     model = (
-        build_tiny_model(config_or_model, seed) if isinstance(config_or_model, PretrainedConfig) else config_or_model
+        build_tiny_model(config_or_model, seed, trust_remote_code=trust_remote_code)
+        if isinstance(config_or_model, PretrainedConfig)
+        else config_or_model
     )
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

@@ -24,6 +24,7 @@ from skill.analysis.source_scan import SourceFacts
 from skill.features import (
     MLA,
     AttentionFeatures,
+    ConfigScalar,
     ExpertLayout,
     FFNFeatures,
     FFNKind,
@@ -196,7 +197,7 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
     return SlidingWindow(evidence=f"config {field_name} set, mask probe: not applied")
 
 
-def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
+def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None]:
     attention = ctx.anatomy.attention
     scaling = getattr(attention, "scaling", None) if attention is not None else None
     if not isinstance(scaling, (int, float)):
@@ -214,7 +215,7 @@ def _custom_scaling(ctx: Context) -> tuple[bool, str | None]:
     match = probes.matching_field(ctx.tiny, float(scaling))
     field_name = match[0] if match else None
     ctx.evidence.append(f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {field_name})")
-    return True, field_name
+    return True, ConfigScalar(field=match[0], relation=match[1]) if match else None
 
 
 def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
@@ -274,7 +275,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     explicit = isinstance(head_dim, int) and derived is not None and head_dim != derived
     softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
-    custom, scaling_field = _custom_scaling(ctx)
+    custom, scaling_source = _custom_scaling(ctx)
     mla = None
     if isinstance(ctx.get("kv_lora_rank"), int):
         mla = MLA(
@@ -317,7 +318,8 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         sliding_window=_sliding_window(ctx),
         logit_softcap=attn_softcap,
         custom_scaling=custom,
-        scaling_field=scaling_field,
+        scaling_field=scaling_source.field if scaling_source else None,
+        scaling_source=scaling_source,
         fused_qkv=qkv is not None,
         mla=mla,
         sinks=sinks,
@@ -658,6 +660,7 @@ def norm_features(ctx: Context) -> NormFeatures:
 
 def scalar_features(ctx: Context) -> ScalarFeatures:
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
+    embedding_match = None
     if scale is None:
         kind, value = "none", None
         ctx.other.append("embeddings transformed before layer 0 beyond a constant scale (e.g. an embedding norm)")
@@ -666,35 +669,44 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     elif math.isclose(scale, math.sqrt(ctx.tiny.hidden_size), rel_tol=1e-3):
         kind, value = "sqrt_dim", math.sqrt(ctx.config.hidden_size)
     else:
-        match = probes.matching_field(ctx.tiny, scale)
+        embedding_match = probes.matching_field(ctx.tiny, scale)
         kind = "constant"
-        value = _full_size_value(ctx, match, scale)
-    residual = next(
+        value = _full_size_value(ctx, embedding_match, scale)
+    residual_field, residual = next(
         (
-            float(v)
+            (k, float(v))
             for k, v in _fields_matching(ctx.config, "residual").items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and ("mult" in k or "scal" in k)
         ),
-        None,
+        (None, None),
     )
     logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
     final_caps = _fields_matching(ctx.config, "final", "softcap")
     final_cap = next((float(v) for v in final_caps.values() if isinstance(v, (int, float))), None)
     logit_value = None
+    logit_match = None
     if logit is None:
         if final_cap is None:
             ctx.evidence.append("logit probe: logits are not a constant multiple of lm_head(h)")
     elif not math.isclose(logit, 1.0, rel_tol=1e-4):
-        logit_value = _full_size_value(ctx, probes.matching_field(ctx.tiny, logit), logit)
+        logit_match = probes.matching_field(ctx.tiny, logit)
+        logit_value = _full_size_value(ctx, logit_match, logit)
     tied = bool(ctx.get("tie_word_embeddings", False))
     return ScalarFeatures(
         embedding_scale=value,
         embedding_scale_kind=kind,
+        embedding_scale_source=_source(embedding_match),
         residual_multiplier=residual if residual not in (None, 1.0) else None,
+        residual_multiplier_field=residual_field if residual not in (None, 1.0) else None,
         logit_multiplier=logit_value,
+        logit_multiplier_source=_source(logit_match) if logit_value is not None else None,
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
     )
+
+
+def _source(match: tuple[str, str] | None) -> ConfigScalar | None:
+    return ConfigScalar(field=match[0], relation=match[1]) if match else None
 
 
 def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:

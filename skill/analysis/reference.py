@@ -100,9 +100,41 @@ def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     return reference, deltas_from(reference, checklist)
 
 
+def engine_limits(checklist: Checklist) -> list[str]:
+    """Values the vocabulary marks supported whose port still needs a fact the engine lacks:
+    a factor no config field explains (the port reads every factor from the config), a
+    checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
+    limits = []
+    att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
+    if norm.eps_field is None:
+        limits.append("norm epsilon with no config field (the port reads eps from the config)")
+    if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:
+        limits.append(f"embedding scale {sc.embedding_scale} that no config field explains")
+    if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":
+        limits.append(f"embedding scale {sc.embedding_scale_source.relation} of {sc.embedding_scale_source.field}")
+    if sc.logit_multiplier is not None and (
+        sc.logit_multiplier_source is None or sc.logit_multiplier_source.relation != "1/x"
+    ):
+        limits.append(f"logit factor {sc.logit_multiplier:.4g} that is no config field's reciprocal")
+    if att.custom_scaling and att.mla is None and (
+        att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5")
+    ):
+        limits.append("attention scale that no config field explains")
+    pos = checklist.positions
+    if pos.rotary_style.value == "interleaved" and (pos.partial_rotary_factor != 1.0 or (pos.rope_type or "default") != "default"):
+        limits.append("interleaved rotary pairing together with partial rotary or scaled frequencies")
+    if moe is not None:
+        if checklist.ffn.activation != "silu":
+            limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")
+        template = moe.expert_key_template
+        if template and not any(f".{block}.experts." in template for block in ("mlp", "block_sparse_moe")):
+            limits.append(f"MoE experts stored under another module than mlp or block_sparse_moe ({template})")
+    return limits
+
+
 def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta]) -> list[str]:
     """Plain names of what no reference or edit covers: "unsupported: attention sinks"."""
-    names = []
+    names = [f"unsupported: {limit}" for limit in engine_limits(checklist)]
     for delta in deltas:
         if delta.supported:
             continue

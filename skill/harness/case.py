@@ -23,6 +23,12 @@ class ModelCase(BaseModel):
         default_factory=dict,
         description="Config attributes set on top of the tiny config (e.g. tie_word_embeddings).",
     )
+    source: str | None = Field(
+        default=None,
+        description="A checkpoint folder whose own code (auto_map) defines the family; the HF side is built "
+        "from it (and its weights are compared too). None: the installed transformers' config class.",
+    )
+    trust_remote_code: bool = Field(default=False, description="Run the source folder's configuration/modeling code.")
     seed: int = Field(default=0, description="Seeds the tiny weights and the random tokens.")
     doc_lens: tuple[int, ...] = Field(
         default=(7, 13, 4),

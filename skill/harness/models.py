@@ -34,14 +34,19 @@ WEIGHT_NOISE_STD = 0.05
 
 
 def build_hf_config(case: ModelCase) -> PretrainedConfig:
-    """The tiny config of ``case.model_type`` with the case's overrides applied."""
+    """The tiny config of ``case.model_type`` (or of the case's source folder) with the
+    case's overrides applied."""
+    if case.source is not None:
+        from skill.analysis.inputs import resolve_source
+
+        return tiny_config(resolve_source(case.source, case.trust_remote_code).config, **case.config_overrides)
     return tiny_config(case.model_type, **case.config_overrides)
 
 
 def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -> PreTrainedModel:
     """A seeded tiny HF causal LM (fp32, eager attention, eval) whose weights are all distinct."""
     config = hf_config if hf_config is not None else build_hf_config(case)
-    model = build_tiny_model(config, seed=case.seed)
+    model = build_tiny_model(config, seed=case.seed, trust_remote_code=case.trust_remote_code)
     generator = torch.Generator().manual_seed(case.seed + 1)
     with torch.no_grad():
         for param in model.parameters():

@@ -44,6 +44,7 @@ class CheckPackageRequest(PackageRequest):
     model_types: list[str] = Field(
         default_factory=list, description="model_type variants the package must register (default: [model_name])"
     )
+    trust_remote_code: bool = Field(default=False, description="the source folder's own code builds the HF side")
 
 
 class CheckPackageResult(BaseModel):
@@ -80,7 +81,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     fused_map = _fused_map(sources["model/state_dict_adapter.py"] or "")
     keys: list[str] = []
     try:
-        keys = generalised_keys(checkpoint_keys(source))
+        keys = generalised_keys(checkpoint_keys(source, request.trust_remote_code))
     except Exception as e:  # an unknown family: report it as a failed check, not a crash
         checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
     if keys:
@@ -90,7 +91,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     checks.append(
         _check("runtime_buffers_dropped", not drops, f"no None entry for {drops}" if drops else "inv_freq dropped")
     )
-    checks.append(_check_config_attrs(sources["model/args.py"] or "", source))
+    checks.append(_check_config_attrs(sources["model/args.py"] or "", source, request.trust_remote_code))
     has_experts = any(".experts.{}." in k for k in keys)
     adapter_text = sources["model/state_dict_adapter.py"] or ""
     moe_ok = not has_experts or "MoEWeightConverter" in adapter_text or "experts" in adapter_text
@@ -201,9 +202,9 @@ def _config_reads(args_text: str) -> set[str]:
     return reads
 
 
-def _check_config_attrs(args_text: str, source: str) -> PackageCheck:
+def _check_config_attrs(args_text: str, source: str, trust_remote_code: bool = False) -> PackageCheck:
     try:
-        config = load_config(source)
+        config = load_config(source, trust_remote_code)
     except Exception as e:
         return _check("config_attributes", False, f"cannot load the {source!r} config: {e}")
     lacking = sorted(a for a in _config_reads(args_text) if not hasattr(config, a))

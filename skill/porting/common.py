@@ -27,6 +27,17 @@ class PackageRequest(BaseModel):
         return validate_model_name(value)
 
 
+class SourceRequest(PackageRequest):
+    """A step that reads the family's analysis: the package plus the family's source."""
+
+    source: str = Field(description="model_type, checkpoint folder or config.json path of the family")
+    trust_remote_code: bool = Field(
+        default=False,
+        description="the source is a folder whose config.json has auto_map: run its configuration_*.py / "
+        "modeling_*.py (read them first); refused otherwise",
+    )
+
+
 class StepResult(BaseModel):
     """What a step changed: workspace-relative paths whose content it wrote or removed."""
 

@@ -213,6 +213,7 @@ class EditAdapterMapRequest(PackageRequest):
         default_factory=dict, description="entries to add or change: HF key -> Archon key (None drops the key)"
     )
     remove: list[str] = Field(default_factory=list, description="HF keys whose entries to remove")
+    trust_remote_code: bool = Field(default=False, description="the source folder's own code builds the HF side")
 
 
 class EditAdapterMapResult(StepResult):
@@ -253,9 +254,9 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     remove = set(request.remove)
     wanted: dict[str, str | None] = dict(current)
     if request.source is not None:
-        config = load_config(request.source)
+        config = load_config(request.source, request.trust_remote_code)
         dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
-        shapes = checkpoint_keys(request.source)
+        shapes = checkpoint_keys(request.source, request.trust_remote_code)
         fused = detect_fused_keys(shapes, tiny_config(config))
         derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused)
         text = apply_fused_adapter(text, layout, fused)

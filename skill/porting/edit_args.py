@@ -22,8 +22,8 @@ from skill.codemod.cst import (
     set_module_assign,
     upsert_function,
 )
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
-from skill.porting.family import FamilyProfile, detect_family
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.hf_source import load_config
 from skill.tiny_model import tiny_config
@@ -76,7 +76,7 @@ def _rope_theta(config: Any) -> float:
     return float(getattr(config, "rope_theta", 10000.0))
 
 
-def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
+def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
     eps = profile.norm_eps_field
     eos_default = _eos(config, 0)
@@ -144,7 +144,6 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
     for name, wanted in (
         ("attn_logit_softcapping", profile.attn_softcap),
         ("final_logit_softcapping", profile.final_softcap),
-        ("query_pre_attn_scalar", profile.query_pre_attn_scalar),
     ):
         if wanted:
             fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
@@ -156,7 +155,7 @@ def arg_fields(profile: FamilyProfile, config: Any) -> list[ArgField]:
 
         def expected_moe_args(c: Any) -> Any:
             moe_args = MoEArgs.from_hf_config(c)
-            if profile.router_renormalizes and not profile.router_norm_field:
+            if profile.route_norm:
                 moe_args.route_norm = True
             return moe_args
 
@@ -254,7 +253,7 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
-def required_fields(profile: FamilyProfile, config: Any) -> tuple[str, ...]:
+def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     moe: tuple[str, ...] = ()
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
@@ -269,7 +268,7 @@ if router_dtype is not None:
 """
 
 
-def check_supported_source(profile: FamilyProfile, config: Any, camel: str) -> str:
+def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
     """``_check_supported``: refuse configs whose math the port does not reproduce."""
     lines = [
         "def _check_supported(hf_config: Any) -> None:",
@@ -383,8 +382,12 @@ def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) 
 '''
 
 
-class EditArgsRequest(PackageRequest):
-    source: str = Field(description="model_type or config path of the family")
+class EditArgsRequest(SourceRequest):
+    allow_unsupported: bool = Field(
+        default=False,
+        description="write the args even when the family has unsupported features (they are returned); "
+        "fields those features need are added by hand",
+    )
 
 
 class FieldCheck(BaseModel):
@@ -398,6 +401,7 @@ class FieldCheck(BaseModel):
 class EditArgsResult(StepResult):
     fields: dict[str, str] = Field(description="field -> annotation and default")
     checks: list[FieldCheck]
+    skipped_features: list[str] = Field(default_factory=list, description="unsupported features, for a hand edit")
 
 
 def edit_args(request: EditArgsRequest) -> EditArgsResult:
@@ -408,12 +412,14 @@ def edit_args(request: EditArgsRequest) -> EditArgsResult:
         return apply_edit_args(tree, request)
 
 
-def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyProfile | None = None) -> EditArgsResult:
+def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPlan | None = None) -> EditArgsResult:
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.args, "run copy_reference first.")
-    profile = profile or detect_family(request.source)
+    profile = profile or plan_for(request.source, request.trust_remote_code)
+    if not request.allow_unsupported:
+        refuse_unsupported(profile, "edit_args")
     check_reference_fits(profile, text)
-    config = load_config(request.source)
+    config = load_config(request.source, request.trust_remote_code)
     camel = layout.names.camel
     fields = arg_fields(profile, config)
     spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
@@ -443,23 +449,26 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyP
             camel,
             profile.config_class,
             profile.moe,
-            route_norm=profile.router_renormalizes and not profile.router_norm_field,
+            route_norm=profile.route_norm,
         ),
     )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
     text = remove_function(text, "_num_experts")
     text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
-    checks = verify_args_source(text, layout.args_class, fields, request.source)
+    checks = verify_args_source(text, layout.args_class, fields, request.source, request.trust_remote_code)
     failed = [c for c in checks if not c.passed]
     if failed:
         detail = "; ".join(f"{c.field} on the {c.config} config: expected {c.expected!r}, got {c.actual!r}" for c in failed)
         raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
     changed: list[str] = []
     write_if_changed(tree, layout.args, text, changed)
-    return EditArgsResult(fields=spec, checks=checks, changed_files=changed)
+    skipped = list(profile.unsupported) if request.allow_unsupported else []
+    return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
 
-def verify_args_source(text: str, class_name: str, fields: list[ArgField], source: str) -> list[FieldCheck]:
+def verify_args_source(
+    text: str, class_name: str, fields: list[ArgField], source: str, trust_remote_code: bool = False
+) -> list[FieldCheck]:
     """Execute the generated args module and compare each field with the expected value."""
     name = f"_archon_port_args_check_{class_name}"
     module = types.ModuleType(name)
@@ -470,7 +479,7 @@ def verify_args_source(text: str, class_name: str, fields: list[ArgField], sourc
         sys.modules.pop(name, None)
     args_class = getattr(module, class_name)
     checks: list[FieldCheck] = []
-    base = load_config(source)
+    base = load_config(source, trust_remote_code)
     for label, config in (("default", base), ("tiny", tiny_config(base))):
         args = args_class.from_hf_config(config)
         for f in fields:

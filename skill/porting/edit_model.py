@@ -7,55 +7,87 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
-from skill.porting.family import FamilyProfile, detect_family
+from skill.codemod.contract import add_marker
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
+from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
+MARKER = "archon-port: hand edit needed:"
 
-class EditModelRequest(PackageRequest):
-    source: str = Field(description="model_type or config path of the family (its measured features pick the edits)")
+# Where the hand edit for an unsupported feature goes, by the words of its name: the
+# first function of the Archon module contract whose part the feature belongs to.
+_MARKER_PLACES: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
+    (("router", "expert", "moe", "mixture"), "TransformerBlock", "__init__"),
+    (("rope", "rotary", "position", "alibi"), None, "_precompute_rope_cache"),
+    (("attention", "qk", "query", "key", "sink", "window", "clip", "head", "projection"), "Attention", "forward"),
+    (("norm",), "TransformerBlock", "forward"),
+    (("ffn", "mlp", "activation", "feed"), "FeedForward", "forward"),
+    (("embedding",), None, "forward"),
+    (("logit", "head", "lm"), None, "forward"),
+)
+
+
+class EditModelRequest(SourceRequest):
     edits: list[str] | None = Field(
         default=None, description="edit names to apply (default: every edit the family's features call for)"
+    )
+    allow_unsupported: bool = Field(
+        default=False,
+        description="apply every supported edit even when the family has unsupported features; each skipped "
+        "feature is returned and marked in model.py where its hand edit goes",
     )
 
 
 class EditModelResult(StepResult):
     edits: list[str] = Field(description="edits applied, in order")
+    skipped_features: list[str] = Field(
+        default_factory=list, description="unsupported features left for a hand edit (marked in model.py)"
+    )
 
 
 def edit_model(request: EditModelRequest) -> EditModelResult:
     """Apply named feature edits to archon_models/<model_name>/model/model.py: projection
-    biases, sliding window, (1 + w) RMSNorm, LayerNorm, MLP kind and activation, embedding
-    and residual scalars, logits scaling. By default the edits the family of `source`
-    needs. Fails before writing when the family has a feature no edit supports."""
+    biases, QK norm, sliding window, soft-capping, norm kind and placement, MLP kind and
+    activation, embedding, residual and logit scalars, RoPE cache. By default the edits
+    the analysis of `source` calls for. Fails before writing when the family has a
+    feature no edit supports, unless allow_unsupported, which applies the rest and marks
+    where each hand edit goes."""
     with staged(request.workspace) as tree:
         return apply_edit_model(tree, request)
 
 
-def unsupported_features(profile: FamilyProfile) -> list[str]:
-    """Features of the family that neither the reference nor any edit reproduces."""
-    found = list(profile.unsupported)
-    if profile.block == "post_norm" and profile.norm != "rms":
-        found.append(f"post-norm blocks with a {profile.norm} norm")
-    return found
+def _marker_place(feature: str, model_class: str) -> tuple[str | None, str]:
+    words = feature.lower()
+    for keys, class_name, func in _MARKER_PLACES:
+        if any(k in words for k in keys):
+            return (model_class if class_name is None else class_name), func
+    return "TransformerBlock", "forward"
 
 
-def apply_edit_model(tree: StagedTree, request: EditModelRequest, profile: FamilyProfile | None = None) -> EditModelResult:
+def mark_hand_edits(text: str, features: list[str], model_class: str) -> str:
+    """A marker comment per unsupported feature, at the place its hand edit goes."""
+    for feature in features:
+        name = feature.removeprefix("unsupported: ")
+        class_name, func = _marker_place(name, model_class)
+        text = add_marker(text, class_name, func, f"{MARKER} {name}")
+    return text
+
+
+def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan | None = None) -> EditModelResult:
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.model, "run copy_reference first.")
-    profile = profile or detect_family(request.source)
-    missing = unsupported_features(profile)
-    if missing:
-        raise ValueError(
-            f"{profile.model_type} has feature(s) no edit supports: {', '.join(missing)}. "
-            "Teach the engine an edit for them (skill/porting/model_edits.py) before porting."
-        )
-    names = request.edits if request.edits is not None else select_edits(profile, text)
-    ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=profile)
+    plan = plan or plan_for(request.source, request.trust_remote_code)
+    if not request.allow_unsupported:
+        refuse_unsupported(plan, "edit_model")
+    names = request.edits if request.edits is not None else select_edits(plan, text)
+    ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)
     new_text = apply_model_edits(text, ctx, names)
+    skipped = list(plan.unsupported) if request.allow_unsupported else []
+    if skipped:
+        new_text = mark_hand_edits(new_text, skipped, layout.model_class)
     changed: list[str] = []
     write_if_changed(tree, layout.model, new_text, changed)
     logger.info("model edits for %s: %s", layout.names.package, ", ".join(names) or "none")
-    return EditModelResult(edits=names, changed_files=changed)
+    return EditModelResult(edits=names, skipped_features=skipped, changed_files=changed)

@@ -16,36 +16,24 @@ _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
-def load_config(source: str) -> PretrainedConfig:
+def load_config(source: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The config of ``source``: a model_type transformers knows, a folder with
-    ``config.json``, or a ``config.json`` file."""
-    path = Path(source)
-    if path.is_dir() or path.suffix == ".json":
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} not found; pass a model_type, a folder with config.json or the file itself.")
-        data = json.loads(file.read_text())
-        model_type = data.pop("model_type", None)
-        if not model_type:
-            raise ValueError(f"{file} has no 'model_type'; it is not a transformers config.")
-        return AutoConfig.for_model(model_type, **data)
-    try:
-        return AutoConfig.for_model(source)
-    except ValueError as e:
-        raise ValueError(
-            f"{source!r} is neither a model_type the installed transformers knows nor a path to a config; "
-            "pass e.g. 'mistral' or a checkpoint folder."
-        ) from e
+    ``config.json`` (its own code with ``trust_remote_code``), or a ``config.json`` file.
+    The analyser's resolver, so every step reads a source the same way."""
+    from skill.analysis.inputs import resolve_source
+
+    return resolve_source(source, trust_remote_code).config
 
 
 @functools.lru_cache(maxsize=16)
-def _tiny_keys(source: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(saved_checkpoint_keys(tiny_config(load_config(source))).items())
+def _tiny_keys(source: str, trust_remote_code: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    config = tiny_config(load_config(source, trust_remote_code))
+    return tuple(saved_checkpoint_keys(config, trust_remote_code=trust_remote_code).items())
 
 
-def checkpoint_keys(source: str) -> dict[str, tuple[int, ...]]:
+def checkpoint_keys(source: str, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
     """Keys and shapes ``save_pretrained`` writes for a tiny instance of ``source``'s family."""
-    return dict(_tiny_keys(source))
+    return dict(_tiny_keys(source, trust_remote_code))
 
 
 def generalise_key(key: str) -> str:

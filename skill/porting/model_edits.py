@@ -1,9 +1,14 @@
 """Named feature edits that specialise a copied reference ``model.py`` to a family.
 
-Each edit is chosen from the family's measured profile (``FamilyProfile``), rewrites
-only the classes and statements that feature touches (through libcst), and is a no-op
-when already applied. What remains reads like hand-written code for the family: an
-edit that removes a feature deletes its code instead of adding a flag.
+Each edit is chosen from the family's port plan (read off the analysis report), is
+addressed to the Archon module contract (the attention's projections and kernel, the
+block's residual branches, the norm and feed-forward classes, the embedding and the LM
+head; see ``skill.codemod.contract``), and is a no-op when already applied. Two edits on
+one place compose: the sandwich norms and the residual multiplier both wrap the same
+residual branch, the logit divisor and the final soft-cap both transform the logits, on
+either reference. The code an edit inserts is a class of ``skill/porting/snippets/``,
+never a string. What remains reads like hand-written code for the family: an edit that
+removes a feature deletes its code instead of adding a flag.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from skill.codemod.cst import (
     set_call_kwarg,
     set_docstring,
 )
-from skill.porting.family import ACTIVATIONS, FamilyProfile
+from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
+from skill.porting.plan import ACTIVATIONS, PortPlan
+from skill.porting.snippets import snippet
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +44,14 @@ logger = logging.getLogger(__name__)
 class EditContext:
     camel: str
     model_class: str
-    profile: FamilyProfile
+    profile: PortPlan
 
 
 @dataclass(frozen=True)
 class ModelEdit:
     name: str
     description: str
-    applies: Callable[[FamilyProfile], bool]
+    applies: Callable[[PortPlan], bool]
     apply: Callable[[str, EditContext], str]
     # Whether the copied reference's source still needs it (default: always).
     needed: Callable[[str], bool] = lambda text: True
@@ -61,58 +68,8 @@ def _projection_bias(text: str, ctx: EditContext) -> str:
     return replace_in_function(text, "Attention", "__init__", "bias = model_args.attention_bias", "")
 
 
-SLIDING_WINDOW_ATTENTION = '''
-class SlidingWindowAttention(nn.Module):
-    """Causal attention over packed documents in which each token sees only the last
-    ``window`` tokens of its own document, itself included (HF's sliding-window mask).
-
-    Archon's shared attention wrappers have no window, so it lives in this package: one
-    SDPA call per document with a banded causal mask, on every backend.
-    """
-
-    def __init__(self, window: int):
-        super().__init__()
-        if window < 1:
-            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
-        self.window = window
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float | None = None,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-    ) -> torch.Tensor:
-        """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if bounds[-1] < q.shape[2]:
-            bounds.append(q.shape[2])  # trailing padding attends as its own document
-        outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end <= start:
-                continue
-            index = torch.arange(end - start, device=q.device)
-            distance = index[:, None] - index[None, :]
-            mask = (distance >= 0) & (distance < self.window)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:end],
-                    k[:, :, start:end],
-                    v[:, :, start:end],
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
-            )
-        return torch.cat(outputs, dim=2)
-'''
-
-
 def _sliding_window(text: str, ctx: EditContext) -> str:
-    text = insert_before_class(text, "Attention", SLIDING_WINDOW_ATTENTION)
+    text = insert_before_class(text, "Attention", snippet("attention", "SlidingWindowAttention"))
     text = replace_statement_assigning(
         text,
         "Attention",
@@ -123,63 +80,9 @@ def _sliding_window(text: str, ctx: EditContext) -> str:
     return text
 
 
-EAGER_ATTENTION = '''
-class EagerAttention(nn.Module):
-    """Attention over packed documents computed step by step, because SDPA cannot
-    soft-cap scores: ``softcap * tanh(scores / softcap)`` before the causal (and, for a
-    sliding-window layer, banded) mask and an fp32 softmax, as HF's eager path does.
-
-    Archon's shared attention wrappers have neither soft-capping nor windows, so this
-    lives in the package. One document at a time; no document attends to another.
-    """
-
-    def __init__(self, softcap: float | None = None, window: int | None = None):
-        super().__init__()
-        if window is not None and window < 1:
-            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
-        self.softcap = softcap
-        self.window = window
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float | None = None,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-    ) -> torch.Tensor:
-        """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        n_rep = q.shape[1] // k.shape[1]
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if bounds[-1] < q.shape[2]:
-            bounds.append(q.shape[2])  # trailing padding attends as its own document
-        outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end <= start:
-                continue
-            keys = k[:, :, start:end].repeat_interleave(n_rep, dim=1)
-            values = v[:, :, start:end].repeat_interleave(n_rep, dim=1)
-            scores = torch.matmul(q[:, :, start:end], keys.transpose(2, 3)) * scale
-            if self.softcap is not None:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            index = torch.arange(end - start, device=q.device)
-            distance = index[:, None] - index[None, :]
-            allowed = distance >= 0
-            if self.window is not None:
-                allowed = allowed & (distance < self.window)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            outputs.append(torch.matmul(probs, values))
-        return torch.cat(outputs, dim=2)
-'''
-
-
 def _eager_attention(text: str, ctx: EditContext) -> str:
     profile = ctx.profile
-    text = insert_before_class(text, "Attention", EAGER_ATTENTION)
+    text = insert_before_class(text, "Attention", snippet("attention", "EagerAttention"))
     softcap = "model_args.attn_logit_softcapping" if profile.attn_softcap else "None"
     if profile.sliding_layer_types:
         text = add_parameter(text, "Attention", "__init__", "sliding_window: int | None = None")
@@ -204,48 +107,47 @@ def _eager_attention(text: str, ctx: EditContext) -> str:
     return text
 
 
-def _query_pre_attn_scalar(text: str, ctx: EditContext) -> str:
-    return replace_in_function(
-        text,
-        "Attention",
-        "__init__",
-        "self.scaling = self.head_dim**-0.5",
-        "self.scaling = model_args.query_pre_attn_scalar**-0.5\n",
-    )
+def _attention_scale(text: str, ctx: EditContext) -> str:
+    """Scores scaled by the config field that sets them (``x`` or ``x**-0.5``)."""
+    scale = ctx.profile.attn_scale
+    assert scale is not None
+    value = f"model_args.{scale.field}" + ("**-0.5" if scale.relation == "x**-0.5" else "")
+    return replace_statement_assigning(text, "Attention", "__init__", "self.scaling", f"self.scaling = {value}\n")
+
+
+def _add_block_norms(text: str, names: tuple[str, ...]) -> str:
+    """Block norms ``names`` built like the block's existing ones, reset with them."""
+    for name in names:
+        if f"self.{name} =" in text:
+            continue
+        text = insert_after_statement_assigning(
+            text, "TransformerBlock", "__init__", "self.ffn_norm", f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+        ) if "self.ffn_norm =" in text else insert_after_statement_assigning(
+            text, "TransformerBlock", "__init__", "self.attention", f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+        )
+        text = _append_to_function(text, "TransformerBlock", "init_weights", f"self.{name}.reset_parameters()")
+    return text
+
+
+def _append_to_function(text: str, class_name: str, func: str, statement: str) -> str:
+    """Append ``statement`` after the function's last ``*.reset_parameters()`` call."""
+    if statement in text:
+        return text
+    for anchor in ("self.post_attention_norm.reset_parameters()", "self.ffn_norm.reset_parameters()", "self.attention_norm.reset_parameters()"):
+        if anchor in text and anchor != statement:
+            return replace_in_function(text, class_name, func, anchor, f"{anchor}\n{statement}\n")
+    raise ValueError(f"{class_name}.{func} resets no norm to add {statement!r} after")
+
+
+def _post_branches(text: str) -> str:
+    text = wrap_residual_branch(text, "attention", "self.post_attention_norm({})", applied_if="post_attention_norm")
+    return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
 
 
 def _sandwich_norm(text: str, ctx: EditContext) -> str:
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "__init__",
-        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
-        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
-        "self.post_attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
-        "self.post_ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "init_weights",
-        "self.ffn_norm.reset_parameters()",
-        "self.ffn_norm.reset_parameters()\nself.post_attention_norm.reset_parameters()\nself.post_ffn_norm.reset_parameters()\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
-        "attn_out = self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)\n"
-        "x = x + self.post_attention_norm(attn_out)\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "return x + self.feed_forward(self.ffn_norm(x))",
-        "return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))\n",
-    )
+    """Norms before and after each sub-layer: ``x + post_norm(f(norm(x)))``."""
+    text = _add_block_norms(text, ("post_attention_norm", "post_ffn_norm"))
+    text = _post_branches(text)
     return set_docstring(
         text,
         "TransformerBlock",
@@ -253,20 +155,33 @@ def _sandwich_norm(text: str, ctx: EditContext) -> str:
     )
 
 
-def _final_softcap(text: str, ctx: EditContext) -> str:
-    return replace_in_function(
-        text,
-        ctx.model_class,
-        "forward",
-        "return head(h) if head is not None else h",
-        """if head is None:
+HEAD_RETURN = "return head(h) if head is not None else h"
+LOGITS_BLOCK = """if head is None:
     return h
 if self.is_critic:
     return head(h)
-# The LM head's logits are soft-capped: cap * tanh(logits / cap).
-cap = self.model_args.final_logit_softcapping
-return torch.tanh(head(h) / cap) * cap
-""",
+logits = head(h)
+return logits
+"""
+
+
+def _transform_logits(text: str, ctx: EditContext, statements: str) -> str:
+    """Add ``statements`` (rewriting ``logits``) between the LM head and the return; a
+    critic's scores are left alone. Logit transforms compose in the edits' order."""
+    first = statements.strip().splitlines()[-1]
+    if first in text:
+        return text
+    text = replace_in_function(text, ctx.model_class, "forward", HEAD_RETURN, LOGITS_BLOCK)
+    return replace_in_function(text, ctx.model_class, "forward", "return logits", f"{statements}return logits\n")
+
+
+def _final_softcap(text: str, ctx: EditContext) -> str:
+    return _transform_logits(
+        text,
+        ctx,
+        "# The LM head's logits are soft-capped: cap * tanh(logits / cap).\n"
+        "cap = self.model_args.final_logit_softcapping\n"
+        "logits = torch.tanh(logits / cap) * cap\n",
     )
 
 
@@ -287,7 +202,11 @@ def _remove_qk_norm(text: str, ctx: EditContext) -> str:
 
 
 def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
-    """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE."""
+    """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE.
+
+    On a copy that carries per-head QK norms (qwen3), those go first."""
+    if "self.q_norm = RMSNorm(self.head_dim" in text:
+        text = _remove_qk_norm(text, ctx)
     text = insert_after_statement_assigning(
         text,
         "Attention",
@@ -323,106 +242,47 @@ def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
 
 def _post_norm(text: str, ctx: EditContext) -> str:
     """Norms after each sub-layer instead of before it: ``x + norm(f(x))``."""
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "__init__",
-        "self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
-        "self.post_attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "__init__",
-        "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
-        "self.post_ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
-    )
-    text = replace_in_function(
-        text, "TransformerBlock", "init_weights", "self.attention_norm.reset_parameters()",
-        "self.post_attention_norm.reset_parameters()\n",
-    )
-    text = replace_in_function(
-        text, "TransformerBlock", "init_weights", "self.ffn_norm.reset_parameters()",
-        "self.post_ffn_norm.reset_parameters()\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
-        "x = x + self.post_attention_norm(self.attention(x, rope_cache, positions, cu_seqlens, max_seqlen))\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "return x + self.feed_forward(self.ffn_norm(x))",
-        "return x + self.post_ffn_norm(self.feed_forward(x))\n",
-    )
+    text = replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "x") if "self.attention_norm(x)" in text else text
+    text = replace_in_residual_branch(text, "ffn", "self.ffn_norm(x)", "x") if "self.ffn_norm(x)" in text else text
+    for old, new in (("attention_norm", "post_attention_norm"), ("ffn_norm", "post_ffn_norm")):
+        if f"self.{old} =" in text:
+            text = replace_statement_assigning(
+                text, "TransformerBlock", "__init__", f"self.{old}", f"self.{new} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+            )
+            text = replace_in_function(
+                text, "TransformerBlock", "init_weights", f"self.{old}.reset_parameters()", f"self.{new}.reset_parameters()\n"
+            )
+    text = _post_branches(text)
     return set_docstring(
         text, "TransformerBlock", "Post-norm: ``x + norm(attention(x))``, then ``x + norm(feed_forward(x))``."
     )
 
 
-def _rope_scaling(text: str, ctx: EditContext) -> str:
-    """Hand the checkpoint's RoPE scaling parameters to the package's precompute_rope_cache."""
+ROPE_CACHE_CALL = (
+    "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)"
+)
+
+
+def _rope_cache(text: str, ctx: EditContext) -> str:
+    """The RoPE cache the family needs: over the rotary part of each head only (partial
+    rotary) and/or with the checkpoint's frequency scaling (rope_parameters)."""
+    plan = ctx.profile
+    width = "args.rotary_dim" if plan.partial_rotary else "args.head_dim"
+    scaling = ", args.rope_freq_scaling" if plan.rope_type != "default" else ""
+    comment = "# Only the first rotary_dim features of each head rotate.\n" if plan.partial_rotary else ""
     return replace_in_function(
         text,
         ctx.model_class,
         "_precompute_rope_cache",
-        "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)",
-        "args = self.model_args\n"
-        "return precompute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_freq_scaling)\n",
-    )
-
-
-def _partial_rotary(text: str, ctx: EditContext) -> str:
-    """A RoPE cache for the rotary part of each head only."""
-    return replace_in_function(
-        text,
-        ctx.model_class,
-        "_precompute_rope_cache",
-        "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)",
-        "# Only the first rotary_dim features of each head rotate.\n"
-        "return precompute_rope_cache(self.model_args.rotary_dim, self.model_args.max_seq_len, self.model_args.rope_theta)\n",
-    )
-
-
-def _attention_multiplier(text: str, ctx: EditContext) -> str:
-    return replace_in_function(
-        text,
-        "Attention",
-        "__init__",
-        "self.scaling = self.head_dim**-0.5",
-        "self.scaling = model_args.attention_multiplier\n",
+        ROPE_CACHE_CALL,
+        f"args = self.model_args\n{comment}return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{scaling})\n",
     )
 
 
 # --- norms ------------------------------------------------------------------------------
 
-OFFSET_RMS_NORM = '''class RMSNorm(nn.Module):
-    """RMSNorm scaled by ``1 + weight``, all in fp32 and cast back at the end (as HF does).
-
-    The weight is stored as an offset from one, so it starts at zero.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.weight)
-'''
-
-
 def _norm_offset(text: str, ctx: EditContext) -> str:
-    return replace_class(text, "RMSNorm", OFFSET_RMS_NORM)
+    return replace_class(text, "RMSNorm", snippet("norms", "OffsetRMSNorm", rename="RMSNorm"))
 
 
 def _layer_norm(text: str, ctx: EditContext) -> str:
@@ -434,57 +294,39 @@ def _layer_norm(text: str, ctx: EditContext) -> str:
 # --- MLP --------------------------------------------------------------------------------
 
 
-def _activation_call(profile: FamilyProfile, inner: str) -> str:
-    if profile.activation == "gelu_pytorch_tanh":
+def _activation_call(plan: PortPlan, inner: str) -> str:
+    if plan.activation == "gelu_pytorch_tanh":
         return f'F.gelu({inner}, approximate="tanh")'
-    return f"{ACTIVATIONS[profile.activation]}({inner})"
+    return f"{ACTIVATIONS[plan.activation]}({inner})"
 
 
-def _activation_name(profile: FamilyProfile) -> str:
-    return {"silu": "SiLU", "gelu_pytorch_tanh": "tanh-approximated GELU", "gelu": "GELU"}[profile.activation]
+def _activation_name(plan: PortPlan) -> str:
+    return {"silu": "SiLU", "gelu_pytorch_tanh": "tanh-approximated GELU", "gelu": "GELU"}[plan.activation]
 
 
-def _gated_activation(text: str, ctx: EditContext) -> str:
-    new = f"return self.w2({_activation_call(ctx.profile, 'self.w1(x)')} * self.w3(x))\n"
-    text = replace_in_function(text, "FeedForward", "forward", "return self.w2(F.silu(self.w1(x)) * self.w3(x))", new)
-    return set_docstring(
-        text,
-        "FeedForward",
-        f"Gated MLP ``w2(act(w1(x)) * w3(x))`` with the {_activation_name(ctx.profile)} activation; "
-        "``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj.",
+def _activation(text: str, ctx: EditContext) -> str:
+    """The feed-forward's activation, whatever MLP shape the other edits chose."""
+    text = replace_call(text, "FeedForward", "forward", "F.silu", _activation_call(ctx.profile, "{}"))
+    gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
+    shape = (
+        "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
     )
+    roles = (
+        "``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj."
+        if gated
+        else "``w1`` is HF's up projection (c_fc, fc1), ``w2`` its down projection (c_proj, fc2)."
+    )
+    return set_docstring(text, "FeedForward", f"{shape} with the {_activation_name(ctx.profile)} activation; {roles}")
 
 
 def _plain_mlp(text: str, ctx: EditContext) -> str:
-    bias = "True" if ctx.profile.mlp_bias else "False"
-    zero_bias = (
-        "\n        for linear in (self.w1, self.w2):\n            nn.init.zeros_(linear.bias)" if ctx.profile.mlp_bias else ""
-    )
-    return replace_class(
-        text,
-        "FeedForward",
-        f'''class FeedForward(nn.Module):
-    """Two-layer MLP ``w2(act(w1(x)))`` with the {_activation_name(ctx.profile)} activation;
-    ``w1`` is HF's c_fc, ``w2`` c_proj."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias={bias})
-        self.w2 = nn.Linear(hidden_dim, dim, bias={bias})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2({_activation_call(ctx.profile, "self.w1(x)")})
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std){zero_bias}
-''',
-    )
+    return replace_class(text, "FeedForward", snippet("mlp", "PlainFeedForward", rename="FeedForward"))
 
 
 def _mlp_bias(text: str, ctx: EditContext) -> str:
     for target in ("self.w1", "self.w2", "self.w3"):
-        text = set_call_kwarg(text, "nn.Linear", "bias", "True", target=target)
+        if f"{target} = nn.Linear(" in text.split("class FeedForward", 1)[1]:
+            text = set_call_kwarg(text, "nn.Linear", "bias", "True", target=target)
     return text
 
 
@@ -510,13 +352,14 @@ else:
 
 
 def _embedding_multiplier(text: str, ctx: EditContext) -> str:
+    field = ctx.profile.embedding_scale_field
     return replace_in_function(
         text,
         ctx.model_class,
         "forward",
         EMBED,
-        """if self.tok_embeddings is not None:
-    h = self.tok_embeddings(tokens) * self.model_args.embedding_multiplier
+        f"""if self.tok_embeddings is not None:
+    h = self.tok_embeddings(tokens) * self.model_args.{field}
 else:
     h = tokens
 """,
@@ -524,49 +367,51 @@ else:
 
 
 def _residual_multiplier(text: str, ctx: EditContext) -> str:
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "__init__",
-        "self.dim = model_args.dim",
-        "self.dim = model_args.dim\nself.residual_multiplier = model_args.residual_multiplier\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "x = x + self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)",
-        "attn_out = self.attention(self.attention_norm(x), rope_cache, positions, cu_seqlens, max_seqlen)\n"
-        "x = x + attn_out * self.residual_multiplier\n",
-    )
-    text = replace_in_function(
-        text,
-        "TransformerBlock",
-        "forward",
-        "return x + self.feed_forward(self.ffn_norm(x))",
-        "return x + self.feed_forward(self.ffn_norm(x)) * self.residual_multiplier\n",
-    )
-    return set_docstring(
-        text,
-        "TransformerBlock",
-        "``x + residual_multiplier * attention(norm(x))``, then the same around the feed-forward.",
-    )
+    """Both residual branches scaled before the add, whatever norms wrap them."""
+    field = ctx.profile.residual_multiplier_field
+    if "self.residual_multiplier =" not in text:
+        text = insert_after_statement_assigning(
+            text, "TransformerBlock", "__init__", "self.attention", f"self.residual_multiplier = model_args.{field}\n"
+        )
+    for branch in ("attention", "ffn"):
+        text = wrap_residual_branch(text, branch, "{} * self.residual_multiplier", applied_if="self.residual_multiplier")
+    return text
 
 
 def _logits_scaling(text: str, ctx: EditContext) -> str:
-    return replace_in_function(
-        text,
-        ctx.model_class,
-        "forward",
-        "return head(h) if head is not None else h",
-        """if head is None:
-    return h
-# The LM head's logits are divided by logits_scaling; a critic's scores are not.
-return head(h) if self.is_critic else head(h) / self.model_args.logits_scaling
-""",
+    field = ctx.profile.logit_divisor_field
+    return _transform_logits(
+        text, ctx, f"# The LM head's logits are divided by {field}.\nlogits = logits / self.model_args.{field}\n"
     )
 
 
+def _all_layers_moe(text: str, ctx: EditContext) -> str:
+    """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch."""
+    text = replace_statement_assigning(
+        text, "TransformerBlock", "__init__", "self.moe_enabled", "self.moe_enabled = True  # every layer is MoE\n"
+    )
+    text = replace_in_function(text, "TransformerBlock", "__init__", "self.feed_forward: FeedForward | None = None", "")
+    text = replace_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe",
+        "assert model_args.moe_args is not None\n"
+        "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)\n",
+    )
+    for func in ("forward", "init_weights"):
+        text = replace_in_function(text, "TransformerBlock", func, "mlp = self.moe if self.moe_enabled else self.feed_forward", "")
+    text = replace_in_residual_branch(text, "ffn", "mlp(self.ffn_norm(x))", "self.moe(self.ffn_norm(x))")
+    text = replace_in_function(text, "TransformerBlock", "init_weights", "mlp.init_weights(self.weight_init_std)", "self.moe.init_weights(self.weight_init_std)")
+    text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
+    text = remove_class(text, "FeedForward")
+    text = remove_from_all(text, ["FeedForward"])
+    return set_docstring(text, "TransformerBlock", "``x + attention(norm(x))``, then ``x + moe(norm(x))``: every layer routes to experts.")
+
+
+# The canonical order: where two edits touch one place, the inner one comes first
+# (norms wrap a residual branch before the multiplier scales it; the logit divisor
+# before the soft-cap; the MLP's shape before its activation and bias).
 MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "remove_qk_norm",
@@ -575,6 +420,7 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _remove_qk_norm,
         needed=lambda text: "self.q_norm" in text,
     ),
+    ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
     ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
     ModelEdit(
         "sliding_window",
@@ -588,29 +434,32 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.attn_softcap or p.sliding_layer_types,
         _eager_attention,
     ),
-    ModelEdit("query_pre_attn_scalar", "attention scale from query_pre_attn_scalar", lambda p: p.query_pre_attn_scalar, _query_pre_attn_scalar),
-    ModelEdit("rope_scaling", "RoPE frequencies scaled as rope_parameters say", lambda p: p.rope_type != "default", _rope_scaling),
-    ModelEdit("partial_rotary", "RoPE on the leading rotary_dim features of each head", lambda p: p.partial_rotary, _partial_rotary),
-    ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
+    ModelEdit("attention_scale", "attention scores scaled by a config field", lambda p: p.attn_scale is not None, _attention_scale),
+    ModelEdit(
+        "rope_cache",
+        "RoPE cache over the rotary part of each head and/or with scaled frequencies",
+        lambda p: p.partial_rotary or p.rope_type != "default",
+        _rope_cache,
+    ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
-    ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
-    ModelEdit("attention_multiplier", "attention scores scaled by a config multiplier", lambda p: "attention_multiplier" in p.multipliers, _attention_multiplier),
+    ModelEdit("residual_multiplier", "sub-layer outputs scaled before the residual add", lambda p: p.residual_multiplier_field is not None, _residual_multiplier),
+    ModelEdit("all_layers_moe", "every layer MoE: no dense switch", lambda p: p.all_layers_moe, _all_layers_moe, needed=lambda text: "self.moe_enabled = model_args" in text),
     ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
     ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
-    ModelEdit("gated_activation", "gated MLP with another activation than SiLU", lambda p: p.mlp == "gated" and p.activation != "silu", _gated_activation),
-    ModelEdit("mlp_bias", "biases on the gated MLP projections", lambda p: p.mlp == "gated" and p.mlp_bias, _mlp_bias),
-    ModelEdit("plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain", _plain_mlp),
+    ModelEdit("plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp),
+    ModelEdit("activation", "feed-forward activation other than SiLU", lambda p: p.activation != "silu" and not p.all_layers_moe, _activation, needed=lambda text: "class FeedForward" in text),
+    ModelEdit("mlp_bias", "biases on the feed-forward projections", lambda p: p.mlp_bias and not p.all_layers_moe, _mlp_bias, needed=lambda text: "class FeedForward" in text),
     ModelEdit("embedding_sqrt_dim", "embeddings scaled by sqrt(dim)", lambda p: p.embedding_scale == "sqrt_dim", _embedding_sqrt_dim),
     ModelEdit("embedding_multiplier", "embeddings scaled by a config multiplier", lambda p: p.embedding_scale == "multiplier", _embedding_multiplier),
-    ModelEdit("residual_multiplier", "sub-layer outputs scaled before the residual add", lambda p: "residual_multiplier" in p.multipliers, _residual_multiplier),
-    ModelEdit("logits_scaling", "logits divided by a config factor", lambda p: "logits_scaling" in p.multipliers, _logits_scaling),
+    ModelEdit("logits_scaling", "logits divided by a config factor", lambda p: p.logit_divisor_field is not None, _logits_scaling),
+    ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )
 
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 
 
-def select_edits(profile: FamilyProfile, text: str) -> list[str]:
+def select_edits(profile: PortPlan, text: str) -> list[str]:
     """The edits the family's features call for, given the copied reference's ``model.py``."""
     return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
 
@@ -618,7 +467,7 @@ def select_edits(profile: FamilyProfile, text: str) -> list[str]:
 BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
 
 
-def describe(profile: FamilyProfile, camel: str) -> str:
+def describe(profile: PortPlan, camel: str) -> str:
     """A one-line module docstring naming the family's architecture."""
     attention = ["GQA"]
     if profile.qkv_bias:
@@ -670,7 +519,7 @@ ATTENTION_DOC = """Grouped-query self-attention with Ulysses sequence parallelis
     """
 
 
-def _attention_features(profile: FamilyProfile) -> str:
+def _attention_features(profile: PortPlan) -> str:
     sentences = []
     if profile.qkv_bias:
         sentences.append("The q/k/v projections have biases" + (", and so does the output projection." if profile.o_bias else "."))

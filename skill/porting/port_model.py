@@ -16,9 +16,8 @@ from skill.porting.common import PackageLayout
 from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
-from skill.porting.edit_model import EditModelRequest, apply_edit_model, unsupported_features
-from skill.porting.family import detect_family
-from skill.porting.reference_choice import choose_reference
+from skill.porting.edit_model import EditModelRequest, apply_edit_model
+from skill.porting.plan import plan_for, refuse_unsupported
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
 from skill.porting.set_rope import SetRopeRequest, apply_set_rope
@@ -35,6 +34,11 @@ class PortModelRequest(BaseModel):
     source: str = Field(description="a model_type transformers knows, or a folder/config.json of a checkpoint")
     model_name: str | None = Field(default=None, description="package name (default: the config's model_type)")
     overwrite: bool = Field(default=False, description="replace an existing, different package")
+    trust_remote_code: bool = Field(
+        default=False,
+        description="the source is a folder with auto_map: run its configuration_*.py / modeling_*.py for the "
+        "analysis and every stage (read them first); refused otherwise",
+    )
     stages: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6], description="test stages to run after writing")
     workspace: Path | None = Field(default=None, description="project root holding archon_models/")
 
@@ -132,17 +136,15 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
 
     try:
         profile = runner.run(
-            "analyze", lambda: detect_family(request.source), lambda p: f"{p.model_type} ({p.config_class})"
+            "analyze",
+            lambda: plan_for(request.source, request.trust_remote_code),
+            lambda p: f"{p.model_type} ({p.config_class})",
         )
         model_type = profile.model_type
         name = request.model_name or validate_model_name(model_type)
         state.update(model_name=name, model_types=[model_type])
-        missing = unsupported_features(profile)
-        if missing:
-            raise ValueError(
-                f"{model_type} has feature(s) no edit supports: {', '.join(missing)}. Nothing was written."
-            )
-        reference = choose_reference(profile)
+        refuse_unsupported(profile, "edit_model")
+        reference = profile.reference
         state["reference"] = reference
     except Exception as e:
         return result(False, runner.steps[-1].step if runner.steps and not runner.steps[-1].ok else "analyze", f"{type(e).__name__}: {e}")
@@ -155,6 +157,8 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
     if tree.exists(layout.test_file):
         tree.delete(layout.test_file)
     common = {"model_name": name, "workspace": request.workspace}
+    trust = request.trust_remote_code
+    sourced = {**common, "source": request.source, "trust_remote_code": trust}
     source = request.source
     steps: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
         (
@@ -162,13 +166,13 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
             lambda r: f"{reference} -> {r.package_dir}",
         ),
-        ("edit_args", lambda: apply_edit_args(tree, EditArgsRequest(source=source, **common), profile), lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks"),
-        ("edit_model", lambda: apply_edit_model(tree, EditModelRequest(source=source, **common), profile), lambda r: ", ".join(r.edits)),
-        ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(source=source, **common), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
-        ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(source=source, **common)), lambda r: f"{len(r.from_hf_map)} entries"),
-        ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(source=source, **common), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
+        ("edit_args", lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile), lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks"),
+        ("edit_model", lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile), lambda r: ", ".join(r.edits)),
+        ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
+        ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)), lambda r: f"{len(r.from_hf_map)} entries"),
+        ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
         ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **common)), lambda r: ", ".join(r.model_types)),
-        ("write_tests", lambda: ensure_test_file(tree, name, model_type, source), lambda r: layout.test_file),
+        ("write_tests", lambda: ensure_test_file(tree, name, model_type, source, trust), lambda r: layout.test_file),
     ]
     try:
         for step_name, fn, detail in steps:
@@ -177,7 +181,9 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
                 state["edits"] = value.edits
         check = runner.run(
             "check_package",
-            lambda: run_checks(tree, CheckPackageRequest(source=source, model_types=[model_type], **common)),
+            lambda: run_checks(
+                tree, CheckPackageRequest(source=source, model_types=[model_type], trust_remote_code=trust, **common)
+            ),
             lambda r: f"{sum(c.passed for c in r.checks)}/{len(r.checks)} checks",
         )
         if not check.passed:

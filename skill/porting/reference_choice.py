@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from skill.analysis.reference import reference_for
-from skill.porting.family import FamilyProfile
+from skill.porting.plan import PortPlan
 
 
-def choose_reference(profile: FamilyProfile) -> str:
+def choose_reference(profile: PortPlan) -> str:
     """The reference the analyser names for this family (one rule, :func:`reference_for`)."""
-    return reference_for(profile.qk_norm == "per_head", bool(profile.moe))
+    return profile.reference
 
 
-def check_reference_fits(profile: FamilyProfile, args_text: str) -> None:
+def check_reference_fits(profile: PortPlan, args_text: str) -> None:
     """Refuse, naming the right reference, a copy the family's edits cannot start from."""
     wanted = choose_reference(profile)
     copied = "qwen3" if "moe_args" in args_text else "qwen2"

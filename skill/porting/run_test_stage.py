@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field, field_validator
 
 from skill.codemod import StagedTree, Workspace
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
-from skill.porting.family import detect_family
 from skill.porting.hf_source import load_config
+from skill.porting.plan import plan_for
 from skill.porting.model_edits import describe
 from skill.porting.test_file import test_file_source
 
@@ -64,17 +64,21 @@ class RunTestStageResult(StepResult):
     output_tail: str = Field(default="", json_schema_extra={"volatile": True})
 
 
-def ensure_test_file(tree: StagedTree, model_name: str, model_type: str, source: str | None = None) -> list[str]:
+def ensure_test_file(
+    tree: StagedTree, model_name: str, model_type: str, source: str | None = None, trust_remote_code: bool = False
+) -> list[str]:
     """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written."""
     layout = PackageLayout.for_name(model_name)
     if tree.exists(layout.test_file):
         return []
-    profile = detect_family(source or model_type)
+    profile = plan_for(source or model_type, trust_remote_code)
     rope_parameters = None
     if profile.rope_type != "default":
-        rope_parameters = dict(getattr(load_config(source or model_type), "rope_parameters", None) or {})
+        config = load_config(source or model_type, trust_remote_code)
+        rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
     summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
-    text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters)
+    remote_source = str(Path(source).resolve()) if trust_remote_code and source else None
+    text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters, remote_source)
     changed: list[str] = []
     write_if_changed(tree, layout.test_file, text, changed)
     return changed

@@ -7,8 +7,9 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
-from skill.porting.family import ROPE_TYPES, FamilyProfile, detect_family
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, staged, write_if_changed
+from skill.porting.plan import PortPlan, plan_for
+from skill.porting.snippets import snippet
 
 logger = logging.getLogger(__name__)
 
@@ -24,137 +25,42 @@ def reexport_source(camel: str) -> str:
     )
 
 
-DEFAULT_INV_FREQ = "    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
-
-# Body of ``_frequencies(dim, base, scaling) -> (inv_freq, attention_factor)`` per rope_type,
-# each following transformers' ROPE_INIT_FUNCTIONS[rope_type] operation by operation.
-SCALED_FREQUENCIES = {
-    "linear": DEFAULT_INV_FREQ
-    + """    # Linear position interpolation: every frequency divided by the factor.
-    return inv_freq / scaling["factor"], 1.0
-""",
-    "llama3": DEFAULT_INV_FREQ
-    + """    # Llama 3: long wavelengths divided by the factor, short ones kept, the band between
-    # interpolated smoothly (wavelengths measured against the original context length).
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled), 1.0
-""",
-    "yarn": """    # YaRN: interpolated frequencies for long wavelengths, extrapolated ones for short
-    # wavelengths, a linear ramp between the beta_fast/beta_slow correction dimensions, and
-    # cos/sin scaled by an attention factor.
-    factor = scaling["factor"]
-    original = scaling["original_max_position_embeddings"]
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-        else:
-            attention_factor = mscale(factor)
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-""",
-}
-
-
-def variant_source(camel: str, rope_type: str) -> str:
-    """A rope.py with the reference's layout and ``rope_type``'s frequency scaling."""
-    names = [n for n in ROPE_NAMES if n != "precompute_rope_cache"]
+def composed_source(camel: str, rope_type: str, partial: bool) -> str:
+    """A rope.py with the reference's half-rotation layout, the checkpoint's frequency
+    scaling (``rope_type`` other than default) and/or partial rotary, assembled from the
+    tested functions of ``skill/porting/snippets/rope.py``."""
+    scaled = rope_type != "default"
+    own = (["precompute_rope_cache"] if scaled else []) + (["apply_rotary_emb"] if partial else [])
+    names = [n for n in ROPE_NAMES if n not in own]
     imports = "".join(f"    {n},\n" for n in names)
     listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
-    return (
-        f'"""{camel} RoPE: HF\'s half-rotation layout (re-exported from Qwen2) with {rope_type} frequency scaling.\n\n'
-        "Only the frequencies (and, for some variants, a factor on cos/sin) differ from the default\n"
-        f"RoPE; they follow transformers' ``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
-        '"""\n\n'
-        "from __future__ import annotations\n\n"
-        "import math\n\n"
-        "import torch\n\n"
-        f"from archon_models.qwen2.model.rope import (\n{imports})\n\n"
-        f"__all__ = [\n{listed}]\n\n\n"
-        "def _frequencies(dim: int, base: float, scaling: dict[str, float]) -> tuple[torch.Tensor, float]:\n"
-        f'    """The {rope_type}-scaled inverse frequencies and the factor on cos/sin."""\n'
-        + SCALED_FREQUENCIES[rope_type]
-        + "\n\n"
-        "def precompute_rope_cache(\n"
-        "    dim: int, max_seq_len: int, base: float = 10_000.0, scaling: dict[str, float] | None = None\n"
-        ") -> torch.Tensor:\n"
-        '    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest.\n\n'
-        "    ``scaling`` holds the checkpoint's ``rope_parameters`` (``factor``, ...); ``None``\n"
-        '    gives the unscaled default RoPE.\n'
-        '    """\n'
-        "    if dim % 2 != 0:\n"
-        '        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")\n'
-        "    if scaling is None:\n"
-        "        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
-        "        attention_factor = 1.0\n"
-        "    else:\n"
-        "        inv_freq, attention_factor = _frequencies(dim, base, scaling)\n"
-        "    t = torch.arange(max_seq_len, dtype=torch.int64).float()\n"
-        "    angles = torch.outer(t, inv_freq)\n"
-        "    angles = torch.cat([angles, angles], dim=-1)\n"
-        "    return torch.cat([angles.cos() * attention_factor, angles.sin() * attention_factor], dim=-1)\n"
+    what = []
+    if scaled:
+        what.append(f"{rope_type} frequency scaling")
+    if partial:
+        what.append("rotation of the first ``rotary_dim`` features of each head only")
+    doc = (
+        f'"""{camel} RoPE: HF\'s half-rotation layout (re-exported from Qwen2) with {" and ".join(what)}.\n\n'
+        + (
+            "Only the frequencies (and, for some variants, a factor on cos/sin) differ from the default\n"
+            f"RoPE; they follow transformers' ``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
+            if scaled
+            else ""
+        )
+        + ("The features past ``rotary_dim`` pass through unrotated.\n" if partial else "")
+        + '"""\n\n'
     )
-
-
-def partial_source(camel: str) -> str:
-    """A rope.py that rotates only the leading features of each head (partial rotary)."""
-    names = [n for n in ROPE_NAMES if n != "apply_rotary_emb"]
-    imports = "".join(f"    {n},\n" for n in names)
-    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
-    return (
-        f'"""{camel} RoPE: HF\'s default rotary embedding on the first ``rotary_dim`` features of\n'
-        "each head only (partial rotary); the remaining features pass through unrotated.\n"
-        '"""\n\n'
-        "from __future__ import annotations\n\n"
-        "import torch\n\n"
-        "from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb\n"
-        f"from archon_models.qwen2.model.rope import (\n{imports})\n\n"
-        f"__all__ = [\n{listed}]\n\n\n"
-        "def apply_rotary_emb(\n"
-        "    xq: torch.Tensor,\n"
-        "    xk: torch.Tensor,\n"
-        "    rope_cache: torch.Tensor,\n"
-        "    positions: torch.Tensor | None = None,\n"
-        ") -> tuple[torch.Tensor, torch.Tensor]:\n"
-        '    """Rotate the first ``rope_cache.shape[-1] // 2`` features of every head of queries\n'
-        "    ``[bs, seq, n_heads, hd]`` and keys ``[bs, seq, n_kv_heads, hd]``; keep the rest.\n"
-        '    """\n'
-        "    rotary_dim = rope_cache.shape[-1] // 2\n"
-        "    q_rot, k_rot = _apply_full_rotary_emb(xq[..., :rotary_dim], xk[..., :rotary_dim], rope_cache, positions)\n"
-        "    return (\n"
-        "        torch.cat([q_rot, xq[..., rotary_dim:]], dim=-1),\n"
-        "        torch.cat([k_rot, xk[..., rotary_dim:]], dim=-1),\n"
-        "    )\n"
-    )
+    header = "from __future__ import annotations\n\n" + ("import math\n\n" if scaled else "") + "import torch\n\n"
+    if partial:
+        header += "from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb\n"
+    header += f"from archon_models.qwen2.model.rope import (\n{imports})\n\n__all__ = [\n{listed}]\n"
+    body = []
+    if scaled:
+        body.append(snippet("rope", f"{rope_type}_frequencies", rename="_frequencies"))
+        body.append(snippet("rope", "precompute_rope_cache"))
+    if partial:
+        body.append(snippet("rope", "apply_rotary_emb"))
+    return doc + header + "".join(f"\n\n{code}" for code in body)
 
 
 def interleaved_source(camel: str) -> str:
@@ -212,8 +118,8 @@ def interleaved_source(camel: str) -> str:
     )
 
 
-class SetRopeRequest(PackageRequest):
-    source: str = Field(description="model_type or config path of the family")
+class SetRopeRequest(SourceRequest):
+    pass
 
 
 class SetRopeResult(StepResult):
@@ -231,29 +137,32 @@ def set_rope(request: SetRopeRequest) -> SetRopeResult:
         return apply_set_rope(tree, request)
 
 
-def apply_set_rope(tree: StagedTree, request: SetRopeRequest, profile: FamilyProfile | None = None) -> SetRopeResult:
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | None = None) -> SetRopeResult:
     layout = PackageLayout.for_name(request.model_name)
-    profile = profile or detect_family(request.source)
-    if profile.rope_type not in ROPE_TYPES or (profile.partial_rotary and profile.rope_type != "default"):
+    if not tree.exists(layout.model):
+        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first (see SKILL.md).")
+    plan = plan or plan_for(request.source, request.trust_remote_code)
+    if plan.rope_type not in ROPE_TYPES:
         raise ValueError(
-            f"rope_type {profile.rope_type!r}{' with partial rotary' if profile.partial_rotary else ''} has no "
-            f"implementation in the engine (supported: {', '.join(ROPE_TYPES)})."
+            f"rope_type {plan.rope_type!r} has no implementation in the engine (supported: {', '.join(ROPE_TYPES)}); "
+            "write rope.py by hand (SKILL.md, section 'Porting by hand')."
         )
-    if profile.rotary_interleaved and (profile.partial_rotary or profile.rope_type != "default"):
+    if plan.rotary_interleaved and (plan.partial_rotary or plan.rope_type != "default"):
         raise ValueError(
             "interleaved rotary pairing has an implementation in the engine only with the default rope_type "
-            f"and full rotary (got rope_type {profile.rope_type!r}"
-            f"{', partial rotary' if profile.partial_rotary else ''})."
+            f"and full rotary (got rope_type {plan.rope_type!r}{', partial rotary' if plan.partial_rotary else ''}); "
+            "write rope.py by hand (SKILL.md, section 'Porting by hand')."
         )
     changed: list[str] = []
-    if profile.rotary_interleaved:
-        write_if_changed(tree, layout.rope, interleaved_source(layout.names.camel), changed)
-        return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
-    if profile.partial_rotary:
-        write_if_changed(tree, layout.rope, partial_source(layout.names.camel), changed)
-        return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
-    if profile.rope_type == "default":
-        write_if_changed(tree, layout.rope, reexport_source(layout.names.camel), changed)
-        return SetRopeResult(rope_type=profile.rope_type, reexported=True, changed_files=changed)
-    write_if_changed(tree, layout.rope, variant_source(layout.names.camel, profile.rope_type), changed)
-    return SetRopeResult(rope_type=profile.rope_type, reexported=False, changed_files=changed)
+    camel = layout.names.camel
+    if plan.rotary_interleaved:
+        text, reexported = interleaved_source(camel), False
+    elif plan.partial_rotary or plan.rope_type != "default":
+        text, reexported = composed_source(camel, plan.rope_type, plan.partial_rotary), False
+    else:
+        text, reexported = reexport_source(camel), True
+    write_if_changed(tree, layout.rope, text, changed)
+    return SetRopeResult(rope_type=plan.rope_type, reexported=reexported, changed_files=changed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from skill.porting.family import FamilyProfile
+from skill.porting.plan import PortPlan
 
 NON_TRIVIAL_SCALARS = (1.5, 0.5, 0.25, 2.0, 0.75, 3.0)
 
@@ -80,7 +80,12 @@ def _render(value: object, indent: int) -> str:
 
 
 def test_file_source(
-    camel: str, model_type: str, profile: FamilyProfile, summary: str, rope_parameters: dict | None = None
+    camel: str,
+    model_type: str,
+    profile: PortPlan,
+    summary: str,
+    rope_parameters: dict | None = None,
+    remote_source: str | None = None,
 ) -> str:
     comments = []
     overrides = {}
@@ -97,26 +102,36 @@ def test_file_source(
         if profile.final_softcap:
             overrides["final_logit_softcapping"] = 0.5
         comments.append("# Soft-caps small enough to bend the tiny model's scores and logits.")
-    if profile.query_pre_attn_scalar:
-        overrides["query_pre_attn_scalar"] = 24
-        comments.append("# query_pre_attn_scalar away from head_dim, so the scale it sets is exercised.")
+    if profile.attn_scale is not None and profile.attn_scale.relation == "x**-0.5":
+        overrides[profile.attn_scale.field] = 24
+        comments.append(f"# {profile.attn_scale.field} away from head_dim, so the scale it sets is exercised.")
     if rope_parameters:
         overrides["rope_parameters"] = rope_parameters
         comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
-    if profile.multipliers:
+    multipliers = [f for f in profile.multipliers if f not in overrides]
+    if multipliers:
         # Defaults of 1.0 would let a dropped multiplier pass; distinct values catch a swap too.
-        for name, value in zip(profile.multipliers, NON_TRIVIAL_SCALARS):
+        for name, value in zip(multipliers, NON_TRIVIAL_SCALARS):
             overrides[name] = value
         comments.append("# Multipliers away from 1.0 (and from each other), so each one is exercised.")
     entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
-    one_line = f'CASES = [ModelCase(model_type="{model_type}", config_overrides={{{", ".join(entries)}}})]'
+    remote = ""
+    if remote_source is not None:
+        # The family's own configuration/modeling code builds the HF side.
+        comments.append("# The HF side comes from the checkpoint folder's own code (trust_remote_code).")
+        remote = f"source={_render(remote_source, 8)}, trust_remote_code=True, "
+    one_line = f'CASES = [ModelCase(model_type="{model_type}", {remote}config_overrides={{{", ".join(entries)}}})]'
     if len(one_line) <= 100:
         cases = one_line
     else:
         inner = "".join(f"            {e},\n" for e in entries)
+        remote_lines = (
+            f"        source={_render(remote_source, 8)},\n        trust_remote_code=True,\n" if remote_source else ""
+        )
         cases = (
             "CASES = [\n    ModelCase(\n"
             f'        model_type="{model_type}",\n'
+            f"{remote_lines}"
             f"        config_overrides={{\n{inner}        }},\n"
             "    )\n]"
         )

@@ -8,23 +8,23 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
-from skill.porting.family import FamilyProfile, detect_family
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.plan import PortPlan, plan_for
 
 logger = logging.getLogger(__name__)
 
 PLAN_TARGET = "layer_plan"
 
 
-class WriteParallelizeRequest(PackageRequest):
-    source: str = Field(description="model_type or config path of the family")
+class WriteParallelizeRequest(SourceRequest):
+    pass
 
 
 class WriteParallelizeResult(StepResult):
     layer_plan: list[str] = Field(description="module paths of the per-block TP plan")
 
 
-def _docstring(camel: str, profile: FamilyProfile) -> str:
+def _docstring(camel: str, profile: PortPlan) -> str:
     bias = []
     if profile.qkv_bias:
         bias.append("q/k/v")
@@ -115,13 +115,14 @@ def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResul
 
 
 def apply_write_parallelize(
-    tree: StagedTree, request: WriteParallelizeRequest, profile: FamilyProfile | None = None
+    tree: StagedTree, request: WriteParallelizeRequest, profile: PortPlan | None = None
 ) -> WriteParallelizeResult:
     layout = PackageLayout.for_name(request.model_name)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
-    profile = profile or detect_family(request.source)
-    if profile.qk_norm == "none" and "has_qk_norm" in text:
-        # The qwen3 reference decides per block; a family without QK norm keeps local outputs.
+    profile = profile or plan_for(request.source, request.trust_remote_code)
+    if profile.qk_norm != "per_head" and "has_qk_norm" in text:
+        # The qwen3 reference decides per block for its per-head norms; a family without
+        # them keeps local outputs (a full-width norm is planned below).
         text = _drop_qk_norm_plan(text)
     remove = ["feed_forward.w3"] if profile.mlp == "plain" else []
     if profile.block == "post_norm":

@@ -58,7 +58,7 @@ def _port(tmp_path: Path, rope_type: str) -> Path:
     (source / "config.json").write_text(json.dumps(config.to_dict()))
     result = port_model(PortModelRequest(source=str(source), overwrite=True, stages=[], workspace=root))
     assert result.passed, result.error
-    assert "rope_scaling" in result.edits
+    assert "rope_cache" in result.edits
     return root
 
 
@@ -116,20 +116,16 @@ def _cohere_reference(head_dim: int, base: float):
 
 def _write_interleaved(root: Path) -> tuple[Path, list[str]]:
     from skill.porting.common import staged
-    from skill.porting.family import FamilyProfile
+    from skill.porting.plan import plan_for
     from skill.porting.set_rope import SetRopeRequest, apply_set_rope
 
-    profile = FamilyProfile(
-        model_type="ropey",
-        config_class="RopeyConfig",
-        hf_keys=[],
-        rotary_interleaved=True,
-    )
-    request = SetRopeRequest(model_name="ropey", source="unused", workspace=root)
+    # llama's plan with the one feature under test changed: set_rope reads only the plan.
+    plan = plan_for("llama").model_copy(update={"rotary_interleaved": True})
+    request = SetRopeRequest(model_name="llama", source="llama", workspace=root)
     with staged(root) as tree:
-        result = apply_set_rope(tree, request, profile)
+        result = apply_set_rope(tree, request, plan)
     assert not result.reexported and result.rope_type == "default"
-    return root / "archon_models/ropey/model/rope.py", result.changed_files
+    return root / "archon_models/llama/model/rope.py", result.changed_files
 
 
 @pytest.mark.parametrize(
@@ -147,7 +143,7 @@ def _write_interleaved(root: Path) -> tuple[Path, list[str]]:
 def test_interleaved_rope_matches_cohere(tmp_path, positions):
     root = _workspace(tmp_path)
     path, changed = _write_interleaved(root)
-    assert changed == ["archon_models/ropey/model/rope.py"]
+    assert changed == ["archon_models/llama/model/rope.py"]
     rope = _load(path, f"_rope_interleaved_{id(positions)}")
     head_dim, n_heads, n_kv, base = 16, 4, 2, 10000.0
     generator = torch.Generator().manual_seed(0)
@@ -182,43 +178,26 @@ def test_interleaved_rope_written_once_and_idempotent(tmp_path):
 
 
 def test_interleaved_pairing_detected_and_chosen(tmp_path):
-    from skill.porting.family import detect_family
+    from skill.porting.plan import plan_for
     from skill.porting.set_rope import SetRopeRequest, interleaved_source, set_rope
 
-    assert detect_family(
-        "cohere"
-    ).rotary_interleaved  # repeat_interleave / x[..., ::2] in its helpers
-    assert not detect_family("qwen2").rotary_interleaved
+    # The analysis reads the pairing (repeat_interleave / x[..., ::2] in cohere's helpers).
+    assert plan_for("cohere").rotary_interleaved
+    assert not plan_for("qwen2").rotary_interleaved
     root = _workspace(tmp_path)
-    result = set_rope(
-        SetRopeRequest(model_name="cohere", source="cohere", workspace=root)
-    )
-    assert result.changed_files == ["archon_models/cohere/model/rope.py"]
-    assert (
-        root / "archon_models/cohere/model/rope.py"
-    ).read_text() == interleaved_source("Cohere")
-    again = set_rope(
-        SetRopeRequest(model_name="cohere", source="cohere", workspace=root)
-    )
+    result = set_rope(SetRopeRequest(model_name="llama", source="cohere", workspace=root))
+    assert result.changed_files == ["archon_models/llama/model/rope.py"]
+    assert (root / "archon_models/llama/model/rope.py").read_text() == interleaved_source("Llama")
+    again = set_rope(SetRopeRequest(model_name="llama", source="cohere", workspace=root))
     assert again.changed_files == []
 
 
 def test_interleaved_with_scaling_is_refused(tmp_path):
     from skill.porting.common import staged
-    from skill.porting.family import FamilyProfile
+    from skill.porting.plan import plan_for
     from skill.porting.set_rope import SetRopeRequest, apply_set_rope
 
-    profile = FamilyProfile(
-        model_type="ropey",
-        config_class="RopeyConfig",
-        hf_keys=[],
-        rotary_interleaved=True,
-        rope_type="linear",
-    )
+    plan = plan_for("llama").model_copy(update={"rotary_interleaved": True, "rope_type": "linear"})
     root = _workspace(tmp_path)
     with pytest.raises(ValueError, match="interleaved"), staged(root) as tree:
-        apply_set_rope(
-            tree,
-            SetRopeRequest(model_name="ropey", source="unused", workspace=root),
-            profile,
-        )
+        apply_set_rope(tree, SetRopeRequest(model_name="llama", source="llama", workspace=root), plan)

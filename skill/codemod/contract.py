@@ -1,0 +1,161 @@
+"""Edits addressed to the Archon module contract rather than to a reference's text.
+
+Both references (and every package copied from them) share one contract: a
+``TransformerBlock`` whose ``forward`` adds an attention branch and a feed-forward (or
+MoE) branch to the residual stream, ``x + <branch>``; a model class whose ``forward``
+embeds tokens and ends by applying ``head`` (``output`` or a critic's ``score``). The
+helpers here find those places by their structure (a residual add whose branch calls
+``self.attention``; the return that applies ``head``), so two edits on the same place
+compose in any combination, on either reference, whatever the other has written.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import libcst as cst
+import libcst.matchers as m
+
+from skill.codemod.cst import CodemodError, _find_function, _parse
+
+Branch = Literal["attention", "ffn"]
+RESIDUAL = "x"
+
+
+def _calls_attention(node: cst.CSTNode) -> bool:
+    return bool(
+        m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention"))))
+    )
+
+
+def _branch_of(value: cst.BaseExpression) -> tuple[Branch, cst.BaseExpression] | None:
+    """``x + E`` -> (which branch E is, E); anything else -> None."""
+    if (
+        isinstance(value, cst.BinaryOperation)
+        and isinstance(value.operator, cst.Add)
+        and m.matches(value.left, m.Name(RESIDUAL))
+    ):
+        return ("attention" if _calls_attention(value.right) else "ffn"), value.right
+    return None
+
+
+class _BranchEdit(cst.CSTTransformer):
+    def __init__(self, branch: Branch, edit):
+        self.branch = branch
+        self.edit = edit
+        self.hits = 0
+
+    def _rewrite(self, value: cst.BaseExpression) -> cst.BaseExpression:
+        found = _branch_of(value)
+        if found is None or found[0] != self.branch:
+            return value
+        self.hits += 1
+        assert isinstance(value, cst.BinaryOperation)
+        return value.with_changes(right=self.edit(found[1]))
+
+    def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+        if len(updated_node.targets) == 1 and m.matches(updated_node.targets[0].target, m.Name(RESIDUAL)):
+            return updated_node.with_changes(value=self._rewrite(updated_node.value))
+        return updated_node
+
+    def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
+        if updated_node.value is not None:
+            return updated_node.with_changes(value=self._rewrite(updated_node.value))
+        return updated_node
+
+
+def _edit_branch(source: str, branch: Branch, edit) -> str:
+    module = _parse(source)
+    forward = _find_function(module, "TransformerBlock", "forward")
+    transformer = _BranchEdit(branch, edit)
+    new_forward = forward.visit(transformer)
+    if transformer.hits == 0:
+        raise CodemodError(f"TransformerBlock.forward has no residual add 'x + ...' for the {branch} branch")
+    return module.deep_replace(forward, new_forward).code
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def wrap_residual_branch(source: str, branch: Branch, template: str, *, applied_if: str) -> str:
+    """Rewrite a residual branch ``E`` as ``template`` with ``{}`` standing for ``E``
+    (``"self.post_attention_norm({})"``, ``"{} * self.residual_multiplier"``).
+
+    A branch that already mentions ``applied_if`` is left alone (the edit ran before).
+    """
+
+    def edit(expr: cst.BaseExpression) -> cst.BaseExpression:
+        code = _code(expr)
+        if applied_if in code:
+            return expr
+        if isinstance(expr, (cst.BinaryOperation, cst.BooleanOperation, cst.IfExp)):
+            code = f"({code})"
+        return cst.parse_expression(template.replace("{}", code))
+
+    return _edit_branch(source, branch, edit)
+
+
+def replace_in_residual_branch(source: str, branch: Branch, old: str, new: str) -> str:
+    """Replace sub-expression ``old`` (matched by code) inside a residual branch by ``new``."""
+    old_code = _code(cst.parse_expression(old))
+    replacement = cst.parse_expression(new)
+
+    class _Swap(cst.CSTTransformer):
+        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+            if _code(original_node) == old_code:
+                return replacement
+            return updated_node
+
+    return _edit_branch(source, branch, lambda expr: expr.visit(_Swap()))
+
+
+def residual_branch_code(source: str, branch: Branch) -> list[str]:
+    """The code of every residual branch of that kind (for tests and checks)."""
+    module = _parse(source)
+    forward = _find_function(module, "TransformerBlock", "forward")
+    found: list[str] = []
+
+    class _Collect(cst.CSTVisitor):
+        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+            hit = _branch_of(node)
+            if hit is not None and hit[0] == branch:
+                found.append(_code(hit[1]))
+
+    forward.visit(_Collect())
+    return found
+
+
+def replace_call(source: str, class_name: str, func_name: str, callee: str, template: str) -> str:
+    """Replace every call ``callee(arg)`` inside ``class_name.func_name`` by ``template``
+    with ``{}`` standing for ``arg`` (``F.silu`` -> ``F.gelu({}, approximate="tanh")``)."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    callee_code = _code(cst.parse_expression(callee))
+
+    class _Swap(cst.CSTTransformer):
+        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+            if _code(updated_node.func) == callee_code and len(updated_node.args) == 1:
+                return cst.parse_expression(template.replace("{}", _code(updated_node.args[0].value)))
+            return updated_node
+
+    return module.deep_replace(func, func.visit(_Swap())).code
+
+
+def add_marker(source: str, class_name: str | None, func_name: str, comment: str) -> str:
+    """Put ``# <comment>`` above the first statement of a function body (once)."""
+    line = f"# {comment}"
+    if line in source:
+        return source
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    body = list(func.body.body)
+    index = 0
+    if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
+        index = 1  # after the docstring
+    if index >= len(body):
+        raise CodemodError(f"{func_name!r} has no statement to mark")
+    first = body[index]
+    marked = first.with_changes(leading_lines=[*first.leading_lines, cst.EmptyLine(comment=cst.Comment(line))])
+    body[index] = marked
+    return module.deep_replace(func, func.with_changes(body=func.body.with_changes(body=body))).code

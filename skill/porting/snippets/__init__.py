@@ -1,0 +1,40 @@
+"""Code the porting edits insert into generated packages, kept as real Python.
+
+Each module here is ordinary, importable, linted and tested code (``tests/skill/
+test_snippets.py`` runs every class against a plain reference computation). An edit
+never holds the code it inserts in a string: it asks :func:`snippet` for the source of
+a class or function defined here, so what a generated package contains is exactly what
+was tested.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import libcst as cst
+
+from skill.codemod.cst import CodemodError
+
+HERE = Path(__file__).parent
+
+
+@functools.cache
+def _module(name: str) -> cst.Module:
+    path = HERE / f"{name}.py"
+    if not path.is_file():
+        raise CodemodError(f"no snippet module {name!r} in {HERE}")
+    return cst.parse_module(path.read_text())
+
+
+def snippet(module: str, name: str, *, rename: str | None = None) -> str:
+    """The source of top-level class or function ``name`` of ``snippets/<module>.py``,
+    optionally renamed (``rename``), with no leading blank lines."""
+    tree = _module(module)
+    for stmt in tree.body:
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value == name:
+            node = stmt.with_changes(leading_lines=[])
+            if rename is not None:
+                node = node.with_changes(name=cst.Name(rename))
+            return tree.code_for_node(node)
+    raise CodemodError(f"snippets/{module}.py defines no {name!r}")
