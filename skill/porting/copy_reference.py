@@ -7,7 +7,7 @@ import logging
 from pydantic import Field, field_validator
 
 from skill.codemod import ModelNames, StagedTree, validate_model_name
-from skill.codemod.cst import rename_identifiers
+from skill.codemod.cst import set_docstring, rename_identifiers
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
     for path in files:
         text = tree.read_text(path) or ""
         result[target_dir + path[len(source_dir) :]] = rename_identifiers(text, pairs)
+    # The reference's package docstring describes the reference; the copy gets its own.
+    init = f"{target_dir}/__init__.py"
+    if init in result:
+        result[init] = set_docstring(
+            result[init], None, f"The {new.camel} Archon package: model, args and state-dict adapter of the family."
+        )
     return result
 
 

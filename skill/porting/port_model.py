@@ -171,8 +171,8 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
         ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)), lambda r: f"{len(r.from_hf_map)} entries"),
         ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
-        ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **common)), lambda r: ", ".join(r.model_types)),
         ("write_tests", lambda: ensure_test_file(tree, name, model_type, source, trust), lambda r: layout.test_file),
+        ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)), lambda r: ", ".join(r.model_types)),
     ]
     try:
         for step_name, fn, detail in steps:

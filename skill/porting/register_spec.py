@@ -44,6 +44,12 @@ class RegisterSpecRequest(PackageRequest):
     model_types: list[str] = Field(
         default_factory=list, description="HF model_type strings the package handles (default: [model_name])"
     )
+    source: str | None = Field(
+        default=None,
+        description="the family's source (as given to the other steps): every generated file then gets the "
+        "header naming the engine version, reference, edits and the command that regenerates it",
+    )
+    trust_remote_code: bool = Field(default=False, description="the source folder's own code (auto_map)")
 
     @field_validator("model_types")
     @classmethod
@@ -131,6 +137,11 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
     if init_text is None:
         raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
     write_if_changed(tree, ARCHON_INIT, ensure_import_line(init_text, line), changed)
+    if request.source is not None:
+        from skill.porting.plan import plan_for
+        from skill.porting.provenance import stamp_package
+
+        changed += stamp_package(tree, request.model_name, plan_for(request.source, request.trust_remote_code))
     return RegisterSpecResult(
-        spec_file=layout.spec, import_line=line, model_types=sorted(model_types), changed_files=sorted(changed)
+        spec_file=layout.spec, import_line=line, model_types=sorted(model_types), changed_files=sorted(set(changed))
     )

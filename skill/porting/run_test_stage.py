@@ -79,6 +79,10 @@ def ensure_test_file(
     summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
     remote_source = str(Path(source).resolve()) if trust_remote_code and source else None
     text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters, remote_source)
+    from skill.porting.provenance import header_lines, stamp
+
+    pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
+    text = stamp(text, header_lines(profile, model_name, pristine))
     changed: list[str] = []
     write_if_changed(tree, layout.test_file, text, changed)
     return changed
