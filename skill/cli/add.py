@@ -24,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--name", help="package name under archon_models/ (default: the model_type)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, different package")
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="the source folder's config.json has auto_map: run its configuration_*.py / modeling_*.py "
+        "(read them first) for the analysis and every stage",
+    )
+    parser.add_argument(
         "--stages", default="1,2,3,4,5,6", help="comma-separated stages to run after writing (default: all; '' for none)"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -36,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
     from skill.tools import invoke
 
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
-    request = PortModelRequest(source=args.source, model_name=args.name, overwrite=args.overwrite, stages=stages)
+    request = PortModelRequest(
+        source=args.source,
+        model_name=args.name,
+        overwrite=args.overwrite,
+        stages=stages,
+        trust_remote_code=args.trust_remote_code,
+    )
     result = invoke("port_model", request)
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
