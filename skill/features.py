@@ -103,6 +103,8 @@ class NormKind(StrEnum):
     LAYER_NORM = "layer_norm"
     LAYER_NORM_NO_BIAS = "layer_norm_no_bias"
     LAYER_NORM_ONE_PLUS_W = "layer_norm_one_plus_w"  # centred, scaled by (1 + w) (Nemotron's LayerNorm1P)
+    LAYER_NORM_WEIGHTLESS = "layer_norm_weightless"  # centred, no learned weight or bias (OLMo)
+    RMS_WEIGHTLESS = "rms_weightless"  # RMS-normalised, no learned weight
     OTHER = "other"
 
 
@@ -159,14 +161,22 @@ class AttentionFeatures(_Frozen):
     explicit_head_dim: bool = Field(False, description="head_dim differs from hidden_size // n_heads")
     sliding_window: SlidingWindow = SlidingWindow()
     logit_softcap: float | None = Field(None, description="tanh soft-capping of attention scores")
-    custom_scaling: bool = Field(False, description="scores not scaled by head_dim ** -0.5")
+    custom_scaling: bool = Field(
+        False, description="scores not scaled by head_dim ** -0.5, or scaled by a factor a config field sets"
+    )
     scaling_field: str | None = Field(None, description="config field that sets the custom scale")
     scaling_source: ConfigScalar | None = Field(None, description="the scale's config field and relation")
     fused_qkv: bool = Field(False, description="one projection yields q, k and v")
     mla: MLA | None = None
     sinks: bool = Field(False, description="learned per-head attention sink logits")
     output_gate: bool = Field(False, description="attention output multiplied by a gate of the input")
-    nope_layers: list[int] = Field(default_factory=list, description="layers that apply no RoPE")
+    nope_layers: list[int] = Field(
+        default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
+    )
+    clip_qkv: float | None = Field(None, description="clamp of the q/k/v projections to [-c, c] (the config's value)")
+    clip_qkv_field: str | None = Field(
+        None, description="config field that clamps q/k/v; set when the forward reads it, even if the default is None"
+    )
 
 
 class FFNFeatures(_Frozen):
@@ -184,6 +194,9 @@ class MoEFeatures(_Frozen):
     norm_topk_prob: bool = False
     score_correction_bias: bool = False
     routed_scaling_factor: float | None = None
+    routed_scaling_field: str | None = Field(
+        None, description="config field of the routed scaling factor, when the forward reads it (even at 1.0)"
+    )
     n_group: int | None = Field(None, description="grouped (node-limited) top-k: number of groups")
     topk_group: int | None = Field(None, description="grouped top-k: groups kept per token")
     shared_experts: int = 0
@@ -218,12 +231,18 @@ class NormFeatures(_Frozen):
 
 class ScalarFeatures(_Frozen):
     embedding_scale: float | None = Field(None, description="factor on embeddings before layer 0 (tiny probe)")
-    embedding_scale_kind: str = Field("none", description="none, sqrt_dim, or constant")
+    embedding_scale_kind: str = Field(
+        "none", description="none, sqrt_dim, or constant (also when a config field sets it, even to 1.0)"
+    )
     embedding_scale_source: ConfigScalar | None = Field(None, description="config field of a constant scale")
-    residual_multiplier: float | None = None
-    residual_multiplier_field: str | None = Field(None, description="config field of the residual multiplier")
+    residual_multiplier: float | None = Field(None, description="the default config's value when not 1.0")
+    residual_multiplier_field: str | None = Field(
+        None, description="config field of the residual multiplier, when the forward reads it (even at 1.0)"
+    )
     logit_multiplier: float | None = Field(None, description="factor on the logits (1/x for a divisor)")
-    logit_multiplier_source: ConfigScalar | None = Field(None, description="config field of the logit factor")
+    logit_multiplier_source: ConfigScalar | None = Field(
+        None, description="config field of the logit factor, when the forward reads it (even at 1.0)"
+    )
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
 
@@ -259,6 +278,7 @@ class Feature(StrEnum):
     MLA = "mla"
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
+    QKV_CLIP = "qkv_clip"
     NOPE_LAYERS = "nope_layers"
     FFN_KIND = "ffn_kind"
     ACTIVATION = "activation"
@@ -304,6 +324,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.MLA: "multi-head latent attention",
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
+    Feature.QKV_CLIP: "q/k/v clipping",
     Feature.NOPE_LAYERS: "layers without RoPE",
     Feature.FFN_KIND: "FFN kind",
     Feature.ACTIVATION: "activation",
@@ -398,6 +419,12 @@ def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
+def _multiplier(value: float | None, source: object) -> str:
+    """``"constant"`` when the family scales by a factor: a non-neutral value, or a config
+    field the forward reads (a checkpoint sets it even where the default is 1.0)."""
+    return "none" if value in (None, 1.0) and source is None else "constant"
+
+
 def _layer_pattern(moe: MoEFeatures) -> str:
     if not moe.moe_layers:
         return "none"
@@ -439,6 +466,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.MLA: _flag(att.mla is not None),
         Feature.ATTN_SINKS: _flag(att.sinks),
         Feature.ATTN_OUTPUT_GATE: _flag(att.output_gate),
+        Feature.QKV_CLIP: _flag(att.clip_qkv is not None or att.clip_qkv_field is not None),
         Feature.NOPE_LAYERS: _flag(bool(att.nope_layers)),
         Feature.FFN_KIND: ffn.kind.value,
         Feature.ACTIVATION: ffn.activation,
@@ -449,8 +477,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
-        Feature.RESIDUAL_MULTIPLIER: "none" if sc.residual_multiplier in (None, 1.0) else "constant",
-        Feature.LOGIT_MULTIPLIER: "none" if sc.logit_multiplier in (None, 1.0) else "constant",
+        Feature.RESIDUAL_MULTIPLIER: _multiplier(sc.residual_multiplier, sc.residual_multiplier_field),
+        Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
         Feature.OTHER: "; ".join(checklist.other),
@@ -471,7 +499,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
                 Feature.ROUTER_SCORING: moe.router_scoring.value,
                 Feature.NORM_TOPK_PROB: _flag(moe.norm_topk_prob),
                 Feature.SCORE_CORRECTION_BIAS: _flag(moe.score_correction_bias),
-                Feature.ROUTED_SCALING: "none" if moe.routed_scaling_factor in (None, 1.0) else "constant",
+                Feature.ROUTED_SCALING: _multiplier(moe.routed_scaling_factor, moe.routed_scaling_field),
                 Feature.GROUPED_TOPK: _flag(moe.grouped_topk),
                 Feature.SHARED_EXPERTS: _flag(moe.shared_experts > 0),
                 Feature.SHARED_EXPERT_GATE: _flag(moe.shared_expert_gate),

@@ -81,17 +81,22 @@ def _layer_prefix(keys: list[str], n_layers: int) -> str:
     return ""
 
 
-def _deep_model(config: PretrainedConfig, trust_remote_code: bool) -> nn.Module | None:
-    """Tiny widths at full depth on the meta device: which layers are MoE, which skip RoPE."""
+def _deep_model(
+    config: PretrainedConfig, tiny: PretrainedConfig, model: nn.Module, trust_remote_code: bool
+) -> nn.Module | None:
+    """Tiny widths at full depth, seeded on the CPU: which layers are MoE, which skip RoPE,
+    which differ from layer 0. At 64 wide, a few hundred layers build and run in well under
+    a second."""
     n_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(n_layers, int) or n_layers > MAX_DEEP_LAYERS:
         return None
+    if n_layers == tiny.num_hidden_layers:
+        return model  # the tiny stack is already full depth
     try:
         deep = tiny_config(config, num_hidden_layers=n_layers)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(deep, trust_remote_code=trust_remote_code)
+        return build_tiny_model(deep, seed=0, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a constructor may reject odd depths; the tiny stack is the fallback
-        logger.debug("full-depth meta model of %s failed: %s", config.model_type, exc)
+        logger.debug("full-depth model of %s failed: %s", config.model_type, exc)
         return None
 
 
@@ -167,15 +172,23 @@ def _inspect(
         source=scan_model_source(model),
         saved_keys=keys,
         layer_prefix=prefix,
-        deep_model=_deep_model(config, trust_remote_code),
+        deep_model=_deep_model(config, tiny, model, trust_remote_code),
+        trust_remote_code=trust_remote_code,
     )
+    attention = detect.attention_features(ctx)
+    ffn = detect.ffn_features(ctx)
+    moe = detect.moe_features(ctx)
+    positions = detect.position_features(ctx)
+    norm = detect.norm_features(ctx)
+    scalars = detect.scalar_features(ctx)
+    ctx.other.extend(detect.per_layer_differences(ctx))
     checklist = Checklist(
-        attention=detect.attention_features(ctx),
-        ffn=detect.ffn_features(ctx),
-        moe=detect.moe_features(ctx),
-        positions=detect.position_features(ctx),
-        norm=detect.norm_features(ctx),
-        scalars=detect.scalar_features(ctx),
+        attention=attention,
+        ffn=ffn,
+        moe=moe,
+        positions=positions,
+        norm=norm,
+        scalars=scalars,
         other=sorted(set(ctx.other)),
     )
     return _Analysis(resolved, checklist, ctx)

@@ -8,6 +8,7 @@ by the same rules. Where sources disagree, the evidence list says which one won.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -43,6 +44,7 @@ from skill.features import (
     SlidingWindowKind,
     WeightOrientation,
 )
+from skill.tiny_model import build_tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,30 @@ class Context:
     source: SourceFacts | None
     saved_keys: dict[str, tuple[int, ...]]
     layer_prefix: str
-    deep_model: nn.Module | None  # tiny widths, full depth, on the meta device
+    deep_model: nn.Module | None  # tiny widths, full depth, seeded weights on the CPU
+    trust_remote_code: bool = False
     evidence: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
+    _scalars: dict[str, ScalarField] | None = None
+
+    def scalar_fields(self) -> dict[str, ScalarField]:
+        """Config scalars the forward reads, by role (measured once, see :func:`config_scalars`)."""
+        if self._scalars is None:
+            self._scalars = config_scalars(self)
+        return self._scalars
+
+    def scalar_role(self, role: str) -> ScalarField | None:
+        return next((f for f in self.scalar_fields().values() if f.role == role), None)
+
+    def layer_stack(self) -> tuple[nn.Module, nn.ModuleList, bool]:
+        """The full-depth stack when it could be built, else the tiny one: (model, layers, full)."""
+        if self.deep_model is not None:
+            try:
+                _, layers = mt.find_layers(self.deep_model, int(self.config.num_hidden_layers))
+                return self.deep_model, layers, True
+            except LookupError:
+                pass
+        return self.model, self.anatomy.layers, False
 
     def get(self, name: str, default: Any = None) -> Any:
         return getattr(self.config, name, default)
@@ -79,7 +102,18 @@ class Context:
         return self.tiny.hidden_size // self.tiny.num_attention_heads
 
     def tiny_kv_heads(self) -> int:
-        return getattr(self.tiny, "num_key_value_heads", None) or self.tiny.num_attention_heads
+        return _kv_heads(self.tiny) or self.tiny.num_attention_heads
+
+
+_KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _kv_heads(config: PretrainedConfig) -> int | None:
+    for name in _KV_HEAD_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _fields_matching(config: PretrainedConfig, *words: str) -> dict[str, Any]:
@@ -89,6 +123,128 @@ def _fields_matching(config: PretrainedConfig, *words: str) -> dict[str, Any]:
         for name, value in sorted(config.to_dict().items())
         if all(w in name for w in words) and value is not None and not isinstance(value, dict)
     }
+
+
+# ------------------------------------------------------------- config scalars
+
+# Scalar config fields whose name says they scale or clamp something. A default of 1.0
+# (or None) hides them from the tiny model; a published checkpoint sets them.
+_SCALAR_ROLE_WORDS = ("mult", "scal", "clip")
+# Fields with those words that size or initialise the model rather than scale its forward.
+_NOT_FORWARD_SCALARS = ("size", "dim", "multiple", "rope", "init", "loss", "coef", "aux", "dropout", "eps", "std")
+
+
+@dataclass(frozen=True)
+class ScalarField:
+    """A scalar config field the forward reads, and the role the probes found for it.
+
+    role: ``embedding``, ``logit``, ``attention_scaling`` (found by the factor they move),
+    ``residual``, ``clip_qkv``, ``routed_scaling`` (by the field's name, once the forward is
+    shown to read it) or ``unknown``; ``relation`` is ``factor = relation(field)``.
+    """
+
+    name: str
+    role: str
+    relation: str | None = None
+
+
+def _candidate_scalars(config: PretrainedConfig) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in sorted(config.to_dict().items())
+        if any(w in name for w in _SCALAR_ROLE_WORDS)
+        and not any(w in name for w in _NOT_FORWARD_SCALARS)
+        and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)))
+    }
+
+
+def _attention_scaling_of(model: nn.Module, n_layers: int) -> float | None:
+    try:
+        _, layers = mt.find_layers(model, n_layers)
+    except LookupError:
+        return None
+    for module in layers[0].modules():
+        value = getattr(module, "scaling", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and mt.is_attention(module):
+            return float(value)
+    return None
+
+
+def _moved(old: float | None, new: float | None) -> bool:
+    return old is not None and new is not None and not math.isclose(old, new, rel_tol=1e-4)
+
+
+def config_scalars(ctx: Context) -> dict[str, ScalarField]:
+    """Scalar fields (multipliers, scales, clamps) the forward reads, found by moving each one.
+
+    Each candidate field is moved in the tiny config (1.0 to 1.37, None to a small clamp)
+    and a model with the same seed is built; when the logits change, the forward reads the
+    field, whatever its default. Its role is the factor that moved with it: the attention
+    module's ``scaling``, the embedding factor, the logit factor; failing those, the
+    field's name (residual, clip, routed scaling). A field whose role none of that finds
+    is named in ``other``.
+    """
+    tiny = ctx.tiny
+    n_layers = int(tiny.num_hidden_layers)
+    tokens = probes.tokens_for(tiny, 6)
+    base_logits = probes.logits(ctx.model, tokens)
+    base_embedding = probes.probe_embedding_scale(ctx.model, ctx.anatomy, tiny)
+    base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny)
+    base_scaling = _attention_scaling_of(ctx.model, n_layers)
+    found: dict[str, ScalarField] = {}
+    for name, value in _candidate_scalars(tiny).items():
+        moved = _moved_model(ctx, name, value, tokens, base_logits)
+        if moved is None:
+            continue
+        model, new_value = moved
+        role, relation = "unknown", None
+        try:
+            anatomy = mt.anatomy(model, n_layers)
+        except LookupError:
+            continue
+        scaling = _attention_scaling_of(model, n_layers)
+        embedding = probes.probe_embedding_scale(model, anatomy, tiny)
+        logit = probes.probe_logit_multiplier(model, anatomy, tiny)
+        lowered = name.lower()
+        if "clip" in lowered:
+            role = "clip_qkv"
+        elif "rout" in lowered:
+            role = "routed_scaling"
+        elif _moved(base_scaling, scaling):
+            role, relation = "attention_scaling", probes.relation_of(value, new_value, base_scaling, scaling)
+        elif _moved(base_embedding, embedding):
+            role, relation = "embedding", probes.relation_of(value, new_value, base_embedding, embedding)
+        elif _moved(base_logit, logit):
+            role, relation = "logit", probes.relation_of(value, new_value, base_logit, logit)
+        elif "residual" in lowered:
+            role = "residual"
+        found[name] = ScalarField(name, role, relation)
+        ctx.evidence.append(
+            f"config scalar {name}={value!r}: moving it changes the logits; role {role}"
+            + (f" (factor = {relation.replace('x', name)})" if relation else "")
+        )
+        if role == "unknown":
+            ctx.other.append(f"config scalar {name} changes the forward in a way the checklist cannot name")
+    return found
+
+
+def _moved_model(
+    ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
+) -> tuple[nn.Module, Any] | None:
+    """A seeded tiny model with one field moved, when that changes the logits."""
+    for new_value in probes.perturbed_values(value):
+        config = copy.deepcopy(ctx.tiny)
+        try:
+            setattr(config, name, new_value)
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            out = probes.logits(model, tokens)
+        except Exception as exc:  # noqa: BLE001 - a strict config or constructor may refuse the value; try the next
+            logger.debug("moving %s to %r failed: %s", name, new_value, exc)
+            continue
+        if out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5):
+            return model, new_value
+        return None
+    return None
 
 
 # ------------------------------------------------------------------ attention
@@ -197,11 +353,29 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
     return SlidingWindow(evidence=f"config {field_name} set, mask probe: not applied")
 
 
+def _scalar_source(ctx: Context, role: str) -> ConfigScalar | None:
+    """The config field the probes found for a factor's role, with its relation."""
+    found = ctx.scalar_role(role)
+    if found is None:
+        return None
+    if found.relation is None:
+        ctx.other.append(f"{role.replace('_', ' ')} set by config field {found.name} in a relation not measured")
+        return ConfigScalar(field=found.name)
+    return ConfigScalar(field=found.name, relation=found.relation)
+
+
 def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None]:
+    """Whether the scores' scale is not head_dim**-0.5 or is set by a config field.
+
+    A field the forward reads (granite's attention_multiplier, gemma's
+    query_pre_attn_scalar) makes the scaling custom even where its default gives
+    head_dim**-0.5: a checkpoint sets it.
+    """
+    source = _scalar_source(ctx, "attention_scaling")
     attention = ctx.anatomy.attention
     scaling = getattr(attention, "scaling", None) if attention is not None else None
     if not isinstance(scaling, (int, float)):
-        return False, None
+        return source is not None, source
     # Candidate head widths: the config's, MLA's query-key width, the module's own.
     widths = {ctx.tiny_head_dim()}
     for name in ("qk_head_dim", "head_dim"):
@@ -209,13 +383,16 @@ def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None]:
             value = getattr(holder, name, None)
             if isinstance(value, int) and value > 0:
                 widths.add(value)
-    if any(math.isclose(float(scaling), w**-0.5, rel_tol=1e-4) for w in widths):
-        return False, None
     default = ctx.tiny_head_dim() ** -0.5
-    match = probes.matching_field(ctx.tiny, float(scaling))
-    field_name = match[0] if match else None
-    ctx.evidence.append(f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {field_name})")
-    return True, ConfigScalar(field=match[0], relation=match[1]) if match else None
+    if any(math.isclose(float(scaling), w**-0.5, rel_tol=1e-4) for w in widths) and source is None:
+        return False, None
+    if source is None:
+        match = probes.matching_field(ctx.tiny, float(scaling))
+        source = ConfigScalar(field=match[0], relation=match[1]) if match else None
+    ctx.evidence.append(
+        f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {source.field if source else None})"
+    )
+    return True, source
 
 
 def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
@@ -239,23 +416,91 @@ def _is_gate_projection(ctx: Context, role: str, proj: mt.Projection) -> bool:
     return proj.in_features == ctx.tiny.hidden_size and proj.out_features in widths
 
 
-def _nope_layers(ctx: Context) -> list[int]:
-    model = ctx.deep_model
-    if model is None:
-        return []
-    try:
-        _, layers = mt.find_layers(model, ctx.config.num_hidden_layers)
-    except LookupError:
-        return []
+def uses_rope(ctx: Context) -> bool:
+    """A rotary module in the model, or an attention class that calls a rotary helper itself."""
+    if probes.rotary_modules(ctx.model):
+        return True
+    attention = ctx.anatomy.attention
+    return attention is not None and ctx.source is not None and ctx.source.applies_rotary(type(attention).__name__)
+
+
+def _layer_attentions(ctx: Context, layers: nn.ModuleList) -> list[nn.Module] | None:
+    name = ctx.anatomy.attention_name
     found = []
-    for index, layer in enumerate(layers):
-        for module in layer.modules():
-            flag = getattr(module, "use_rope", None)
-            if flag is not None and not isinstance(flag, nn.Module):
-                if not bool(flag):
-                    found.append(index)
-                break
+    for layer in layers:
+        module = getattr(layer, name, None) if name else None
+        if not isinstance(module, nn.Module):
+            module = next((child for _, child in layer.named_children() if mt.is_attention(child)), None)
+        if module is None:
+            return None
+        found.append(module)
     return found
+
+
+def _nope_layers(ctx: Context) -> list[int]:
+    """Layers whose attention output does not move when only the positions move.
+
+    Probed on the full-depth stack (tiny widths) where it builds, so the indices are
+    the real model's; otherwise on the tiny stack, which shows one period of the pattern.
+    """
+    if not uses_rope(ctx):
+        return []
+    model, layers, full = ctx.layer_stack()
+    attentions = _layer_attentions(ctx, layers)
+    result = probes.probe_rotary_layers(model, attentions, ctx.tiny) if attentions else None
+    if result is None:
+        ctx.evidence.append("layers without RoPE: the position probe reached no attention output; none reported")
+        return []
+    flags, method = result
+    nope = [index for index, rotates in enumerate(flags) if not rotates]
+    depth = "full-depth" if full else "tiny"
+    if nope:
+        ctx.evidence.append(f"layers without RoPE (position probe, {method}, {depth} stack of {len(flags)}): {nope}")
+        if not full:
+            ctx.other.append("layers without RoPE measured on the tiny stack only (full-depth pattern unknown)")
+    return nope
+
+
+def _measured_kv_heads(ctx: Context, roles: dict[str, mt.Projection], heads: int | None, kv: int | None) -> int | None:
+    """KV heads as the projections are built, at full size.
+
+    A config may keep a KV-head count that the modeling code overrides (multi-query
+    attention behind a ``multi_query`` flag): the key projection's width, or the fused
+    projection's width beyond the queries, says how many KV heads there are. The tiny
+    count maps back to full size: one stays one, all heads stay all heads.
+    """
+    hd = ctx.tiny_head_dim()
+    tiny_heads = ctx.tiny.num_attention_heads
+    if "k" in roles:
+        measured = roles["k"].out_features / hd
+    elif "qkv" in roles:
+        measured = (roles["qkv"].out_features / hd - tiny_heads) / 2
+    else:
+        return kv
+    if measured != int(measured) or measured <= 0 or isinstance(ctx.get("kv_lora_rank"), int):
+        return kv
+    measured = int(measured)
+    if measured == ctx.tiny_kv_heads():
+        return kv
+    if measured == 1:
+        full = 1
+    elif measured == tiny_heads:
+        full = heads
+    else:
+        return kv
+    ctx.evidence.append(
+        f"KV heads: the projections hold {measured} of {tiny_heads} heads in the tiny model although the config "
+        f"gives {ctx.tiny_kv_heads()}; {full} at full size"
+    )
+    return full
+
+
+def _clip_qkv(ctx: Context) -> tuple[float | None, str | None]:
+    found = ctx.scalar_role("clip_qkv")
+    if found is None:
+        return None, None
+    value = ctx.get(found.name)
+    return (float(value) if isinstance(value, (int, float)) else None), found.name
 
 
 def attention_features(ctx: Context) -> AttentionFeatures:
@@ -268,7 +513,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     o_bias = roles["o"].bias if "o" in roles else False
     qk_kind, qk_place = _qk_norm(ctx, roles)
     heads = ctx.get("num_attention_heads")
-    kv = ctx.get("num_key_value_heads") or heads
+    kv = _kv_heads(ctx.config) or heads
     head_dim = ctx.get("head_dim")
     hidden = ctx.get("hidden_size")
     derived = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
@@ -276,6 +521,8 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
     custom, scaling_source = _custom_scaling(ctx)
+    kv = _measured_kv_heads(ctx, roles, heads, kv)
+    clip_value, clip_field = _clip_qkv(ctx)
     mla = None
     if isinstance(ctx.get("kv_lora_rank"), int):
         mla = MLA(
@@ -325,6 +572,8 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         sinks=sinks,
         output_gate=_output_gate(ctx, roles),
         nope_layers=_nope_layers(ctx),
+        clip_qkv=clip_value,
+        clip_qkv_field=clip_field,
     )
 
 
@@ -357,10 +606,41 @@ def _dense_mlp(ctx: Context) -> nn.Module | None:
     return None
 
 
+def _layer_ffn_projections(ctx: Context) -> list[mt.Projection]:
+    """Projections held directly by the layer, outside attention: an FFN without its own
+    module (``fc1``/``fc2`` as attributes of the decoder layer)."""
+    layer = ctx.anatomy.layers[0]
+    return [p for p in mt.projections(layer, recurse=False) if p.module is not ctx.anatomy.attention]
+
+
+def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> int | None:
+    """The FFN width at full size: ``intermediate_size``, else the width field whose tiny
+    value is the up projection's width (``ffn_dim``, ``n_inner``, ...)."""
+    declared = ctx.get("intermediate_size")
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared
+    widths = {p.out_features for p in ups}
+    for name, value in sorted(ctx.tiny.to_dict().items()):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value in widths
+            and any(w in name for w in ("intermediate", "ffn", "inner", "mlp"))
+        ):
+            full = ctx.get(name)
+            if isinstance(full, int) and not isinstance(full, bool):
+                return full
+    return None
+
+
 def ffn_features(ctx: Context) -> FFNFeatures:
     mlp = _dense_mlp(ctx)
     activation = _activation(ctx, ctx.anatomy.ffn)
     intermediate = ctx.get("intermediate_size")
+    in_layer = _layer_ffn_projections(ctx) if ctx.anatomy.ffn is None else []
+    if mlp is None and in_layer:
+        ctx.evidence.append("FFN: projections held by the decoder layer itself: " + ", ".join(p.name for p in in_layer))
+        return _plain_or_gated(ctx, in_layer, activation)
     if mlp is None:
         # Every layer of the tiny model is MoE: read the experts' layout from disk keys.
         expert_keys = [k for k in ctx.saved_keys if ".experts." in k and k.startswith(ctx.layer_prefix)]
@@ -374,7 +654,10 @@ def ffn_features(ctx: Context) -> FFNFeatures:
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
-    projs = mt.projections(mlp)
+    return _plain_or_gated(ctx, mt.projections(mlp), activation)
+
+
+def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -> FFNFeatures:
     hidden = ctx.tiny.hidden_size
     ups = [p for p in projs if p.in_features == hidden]
     downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
@@ -389,7 +672,7 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         activation=activation,
         bias=bias,
         fused_gate_up=fused,
-        intermediate_size=intermediate if isinstance(intermediate, int) else None,
+        intermediate_size=_intermediate_size(ctx, ups),
     )
 
 
@@ -528,6 +811,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     scaling = next(
         (v for v in _fields_matching(ctx.config, "rout", "scal").values() if isinstance(v, (int, float))), None
     )
+    routed_field = ctx.scalar_role("routed_scaling")
+    if routed_field is not None and isinstance(ctx.get(routed_field.name), (int, float)):
+        scaling = ctx.get(routed_field.name)
     layout, orientation, template = _expert_layout(ctx)
     return MoEFeatures(
         num_experts=num_experts,
@@ -536,6 +822,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         norm_topk_prob=bool(norm_topk),
         score_correction_bias=correction,
         routed_scaling_factor=float(scaling) if isinstance(scaling, (int, float)) and scaling != 1.0 else None,
+        routed_scaling_field=routed_field.name if routed_field else None,
         n_group=int(n_group) if isinstance(n_group, int) and n_group > 1 else None,
         topk_group=int(topk_group)
         if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int)
@@ -579,7 +866,7 @@ def position_features(ctx: Context) -> PositionFeatures:
     alibi_field = any(bool(v) for v in _fields_matching(ctx.config, "alibi").values() if isinstance(v, bool))
     alibi_code = ctx.source is not None and ctx.source.mentions("alibi")
     rope = _rope_parameters(ctx.config)
-    if rotary:
+    if rotary or uses_rope(ctx):
         kind = PositionKind.ROPE
     elif sinusoidal:
         kind = PositionKind.SINUSOIDAL
@@ -605,7 +892,9 @@ def position_features(ctx: Context) -> PositionFeatures:
         if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and v is not None
     }
     interleaved = rotary_interleaved(ctx.config, ctx.source)
-    factor = _partial_rotary(ctx, rotary[0], first or {})
+    if not rotary:
+        ctx.evidence.append("RoPE: the attention class applies the rotation itself (no rotary module)")
+    factor = _partial_rotary(ctx, rotary[0] if rotary else None, first or {})
     return PositionFeatures(
         kind=kind,
         rope_type=rope_type,
@@ -617,12 +906,30 @@ def position_features(ctx: Context) -> PositionFeatures:
     )
 
 
-def _partial_rotary(ctx: Context, rotary: nn.Module, rope: dict[str, Any]) -> float:
+def _rotary_dims_field(ctx: Context) -> tuple[str, int] | None:
+    """A config field giving the rotated width in dimensions (``rotary_dim``)."""
+    for name, value in sorted(ctx.config.to_dict().items()):
+        if "rotary" in name and "dim" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+def _partial_rotary(ctx: Context, rotary: nn.Module | None, rope: dict[str, Any]) -> float:
     declared = rope.get("partial_rotary_factor", ctx.get("partial_rotary_factor"))
     if isinstance(declared, (int, float)):
         return float(declared)
     if isinstance(ctx.get("kv_lora_rank"), int):
         return 1.0  # MLA rotates its own rope slice of qk_rope_head_dim
+    dims = _rotary_dims_field(ctx)
+    head_dim = ctx.get("head_dim")
+    heads = ctx.get("num_attention_heads")
+    if not isinstance(head_dim, int) and isinstance(ctx.get("hidden_size"), int) and isinstance(heads, int) and heads:
+        head_dim = ctx.get("hidden_size") // heads
+    if dims is not None and isinstance(head_dim, int) and head_dim > 0:
+        ctx.evidence.append(f"partial rotary from the config: {dims[0]}={dims[1]} of head_dim {head_dim}")
+        return round(dims[1] / head_dim, 4)
+    if rotary is None:
+        return 1.0
     inv_freq = next((b for n, b in rotary.named_buffers() if "inv_freq" in n), None)
     if inv_freq is None:
         return 1.0
@@ -659,54 +966,57 @@ def norm_features(ctx: Context) -> NormFeatures:
 
 
 def scalar_features(ctx: Context) -> ScalarFeatures:
+    """Embedding, residual and logit factors, and the config fields that set them.
+
+    A factor is reported when the default config moves it, and also when the forward
+    reads a config field for it whose default is neutral (1.0): a checkpoint sets it.
+    """
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
-    embedding_match = None
+    embedding_source = _scalar_source(ctx, "embedding")
     if scale is None:
         kind, value = "none", None
         ctx.other.append("embeddings transformed before layer 0 beyond a constant scale (e.g. an embedding norm)")
+    elif embedding_source is not None:
+        kind = "constant"
+        value = _full_size_value(ctx, (embedding_source.field, embedding_source.relation), scale)
     elif math.isclose(scale, 1.0, rel_tol=1e-4):
         kind, value = "none", None
     elif math.isclose(scale, math.sqrt(ctx.tiny.hidden_size), rel_tol=1e-3):
         kind, value = "sqrt_dim", math.sqrt(ctx.config.hidden_size)
     else:
-        embedding_match = probes.matching_field(ctx.tiny, scale)
+        match = probes.matching_field(ctx.tiny, scale)
         kind = "constant"
-        value = _full_size_value(ctx, embedding_match, scale)
-    residual_field, residual = next(
-        (
-            (k, float(v))
-            for k, v in _fields_matching(ctx.config, "residual").items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and ("mult" in k or "scal" in k)
-        ),
-        (None, None),
-    )
+        value = _full_size_value(ctx, match, scale)
+        embedding_source = ConfigScalar(field=match[0], relation=match[1]) if match else None
+    residual_field = ctx.scalar_role("residual")
+    residual = ctx.get(residual_field.name) if residual_field else None
     logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
+    logit_source = _scalar_source(ctx, "logit")
     final_caps = _fields_matching(ctx.config, "final", "softcap")
     final_cap = next((float(v) for v in final_caps.values() if isinstance(v, (int, float))), None)
     logit_value = None
-    logit_match = None
     if logit is None:
         if final_cap is None:
             ctx.evidence.append("logit probe: logits are not a constant multiple of lm_head(h)")
     elif not math.isclose(logit, 1.0, rel_tol=1e-4):
-        logit_match = probes.matching_field(ctx.tiny, logit)
-        logit_value = _full_size_value(ctx, logit_match, logit)
+        match = (logit_source.field, logit_source.relation) if logit_source else probes.matching_field(ctx.tiny, logit)
+        logit_value = _full_size_value(ctx, match, logit)
+        if logit_source is None and match is not None:
+            logit_source = ConfigScalar(field=match[0], relation=match[1])
     tied = bool(ctx.get("tie_word_embeddings", False))
     return ScalarFeatures(
         embedding_scale=value,
         embedding_scale_kind=kind,
-        embedding_scale_source=_source(embedding_match),
-        residual_multiplier=residual if residual not in (None, 1.0) else None,
-        residual_multiplier_field=residual_field if residual not in (None, 1.0) else None,
+        embedding_scale_source=embedding_source,
+        residual_multiplier=float(residual)
+        if isinstance(residual, (int, float)) and not isinstance(residual, bool) and residual != 1.0
+        else None,
+        residual_multiplier_field=residual_field.name if residual_field else None,
         logit_multiplier=logit_value,
-        logit_multiplier_source=_source(logit_match) if logit_value is not None else None,
+        logit_multiplier_source=logit_source,
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
     )
-
-
-def _source(match: tuple[str, str] | None) -> ConfigScalar | None:
-    return ConfigScalar(field=match[0], relation=match[1]) if match else None
 
 
 def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:
@@ -721,3 +1031,74 @@ def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: fl
         return tiny_value
     full = float(full)
     return {"x": full, "1/x": 1.0 / full, "x**-0.5": full**-0.5, "sqrt(x)": math.sqrt(full)}[relation]
+
+
+# ------------------------------------------------------------ per-layer differences
+
+
+def _module_signature(module: nn.Module, prefix: str) -> dict[str, str]:
+    """Every sub-module of a layer part by path: its class and its own parameters' shapes."""
+    signature = {}
+    for name, sub in module.named_modules():
+        path = f"{prefix}.{name}" if name else prefix
+        params = ", ".join(f"{p}{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False))
+        signature[path] = f"{type(sub).__name__}[{params}]"
+    return signature
+
+
+def _layer_parts(ctx: Context, layer: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """(FFN signature, signature of the rest) of one decoder layer.
+
+    The FFN is the child named like layer 0's FFN or holding routed experts; a dense
+    layer and an MoE layer differ there by design (the MoE layer pattern says which).
+    """
+    ffn, rest = {}, {}
+    for name, child in layer.named_children():
+        is_ffn = name == ctx.anatomy.ffn_name or mt.layer_has_experts(child)
+        (ffn if is_ffn else rest).update(_module_signature(child, name))
+    rest.update(_module_signature_own(layer))
+    return ffn, rest
+
+
+def _module_signature_own(layer: nn.Module) -> dict[str, str]:
+    params = ", ".join(f"{p}{tuple(t.shape)}" for p, t in layer.named_parameters(recurse=False))
+    return {"": f"{type(layer).__name__}[{params}]"}
+
+
+def _layers_text(indices: list[int], total: int) -> str:
+    shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+    return f"layer{'s' if len(indices) > 1 else ''} {shown} of {total}"
+
+
+def per_layer_differences(ctx: Context) -> list[str]:
+    """Parts of a layer that differ from layer 0's (from the first MoE layer's, for experts).
+
+    The checklist describes layer 0; a bias, norm, QK norm, projection width or module
+    kind that another layer has differently would be ported wrong, so each one is named
+    ("per-layer difference: ...") and the family refused until an edit covers it. Read on
+    the full-depth stack (tiny widths) where it builds, else on the tiny stack.
+    """
+    _, layers, full = ctx.layer_stack()
+    parts = [_layer_parts(ctx, layer) for layer in layers]
+    experts = [mt.layer_has_experts(layer) for layer in layers]
+    differing: dict[str, list[int]] = {}
+    for index, (ffn, rest) in enumerate(parts):
+        ref_index = next(i for i, e in enumerate(experts) if e == experts[index])
+        for kind, mine, theirs, ref in (
+            ("", rest, parts[0][1], 0),
+            ("FFN ", ffn, parts[ref_index][0], ref_index),
+        ):
+            for path in sorted(set(mine) | set(theirs)):
+                if mine.get(path) == theirs.get(path):
+                    continue
+                here, there = mine.get(path, "absent"), theirs.get(path, "absent")
+                what = f"{kind}{path or 'layer'}: {here} (layer {ref}: {there})"
+                differing.setdefault(what, []).append(index)
+    found = []
+    for what, indices in differing.items():
+        found.append(f"per-layer difference: {what} in {_layers_text(indices, len(layers))}")
+    if found:
+        ctx.evidence.append(
+            f"per-layer differences read over the {'full-depth' if full else 'tiny'} stack of {len(layers)} layers"
+        )
+    return found

@@ -108,7 +108,7 @@ def find_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
     # Some configs count sub-layers (two attentions per block): take the first list of
     # blocks that hold an attention module.
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and any(map(_is_attention, module[0].modules())):
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and any(map(is_attention, module[0].modules())):
             return name, module
     raise LookupError(f"no module list of {n_layers} decoder layers in {type(model).__name__}")
 
@@ -126,7 +126,7 @@ def non_attention_mixers(layers: nn.ModuleList) -> list[str]:
     return found
 
 
-def _is_attention(module: nn.Module) -> bool:
+def is_attention(module: nn.Module) -> bool:
     return bool(_ATTENTION.search(type(module).__name__)) and not is_norm(module)
 
 
@@ -140,7 +140,7 @@ def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
     for name, child in layer.named_children():
         if is_norm(child):
             norms[name] = child
-        elif attention is None and _is_attention(child):
+        elif attention is None and is_attention(child):
             attention_name, attention = name, child
         elif ffn is None and (_FFN.search(type(child).__name__) or name in ("mlp", "feed_forward", "ffn")):
             ffn_name, ffn = name, child

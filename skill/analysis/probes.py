@@ -46,7 +46,9 @@ def _norm_input(width: int, leading: tuple[int, ...] = (3,)) -> torch.Tensor:
 
 def probe_norm_kind(norm: nn.Module, width: int) -> NormKind:
     """Classify a norm by its output: zero weight gives zeros unless it scales by ``1 + w``;
-    with unit weight only LayerNorm gives zero-mean rows; a bias means LayerNorm with bias."""
+    with unit weight only LayerNorm gives zero-mean rows; a bias means LayerNorm with bias;
+    a norm with neither weight nor bias (a parameter-less LayerNorm or RMS norm) is
+    reported as weightless."""
     x = _norm_input(width)
     weight = getattr(norm, "weight", None)
     bias = getattr(norm, "bias", None)
@@ -61,12 +63,15 @@ def probe_norm_kind(norm: nn.Module, width: int) -> NormKind:
                 return NormKind.LAYER_NORM_ONE_PLUS_W if centred else NormKind.RMS_ONE_PLUS_W
             weight.fill_(1.0)
         out = _call_norm(norm, x)
+    weightless = not any(True for _ in norm.parameters())
     centred = float(out.mean(-1).abs().max()) < 1e-4
     if centred:
+        if weightless:
+            return NormKind.LAYER_NORM_WEIGHTLESS
         return NormKind.LAYER_NORM if isinstance(bias, torch.Tensor) else NormKind.LAYER_NORM_NO_BIAS
     rms = out.pow(2).mean(-1).sqrt()
     if torch.allclose(rms, torch.ones_like(rms), atol=1e-3):
-        return NormKind.RMS
+        return NormKind.RMS_WEIGHTLESS if weightless else NormKind.RMS
     return NormKind.OTHER
 
 
@@ -88,7 +93,8 @@ def tokens_for(config: Any, length: int) -> torch.Tensor:
     return ids
 
 
-def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits for one sequence, without a KV cache."""
     with torch.no_grad():
         return model(input_ids=tokens, use_cache=False).logits
 
@@ -127,7 +133,7 @@ def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -
     for name, child in layer.named_children():
         handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
     try:
-        _logits(model, tokens_for(config, 6))
+        logits(model, tokens_for(config, 6))
     finally:
         for handle in handles:
             handle.remove()
@@ -172,8 +178,8 @@ def probe_is_causal(model: nn.Module, config: Any) -> bool:
     tokens = tokens_for(config, 6)
     changed = tokens.clone()
     changed[0, -1] = (changed[0, -1] + 5) % int(config.vocab_size)
-    a = _logits(model, tokens)[0, :-1]
-    b = _logits(model, changed)[0, :-1]
+    a = logits(model, tokens)[0, :-1]
+    b = logits(model, changed)[0, :-1]
     return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
 
 
@@ -201,7 +207,7 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
         with torch.no_grad():
             for m in others:
                 m.weight.zero_()
-        _logits(model, tokens)
+        logits(model, tokens)
     finally:
         handle.remove()
         with torch.no_grad():
@@ -233,7 +239,7 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
 
     handle = head.register_forward_pre_hook(on_head)
     try:
-        logits = _logits(model, tokens_for(config, 4))
+        out = logits(model, tokens_for(config, 4))
     finally:
         handle.remove()
     if "h" not in captured:
@@ -241,9 +247,9 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
     with torch.no_grad():
         plain = head(captured["h"])
     mask = plain.abs() > 1e-3
-    if plain.shape != logits.shape or not bool(mask.any()):
+    if plain.shape != out.shape or not bool(mask.any()):
         return None
-    ratio = logits[mask] / plain[mask]
+    ratio = out[mask] / plain[mask]
     mean = float(ratio.mean())
     if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
         return None
@@ -261,8 +267,8 @@ def probe_window_reaches_all_layers(model: nn.Module, config: Any, window: int, 
     tokens = tokens_for(config, length)
     changed = tokens.clone()
     changed[0, 0] = (changed[0, 0] + 7) % int(config.vocab_size)
-    a = _logits(model, tokens)[0, -1]
-    b = _logits(model, changed)[0, -1]
+    a = logits(model, tokens)[0, -1]
+    b = logits(model, changed)[0, -1]
     return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
 
 
@@ -293,16 +299,23 @@ def matching_field(config: Any, target: float, *, tolerance: float = 1e-3) -> tu
 
 
 __all__ = [
+    "RELATIONS",
     "is_norm",
+    "logits",
     "matching_field",
     "norm_is_centred",
+    "perturbed_values",
     "probe_embedding_scale",
     "probe_is_causal",
     "probe_logit_multiplier",
     "probe_norm_kind",
     "probe_norm_placement",
     "probe_qk_norm_kind",
+    "probe_rotary_layers",
     "probe_window_reaches_all_layers",
+    "relation_of",
+    "rotary_modules",
+    "tokens_for",
 ]
 
 
@@ -337,7 +350,7 @@ def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, confi
 
     handle = found[1].register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        _logits(model, tokens_for(config, 6))
+        logits(model, tokens_for(config, 6))
     finally:
         handle.remove()
     if not captured:
@@ -345,3 +358,198 @@ def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, confi
     sums = captured[0].sum(-1)
     scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
     return bool(torch.allclose(sums, torch.full_like(sums, scale), atol=1e-4))
+
+
+# --------------------------------------------------------------- rotary per layer
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The hidden states a module receives: its first positional tensor, else ``hidden_states``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _output_tensor(output: Any) -> torch.Tensor | None:
+    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _pin(args: tuple, kwargs: dict, saved: torch.Tensor, only_first: bool, saved_inputs: dict[str, Any]):
+    """Replace a module's inputs by the baseline run's: its hidden states, or every
+    non-integer tensor (hidden states, masks), so only position ids can differ."""
+    if only_first:
+        if args and isinstance(args[0], torch.Tensor):
+            return (saved, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": saved}
+    new_args = tuple(
+        saved_inputs.get(f"arg{i}", a) if isinstance(a, torch.Tensor) and not _is_integer(a) else a
+        for i, a in enumerate(args)
+    )
+    new_kwargs = {
+        k: saved_inputs.get(k, v) if isinstance(v, torch.Tensor) and not _is_integer(v) else v
+        for k, v in kwargs.items()
+    }
+    return new_args, new_kwargs
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype is torch.bool)
+
+
+def _reverse_positions(output: Any, length: int, flipped: list[int]) -> Any:
+    """The rotary module's output for the positions in reverse order: every tensor flipped
+    along its axes of the probe's sequence length (cos/sin or complex frequencies)."""
+    if isinstance(output, torch.Tensor):
+        dims = [d for d, size in enumerate(output.shape) if size == length]
+        if not dims:
+            return output
+        flipped.append(len(dims))
+        return output.flip(dims)
+    if isinstance(output, tuple):
+        return tuple(_reverse_positions(o, length, flipped) for o in output)
+    if isinstance(output, list):
+        return [_reverse_positions(o, length, flipped) for o in output]
+    return output
+
+
+ROTARY_PROBE_LENGTH = 11  # odd, so no head or rotary width has the sequence's length
+
+
+def rotary_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for n, m in model.named_modules() if "Rotary" in type(m).__name__ or n.endswith("rotary_emb")]
+
+
+def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: Any) -> tuple[list[bool], str] | None:
+    """Which attention modules rotate queries and keys by position: per layer, whether its
+    output changes when only the positions change.
+
+    Each attention module is fed the hidden states it saw in a baseline run, so a change
+    in an earlier layer does not propagate. Positions change in one of two ways: the
+    rotary module's output is replaced by that of the reversed positions (families with
+    a shared rotary module), or, without one, the ``position_ids`` are reversed while
+    every non-integer input of each attention (hidden states, masks) stays pinned.
+    Returns the per-layer flags and the method, or ``None`` when neither perturbation
+    reaches any attention output (the probe cannot tell).
+    """
+    length = ROTARY_PROBE_LENGTH
+    tokens = tokens_for(config, length)
+    baseline_positions = torch.arange(length).unsqueeze(0)
+    inputs: dict[int, dict[str, Any]] = {}
+    outputs: dict[int, torch.Tensor] = {}
+
+    def record(index: int):
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if index not in inputs:
+                saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+                saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+                first = _first_tensor(args, kwargs)
+                if first is not None:
+                    saved["__hidden__"] = first
+                inputs[index] = saved
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            out = _output_tensor(output)
+            if out is not None and index not in outputs:
+                outputs[index] = out.detach()
+
+        return pre, post
+
+    handles = []
+    for index, attention in enumerate(attentions):
+        pre, post = record(index)
+        handles.append(attention.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(attention.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=tokens, position_ids=baseline_positions, use_cache=False)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        logger.debug("rotary probe baseline failed: %s", exc)
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(outputs) != len(attentions) or any("__hidden__" not in inputs.get(i, {}) for i in range(len(attentions))):
+        return None
+    baseline = dict(outputs)
+
+    def rerun(use_rotary: bool) -> list[bool] | None:
+        outputs.clear()
+        flipped: list[int] = []
+        hooks = []
+        if use_rotary:
+            for rotary in rotary_modules(model):
+                hooks.append(rotary.register_forward_hook(lambda m, a, o: _reverse_positions(o, length, flipped)))
+        for index, attention in enumerate(attentions):
+            saved = inputs[index]
+
+            def pin(module: nn.Module, args: tuple, kwargs: dict, saved: dict = saved):
+                return _pin(args, kwargs, saved["__hidden__"], use_rotary, saved)
+
+            hooks.append(attention.register_forward_pre_hook(pin, with_kwargs=True))
+            _, post = record(index)
+            hooks.append(attention.register_forward_hook(post, with_kwargs=True))
+        positions = baseline_positions if use_rotary else baseline_positions.flip(-1)
+        try:
+            with torch.no_grad():
+                model(input_ids=tokens, position_ids=positions, use_cache=False)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            logger.debug("rotary probe rerun failed: %s", exc)
+            return None
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if use_rotary and not flipped:
+            return None
+        if len(outputs) != len(attentions):
+            return None
+        flags = []
+        for index in range(len(attentions)):
+            a, b = baseline[index], outputs[index]
+            scale = float(a.abs().max()) or 1.0
+            flags.append(a.shape != b.shape or float((a - b).abs().max()) > 1e-4 * scale)
+        return flags if any(flags) else None
+
+    if rotary_modules(model):
+        flags = rerun(use_rotary=True)
+        if flags is not None:
+            return flags, "rotary module output reversed"
+    flags = rerun(use_rotary=False)
+    if flags is not None:
+        return flags, "position_ids reversed"
+    return None
+
+
+# ------------------------------------------------------------------ config scalars
+
+RELATIONS = {
+    "x": lambda v: v,
+    "1/x": lambda v: 1.0 / v,
+    "x**-0.5": lambda v: v**-0.5,
+    "sqrt(x)": lambda v: v**0.5,
+}
+
+
+def relation_of(old_value: float | None, new_value: float, old_factor: float, new_factor: float) -> str | None:
+    """The relation ``factor = r(field)`` that explains a factor's move when the field moved."""
+    for name, relation in RELATIONS.items():
+        try:
+            if old_value is None or old_value == 0:
+                expected = relation(new_value)
+                if math.isclose(expected, new_factor, rel_tol=1e-3):
+                    return name
+            elif math.isclose(relation(new_value) / relation(old_value), new_factor / old_factor, rel_tol=1e-3):
+                return name
+        except (ZeroDivisionError, ValueError):
+            continue
+    return None
+
+
+def perturbed_values(value: Any) -> list[Any]:
+    """Values to move a scalar field to, keeping its type (strict configs check it)."""
+    if value is None:
+        return [0.05, 3]
+    if isinstance(value, int):
+        return [max(value + 1, round(value * 1.37))]
+    return [value * 1.37 if value else 0.5]

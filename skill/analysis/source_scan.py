@@ -20,6 +20,7 @@ import libcst as cst
 
 logger = logging.getLogger(__name__)
 
+_ROTARY_CALL = re.compile(r"rotary|(^|_)rope(_|$)")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|TopK|Moe|MoE|Experts|Sparse)", re.IGNORECASE)
 
 
@@ -65,6 +66,15 @@ class SourceFacts:
         if norm_index is None or rope_index is None:
             return None
         return norm_index < rope_index
+
+    def applies_rotary(self, class_name: str) -> bool:
+        """Whether a class's methods call a rotary helper (``apply_rotary_pos_emb``, ``rope(...)``):
+        attention that rotates queries and keys itself, without a separate rotary module."""
+        return any(
+            _ROTARY_CALL.search(call.lower().rsplit(".", 1)[-1])
+            for definition in self.classes.get(class_name, {}).values()
+            for call in definition.calls
+        )
 
     def router_code(self) -> str:
         return "\n".join(self.class_code(name) for name in self.classes if _ROUTER_CLASS.search(name))

@@ -1,0 +1,227 @@
+"""What the analyser measures by running the forward, checked against HF modeling source.
+
+Each test names the facts it checks and where transformers states them. The features
+here are the ones attribute names or layer 0 alone would get wrong: layers without
+RoPE, parts that differ between layers, parameter-less norms, config scalars whose
+default is neutral, FFN projections held by the layer itself, rotation inside the
+attention class, and multi-query attention behind a flag.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from skill.features import SUPPORTED_EDITS, Feature, NormKind, feature_values
+from tests.skill.test_analyze_families import report_for
+
+# ----------------------------------------------------------- 1. layers without RoPE
+
+
+def _full_attention_layers(model_type: str) -> list[int]:
+    config = AutoConfig.for_model(model_type)
+    return [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+
+
+def test_nope_layers_of_smollm3_by_probe() -> None:
+    # SmolLM3Attention: `self.use_rope = config.no_rope_layers[layer_idx]`, and the default
+    # no_rope_layers is int((i + 1) % no_rope_layer_interval != 0) with interval 4, 36 layers.
+    report = report_for("smollm3")
+    assert report.checklist.attention.nope_layers == list(range(3, 36, 4))
+    assert "unsupported: layers without RoPE" in report.unsupported
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        # Exaone4Attention: rotary only `if self.sliding_window is None or self.is_sliding`;
+        # layer_types: full attention where (i + 1) % 4 == 0, 32 layers.
+        ("exaone4", list(range(3, 32, 4))),
+        # ExaoneMoeAttention: the same rule, 32 layers.
+        ("exaone_moe", list(range(3, 32, 4))),
+        # Kolibri1Attention: the same rule; layer_types full where (i + 1) % 5 == 0, 50 layers.
+        ("kolibri1", list(range(4, 50, 5))),
+        # FlintAttention: rotary only on sliding layers; full attention on layers 0, 1,
+        # every i % 4 == 1 and the last of 49.
+        ("flint", sorted({0, 1, 48} | set(range(1, 49, 4)))),
+    ],
+)
+def test_nope_layers_without_a_use_rope_attribute(model_type: str, expected: list[int]) -> None:
+    report = report_for(model_type)
+    assert report.checklist.attention.nope_layers == expected
+    assert expected == _full_attention_layers(model_type)  # the HF rule, read from the config
+    assert any("position probe" in line and "full-depth" in line for line in report.evidence)
+    assert "unsupported: layers without RoPE" in report.unsupported
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "mistral"])
+def test_every_layer_rotates(model_type: str) -> None:
+    # Rotary on every layer (gemma3_text: both local and global layers, with their own bases).
+    report = report_for(model_type)
+    assert report.checklist.attention.nope_layers == []
+    assert feature_values(report.checklist)[Feature.NOPE_LAYERS] == "false"
+
+
+# ------------------------------------------------------- 2. per-layer differences
+
+
+def test_bias_in_the_last_layer_only_is_named() -> None:
+    # GPTNeoXJapaneseLayer: attention built with use_bias=layer_number == num_hidden_layers - 1,
+    # which adds a `dense_bias` parameter to the last layer's attention only (32 layers).
+    report = report_for("gpt_neox_japanese")
+    named = [item for item in report.checklist.other if item.startswith("per-layer difference:")]
+    assert len(named) == 1
+    assert "dense_bias" in named[0] and "layer 31 of 32" in named[0]
+    assert f"unsupported: {named[0]}" in report.unsupported
+
+
+def test_qk_norm_missing_from_nope_layers_is_named() -> None:
+    # Llama4TextAttention: `if self.config.use_qk_norm and self.use_rope: self.qk_norm = ...`,
+    # so the no-RoPE layers (every 4th) have no QK norm.
+    report = report_for("llama4_text")
+    named = [item for item in report.checklist.other if item.startswith("per-layer difference:")]
+    assert any("qk_norm" in item and "layers 3, 7, 11" in item for item in named)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "deepseek_v3", "gemma2"])
+def test_uniform_layers_have_no_per_layer_difference(model_type: str) -> None:
+    # deepseek_v3: first_k_dense_replace=3 dense layers, then MoE: the MoE layer pattern
+    # describes that, it is not a per-layer difference.
+    report = report_for(model_type)
+    assert not [item for item in report.checklist.other if item.startswith("per-layer difference")]
+
+
+# ------------------------------------------------------------ 3. parameter-less norms
+
+
+def test_weightless_layer_norm_is_pre_norm() -> None:
+    # OlmoLayerNorm: F.layer_norm(x, normalized_shape, None, None, eps=1e-5), no parameters;
+    # OlmoDecoderLayer: input_layernorm -> self_attn -> residual add (pre-norm).
+    report = report_for("olmo")
+    assert report.checklist.norm.kind == NormKind.LAYER_NORM_WEIGHTLESS
+    assert report.checklist.norm.placement == "pre"
+    assert NormKind.LAYER_NORM_WEIGHTLESS not in SUPPORTED_EDITS[Feature.NORM_KIND]
+    assert "unsupported: norm kind = layer_norm_weightless" in report.unsupported
+
+
+def test_weightless_rms_norm() -> None:
+    # HrmTextRMSNorm: x * rsqrt(mean(x^2) + eps), no weight.
+    assert report_for("hrm_text").checklist.norm.kind == NormKind.RMS_WEIGHTLESS
+
+
+# ---------------------------------------------------- 4. config-driven scalar factors
+
+
+def test_granite_multipliers_at_their_neutral_defaults() -> None:
+    # GraniteConfig: embedding_multiplier, residual_multiplier, attention_multiplier and
+    # logits_scaling all default to 1.0; GraniteModel multiplies the embeddings,
+    # GraniteAttention uses scaling = attention_multiplier, the layer scales both
+    # sub-layer outputs by residual_multiplier, and the head divides by logits_scaling.
+    report = report_for("granite")
+    attention, scalars = report.checklist.attention, report.checklist.scalars
+    assert attention.custom_scaling
+    assert (attention.scaling_source.field, attention.scaling_source.relation) == ("attention_multiplier", "x")
+    assert scalars.embedding_scale_kind == "constant"
+    assert (scalars.embedding_scale_source.field, scalars.embedding_scale_source.relation) == (
+        "embedding_multiplier",
+        "x",
+    )
+    assert scalars.residual_multiplier_field == "residual_multiplier"
+    assert scalars.residual_multiplier is None  # the default's value is neutral
+    assert (scalars.logit_multiplier_source.field, scalars.logit_multiplier_source.relation) == (
+        "logits_scaling",
+        "1/x",
+    )
+    values = feature_values(report.checklist)
+    assert values[Feature.EMBEDDING_SCALE] == "constant"
+    assert values[Feature.RESIDUAL_MULTIPLIER] == "constant"
+    assert values[Feature.LOGIT_MULTIPLIER] == "constant"
+    assert values[Feature.ATTN_SCALING] == "custom"
+
+
+def test_hyperclovax_multiplies_the_logits() -> None:
+    # HyperCLOVAXForCausalLM: `logits = self.lm_head(hidden_states) * self.config.logits_scaling`.
+    scalars = report_for("hyperclovax").checklist.scalars
+    assert (scalars.logit_multiplier_source.field, scalars.logit_multiplier_source.relation) == (
+        "logits_scaling",
+        "x",
+    )
+    assert scalars.residual_multiplier_field == "residual_multiplier"
+
+
+@pytest.mark.parametrize("model_type", ["olmo", "olmoe"])
+def test_clip_qkv_defaulting_to_none_is_reported(model_type: str) -> None:
+    # OlmoAttention / OlmoeAttention: `if self.config.clip_qkv is not None: states.clamp_(...)`;
+    # the config default is None, OLMo checkpoints set 8.0. No edit ports it yet.
+    report = report_for(model_type)
+    assert report.checklist.attention.clip_qkv_field == "clip_qkv"
+    assert report.checklist.attention.clip_qkv is None
+    assert Feature.QKV_CLIP not in SUPPORTED_EDITS
+    assert "unsupported: q/k/v clipping" in report.unsupported
+
+
+def test_query_pre_attn_scalar_sets_the_scale() -> None:
+    # Gemma2Attention: scaling = config.query_pre_attn_scalar ** -0.5 (256 = head_dim by
+    # default; the 27B checkpoint sets 144 with head_dim 128).
+    attention = report_for("gemma2").checklist.attention
+    assert attention.custom_scaling
+    assert (attention.scaling_source.field, attention.scaling_source.relation) == ("query_pre_attn_scalar", "x**-0.5")
+
+
+def test_routed_scaling_factor_at_one_is_config_driven() -> None:
+    # DeepseekV2Moe: topk_weight * routed_scaling_factor; DeepseekV2Config default 1.0.
+    moe = report_for("deepseek_v2").checklist.moe
+    assert moe.routed_scaling_field == "routed_scaling_factor"
+    assert feature_values(report_for("deepseek_v2").checklist)[Feature.ROUTED_SCALING] == "constant"
+
+
+def test_families_without_scalar_fields_report_none() -> None:
+    checklist = report_for("llama").checklist
+    assert checklist.scalars.residual_multiplier_field is None
+    assert checklist.scalars.logit_multiplier_source is None
+    assert checklist.scalars.embedding_scale_source is None
+    assert checklist.attention.clip_qkv_field is None
+    assert not checklist.attention.custom_scaling
+
+
+# ------------------------------------------------------ 5. FFN held by the layer
+
+
+@pytest.mark.parametrize(
+    ("model_type", "width"),
+    [
+        # BioGptDecoderLayer: self.fc1 = nn.Linear(hidden, intermediate_size), fc2 back (bias on).
+        ("biogpt", 4096),
+        # OPTDecoderLayer: fc1/fc2 = nn.Linear(..., bias=config.enable_bias), ffn_dim 3072.
+        ("opt", 3072),
+        # XGLMDecoderLayer: fc1/fc2 nn.Linear with bias, ffn_dim 4096.
+        ("xglm", 4096),
+    ],
+)
+def test_ffn_projections_in_the_layer(model_type: str, width: int) -> None:
+    ffn = report_for(model_type).checklist.ffn
+    assert ffn.bias is True
+    assert ffn.kind == "plain"
+    assert ffn.intermediate_size == width
+
+
+# ------------------------------------------- 6. rotation in attention, multi-query
+
+
+@pytest.mark.parametrize("model_type", ["codegen", "gptj"])
+def test_partial_rotary_inside_attention(model_type: str) -> None:
+    # CodeGenAttention / GPTJAttention: no rotary module; embed_positions of rotary_dim=64
+    # applied by apply_rotary_pos_emb to the first 64 of head_dim 4096 / 16 = 256, pairs
+    # from rotate_every_two (x[..., ::2], x[..., 1::2]).
+    positions = report_for(model_type).checklist.positions
+    assert positions.kind == "rope"
+    assert positions.partial_rotary_factor == pytest.approx(0.25)
+    assert positions.rotary_style == "interleaved"
+
+
+def test_falcon_multi_query() -> None:
+    # FalconAttention: num_kv_heads = config.num_kv_heads if new_decoder_architecture or not
+    # multi_query else 1; FalconConfig defaults multi_query=True, num_kv_heads=71.
+    attention = report_for("falcon").checklist.attention
+    assert attention.n_kv_heads == 1
+    assert attention.gqa is True
