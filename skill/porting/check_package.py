@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree, Workspace
 from skill.codemod.cst import CodemodError, read_dict_literal
-from skill.porting.common import PackageLayout, PackageRequest
+from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, PackageRequest
 from skill.porting.edit_adapter_map import FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
@@ -62,7 +62,8 @@ def check_package(request: CheckPackageRequest) -> CheckPackageResult:
     files, HF keys with no mapping, from_hf_config reading attributes the config lacks,
     runtime buffers without a None entry, MoE experts without 3D<->2D conversion, a TP plan
     that does not match QK norm or has an entry matching no module of the model (built on
-    the meta device), a missing import line or model_type variant, print()."""
+    the meta device), a missing import line or model_type variant, print(), a hand edit
+    still marked as needed."""
     tree = StagedTree(Workspace(request.workspace))
     return run_checks(tree, request)
 
@@ -115,6 +116,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     )
     prints = [f"{rel}:{line}" for rel, text in sources.items() if text for line in _print_calls(text)]
     checks.append(_check("logging_not_print", not prints, f"print() at {prints}" if prints else ""))
+    checks.append(_check_hand_edits(sources, layout))
     return CheckPackageResult(
         package_dir=layout.package_dir, passed=all(c.passed for c in checks), checks=checks
     )
@@ -269,3 +271,22 @@ def _check_tp_plan_modules(
     if trace.skipped_probes:
         detail += f" (not traced: {'; '.join(trace.skipped_probes)})"
     return _check("tp_plan_modules", True, detail)
+
+
+def _check_hand_edits(sources: dict[str, str | None], layout: PackageLayout) -> PackageCheck:
+    """No ``# archon-port: hand edit needed: <feature>`` marker is left in the package."""
+    left = [
+        f"{layout.file(rel)}:{number} ({line.split(HAND_EDIT_MARKER, 1)[1].strip()})"
+        for rel, text in sources.items()
+        if text
+        for number, line in enumerate(text.splitlines(), start=1)
+        if HAND_EDIT_MARKER in line
+    ]
+    if left:
+        return _check(
+            "hand_edits_done",
+            False,
+            f"hand edits still marked as needed at {', '.join(left)}: write each feature there and remove "
+            "its marker (see SKILL.md § Porting by hand)",
+        )
+    return _check("hand_edits_done", True)

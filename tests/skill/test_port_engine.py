@@ -191,3 +191,18 @@ def test_check_package_traces_moe_variants_and_fails_a_package_that_cannot_build
     broken = _tp_plan_modules(check_package(CheckPackageRequest(model_name="qwen3", workspace=workspace)))
     assert not broken.passed
     assert "cannot build Qwen3Model on the meta device" in broken.detail and "a half-written hand edit" in broken.detail
+
+
+def test_check_package_fails_while_a_hand_edit_marker_is_left(workspace):
+    from skill.porting.common import HAND_EDIT_MARKER
+
+    request = CheckPackageRequest(model_name="llama", workspace=workspace)
+    model = workspace / "archon_models/llama/model/model.py"
+    source = model.read_text()
+    anchor = "        return self.w2(F.silu(self.w1(x)) * self.w3(x))\n"
+    model.write_text(source.replace(anchor, f"        {HAND_EDIT_MARKER} clip_qkv\n" + anchor))
+    check = next(c for c in check_package(request).checks if c.name == "hand_edits_done")
+    assert not check.passed
+    assert "archon_models/llama/model/model.py:" in check.detail and "(clip_qkv)" in check.detail
+    model.write_text(source)
+    assert next(c for c in check_package(request).checks if c.name == "hand_edits_done").passed
