@@ -1,7 +1,11 @@
-"""``python -m mcp_server [--http PORT] [--workspace DIR]``: the same as ``archon-port serve``."""
+"""``python -m mcp_server [serve] [--http PORT] [--workspace DIR] ...``: the same as ``archon-port serve``.
+
+The options are ``archon-port serve``'s own (:mod:`skill.cli.serve`); a leading ``serve``
+is accepted, so both spellings work.
+"""
 
 import sys
 
-from skill.cli import main
+from skill.cli.serve import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))

@@ -23,10 +23,11 @@ from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.tools import Tool as MCPTool
 from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from mcp_server.state import ServerState
 from skill.codemod.workspace import WorkspaceError
+from skill.errors import HAND_PORT_POINTER, points_to_hand_port, step_error_message
 from skill.tools import InvalidArgumentsError, Tool, ToolBusyError, invoke
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ class ToolFailure(BaseModel):
     exception: str
     message: str
     fields: list[FieldProblem] = []
+    see: str | None = Field(
+        default=None,
+        description="where the playbook says what to do next (SKILL.md, resource archon://skill), when the "
+        "failure is an unsupported feature or a missing file",
+    )
 
 
 class _AnyArguments(ArgModelBase):
@@ -102,7 +108,13 @@ def failure_result(tool: Tool, error: BaseException) -> CallToolResult:
             kind = "outside_workspace"
         elif isinstance(error, ToolBusyError):
             kind = "package_busy"
-        failure = ToolFailure(tool=tool.name, kind=kind, exception=type(error).__name__, message=str(error))
+        failure = ToolFailure(
+            tool=tool.name,
+            kind=kind,
+            exception=type(error).__name__,
+            message=step_error_message(error),
+            see=f"{HAND_PORT_POINTER} (resource archon://skill)" if points_to_hand_port(error) else None,
+        )
     return CallToolResult(
         content=[TextContent(type="text", text=f"{failure.kind}: {failure.message}")],
         structured_content={"error": failure.model_dump(mode="json")},

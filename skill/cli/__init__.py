@@ -15,13 +15,25 @@ from skill import __version__
 COMMAND_MODULES: tuple[str, ...] = ("serve", "replay", "analyze", "add", "check", "stage", "diverge")
 
 
+def add_verbose_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+
+
+def configure_logging(verbose: bool) -> None:
+    """Log to stderr (stdout carries results, or the MCP stdio stream)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="archon-port",
         description="Port a HuggingFace decoder-only architecture into Archon and prove it correct.",
     )
     parser.add_argument("--version", action="version", version=f"archon-port {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    add_verbose_option(parser)
     parser.add_argument(
         "--record",
         metavar="SESSION",
@@ -37,10 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from skill.cli._errors import reports_bad_input
+from skill.cli._overrides import add_override_option, overrides_of
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,10 +15,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="name the first module whose output differs from HF",
         description="Run a tiny HF model and its Archon port on the same tokens with hooks on every "
         "module, match modules through the adapter map, and name the first one whose output differs "
-        "beyond fp32 tolerance. Exits 1 when the logits diverge.",
+        "beyond fp32 tolerance; modules without parameters are matched by where they run. --override "
+        "sets config attributes on the tiny config of both sides. Exits 1 when the logits diverge.",
     )
     parser.add_argument("model", help="package name under archon_models/")
     parser.add_argument("--model-type", help="HF model_type (default: the package's test case)")
+    add_override_option(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from skill.porting.locate_divergence import LocateDivergenceRequest
     from skill.tools import invoke
 
-    result = invoke("locate_divergence", LocateDivergenceRequest(model_name=args.model, model_type=args.model_type))
+    result = invoke("locate_divergence", LocateDivergenceRequest(model_name=args.model, model_type=args.model_type, config_overrides=overrides_of(args)))
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         return 1 if result.diverged else 0

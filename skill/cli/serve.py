@@ -1,22 +1,30 @@
-"""``archon-port serve``: run the MCP server over stdio (default) or streamable HTTP."""
+"""``archon-port serve``: run the MCP server over stdio (default) or streamable HTTP.
+
+``python -m mcp_server`` is the same command: it parses its arguments with
+:func:`build_parser` (the options are defined once, in :func:`add_arguments`) and runs
+:func:`main`. The server itself is imported only when it runs, so the engine never
+imports ``mcp_server`` at import time.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
+from skill.cli import add_verbose_option, configure_logging
 from skill.tools import DEFAULT_LOCK_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
+DESCRIPTION = (
+    "Serve every engine step as an MCP tool, confined to one workspace. Every call "
+    "is recorded into a session file; replay it with `archon-port replay`."
+)
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="run the MCP server (stdio by default)",
-        description="Serve every engine step as an MCP tool, confined to one workspace. Every call "
-        "is recorded into a session file; replay it with `archon-port replay`.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve options, shared by ``archon-port serve`` and ``python -m mcp_server``."""
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on PORT instead of stdio")
     parser.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; anything else exposes the tools)"
@@ -37,6 +45,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(default {DEFAULT_LOCK_TIMEOUT_S:g}; 0 refuses at once)",
     )
     parser.set_defaults(func=run)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the MCP server (stdio by default)", description=DESCRIPTION)
+    add_arguments(parser)
+
+
+def build_parser(prog: str = "python -m mcp_server") -> argparse.ArgumentParser:
+    """A stand-alone parser of the serve options (``python -m mcp_server``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION + " The same as `archon-port serve`.")
+    add_verbose_option(parser)
+    add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str], prog: str = "python -m mcp_server") -> argparse.Namespace:
+    """Parse the serve options; a leading ``serve`` (as in ``archon-port serve ...``) is accepted."""
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    return build_parser(prog).parse_args(argv)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m mcp_server") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv), prog)
+    configure_logging(args.verbose)
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from skill.cli._errors import reports_bad_input
+from skill.cli._overrides import add_override_option, overrides_of
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,11 +15,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run one test stage (1-6) of a package",
         description="Run stage N (1 args, 2 adapter, 3 completeness, 4 parity, 5 distributed, "
         "6 checkpoint) of tests/archon/test_<model>.py in a pytest subprocess, writing the test "
-        "file first if it is missing. Exits 1 when the stage fails.",
+        "file first if it is missing. With --override, adds a case with those config attributes to the "
+        "test file (once) and runs only it. Exits 1 when the stage fails.",
     )
     parser.add_argument("model", help="package name under archon_models/")
     parser.add_argument("stage", type=int, help="stage number, 1-6")
     parser.add_argument("--model-type", help="HF model_type of the test case (default: the model name)")
+    add_override_option(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from skill.porting.run_test_stage import RunTestStageRequest
     from skill.tools import invoke
 
-    result = invoke("run_test_stage", RunTestStageRequest(model_name=args.model, stage=args.stage, model_type=args.model_type))
+    result = invoke("run_test_stage", RunTestStageRequest(model_name=args.model, stage=args.stage, model_type=args.model_type, config_overrides=overrides_of(args)))
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         return 0 if result.passed else 1
@@ -39,5 +42,6 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"  {'ok' if check.passed else 'FAILED'}  {check.name}{diff}  {check.detail if not check.passed else ''}\n")
     if not result.passed and result.output_tail:
         sys.stdout.write(result.output_tail + "\n")
-    sys.stdout.write(f"stage {result.stage} of {args.model}: {'passed' if result.passed else 'FAILED'} in {result.seconds:.1f}s\n")
+    case = f" (case {result.case_id})" if result.case_id else ""
+    sys.stdout.write(f"stage {result.stage} of {args.model}{case}: {'passed' if result.passed else 'FAILED'} in {result.seconds:.1f}s\n")
     return 0 if result.passed else 1

@@ -9,10 +9,11 @@ from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree, Workspace
 from skill.codemod.cst import CodemodError, read_dict_literal
-from skill.porting.common import PackageLayout, PackageRequest
+from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, PackageRequest
 from skill.porting.edit_adapter_map import FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
+from skill.porting.tp_plan import PlanTraceError, trace_tp_plan
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def check_package(request: CheckPackageRequest) -> CheckPackageResult:
     """Check archon_models/<model_name>/ for the porting guide's common mistakes: missing
     files, HF keys with no mapping, from_hf_config reading attributes the config lacks,
     runtime buffers without a None entry, MoE experts without 3D<->2D conversion, a TP plan
-    that does not match QK norm, a missing import line or model_type variant, print()."""
+    that does not match QK norm or has an entry matching no module of the model (built on
+    the meta device), a missing import line or model_type variant, print(), a hand edit
+    still marked as needed."""
     tree = StagedTree(Workspace(request.workspace))
     return run_checks(tree, request)
 
@@ -99,6 +102,8 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
         _check("moe_conversion", moe_ok, "" if moe_ok else "per-expert HF keys but the adapter converts no experts")
     )
     checks.append(_check_tp_plan(sources["model/model.py"] or "", sources["infra/parallelize.py"] or ""))
+    if not missing:
+        checks.append(_check_tp_plan_modules(tree, request.model_name, [source, *model_types], layout))
     init_text = tree.read_text(ARCHON_INIT) or ""
     line_ok = _has_import(init_text, layout.names.package)
     checks.append(_check("import_line", line_ok, "" if line_ok else f"add `{import_line_for(layout.names.package)}` to {ARCHON_INIT}"))
@@ -112,6 +117,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     )
     prints = [f"{rel}:{line}" for rel, text in sources.items() if text for line in _print_calls(text)]
     checks.append(_check("logging_not_print", not prints, f"print() at {prints}" if prints else ""))
+    checks.append(_check_hand_edits(sources, layout))
     return CheckPackageResult(
         package_dir=layout.package_dir, passed=all(c.passed for c in checks), checks=checks
     )
@@ -230,3 +236,58 @@ def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
     if not has_qk_norm and plan_norm:
         return _check("tp_plan_qk_norm", False, "the TP plan shards q_norm/k_norm, which the model does not have")
     return _check("tp_plan_qk_norm", True, "with QK norm" if has_qk_norm else "without QK norm")
+
+
+def _check_tp_plan_modules(
+    tree: StagedTree, model_name: str, sources: list[str], layout: PackageLayout
+) -> PackageCheck:
+    """Every TP plan key resolves to a module of the model it is applied to.
+
+    torch's ``parallelize_module`` skips an unresolved key with a warning, so a plan entry
+    for a module the model lacks (``attention.q_norm`` without QK norm) otherwise passes
+    every stage.
+    """
+    try:
+        trace = trace_tp_plan(tree, model_name, sources)
+    except PlanTraceError as e:
+        return _check(
+            "tp_plan_modules",
+            False,
+            f"cannot build {layout.model_class} on the meta device and trace {layout.parallelize_fn}: {e}. "
+            f"Fix {layout.model} / {layout.parallelize} until the package imports and builds.",
+        )
+    if trace.unmatched:
+        listed = "; ".join(
+            f"{e.level}-level plan entry {e.key!r} (applied to {e.applied_to}, traced on {e.probe}) matches no "
+            f"module; {'the block' if e.level == 'layer' else 'it'} has {', '.join(e.children) or 'no children'}"
+            for e in trace.unmatched
+        )
+        return _check(
+            "tp_plan_modules",
+            False,
+            f"{listed}. Fix: re-run write_parallelize for this family, or remove the entry from {layout.parallelize} "
+            "(or add the module to model.py if the family has it); torch skips such entries silently.",
+        )
+    detail = f"{trace.matched_keys} plan keys match modules, traced on {len(trace.probes)} models"
+    if trace.skipped_probes:
+        detail += f" (not traced: {'; '.join(trace.skipped_probes)})"
+    return _check("tp_plan_modules", True, detail)
+
+
+def _check_hand_edits(sources: dict[str, str | None], layout: PackageLayout) -> PackageCheck:
+    """No ``# archon-port: hand edit needed: <feature>`` marker is left in the package."""
+    left = [
+        f"{layout.file(rel)}:{number} ({line.split(HAND_EDIT_MARKER, 1)[1].strip()})"
+        for rel, text in sources.items()
+        if text
+        for number, line in enumerate(text.splitlines(), start=1)
+        if HAND_EDIT_MARKER in line
+    ]
+    if left:
+        return _check(
+            "hand_edits_done",
+            False,
+            f"hand edits still marked as needed at {', '.join(left)}: write each feature there and remove "
+            "its marker (see SKILL.md § Porting by hand)",
+        )
+    return _check("hand_edits_done", True)

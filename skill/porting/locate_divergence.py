@@ -2,8 +2,11 @@
 
 Every module of both models gets a forward hook. Archon modules are matched to HF modules
 through the adapter's key map (the HF module of an Archon module is the common prefix of
-the HF keys of its parameters), and compared in the order the Archon forward ran them.
-The first pair outside tolerance is where a port went wrong.
+the HF keys of its parameters). A module without parameters (a weightless LayerNorm, an
+activation module) has no key to match by; it is matched by where it runs: to the HF
+module without parameters, of the same output shape, that runs between the same two
+matched neighbours inside the same matched parent. Pairs are compared in the order the
+Archon forward ran them; the first pair outside tolerance is where a port went wrong.
 
 The comparison runs in a fresh interpreter (``python -m skill.porting.locate_divergence``),
 so a package edited since this process imported ``archon_models`` is seen as it is now.
@@ -12,6 +15,7 @@ so a package edited since this process imported ``archon_models`` is seen as it 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -20,14 +24,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 
+import skill
 from skill.codemod import Workspace
 from skill.porting.common import PackageLayout, PackageRequest
 
 logger = logging.getLogger(__name__)
+
+# The engine's own checkout, so the worker runs this code even in a workspace without skill/.
+_ENGINE_ROOT = Path(skill.__file__).resolve().parents[1]
 
 # torch.testing.assert_close defaults for fp32, as stage 4 uses.
 RTOL = 1.3e-6
@@ -43,11 +51,21 @@ class ModuleDiff(BaseModel):
     input_max_abs_diff: float | None = Field(
         default=None, description="difference of the module's first input, when both sides' inputs compare"
     )
+    matched_by: Literal["adapter_map", "execution_order"] = Field(
+        default="adapter_map",
+        description="how the HF module was found: through the parameters' adapter keys, or (a module "
+        "without parameters) by running between the same matched neighbours",
+    )
 
 
 class LocateDivergenceRequest(PackageRequest):
     model_type: str | None = Field(default=None, description="HF model_type (default: the first case of the package's test file, else model_name)")
     num_tokens: int = Field(default=13, ge=2, le=512, description="length of the one document run through both models")
+    config_overrides: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="config attributes set on the tiny HF config both sides are built from, on top of the test "
+        "case's (e.g. {\"clip_qkv\": 8.0} to exercise a feature the default hides)",
+    )
 
 
 class LocateDivergenceResult(BaseModel):
@@ -57,7 +75,12 @@ class LocateDivergenceResult(BaseModel):
     first_divergence: ModuleDiff | None = None
     logits_max_abs_diff: float
     compared: list[ModuleDiff] = Field(description="matched modules in Archon execution order")
-    unmatched_archon_modules: list[str] = Field(default_factory=list)
+    unmatched_archon_modules: list[str] = Field(
+        default_factory=list, description="modules with parameters the adapter map does not connect to HF"
+    )
+    config_overrides: dict[str, JsonValue] = Field(
+        default_factory=dict, description="every override on the tiny config: the test case's and the request's"
+    )
 
 
 def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResult:
@@ -71,7 +94,10 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
     command = [sys.executable, "-m", "skill.porting.locate_divergence", request.model_name, "--num-tokens", str(request.num_tokens)]
     if request.model_type:
         command += ["--model-type", request.model_type]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workspace.root), os.environ.get("PYTHONPATH")]))}
+    if request.config_overrides:
+        command += ["--config-overrides", json.dumps(request.config_overrides)]
+    paths = [str(workspace.root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     proc = subprocess.run(command, cwd=workspace.root, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
@@ -113,12 +139,102 @@ def _common_prefix(paths: list[str]) -> str:
     return ".".join(prefix)
 
 
-def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens: int) -> LocateDivergenceResult:
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _has_parameters(module: Any) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+class _Recorder:
+    """Forward hooks on every module of one model: first output, first input, completion order."""
+
+    def __init__(self, model: Any, with_kwargs: bool):
+        self.outputs: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}
+        self.order: list[str] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            if not name:
+                continue
+            if with_kwargs:
+                hook = functools.partial(self._hook_kwargs, name)
+                self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(functools.partial(self._hook, name)))
+
+    def _hook(self, name: str, module: Any, args: Any, out: Any) -> None:
+        self._record(name, _first_tensor(args), out)
+
+    def _hook_kwargs(self, name: str, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        self._record(name, _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states")), out)
+
+    def _record(self, name: str, first_in: Any, out: Any) -> None:
+        tensor = _first_tensor(out)
+        if tensor is None or name in self.outputs:
+            return
+        self.outputs[name] = tensor.detach()
+        self.order.append(name)
+        if first_in is not None:
+            self.inputs[name] = first_in.detach()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _match_parameterless(
+    model: Any, hf_model: Any, matches: dict[str, str], archon: _Recorder, hf: _Recorder
+) -> dict[str, str]:
+    """Archon modules without parameters -> HF modules, by where they run.
+
+    The HF partner runs after the HF partner of the last matched Archon module that
+    finished before it and before the HF partner of the next one, lies inside the HF
+    partner of its nearest matched ancestor, has no parameters either and has the same
+    output shape; the first such module not yet taken.
+    """
+    archon_modules = dict(model.named_modules())
+    hf_modules = dict(hf_model.named_modules())
+    hf_position = {name: i for i, name in enumerate(hf.order)}
+    taken = set(matches.values())
+    found: dict[str, str] = {}
+    for i, name in enumerate(archon.order):
+        if name in matches or _has_parameters(archon_modules[name]):
+            continue
+        before = next((n for n in reversed(archon.order[:i]) if n in matches), None)
+        after = next((n for n in archon.order[i + 1 :] if n in matches), None)
+        low = hf_position.get(matches[before], -1) if before is not None else -1
+        high = hf_position.get(matches[after], len(hf.order)) if after is not None else len(hf.order)
+        ancestor = _parent(name)
+        while ancestor and ancestor not in matches:
+            ancestor = _parent(ancestor)
+        scope = matches.get(ancestor, "")
+        shape = archon.outputs[name].shape
+        for hf_name in hf.order[low + 1 : high]:
+            inside = not scope or hf_name.startswith(scope + ".")
+            if (
+                inside
+                and hf_name not in taken
+                and not _has_parameters(hf_modules[hf_name])
+                and hf.outputs[hf_name].shape == shape
+            ):
+                found[name] = hf_name
+                taken.add(hf_name)
+                break
+    return found
+
+
+def run_locally(
+    root: Path, model_name: str, model_type: str | None, num_tokens: int, config_overrides: dict[str, Any] | None = None
+) -> LocateDivergenceResult:
     import torch
 
     from skill.harness.models import build_model_pair
 
     case = _case_for(root, model_name, model_type)
+    if config_overrides:
+        case = case.model_copy(update={"config_overrides": {**case.config_overrides, **config_overrides}})
     with tempfile.TemporaryDirectory(prefix="archon-port-diverge-") as tmp:
         pair = build_model_pair(case, tmp, attn_type="sdpa")
     hf_model, archon = pair.hf_model, pair.archon
@@ -143,51 +259,28 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
     positions = torch.arange(num_tokens).unsqueeze(0)
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32)
 
-    archon_out: dict[str, torch.Tensor] = {}
-    archon_in: dict[str, torch.Tensor] = {}
-    order: list[str] = []
-    hf_out: dict[str, torch.Tensor] = {}
-    hf_in: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name in matches:
-            def hook(mod, args, out, name=name):
-                tensor = _first_tensor(out)
-                if tensor is not None and name not in archon_out:
-                    archon_out[name] = tensor.detach()
-                    order.append(name)
-                    first_in = _first_tensor(args)
-                    if first_in is not None:
-                        archon_in[name] = first_in.detach()
-            handles.append(module.register_forward_hook(hook))
-    wanted_hf = set(matches.values())
-    for name, module in hf_model.named_modules():
-        if name in wanted_hf:
-            def hf_hook(mod, args, kwargs, out, name=name):
-                tensor = _first_tensor(out)
-                if tensor is not None and name not in hf_out:
-                    hf_out[name] = tensor.detach()
-                    first_in = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
-                    if first_in is not None:
-                        hf_in[name] = first_in.detach()
-            handles.append(module.register_forward_hook(hf_hook, with_kwargs=True))
+    archon_rec = _Recorder(model, with_kwargs=False)
+    hf_rec = _Recorder(hf_model, with_kwargs=True)
     try:
         with torch.no_grad():
             hf_logits = hf_model(tokens).logits
             logits = model(tokens, positions, cu_seqlens, num_tokens)
     finally:
-        for handle in handles:
-            handle.remove()
+        archon_rec.remove()
+        hf_rec.remove()
+    by_order = _match_parameterless(model, hf_model, matches, archon_rec, hf_rec)
 
     compared: list[ModuleDiff] = []
-    for name in order:
-        hf_name = matches[name]
-        a, h = archon_out[name], hf_out.get(hf_name)
+    for name in archon_rec.order:
+        hf_name = matches.get(name) or by_order.get(name)
+        if hf_name is None:
+            continue
+        a, h = archon_rec.outputs[name], hf_rec.outputs.get(hf_name)
         if h is None or a.shape != h.shape:
             continue
         diff = float((a.float() - h.float()).abs().max()) if a.numel() else 0.0
         ok = bool(torch.allclose(a.float(), h.float(), rtol=RTOL, atol=ATOL))
-        a_in, h_in = archon_in.get(name), hf_in.get(hf_name)
+        a_in, h_in = archon_rec.inputs.get(name), hf_rec.inputs.get(hf_name)
         in_diff = None
         if a_in is not None and h_in is not None and a_in.shape == h_in.shape and a_in.is_floating_point():
             in_diff = float((a_in.float() - h_in.float()).abs().max()) if a_in.numel() else 0.0
@@ -199,6 +292,7 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
                 shape=list(a.shape),
                 within_tolerance=ok,
                 input_max_abs_diff=in_diff,
+                matched_by="adapter_map" if name in matches else "execution_order",
             )
         )
     logits_diff = float((logits.float() - hf_logits.float()).abs().max())
@@ -213,6 +307,7 @@ def run_locally(root: Path, model_name: str, model_type: str | None, num_tokens:
         logits_max_abs_diff=logits_diff,
         compared=compared,
         unmatched_archon_modules=unmatched,
+        config_overrides=case.config_overrides,
     )
 
 
@@ -221,13 +316,16 @@ def _first_lasting(compared: list[ModuleDiff]) -> ModuleDiff | None:
 
     A module boundary can sit at a different place on the two sides (HF may scale the
     embedding inside its embedding module, Archon right after it); the difference then
-    vanishes at the next module, so it is not where the port went wrong.
+    vanishes at the next module, so it is not where the port went wrong. "Next" skips the
+    module's siblings: they run on their own inputs (``w3`` next to an activation), so
+    only what runs after it outside its parent, or the parent itself, can absorb it.
     """
     by_name = {c.archon_module: c for c in compared}
     for i, diff in enumerate(compared):
         if diff.within_tolerance:
             continue
-        following = compared[i + 1] if i + 1 < len(compared) else None
+        parent = _parent(diff.archon_module)
+        following = next((c for c in compared[i + 1 :] if _parent(c.archon_module) != parent), None)
         if following is None or not following.within_tolerance:
             return _culprit(diff, by_name)
     first = next((c for c in compared if not c.within_tolerance), None)
@@ -257,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_name")
     parser.add_argument("--model-type")
     parser.add_argument("--num-tokens", type=int, default=13)
+    parser.add_argument("--config-overrides", type=json.loads, default={}, help="JSON object")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    result = run_locally(Path.cwd(), args.model_name, args.model_type, args.num_tokens)
+    result = run_locally(Path.cwd(), args.model_name, args.model_type, args.num_tokens, args.config_overrides)
     sys.stdout.write(json.dumps(result.model_dump()) + "\n")
     return 0
 

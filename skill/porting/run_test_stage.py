@@ -11,16 +11,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, JsonValue, field_validator
 
+import skill
 from skill.codemod import StagedTree, Workspace
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 from skill.porting.hf_source import load_config
 from skill.porting.plan import plan_for
 from skill.porting.model_edits import describe
-from skill.porting.test_file import test_file_source
+from skill.porting.test_file import add_override_case, test_file_source
 
 logger = logging.getLogger(__name__)
+
+_ENGINE_ROOT = Path(skill.__file__).resolve().parents[1]
 
 # Set by the stage tests' conftest on each test (skill.harness results as JSON).
 RESULT_PROPERTY = "archon_stage_result"
@@ -44,6 +47,11 @@ class StageTest(BaseModel):
 class RunTestStageRequest(PackageRequest):
     stage: int = Field(description="stage number 1-6: args, adapter, completeness, parity, distributed, checkpoint")
     model_type: str | None = Field(default=None, description="HF model_type of the test case (default: model_name)")
+    config_overrides: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="config attributes set on the tiny HF config of both sides, to prove a feature a default "
+        "hides (e.g. {\"clip_qkv\": 8.0}); added to the test file as an extra case (once) and only that case runs",
+    )
     timeout_s: float = Field(default=600.0, gt=0)
 
     @field_validator("stage")
@@ -57,6 +65,7 @@ class RunTestStageRequest(PackageRequest):
 class RunTestStageResult(StepResult):
     stage: int
     test_file: str
+    case_id: str | None = Field(default=None, description="the one case that ran (the overrides' case), else every case ran")
     passed: bool
     tests: list[StageTest]
     max_abs_diff: float | None = Field(default=None, description="largest max abs diff of any check")
@@ -91,18 +100,27 @@ def ensure_test_file(
 def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
     """Run stage N (1 args, 2 adapter, 3 completeness, 4 parity, 5 distributed, 6 checkpoint)
     of archon_models/<model_name>/'s tests with pytest in a subprocess, writing the package's
-    test file under tests/archon/ first if it is missing. Returns pass/fail per check, the
-    max abs diffs and the time."""
+    test file under tests/archon/ first if it is missing. With config_overrides, adds a case
+    with them to that file (once) and runs only it. Returns pass/fail per check, the max abs
+    diffs and the time."""
     model_type = request.model_type or request.model_name
+    layout = PackageLayout.for_name(request.model_name)
+    case = None
     with staged(request.workspace) as tree:
         written = ensure_test_file(tree, request.model_name, model_type)
         root = tree.workspace.root
-    result = run_stage_subprocess(root, request.model_name, request.stage, request.timeout_s)
+        if request.config_overrides:
+            text = tree.read_text(layout.test_file) or ""
+            new_text, case = add_override_case(text, request.model_type, request.config_overrides)
+            write_if_changed(tree, layout.test_file, new_text, written)
+    result = run_stage_subprocess(root, request.model_name, request.stage, request.timeout_s, case_id=case)
     return result.model_copy(update={"changed_files": written})
 
 
-def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], timeout_s: float = 600.0) -> RunTestStageResult:
-    """Run the stage(s) of a package's test file in one pytest subprocess."""
+def run_stage_subprocess(
+    root: Path, model_name: str, stage: int | list[int], timeout_s: float = 600.0, case_id: str | None = None
+) -> RunTestStageResult:
+    """Run the stage(s) of a package's test file in one pytest subprocess (every case, or ``case_id``'s)."""
     stages = [stage] if isinstance(stage, int) else list(stage)
     marker = " or ".join(f"stage{s}" for s in stages)
     layout = PackageLayout.for_name(model_name)
@@ -115,7 +133,11 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
             sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
         ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        if case_id is not None:
+            command += ["-k", f"[{case_id}]"]
+        # The workspace's archon_models and tests first, then this engine (for a workspace without skill/).
+        paths = [str(root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:
@@ -132,6 +154,7 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
     return RunTestStageResult(
         stage=stages[0],
         test_file=layout.test_file,
+        case_id=case_id,
         passed=passed,
         tests=tests,
         max_abs_diff=max(diffs) if diffs else None,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 import textwrap
+from typing import Any
 
 from skill.porting.plan import PortPlan
 
@@ -76,6 +80,8 @@ def _render(value: object, indent: int) -> str:
         pad = " " * (indent + 4)
         inner = "".join(f"{pad}{_render(k, indent + 4)}: {_render(v, indent + 4)},\n" for k, v in value.items())
         return "{\n" + inner + " " * indent + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_render(v, indent) for v in value) + "]"
     return repr(value)
 
 
@@ -141,3 +147,96 @@ def test_file_source(
         cases=cases,
         case_comment="\n".join(comments),
     )
+
+
+# --- extra cases: config overrides that prove a feature a default hides ------------------
+
+OVERRIDE_COMMENT = "# Extra cases from run_test_stage(config_overrides=...): each proves a feature a default hides."
+
+
+class CasesError(ValueError):
+    """The test file has no ``CASES = [ModelCase(...), ...]`` literal the engine can extend."""
+
+
+def _cases_node(tree: ast.Module) -> ast.Assign:
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "CASES" for t in node.targets)
+            and isinstance(node.value, ast.List)
+        ):
+            return node
+    raise CasesError("the test file has no `CASES = [...]` list; restore it (delete the file and run_test_stage rewrites it).")
+
+
+def read_cases(text: str) -> list[dict[str, Any]]:
+    """The keyword arguments of every ``ModelCase(...)`` in ``CASES`` (literal values only)."""
+    cases: list[dict[str, Any]] = []
+    for element in _cases_node(ast.parse(text)).value.elts:
+        if not (isinstance(element, ast.Call) and getattr(element.func, "id", None) == "ModelCase"):
+            raise CasesError(f"CASES holds {ast.unparse(element)!r}, not a ModelCase(...) call the engine can read.")
+        try:
+            cases.append({kw.arg: ast.literal_eval(kw.value) for kw in element.keywords if kw.arg})
+        except ValueError as e:
+            raise CasesError(f"a ModelCase in CASES has a non-literal argument ({e}); the engine cannot extend it.") from e
+    return cases
+
+
+def case_id(case: dict[str, Any]) -> str:
+    """The pytest id of a case, as ``ModelCase.id`` gives it."""
+    return case.get("name") or case["model_type"]
+
+
+def _slug(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return re.sub(r"[^\w.]+", "_", text).strip("_") or "_"
+
+
+def _render_case(case: dict[str, Any]) -> str:
+    lines = ["    ModelCase("]
+    for key in ("model_type", "config_overrides", "name"):
+        if key in case:
+            lines.append(f"        {key}={_render(case[key], 8)},")
+    lines.append("    ),")
+    return "\n".join(lines) + "\n"
+
+
+def add_override_case(text: str, model_type: str | None, overrides: dict[str, Any]) -> tuple[str, str]:
+    """``text`` with a case proving ``overrides`` appended to ``CASES``, and that case's id.
+
+    The case starts from the file's case of ``model_type`` (default: the first), so the
+    overrides the generated case needs stay. A case with the same model_type and the
+    same resulting overrides already there is reused: the text comes back unchanged.
+    """
+    cases = read_cases(text)
+    if not cases:
+        raise CasesError("CASES is empty; add a ModelCase for the family first.")
+    base = next((c for c in cases if c.get("model_type") == model_type), None) if model_type else cases[0]
+    if base is None:
+        base = {"model_type": model_type, "config_overrides": {}}
+    merged = {**base.get("config_overrides", {}), **overrides}
+    for case in cases:
+        if case.get("model_type") == base["model_type"] and case.get("config_overrides", {}) == merged:
+            return text, case_id(case)
+    name = f"{base['model_type']}-" + "-".join(f"{k}-{_slug(v)}" for k, v in overrides.items())
+    taken = {case_id(c) for c in cases}
+    unique, n = name, 2
+    while unique in taken:
+        unique, n = f"{name}-{n}", n + 1
+    new_case = {"model_type": base["model_type"], "config_overrides": merged, "name": unique}
+    node = _cases_node(ast.parse(text))
+    lines = text.splitlines(keepends=True)
+    first, last = node.lineno - 1, node.end_lineno or node.lineno
+    closing = lines[last - 1]
+    if last - 1 > first and closing.strip() == "]":
+        # A list laid out one element a line: insert before its closing bracket, keeping the rest verbatim.
+        elements = lines[first + 1 : last - 1]
+        if elements and not elements[-1].rstrip().endswith((",", "[")):
+            elements[-1] = elements[-1].rstrip("\n") + ",\n"
+        block = [lines[first], *elements, _render_case(new_case), closing]
+    else:
+        segments = [ast.get_source_segment(text, e) or ast.unparse(e) for e in node.value.elts]
+        block = ["CASES = [\n", *(f"    {seg},\n" for seg in segments), _render_case(new_case), "]\n"]
+    has_comment = any(line.startswith(OVERRIDE_COMMENT) for line in lines[:first])
+    head = lines[:first] + ([] if has_comment else [OVERRIDE_COMMENT + "\n"])
+    return "".join(head + block + lines[last:]), unique

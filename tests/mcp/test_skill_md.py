@@ -54,6 +54,8 @@ def test_every_tool_the_playbook_names_is_registered():
         "runtime_buffers_dropped",
         "moe_conversion",
         "tp_plan_qk_norm",
+        "tp_plan_modules",
+        "hand_edits_done",
         "import_line",
         "model_types",
         "logging_not_print",

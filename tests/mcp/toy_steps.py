@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from skill.codemod.workspace import Workspace, transaction
+from skill.errors import UnsupportedFeatureError
 from skill.tools import ToolEntry
 
 logger = logging.getLogger("skill.tests.toy_steps")
@@ -83,8 +84,23 @@ def rewrite_note(request: RewriteRequest) -> AppendNoteResult:
     return AppendNoteResult(path=rel, lines=request.content.count("\n"), elapsed_s=0.0)
 
 
+class PortFeatureRequest(BaseModel):
+    model_name: str
+    feature: str
+    workspace: Path | None = None
+
+
+def port_feature(request: PortFeatureRequest) -> ReadNoteResult:
+    """Refuse every feature, as a step does for a feature no edit supports."""
+    raise UnsupportedFeatureError(
+        f"{request.model_name} has a feature no edit supports: {request.feature}. Nothing was written.",
+        [request.feature],
+    )
+
+
 TOY_ENTRIES = (
     ToolEntry(name="toy_append_note", target=f"{__name__}:append_note", package_field="model_name", long_running=True),
     ToolEntry(name="toy_read_note", target=f"{__name__}:read_note", read_only=True, package_field="model_name"),
     ToolEntry(name="toy_rewrite_note", target=f"{__name__}:rewrite_note", destructive=True, package_field="model_name"),
+    ToolEntry(name="toy_port_feature", target=f"{__name__}:port_feature", read_only=True, package_field="model_name"),
 )

@@ -148,3 +148,61 @@ def test_cli_add_reports_a_bad_name_in_one_line(capsys):
     assert main(["add", "llama", "--name", "../escape", "--stages", ""]) == 2
     err = capsys.readouterr().err
     assert err.startswith("archon-port: error: model_name:") and "leave archon_models/" in err
+
+
+def _tp_plan_modules(result):
+    return next(c for c in result.checks if c.name == "tp_plan_modules")
+
+
+def test_check_package_fails_a_tp_plan_entry_that_matches_no_module(workspace):
+    request = CheckPackageRequest(model_name="llama", workspace=workspace)
+    clean = _tp_plan_modules(check_package(request))
+    assert clean.passed, clean.detail
+    plan = workspace / "archon_models/llama/infra/parallelize.py"
+    text = plan.read_text()
+    wo = '            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),\n'
+    norm = '        root_plan["norm"] = SequenceParallel()\n'
+    assert wo in text and norm in text
+    # llama has no QK norm, and its final norm is called `norm`, not `final_norm`.
+    text = text.replace(wo, wo + '            "attention.q_norm": SequenceParallel(sequence_dim=2),\n')
+    text = text.replace(norm, norm + '        root_plan["final_norm"] = SequenceParallel()\n')
+    plan.write_text(text)
+
+    check = _tp_plan_modules(check_package(request))
+
+    assert not check.passed
+    assert "layer-level plan entry 'attention.q_norm'" in check.detail
+    assert "model-level plan entry 'final_norm'" in check.detail
+    assert "applied to layers.0-" in check.detail and "wq" in check.detail  # where, and what the block has
+    assert "re-run write_parallelize" in check.detail and "infra/parallelize.py" in check.detail
+    # Every entry that does resolve is not named.
+    assert "'attention.wo'" not in check.detail and "'norm'" not in check.detail
+
+
+def test_check_package_traces_moe_variants_and_fails_a_package_that_cannot_build(workspace):
+    # qwen3 serves qwen3_moe too: the MoE plan (with and without EP) is traced on a MoE config.
+    result = check_package(CheckPackageRequest(model_name="qwen3", model_types=["qwen3", "qwen3_moe"], workspace=workspace))
+    check = _tp_plan_modules(result)
+    assert check.passed, check.detail
+    assert "traced on 7 models" in check.detail
+    # A package that cannot be built fails the check, naming the cause.
+    model = workspace / "archon_models/qwen3/model/model.py"
+    model.write_text(model.read_text() + '\nraise ImportError("a half-written hand edit")\n')
+    broken = _tp_plan_modules(check_package(CheckPackageRequest(model_name="qwen3", workspace=workspace)))
+    assert not broken.passed
+    assert "cannot build Qwen3Model on the meta device" in broken.detail and "a half-written hand edit" in broken.detail
+
+
+def test_check_package_fails_while_a_hand_edit_marker_is_left(workspace):
+    from skill.porting.common import HAND_EDIT_MARKER
+
+    request = CheckPackageRequest(model_name="llama", workspace=workspace)
+    model = workspace / "archon_models/llama/model/model.py"
+    source = model.read_text()
+    anchor = "        return self.w2(F.silu(self.w1(x)) * self.w3(x))\n"
+    model.write_text(source.replace(anchor, f"        {HAND_EDIT_MARKER} clip_qkv\n" + anchor))
+    check = next(c for c in check_package(request).checks if c.name == "hand_edits_done")
+    assert not check.passed
+    assert "archon_models/llama/model/model.py:" in check.detail and "(clip_qkv)" in check.detail
+    model.write_text(source)
+    assert next(c for c in check_package(request).checks if c.name == "hand_edits_done").passed

@@ -1,0 +1,33 @@
+"""Errors every face reports the same way, and the pointer to the hand-port playbook.
+
+A step that fails because the engine has no edit for a feature, or because a file the
+step needs is missing, is where an agent leaves the automatic path: the message then
+ends with :data:`HAND_PORT_POINTER`, the section of SKILL.md that says what to write by
+hand and how to prove it.
+"""
+
+from __future__ import annotations
+
+HAND_PORT_SECTION = "Porting by hand"
+HAND_PORT_POINTER = f"see SKILL.md § {HAND_PORT_SECTION}"
+
+
+class UnsupportedFeatureError(ValueError):
+    """The family has features no reference or edit reproduces; ``features`` names them."""
+
+    def __init__(self, message: str, features: list[str]):
+        super().__init__(message)
+        self.features = list(features)
+
+
+def points_to_hand_port(error: BaseException) -> bool:
+    """Whether the way past ``error`` is the hand-port section (an unsupported feature, a missing file)."""
+    return isinstance(error, UnsupportedFeatureError | FileNotFoundError)
+
+
+def step_error_message(error: BaseException) -> str:
+    """``str(error)``, ending with the hand-port pointer where that is the way past it."""
+    message = str(error)
+    if points_to_hand_port(error) and HAND_PORT_POINTER not in message:
+        message = f"{message.rstrip()} ({HAND_PORT_POINTER})"
+    return message
