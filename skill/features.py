@@ -227,6 +227,10 @@ class NormFeatures(_Frozen):
     eps: float | None = None
     eps_field: str | None = None
     placement: NormPlacement = NormPlacement.PRE
+    block_norms: dict[str, str] = Field(
+        default_factory=dict,
+        description="layer-0 norm module name -> role (pre_attention, post_attention, pre_ffn, post_ffn), probed",
+    )
 
 
 class ScalarFeatures(_Frozen):

@@ -949,7 +949,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         (k for k, v in sorted(ctx.config.to_dict().items()) if k.endswith(("eps", "epsilon")) and isinstance(v, float)),
         None,
     )
-    placement = probes.probe_norm_placement(ctx.model, ctx.anatomy, ctx.tiny)
+    placement, block_norms = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
     if placement is None:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
@@ -959,6 +959,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         eps=float(ctx.get(eps_field)) if eps_field else None,
         eps_field=eps_field,
         placement=placement,
+        block_norms=block_norms,
     )
 
 

@@ -100,15 +100,27 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> NormPlacement | None:
-    """Where layer 0 normalises: from the tensors its sub-modules receive and return.
+    """Where layer 0 normalises (see :func:`probe_block_norms`)."""
+    return probe_block_norms(model, anatomy, config)[0]
+
+
+def probe_block_norms(
+    model: nn.Module, anatomy: LayerAnatomy, config: Any
+) -> tuple[NormPlacement | None, dict[str, str]]:
+    """Where layer 0 normalises, and what each of its norm modules does, from the tensors
+    its sub-modules receive and return.
 
     pre: the attention reads a norm of the layer input; post_sublayer: a norm reads the
     attention output and none reads the layer input; sandwich: both; parallel: the FFN
     reads (a norm of) the layer input, not the residual after attention; post_ln: a norm
     reads the layer input plus the attention output.
+
+    Roles, by the norm module's name in the layer: ``pre_attention`` (reads the layer
+    input, feeds the attention), ``post_attention`` (reads the attention output),
+    ``pre_ffn`` (feeds the feed-forward), ``post_ffn`` (reads the feed-forward output).
     """
     if anatomy.attention is None:
-        return None
+        return None, {}
     records: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = []
 
@@ -139,7 +151,7 @@ def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -
             handle.remove()
     x = layer_input.get("x")
     if x is None or anatomy.attention_name not in records:
-        return None
+        return None, {}
     attn_in, attn_out = records[anatomy.attention_name]
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,17 +172,28 @@ def probe_norm_placement(model: nn.Module, anatomy: LayerAnatomy, config: Any) -
         parallel = same(ffn_in, attn_in) or any(
             same(n_in, x) and same(n_out, ffn_in) for n_in, n_out in norm_records.values()
         )
+    ffn_out = records.get(anatomy.ffn_name or "", (None, None))[1]
+    roles: dict[str, str] = {}
+    for name, (n_in, n_out) in norm_records.items():
+        if same(n_in, x) and same(n_out, attn_in):
+            roles[name] = "pre_attention"
+        elif same(n_in, attn_out):
+            roles[name] = "post_attention"
+        elif ffn_in is not None and same(n_out, ffn_in):
+            roles[name] = "pre_ffn"
+        elif ffn_out is not None and same(n_in, ffn_out):
+            roles[name] = "post_ffn"
     if parallel:
-        return NormPlacement.PARALLEL
+        return NormPlacement.PARALLEL, roles
     if pre and post_sub:
-        return NormPlacement.SANDWICH
+        return NormPlacement.SANDWICH, roles
     if pre:
-        return NormPlacement.PRE
+        return NormPlacement.PRE, roles
     if post_sub:
-        return NormPlacement.POST_SUBLAYER
+        return NormPlacement.POST_SUBLAYER, roles
     if post_ln:
-        return NormPlacement.POST_LN
-    return None
+        return NormPlacement.POST_LN, roles
+    return None, roles
 
 
 def probe_is_causal(model: nn.Module, config: Any) -> bool:
@@ -309,6 +332,7 @@ __all__ = [
     "probe_is_causal",
     "probe_logit_multiplier",
     "probe_norm_kind",
+    "probe_block_norms",
     "probe_norm_placement",
     "probe_qk_norm_kind",
     "probe_rotary_layers",

@@ -120,9 +120,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
         att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5")
     ):
         limits.append("attention scale that no config field explains")
-    pos = checklist.positions
-    if pos.rotary_style.value == "interleaved" and (pos.partial_rotary_factor != 1.0 or (pos.rope_type or "default") != "default"):
-        limits.append("interleaved rotary pairing together with partial rotary or scaled frequencies")
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

@@ -148,8 +148,20 @@ def _norm_names(layer_modules: set[str]) -> dict[str, str]:
     return names
 
 
+# Archon's name for a block norm, by the role the analysis probed it in.
+NORM_ROLE_NAMES = {
+    "pre_attention": "attention_norm",
+    "post_attention": "post_attention_norm",
+    "pre_ffn": "ffn_norm",
+    "post_ffn": "post_ffn_norm",
+}
+
+
 def derive_from_hf_map(
-    hf_keys: list[str], dense_layers: bool = True, fused: dict[str, list[str]] | None = None
+    hf_keys: list[str],
+    dense_layers: bool = True,
+    fused: dict[str, list[str]] | None = None,
+    norm_roles: dict[str, str] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -163,7 +175,14 @@ def derive_from_hf_map(
         for k in keys
         if k.startswith(LAYER_PREFIX) and _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :])
     }
-    layer_rules = {**LAYER_MODULES, **_norm_names(layer_modules)}
+    # The analysis' probed roles name the block norms; the checkpoint's names are the
+    # fallback for a caller without a report.
+    norms = (
+        {name: NORM_ROLE_NAMES[role] for name, role in norm_roles.items() if role in NORM_ROLE_NAMES}
+        if norm_roles
+        else _norm_names(layer_modules)
+    )
+    layer_rules = {**LAYER_MODULES, **norms}
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:
@@ -258,7 +277,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
         fused = detect_fused_keys(shapes, tiny_config(config))
-        derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused)
+        from skill.porting.plan import report_for
+
+        roles = report_for(request.source, request.trust_remote_code).checklist.norm.block_norms
+        derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles)
         text = apply_fused_adapter(text, layout, fused)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}

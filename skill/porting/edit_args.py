@@ -217,7 +217,11 @@ def _rope_scaling_of(config: Any) -> dict[str, float] | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") == "default":
         return None
-    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and v is not None}
+    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and _numeric(v)}
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
@@ -227,7 +231,11 @@ ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, flo
     if rope_parameters.get("rope_type", "default") == "default":
         return None
     skip = ("rope_type", "rope_theta")
-    return {k: float(v) for k, v in rope_parameters.items() if k not in skip and v is not None}
+    return {
+        k: float(v)
+        for k, v in rope_parameters.items()
+        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 '''
 
 
@@ -327,8 +335,9 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
             f'        raise ValueError("sliding-window attention is not supported by {camel} in Archon, which attends over whole documents.")',
         ]
     lines += [
-        '    if getattr(hf_config, "attention_dropout", 0.0):',
-        '        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", hf_config.attention_dropout)',
+        '    dropout = getattr(hf_config, "attention_dropout", 0.0)',
+        "    if dropout:",
+        '        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)',
     ]
     return "\n".join(lines) + "\n"
 

@@ -25,97 +25,68 @@ def reexport_source(camel: str) -> str:
     )
 
 
-def composed_source(camel: str, rope_type: str, partial: bool) -> str:
-    """A rope.py with the reference's half-rotation layout, the checkpoint's frequency
-    scaling (``rope_type`` other than default) and/or partial rotary, assembled from the
-    tested functions of ``skill/porting/snippets/rope.py``."""
+def composed_source(camel: str, rope_type: str, partial: bool, interleaved: bool = False) -> str:
+    """A rope.py for any combination of the pairing (halves or adjacent pairs), the
+    checkpoint's frequency scaling (``rope_type`` other than default) and partial rotary,
+    assembled from the tested functions of ``skill/porting/snippets/rope.py``; what equals
+    Qwen2's is re-exported from it."""
     scaled = rope_type != "default"
-    own = (["precompute_rope_cache"] if scaled else []) + (["apply_rotary_emb"] if partial else [])
-    names = [n for n in ROPE_NAMES if n not in own]
-    imports = "".join(f"    {n},\n" for n in names)
-    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
     what = []
+    if interleaved:
+        what.append("adjacent features rotating together (interleaved pairing)")
     if scaled:
         what.append(f"{rope_type} frequency scaling")
     if partial:
         what.append("rotation of the first ``rotary_dim`` features of each head only")
+    own = set()
+    body: list[str] = []
+    if scaled:
+        body.append(snippet("rope", f"{rope_type}_frequencies", rename="_frequencies"))
+    if interleaved:
+        own |= {"precompute_rope_cache", "rotate_half", "apply_rotary_emb"}
+        renames = {"interleaved_rotate_half": "rotate_half"}
+        body.append(snippet("rope", "_local"))
+        cache = "interleaved_scaled_precompute_rope_cache" if scaled else "interleaved_precompute_rope_cache"
+        body.append(snippet("rope", cache, rename="precompute_rope_cache"))
+        body.append(snippet("rope", "interleaved_rotate_half", rename="rotate_half"))
+        full_apply = "_apply_full_rotary_emb" if partial else "apply_rotary_emb"
+        body.append(snippet("rope", "interleaved_apply_rotary_emb", rename=full_apply, names=renames))
+    elif scaled:
+        own.add("precompute_rope_cache")
+        body.append(snippet("rope", "precompute_rope_cache"))
+    if partial:
+        own.add("apply_rotary_emb")
+        body.append(snippet("rope", "apply_rotary_emb"))
+    imported = [n for n in ROPE_NAMES if n not in own]
+    if interleaved and "reshape_for_broadcast" not in imported:
+        imported.append("reshape_for_broadcast")
+    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
     doc = (
-        f'"""{camel} RoPE: HF\'s half-rotation layout (re-exported from Qwen2) with {" and ".join(what)}.\n\n'
+        f'"""{camel} RoPE: ' + "; ".join(what) + ".\n\n"
         + (
-            "Only the frequencies (and, for some variants, a factor on cos/sin) differ from the default\n"
-            f"RoPE; they follow transformers' ``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
+            "The frequencies (and, for some variants, a factor on cos/sin) follow transformers'\n"
+            f"``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
             if scaled
             else ""
         )
         + ("The features past ``rotary_dim`` pass through unrotated.\n" if partial else "")
+        + "What equals Qwen2's RoPE is re-exported from it.\n"
         + '"""\n\n'
     )
-    header = "from __future__ import annotations\n\n" + ("import math\n\n" if scaled else "") + "import torch\n\n"
-    if partial:
+    header = "from __future__ import annotations\n\n" + ("import math\n\n" if scaled else "") + "import torch\n"
+    if interleaved:
+        header += "from torch.distributed.tensor import DTensor\n"
+    header += "\n"
+    if partial and not interleaved:
         header += "from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb\n"
-    header += f"from archon_models.qwen2.model.rope import (\n{imports})\n\n__all__ = [\n{listed}]\n"
-    body = []
-    if scaled:
-        body.append(snippet("rope", f"{rope_type}_frequencies", rename="_frequencies"))
-        body.append(snippet("rope", "precompute_rope_cache"))
-    if partial:
-        body.append(snippet("rope", "apply_rotary_emb"))
+    names = "".join(f"    {n},\n" for n in sorted(imported, key=ROPE_NAMES.index))
+    header += f"from archon_models.qwen2.model.rope import (\n{names})\n\n__all__ = [\n{listed}]\n"
     return doc + header + "".join(f"\n\n{code}" for code in body)
 
 
 def interleaved_source(camel: str) -> str:
     """A rope.py that rotates adjacent feature pairs ``(x[2i], x[2i+1])`` (interleaved RoPE)."""
-    listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
-    return (
-        f'"""{camel} RoPE: adjacent features rotate together (interleaved pairing).\n\n'
-        "Feature pairs ``(x[2i], x[2i+1])`` rotate by the angle ``position * base ** (-2i / head_dim)``,\n"
-        "the layout of transformers' interleaved ``rotate_half`` (``x[..., ::2]`` / ``x[..., 1::2]``)\n"
-        "with ``repeat_interleave``d cos/sin, instead of Qwen2's two halves. The cache layout, the\n"
-        "row lookup by position and ``repeat_kv`` are Qwen2's.\n"
-        '"""\n\n'
-        "from __future__ import annotations\n\n"
-        "import torch\n"
-        "from torch.distributed.tensor import DTensor\n\n"
-        "from archon_models.qwen2.model.rope import repeat_kv, reshape_for_broadcast\n\n"
-        f"__all__ = [\n{listed}]\n\n\n"
-        "def _local(x: torch.Tensor) -> torch.Tensor:\n"
-        '    """The local shard of a DTensor (rope is applied per rank under TP), else ``x``."""\n'
-        "    return x.to_local() if isinstance(x, DTensor) else x\n\n\n"
-        "def precompute_rope_cache(dim: int, max_seq_len: int, base: float = 10_000.0) -> torch.Tensor:\n"
-        '    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest,\n'
-        "    each frequency repeated for the two features of its pair (``f0, f0, f1, f1, ...``).\n"
-        '    """\n'
-        "    if dim % 2 != 0:\n"
-        '        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")\n'
-        "    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))\n"
-        "    t = torch.arange(max_seq_len, dtype=torch.int64).float()\n"
-        "    angles = torch.outer(t, inv_freq)\n"
-        "    angles = torch.repeat_interleave(angles, 2, dim=-1)\n"
-        "    return torch.cat([angles.cos(), angles.sin()], dim=-1)\n\n\n"
-        "def rotate_half(x: torch.Tensor) -> torch.Tensor:\n"
-        '    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: each adjacent pair rotated."""\n'
-        "    x1 = x[..., ::2]\n"
-        "    x2 = x[..., 1::2]\n"
-        "    return torch.stack([-x2, x1], dim=-1).flatten(-2)\n\n\n"
-        "def apply_rotary_emb(\n"
-        "    xq: torch.Tensor,\n"
-        "    xk: torch.Tensor,\n"
-        "    rope_cache: torch.Tensor,\n"
-        "    positions: torch.Tensor | None = None,\n"
-        ") -> tuple[torch.Tensor, torch.Tensor]:\n"
-        '    """Rotate queries ``[bs, seq, n_heads, hd]`` and keys ``[bs, seq, n_kv_heads, hd]``.\n\n'
-        "    ``cos``/``sin`` are cast to the activation dtype before multiplying, as Qwen2's rope does.\n"
-        '    """\n'
-        "    rope_cache = _local(rope_cache)\n"
-        "    if positions is not None:\n"
-        "        positions = _local(positions)\n"
-        "    head_dim = xq.shape[-1]\n"
-        "    rows = reshape_for_broadcast(rope_cache, xq, positions).to(device=xq.device, dtype=xq.dtype)\n"
-        "    cos, sin = rows[..., :head_dim], rows[..., head_dim:]\n"
-        "    xq_out = xq * cos + rotate_half(xq) * sin\n"
-        "    xk_out = xk * cos + rotate_half(xk) * sin\n"
-        "    return xq_out, xk_out\n"
-    )
+    return composed_source(camel, "default", partial=False, interleaved=True)
 
 
 class SetRopeRequest(SourceRequest):
@@ -150,18 +121,11 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | N
             f"rope_type {plan.rope_type!r} has no implementation in the engine (supported: {', '.join(ROPE_TYPES)}); "
             "write rope.py by hand (SKILL.md, section 'Porting by hand')."
         )
-    if plan.rotary_interleaved and (plan.partial_rotary or plan.rope_type != "default"):
-        raise ValueError(
-            "interleaved rotary pairing has an implementation in the engine only with the default rope_type "
-            f"and full rotary (got rope_type {plan.rope_type!r}{', partial rotary' if plan.partial_rotary else ''}); "
-            "write rope.py by hand (SKILL.md, section 'Porting by hand')."
-        )
     changed: list[str] = []
     camel = layout.names.camel
-    if plan.rotary_interleaved:
-        text, reexported = interleaved_source(camel), False
-    elif plan.partial_rotary or plan.rope_type != "default":
-        text, reexported = composed_source(camel, plan.rope_type, plan.partial_rotary), False
+    if plan.rotary_interleaved or plan.partial_rotary or plan.rope_type != "default":
+        text = composed_source(camel, plan.rope_type, plan.partial_rotary, plan.rotary_interleaved)
+        reexported = False
     else:
         text, reexported = reexport_source(camel), True
     write_if_changed(tree, layout.rope, text, changed)

@@ -192,12 +192,34 @@ def test_interleaved_pairing_detected_and_chosen(tmp_path):
     assert again.changed_files == []
 
 
-def test_interleaved_with_scaling_is_refused(tmp_path):
-    from skill.porting.common import staged
-    from skill.porting.plan import plan_for
-    from skill.porting.set_rope import SetRopeRequest, apply_set_rope
+@pytest.mark.parametrize("scaled", [False, True], ids=["default", "linear"])
+def test_interleaved_partial_rope_matches_glm(scaled):
+    """Interleaved pairing x partial rotary (x frequency scaling) compose: GLM's rotary."""
+    from transformers import GlmConfig
+    from transformers.models.glm.modeling_glm import GlmRotaryEmbedding, apply_rotary_pos_emb
 
-    plan = plan_for("llama").model_copy(update={"rotary_interleaved": True, "rope_type": "linear"})
-    root = _workspace(tmp_path)
-    with pytest.raises(ValueError, match="interleaved"), staged(root) as tree:
-        apply_set_rope(tree, SetRopeRequest(model_name="llama", source="llama", workspace=root), plan)
+    from skill.porting.set_rope import composed_source
+
+    head_dim, n_heads, seq, base = 16, 4, 12, 10000.0
+    rope = {"rope_type": "linear", "rope_theta": base, "factor": 2.0} if scaled else {"rope_type": "default", "rope_theta": base}
+    config = GlmConfig(
+        hidden_size=64, num_attention_heads=n_heads, head_dim=head_dim, rope_parameters={**rope, "partial_rotary_factor": 0.5}
+    )
+    path = REPO / "build" / f"_glm_rope_{scaled}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(composed_source("Glm", rope["rope_type"], partial=True, interleaved=True))
+    try:
+        module = _load(path, f"_glm_rope_{scaled}")
+    finally:
+        path.unlink()
+    generator = torch.Generator().manual_seed(0)
+    xq = torch.randn(1, seq, n_heads, head_dim, generator=generator)
+    xk = torch.randn(1, seq, 2, head_dim, generator=generator)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]])
+    scaling = {"factor": 2.0} if scaled else None
+    cache = module.precompute_rope_cache(head_dim // 2, 64, base, *([scaling] if scaled else []))
+    q_out, k_out = module.apply_rotary_emb(xq, xk, cache, positions)
+    cos, sin = GlmRotaryEmbedding(config)(xq, positions)
+    q_ref, k_ref = apply_rotary_pos_emb(xq.transpose(1, 2), xk.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(q_out, q_ref.transpose(1, 2))
+    torch.testing.assert_close(k_out, k_ref.transpose(1, 2))

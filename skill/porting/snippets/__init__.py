@@ -27,13 +27,25 @@ def _module(name: str) -> cst.Module:
     return cst.parse_module(path.read_text())
 
 
-def snippet(module: str, name: str, *, rename: str | None = None) -> str:
+class _ExactRenamer(cst.CSTTransformer):
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
+        new = self.names.get(updated_node.value)
+        return updated_node.with_changes(value=new) if new else updated_node
+
+
+def snippet(module: str, name: str, *, rename: str | None = None, names: dict[str, str] | None = None) -> str:
     """The source of top-level class or function ``name`` of ``snippets/<module>.py``,
-    optionally renamed (``rename``), with no leading blank lines."""
+    optionally renamed (``rename``) and with the names it uses renamed exactly
+    (``names``: ``{"interleaved_rotate_half": "rotate_half"}``), no leading blank lines."""
     tree = _module(module)
     for stmt in tree.body:
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value == name:
             node = stmt.with_changes(leading_lines=[])
+            if names:
+                node = node.visit(_ExactRenamer(names))
             if rename is not None:
                 node = node.with_changes(name=cst.Name(rename))
             return tree.code_for_node(node)

@@ -13,7 +13,10 @@ import math
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
 from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb
+from archon_models.qwen2.model.rope import reshape_for_broadcast
 
 
 def linear_frequencies(dim: int, base: float, scaling: dict[str, float]) -> tuple[torch.Tensor, float]:
@@ -118,3 +121,70 @@ def apply_rotary_emb(
         torch.cat([q_rot, xq[..., rotary_dim:]], dim=-1),
         torch.cat([k_rot, xk[..., rotary_dim:]], dim=-1),
     )
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (rope is applied per rank under TP), else ``x``."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def interleaved_precompute_rope_cache(dim: int, max_seq_len: int, base: float = 10_000.0) -> torch.Tensor:
+    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest,
+    each frequency repeated for the two features of its pair (``f0, f0, f1, f1, ...``).
+    """
+    if dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    t = torch.arange(max_seq_len, dtype=torch.int64).float()
+    angles = torch.outer(t, inv_freq)
+    angles = torch.repeat_interleave(angles, 2, dim=-1)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def interleaved_scaled_precompute_rope_cache(
+    dim: int, max_seq_len: int, base: float = 10_000.0, scaling: dict[str, float] | None = None
+) -> torch.Tensor:
+    """``[max_seq_len, 2 * dim]``: ``cos`` in the first ``dim`` columns, ``sin`` in the rest,
+    each frequency repeated for the two features of its pair (``f0, f0, f1, f1, ...``).
+
+    ``scaling`` holds the checkpoint's ``rope_parameters``; ``None`` gives the default RoPE.
+    """
+    if dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head dimension, got {dim}.")
+    if scaling is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        attention_factor = 1.0
+    else:
+        inv_freq, attention_factor = _frequencies(dim, base, scaling)
+    t = torch.arange(max_seq_len, dtype=torch.int64).float()
+    angles = torch.outer(t, inv_freq)
+    angles = torch.repeat_interleave(angles, 2, dim=-1)
+    return torch.cat([angles.cos() * attention_factor, angles.sin() * attention_factor], dim=-1)
+
+
+def interleaved_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: each adjacent pair rotated."""
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack([-x2, x1], dim=-1).flatten(-2)
+
+
+def interleaved_apply_rotary_emb(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    rope_cache: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries ``[bs, seq, n_heads, hd]`` and keys ``[bs, seq, n_kv_heads, hd]``.
+
+    ``cos``/``sin`` are cast to the activation dtype before multiplying, as Qwen2's rope does.
+    """
+    rope_cache = _local(rope_cache)
+    if positions is not None:
+        positions = _local(positions)
+    head_dim = xq.shape[-1]
+    rows = reshape_for_broadcast(rope_cache, xq, positions).to(device=xq.device, dtype=xq.dtype)
+    cos, sin = rows[..., :head_dim], rows[..., head_dim:]
+    xq_out = xq * cos + interleaved_rotate_half(xq) * sin
+    xk_out = xk * cos + interleaved_rotate_half(xk) * sin
+    return xq_out, xk_out
