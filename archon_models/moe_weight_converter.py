@@ -285,7 +285,11 @@ class MoEWeightConverter:
         num_experts = grouped_expert_weight.shape[0]
         start, end = self.calculate_indices_from_placements(0, num_experts, placements, mesh)
         if start is None or end is None:
-            start, end = 0, num_experts
+            # AReaL's converter refuses this too: its DTensor path is for expert-sharded weights.
+            raise ValueError(
+                f"{archon_key}: placements {placements} do not shard the expert dimension; "
+                "split a replicated expert weight with split_expert_weights_offline"
+            )
         state.grouped_expert_weight_placements[archon_key] = placements
         state.grouped_expert_weight_shape[archon_key] = tuple(grouped_expert_weight.shape)
         state.local_experts_indices[archon_key] = (start, end)
@@ -340,10 +344,12 @@ class MoEWeightConverter:
 
     @staticmethod
     def split_expert_weights_offline(weight: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, ...]:
-        """A plain 3D expert weight as ``n_experts`` 2D views."""
-        if weight.shape[0] != n_experts:
-            raise ValueError(f"weight holds {weight.shape[0]} experts, expected {n_experts}")
-        return torch.unbind(weight, dim=0)
+        """A plain 3D expert weight as ``n_experts`` chunks of shape ``[1, out, in]``.
+
+        The chunks keep the expert dimension (``torch.split``), as AReaL's do; an adapter
+        that wants checkpoint-shaped 2D tensors squeezes it.
+        """
+        return torch.split(weight, weight.shape[0] // n_experts, dim=0)
 
     @staticmethod
     def concatenate_expert_weights_offline(

@@ -10,8 +10,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_NUM_EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-
 
 @dataclass
 class MoEArgs:
@@ -76,39 +74,19 @@ class MoEArgs:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MoEArgs:
-        """Read the routing fields of a HuggingFace MoE config.
+        """The routing fields every Qwen-style HF MoE config has, as AReaL 1.0.4 reads them.
 
-        Reads the expert count (``num_experts``, ``num_local_experts`` or
-        ``n_routed_experts``), ``num_experts_per_tok`` and ``norm_topk_prob`` (absent
-        means no renormalisation), with softmax scoring as the Qwen and Mixtral
-        routers use. A ``shared_expert_intermediate_size`` > 0 adds one shared expert
-        with a sigmoid gate: every HF family naming that field (qwen2_moe, qwen3_next,
-        qwen3_5_moe) gates it so. Families whose router differs (Mixtral always
-        renormalises; DeepSeek scores with sigmoid) adjust the result with
-        ``dataclasses.replace``.
+        ``num_experts`` (else ``num_local_experts``, else 8), ``num_experts_per_tok``
+        (else 1) and ``norm_topk_prob`` (else no renormalisation), with softmax scoring.
+        Nothing else: shared experts, a router that always renormalises, sigmoid scoring
+        are the family's to set on the result, inside its own package, because a package
+        must behave the same when this name resolves to AReaL's ``MoEArgs``.
         """
-        num_experts = next(
-            (getattr(hf_config, name) for name in _NUM_EXPERTS_FIELDS if getattr(hf_config, name, None) is not None),
-            None,
-        )
-        if num_experts is None:
-            raise ValueError(
-                f"{type(hf_config).__name__} has no expert count: expected one of "
-                f"{', '.join(_NUM_EXPERTS_FIELDS)}"
-            )
-        top_k = getattr(hf_config, "num_experts_per_tok", None)
-        if top_k is None:
-            raise ValueError(
-                f"{type(hf_config).__name__} has no 'num_experts_per_tok' (the router's top-k)"
-            )
-        shared_size = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         return cls(
-            num_experts=int(num_experts),
-            top_k=int(top_k),
-            route_norm=bool(getattr(hf_config, "norm_topk_prob", False)),
+            num_experts=getattr(hf_config, "num_experts", getattr(hf_config, "num_local_experts", 8)),
+            top_k=getattr(hf_config, "num_experts_per_tok", 1),
+            route_norm=getattr(hf_config, "norm_topk_prob", False),
             score_func="softmax",
-            shared_expert_intermediate_size=shared_size,
-            use_shared_expert_gate=shared_size > 0,
         )
 
 

@@ -36,11 +36,13 @@ def _read_bytes(path: Path) -> bytes | None:
 class Workspace:
     """A project root holding ``archon_models/``; every path is confined inside it."""
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, marker: str = "archon_models"):
+        """``marker`` is the directory the root must hold: ``archon_models`` for this
+        project, ``areal/experimental/models/archon`` for an AReaL tree an export writes to."""
         self.root = Path(root if root is not None else find_project_root()).resolve()
-        if not (self.root / "archon_models").is_dir():
+        if not (self.root / marker).is_dir():
             raise WorkspaceError(
-                f"{self.root} holds no archon_models/ directory; run from the archon-port "
+                f"{self.root} holds no {marker}/ directory; run from the archon-port "
                 "project root or pass workspace=<that root>."
             )
 

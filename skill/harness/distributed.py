@@ -228,6 +228,10 @@ class _Setup:
     model: nn.Module
     batches: list[PackedInputs]  # one per rank, for the data-parallel checks
     parallelisms: tuple[str, ...]
+    # The parallel-dims and activation-checkpoint classes handed to parallelize_fn:
+    # archon_models' by default, AReaL's own when the AReaL tier runs a package there.
+    dims_cls: type = ArchonParallelDims
+    ac_config_cls: type = ActivationCheckpointConfig
 
 
 def _has_moe(model: nn.Module) -> bool:
@@ -322,11 +326,11 @@ def _parallelize_kwargs(**overrides: Any) -> dict[str, Any]:
 def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     batch = setup.batches[0]
     ref = _reference(setup.model, [batch])
-    dims = ArchonParallelDims(tp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    dims = setup.dims_cls(tp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     model = setup.spec.parallelize_fn(
         copy.deepcopy(setup.model),
         dims,
-        **_parallelize_kwargs(ac_config=ActivationCheckpointConfig(mode="selective", selective_ac_option="op")),
+        **_parallelize_kwargs(ac_config=setup.ac_config_cls(mode="selective", selective_ac_option="op")),
     )
     logits = _forward(model, batch)
     loss = next_token_loss(logits, batch.tokens, batch.doc_lens)
@@ -349,6 +353,9 @@ def _critic(model: nn.Module) -> nn.Module:
     args = dataclasses.replace(model.model_args, is_critic=True)
     torch.manual_seed(0)
     critic = type(model)(args)
+    # As the engine does after building: buffers that are computed, not loaded (the RoPE
+    # cache; AReaL's MoE registers its load-balancing buffers only here).
+    critic.init_buffers(buffer_device="cpu")
     trunk = {k: v for k, v in model.state_dict().items() if not k.startswith("output.")}
     missing, unexpected = critic.load_state_dict(trunk, strict=False)
     if unexpected or any(not k.startswith("score.") for k in missing):
@@ -393,12 +400,12 @@ def _check_data_parallel(
 
 
 def _check_fsdp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
-    dims = ArchonParallelDims(dp_shard=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
-    _check_data_parallel(rec, setup, rank, "fsdp=2", dims, ac_config=ActivationCheckpointConfig(mode="full"))
+    dims = setup.dims_cls(dp_shard=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    _check_data_parallel(rec, setup, rank, "fsdp=2", dims, ac_config=setup.ac_config_cls(mode="full"))
 
 
 def _check_ep(rec: StageRecorder, setup: _Setup, rank: int) -> None:
-    dims = ArchonParallelDims(ep=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    dims = setup.dims_cls(ep=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     _check_data_parallel(rec, setup, rank, "ep=2", dims)
 
 
@@ -406,7 +413,7 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     """1F1B over two micro-batches (rows of one ``[2, T]`` batch sharing the document boundaries)."""
     microbatches = setup.batches
     ref = _reference(setup.model, microbatches, mean=False)
-    dims = ArchonParallelDims(pp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    dims = setup.dims_cls(pp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     stages, parts, has_first, has_last = pipeline_llm(
         copy.deepcopy(setup.model),
         torch.device("cpu"),
@@ -452,7 +459,7 @@ def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     """Each rank runs its half of the sequence; attention all-to-alls heads for sequence."""
     batch = setup.batches[0]
     ref = _reference(setup.model, [batch])
-    dims = ArchonParallelDims(cp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
+    dims = setup.dims_cls(cp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs())
     cp_group = dims.get_group("cp")
     sliced, _ = ulysses_slice_inputs(

@@ -157,6 +157,10 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             moe_args = MoEArgs.from_hf_config(c)
             if profile.route_norm:
                 moe_args.route_norm = True
+            if profile.shared_expert:
+                # The checkpoint holds a gated shared expert; its width is the config's.
+                moe_args.shared_expert_intermediate_size = c.shared_expert_intermediate_size
+                moe_args.use_shared_expert_gate = True
             return moe_args
 
         fields += [
@@ -342,18 +346,32 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SHARED_EXPERT_SETUP = """# One always-active shared expert, scaled by sigmoid(shared_expert_gate(x)). AReaL's
+# MoEArgs.from_hf_config reads neither field, so the package sets them.
+moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
+moe_args.use_shared_expert_gate = True
+"""
+
+
 def from_hf_config_source(
-    fields: list[ArgField], camel: str, config_class: str, moe: bool = False, route_norm: bool = False
+    fields: list[ArgField],
+    camel: str,
+    config_class: str,
+    moe: bool = False,
+    route_norm: bool = False,
+    shared_expert: bool = False,
 ) -> str:
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
-    kwargs = '{"attn_type", "num_labels", "router_dtype"}' if moe else '{"attn_type", "num_labels"}'
     kwargs_doc = (
         "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``), ``num_labels``\n"
         "    (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
-        "    the router GEMM)."
+        "    the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,\n"
+        "    as AReaL's own ``from_hf_config`` ignores it."
         if moe
         else "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``) and\n"
-        "    ``num_labels`` (outputs of a critic's ``score`` head, default 1)."
+        "    ``num_labels`` (outputs of a critic's ``score`` head, default 1). Others that\n"
+        "    AReaL's engine passes (``router_dtype``) are ignored, as AReaL's own\n"
+        "    ``from_hf_config`` ignores them: a dense model has no router."
     )
     moe_setup = MOE_SETUP
     if route_norm:
@@ -363,6 +381,8 @@ def from_hf_config_source(
             "# The router always rescales its top-k weights to sum to 1; no config field says so.\n"
             "moe_args.route_norm = True\n",
         )
+    if shared_expert:
+        moe_setup += SHARED_EXPERT_SETUP
     setup = "".join(f"    {line}\n" if line else "\n" for line in moe_setup.splitlines()) if moe else ""
     return f'''@classmethod
 def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> {camel}ModelArgs:
@@ -371,9 +391,6 @@ def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) 
     {kwargs_doc}
     ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
     """
-    unknown = sorted(set(kwargs) - {kwargs})
-    if unknown:
-        raise TypeError(f"{camel}ModelArgs.from_hf_config got unexpected keyword arguments {{unknown}}.")
     missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(
@@ -459,6 +476,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             profile.config_class,
             profile.moe,
             route_norm=profile.route_norm,
+            shared_expert=profile.shared_expert,
         ),
     )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.

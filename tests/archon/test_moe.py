@@ -90,18 +90,20 @@ def test_router_rejects_bad_configuration() -> None:
         MoEArgs(num_experts=4, top_k=5)
 
 
-def test_moe_args_from_hf_config_reads_routing_fields_and_names_missing_ones() -> None:
+def test_moe_args_from_hf_config_reads_only_what_areal_reads() -> None:
+    """AReaL 1.0.4's MoEArgs.from_hf_config: experts, top-k, norm_topk_prob, softmax; no
+    shared experts (a family sets those in its package) and defaults for absent fields."""
     qwen2 = MoEArgs.from_hf_config(tiny_config("qwen2_moe", norm_topk_prob=True))
     assert (qwen2.num_experts, qwen2.top_k, qwen2.route_norm, qwen2.score_func) == (4, 2, True, "softmax")
-    assert (qwen2.shared_expert_intermediate_size, qwen2.use_shared_expert_gate) == (32, True)
+    assert (qwen2.shared_expert_intermediate_size, qwen2.use_shared_expert_gate) == (0, False)
     mixtral = MoEArgs.from_hf_config(tiny_config("mixtral"))
     assert (mixtral.num_experts, mixtral.route_norm, mixtral.shared_expert_intermediate_size) == (4, False, 0)
 
-    class NoExperts:
-        num_experts_per_tok = 2
+    class Bare:
+        pass
 
-    with pytest.raises(ValueError, match="num_local_experts"):
-        MoEArgs.from_hf_config(NoExperts())
+    bare = MoEArgs.from_hf_config(Bare())
+    assert (bare.num_experts, bare.top_k, bare.route_norm) == (8, 1, False)
 
 
 def test_reorderer_sorts_slots_stably_by_expert() -> None:
@@ -234,6 +236,12 @@ def test_moe_matches_hf_block_forward_and_gradients(block_case: str) -> None:
     moe_args = MoEArgs.from_hf_config(config)
     if model_type == "mixtral":  # Mixtral always renormalises its top-k
         moe_args = dataclasses.replace(moe_args, route_norm=True)
+    if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE: one gated shared expert
+        moe_args = dataclasses.replace(
+            moe_args,
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+            use_shared_expert_gate=True,
+        )
     hidden = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     moe = MoE(moe_args, dim=config.hidden_size, hidden_dim=hidden)
     _copy_hf_block_into_moe(block, moe)
@@ -354,8 +362,10 @@ def test_converter_names_missing_experts_and_rejects_bad_input() -> None:
 
 def test_converter_areal_offline_methods() -> None:
     weight = torch.randn(4, 3, 2)
-    pieces = MoEWeightConverter.split_expert_weights_offline(weight, 4)
-    assert len(pieces) == 4 and pieces[1].shape == (3, 2)
+    # AReaL's offline split keeps the expert dimension: chunks of [1, out, in].
+    chunks = MoEWeightConverter.split_expert_weights_offline(weight, 4)
+    assert len(chunks) == 4 and chunks[1].shape == (1, 3, 2)
+    pieces = [c.squeeze(0) for c in chunks]
     by_layer = {"0": {"layers.{}.moe.experts.w1": {e: pieces[e] for e in (3, 1, 0)}}}
     assert MoEWeightConverter.concatenate_expert_weights_offline(by_layer, "layers.{}.moe.experts.w1", "0", 4) is None
     by_layer["0"]["layers.{}.moe.experts.w1"][2] = pieces[2]

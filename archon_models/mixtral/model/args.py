@@ -104,12 +104,10 @@ class MixtralModelArgs(BaseModelArgs):
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
         (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of
-        the router GEMM).
+        the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,
+        as AReaL's own ``from_hf_config`` ignores it.
         ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
         """
-        unknown = sorted(set(kwargs) - {"attn_type", "num_labels", "router_dtype"})
-        if unknown:
-            raise TypeError(f"MixtralModelArgs.from_hf_config got unexpected keyword arguments {unknown}.")
         missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(

@@ -83,12 +83,11 @@ class Olmo2ModelArgs(BaseModelArgs):
         """Map a ``Olmo2Config``.
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and
-        ``num_labels`` (outputs of a critic's ``score`` head, default 1).
+        ``num_labels`` (outputs of a critic's ``score`` head, default 1). Others that
+        AReaL's engine passes (``router_dtype``) are ignored, as AReaL's own
+        ``from_hf_config`` ignores them: a dense model has no router.
         ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
         """
-        unknown = sorted(set(kwargs) - {"attn_type", "num_labels"})
-        if unknown:
-            raise TypeError(f"Olmo2ModelArgs.from_hf_config got unexpected keyword arguments {unknown}.")
         missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(

@@ -105,12 +105,10 @@ class Qwen2MoeModelArgs(BaseModelArgs):
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
         (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of
-        the router GEMM).
+        the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,
+        as AReaL's own ``from_hf_config`` ignores it.
         ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
         """
-        unknown = sorted(set(kwargs) - {"attn_type", "num_labels", "router_dtype"})
-        if unknown:
-            raise TypeError(f"Qwen2MoeModelArgs.from_hf_config got unexpected keyword arguments {unknown}.")
         missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(
@@ -122,6 +120,10 @@ class Qwen2MoeModelArgs(BaseModelArgs):
         router_dtype: torch.dtype | None = kwargs.get("router_dtype")
         if router_dtype is not None:
             moe_args.router_dtype = router_dtype
+        # One always-active shared expert, scaled by sigmoid(shared_expert_gate(x)). AReaL's
+        # MoEArgs.from_hf_config reads neither field, so the package sets them.
+        moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
+        moe_args.use_shared_expert_gate = True
         n_heads = hf_config.num_attention_heads
         n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads

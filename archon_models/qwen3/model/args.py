@@ -125,12 +125,10 @@ class Qwen3ModelArgs(BaseModelArgs):
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
         (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of
-        the router GEMM). ``eos_token_id`` of ``None`` keeps the default; a list takes
-        its first id.
+        the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is
+        ignored, as AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of
+        ``None`` keeps the default; a list takes its first id.
         """
-        unknown = sorted(set(kwargs) - {"attn_type", "num_labels", "router_dtype"})
-        if unknown:
-            raise TypeError(f"Qwen3ModelArgs.from_hf_config got unexpected keyword arguments {unknown}.")
         num_experts = _num_experts(hf_config)
         required = _REQUIRED_HF_FIELDS + (_REQUIRED_MOE_HF_FIELDS if num_experts > 0 else ())
         missing = [name for name in required if getattr(hf_config, name, None) is None]

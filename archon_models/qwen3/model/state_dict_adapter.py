@@ -186,8 +186,10 @@ class Qwen3StateDictAdapter(BaseStateDictAdapter):
                 hf_template, template, layer_id, tensor, self._moe_state
             )
             return list(pieces.items())
+        # AReaL's offline split keeps the expert dimension ([1, out, in] chunks); the
+        # checkpoint holds 2D tensors.
         experts = MoEWeightConverter.split_expert_weights_offline(tensor, self.num_experts)
-        return [(hf_template.format(layer_id, e), w) for e, w in enumerate(experts)]
+        return [(hf_template.format(layer_id, e), w.squeeze(0)) for e, w in enumerate(experts)]
 
     def _stack_experts(self, by_layer: dict[str, dict[str, dict[int, Any]]]) -> dict[str, Any]:
         """3D Archon expert weights from ``{layer: {archon_template: {expert: 2D}}}``.

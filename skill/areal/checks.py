@@ -1,0 +1,294 @@
+"""The AReaL tier: a package, inside a real AReaL, built and loaded as AReaL's engine does.
+
+Runs in a Python that imports ``areal`` (the cached venv of
+:mod:`skill.areal.environment`, or the user's AReaL environment for ``export``) with the
+package already placed under ``areal/experimental/models/archon/``. For one HF
+model_type, every check goes through AReaL's registry and shared modules:
+
+- the engine's keyword arguments (``attn_type``, ``router_dtype`` and an unknown one)
+  are accepted, and ``router_dtype`` reaches every router gate;
+- the model is built as ``ArchonEngine`` builds it (meta device, ``to_empty``,
+  ``init_weights``, ``init_buffers``) and loaded as ``load_model_from_hf`` loads it
+  (``to_hf`` of the model's state dict, ``dcp.load`` through the adapter's HF storage
+  reader, ``from_hf``, strict ``load_state_dict``), for ``sdpa`` and ``varlen``;
+- logits and gradients match HF fp32 on CPU for several packed documents
+  (``skill.harness.parity``'s comparison);
+- ``to_hf`` reproduces the checkpoint; ``convert_single_to_hf`` per parameter, joined,
+  equals ``to_hf``, also under activation-checkpoint and compile wrapper names;
+- the critic (``is_critic=True``) builds and yields one value per token;
+- TP=2 and FSDP=2 on two gloo processes, through AReaL's ``ArchonParallelDims`` and
+  ``ActivationCheckpointConfig``, match one process, gradients included
+  (``skill.harness.distributed``'s workers).
+
+``python -m skill.areal.checks serve`` answers requests one JSON line at a time, so a
+test session pays the import of AReaL once per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from skill.harness.case import ModelCase
+from skill.harness.compare import compare_tensor_dicts, compare_tensors
+from skill.harness.inputs import make_packed_inputs
+from skill.harness.models import (
+    ArchonModel,
+    build_hf_config,
+    build_hf_model,
+    read_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from skill.harness.parity import archon_outputs, check_fp32, hf_reference
+from skill.harness.results import CheckResult, StageRecorder
+
+logger = logging.getLogger(__name__)
+
+ATTN_TYPES = ("sdpa", "varlen")
+WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod")
+
+
+class AReaLCheckRequest(BaseModel):
+    model_type: str = Field(description="HF model_type the package serves inside AReaL")
+    distributed: bool = Field(default=True, description="also run TP=2 and FSDP=2 on 2 gloo processes")
+
+
+class AReaLCheckResult(BaseModel):
+    model_type: str
+    package: str = Field(description="the AReaL module whose spec serves model_type")
+    checks: list[CheckResult]
+    seconds: float
+    max_logit_diff: float | None = None
+    max_grad_diff: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+
+def _engine_build(spec: Any, hf_config: Any, attn_type: str, is_critic: bool = False) -> tuple[Any, Any]:
+    """``ArchonEngine``'s model creation and materialisation, on CPU."""
+    args = spec.model_args_class.from_hf_config(
+        hf_config, is_critic=is_critic, attn_type=attn_type, router_dtype=None
+    )
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    model.init_buffers(buffer_device="cpu")
+    return args, model
+
+
+def _engine_load(model: Any, adapter: Any, checkpoint: Path) -> None:
+    """``load_model_from_hf``, one process: HF-keyed views, ``dcp.load``, ``from_hf``, strict load."""
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    hf_state = adapter.to_hf(state)
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(str(checkpoint)))
+    archon_state = adapter.from_hf(hf_state)
+    model.load_state_dict(archon_state, strict=True)
+
+
+def _wrapped(name: str, wrapper: str) -> str:
+    """``layers.3.attention.wq.weight`` as a wrapped layer names it."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 2:
+        return ".".join(parts[:2]) + wrapper + "." + ".".join(parts[2:])
+    return name
+
+
+def _check_engine_kwargs(rec: StageRecorder, spec: Any, hf_config: Any) -> None:
+    try:
+        args = spec.model_args_class.from_hf_config(
+            hf_config, is_critic=False, attn_type="sdpa", router_dtype=torch.float32, an_option_areal_adds_later=1
+        )
+    except Exception as exc:  # noqa: BLE001 - the failure is the check's result
+        rec.check("from_hf_config takes the engine's keyword arguments", False, f"{type(exc).__name__}: {exc}")
+        return
+    rec.check("from_hf_config takes the engine's keyword arguments", True, "attn_type, router_dtype, an unknown one")
+    rec.check("attn_type reaches the args", args.attn_type == "sdpa", f"attn_type={args.attn_type!r}")
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    gates = [(n, m) for n, m in model.named_modules() if n.endswith("router.gate")]
+    if gates:
+        wrong = [n for n, m in gates if getattr(m, "router_dtype", None) is not torch.float32]
+        rec.check(
+            "router_dtype reaches every router gate",
+            not wrong,
+            f"{len(gates)} gates" if not wrong else f"not float32: {wrong[:3]}",
+        )
+
+
+def _check_checkpoint_roundtrip(rec: StageRecorder, model: Any, adapter: Any, checkpoint: Path) -> None:
+    on_disk = read_hf_checkpoint(checkpoint)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    hf = adapter.to_hf(state)
+    rec.add(compare_tensor_dicts("to_hf reproduces the checkpoint's keys and values", hf, on_disk))
+    for wrapper in ("", *WRAPPERS):
+        joined: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            for hf_key, value in adapter.convert_single_to_hf(_wrapped(name, wrapper), tensor):
+                # A fused checkpoint tensor (qkv_proj, gate_up_proj) arrives as one slice
+                # per Archon parameter, in parameter order: joined, they are the whole.
+                joined[hf_key] = torch.cat([joined[hf_key], value]) if hf_key in joined else value
+        label = f" (names with {wrapper.lstrip('.')})" if wrapper else ""
+        rec.add(compare_tensor_dicts(f"convert_single_to_hf per parameter equals to_hf{label}", joined, hf))
+
+
+def _check_critic(rec: StageRecorder, spec: Any, hf_config: Any, checkpoint: Path) -> None:
+    args, critic = _engine_build(spec, hf_config, "sdpa", is_critic=True)
+    adapter = spec.state_dict_adapter_class(hf_config, str(checkpoint))
+    # The checkpoint is a causal LM's: its LM head has no place in a critic, whose
+    # ``score`` head starts fresh.
+    trunk = {k: v for k, v in adapter.from_hf(read_hf_checkpoint(checkpoint)).items() if not k.startswith("output.")}
+    missing, unexpected = critic.load_state_dict(trunk, strict=False)
+    inputs = make_packed_inputs((5, 3, 4), hf_config.vocab_size, seed=3)
+    with torch.no_grad():
+        values = critic(inputs.tokens, inputs.positions, inputs.cu_seqlens, inputs.max_seqlen)
+    expected = (1, inputs.num_tokens, args.num_labels)
+    ok = (
+        hasattr(critic, "score")
+        and not unexpected
+        and all(k.startswith("score.") for k in missing)
+        and tuple(values.shape) == expected
+        and bool(torch.isfinite(values).all())
+    )
+    rec.check(
+        "critic (is_critic=True) builds, loads the trunk, yields one value per token",
+        ok,
+        f"values {tuple(values.shape)}, expected {expected}; missing {list(missing)}, unexpected {list(unexpected)}",
+    )
+
+
+def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCase) -> None:
+    from areal.experimental.models.archon.activation_checkpoint import ActivationCheckpointConfig
+    from areal.experimental.models.archon.parallel_dims import ArchonParallelDims
+
+    from skill.harness import distributed
+
+    doc_lens = distributed._padded_doc_lens(case.doc_lens, 2 * distributed.WORLD_SIZE)
+    vocab = model.model_args.vocab_size
+    batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + r) for r in range(distributed.WORLD_SIZE)]
+    setup = distributed._Setup(
+        spec=spec,
+        model=model,
+        batches=batches,
+        parallelisms=("tp", "fsdp"),
+        dims_cls=ArchonParallelDims,
+        ac_config_cls=ActivationCheckpointConfig,
+    )
+    per_rank = distributed.launch(distributed._stage5_worker, distributed.WORLD_SIZE, args=(setup, case))
+    for check in distributed._merge_ranks(per_rank):
+        rec.add(check.model_copy(update={"name": f"AReaL helpers: {check.name}"}))
+
+
+def run_areal_checks(request: AReaLCheckRequest, workdir: str | Path | None = None) -> AReaLCheckResult:
+    """Every AReaL-tier check for one model_type; a raising check is a failed check."""
+    from areal.experimental.models.archon import get_model_spec
+
+    from skill.areal.cpu_kernels import register_cpu_varlen_kernel
+
+    start = time.perf_counter()
+    case = ModelCase(model_type=request.model_type)
+    rec = StageRecorder(case, 4)
+    spec = get_model_spec(request.model_type)
+    package = spec.model_class.__module__.rsplit(".model.", 1)[0]
+    register_cpu_varlen_kernel()
+    try:
+        with tempfile.TemporaryDirectory(prefix="archon-areal-", dir=workdir) as tmp:
+            tmp_path = Path(tmp)
+            hf_config = build_hf_config(case)
+            _check_engine_kwargs(rec, spec, hf_config)
+            hf_model = build_hf_model(case, hf_config)
+            checkpoint = save_hf_checkpoint(hf_model, tmp_path / "hf")
+            inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed)
+            ref = hf_reference(hf_model, inputs, tmp_path / "hf_grads")
+            loaded = None
+            for attn_type in ATTN_TYPES:
+                args, model = _engine_build(spec, hf_config, attn_type)
+                adapter = spec.state_dict_adapter_class(hf_config, str(checkpoint))
+                _engine_load(model, adapter, checkpoint)
+                archon = ArchonModel(spec=spec, args=args, model=model, adapter=adapter)
+                check_fp32(rec, ref, archon_outputs(archon, inputs), inputs, f"AReaL, {attn_type}")
+                if attn_type == "sdpa":
+                    loaded = archon
+            assert loaded is not None
+            _check_checkpoint_roundtrip(rec, loaded.model, loaded.adapter, checkpoint)
+            _check_critic(rec, spec, hf_config, checkpoint)
+            if request.distributed:
+                _check_distributed(rec, spec, loaded.model, case)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check with its origin
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        rec.check("raised", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+        logger.exception("AReaL checks of %s raised", request.model_type)
+    checks = rec.checks
+    logits = [c.max_abs_diff for c in checks if c.name.startswith("logits") and c.max_abs_diff is not None]
+    grads = [c.max_abs_diff for c in checks if c.name.startswith("gradients of every") and c.max_abs_diff is not None]
+    return AReaLCheckResult(
+        model_type=request.model_type,
+        package=package,
+        checks=checks,
+        seconds=time.perf_counter() - start,
+        max_logit_diff=max(logits) if logits else None,
+        max_grad_diff=max(grads) if grads else None,
+    )
+
+
+def serve(stdin: Any = sys.stdin) -> None:
+    """One :class:`AReaLCheckRequest` per input line, one :class:`AReaLCheckResult` per output line.
+
+    AReaL's loggers (and forked workers) write to stdout; the protocol keeps the real
+    stdout to itself and everything else that writes to file descriptor 1 lands on stderr.
+    """
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in stdin:
+        if not line.strip():
+            continue
+        request = AReaLCheckRequest.model_validate_json(line)
+        result = run_areal_checks(request)
+        stdout.write(result.model_dump_json() + "\n")
+        stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="AReaL-tier checks (run inside a Python that imports areal)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="answer JSON-line requests on stdin")
+    one = sub.add_parser("run", help="check model types and print one JSON result per line")
+    one.add_argument("model_types", nargs="+")
+    one.add_argument("--no-distributed", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve()
+        return 0
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # as in serve(): stdout carries the results only
+    sys.stdout = sys.stderr
+    failed = False
+    for model_type in args.model_types:
+        result = run_areal_checks(AReaLCheckRequest(model_type=model_type, distributed=not args.no_distributed))
+        out.write(json.dumps(result.model_dump()) + "\n")
+        out.flush()
+        failed |= not result.passed
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

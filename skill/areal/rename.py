@@ -1,0 +1,65 @@
+"""Rewrite a package's import prefix (``archon_models`` -> ``areal.experimental.models.archon``).
+
+Only ``from <module> import ...`` statements change; comments, docstrings and formatting
+stay as written (libcst re-emits the file unchanged elsewhere). A plain
+``import archon_models...`` binds the name ``archon_models`` that the code then uses, so
+renaming it would need the whole body rewritten: such a file is refused, naming the line
+(packages the engine writes use ``from`` imports only).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.helpers
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+ARCHON_PREFIX = "archon_models"
+AREAL_PREFIX = "areal.experimental.models.archon"
+
+
+def _dotted(name: str) -> cst.Attribute | cst.Name:
+    parts = name.split(".")
+    node: cst.Attribute | cst.Name = cst.Name(parts[0])
+    for part in parts[1:]:
+        node = cst.Attribute(value=node, attr=cst.Name(part))
+    return node
+
+
+def _renamed(module: str, old: str, new: str) -> str | None:
+    if module == old:
+        return new
+    if module.startswith(old + "."):
+        return new + module[len(old) :]
+    return None
+
+
+class _PrefixRewriter(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, old: str, new: str, filename: str):
+        super().__init__()
+        self.old, self.new, self.filename = old, new, filename
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        if updated.relative or updated.module is None:
+            return updated
+        target = _renamed(libcst.helpers.get_full_name_for_node(updated.module) or "", self.old, self.new)
+        return updated if target is None else updated.with_changes(module=_dotted(target))
+
+    def visit_Import(self, node: cst.Import) -> None:
+        for alias in node.names:
+            name = libcst.helpers.get_full_name_for_node(alias.name) or ""
+            if _renamed(name, self.old, self.new) is not None:
+                line = self.get_metadata(PositionProvider, node).start.line
+                raise ValueError(
+                    f"{self.filename}:{line}: `import {name}` binds the name {self.old!r}, which a prefix "
+                    f"rewrite cannot carry over; write it as `from {name.rsplit('.', 1)[0]} import ...`"
+                )
+
+
+def rewrite_import_prefix(
+    source: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX, filename: str = "<source>"
+) -> str:
+    """``source`` with every absolute ``from`` import of ``old`` (or a submodule) importing ``new``."""
+    wrapper = MetadataWrapper(cst.parse_module(source))
+    return wrapper.visit(_PrefixRewriter(old, new, filename)).code

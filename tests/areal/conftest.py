@@ -1,0 +1,82 @@
+"""The AReaL tier: every committed package inside a real AReaL 1.0.4.
+
+Once per test worker: the cached venv ``.venv-areal/`` is created or reused
+(``skill.areal.environment``: ``areal`` with ``--no-deps`` next to this interpreter's
+torch and transformers), its ``areal`` package is copied to a scratch directory, every
+committed package is exported into that copy (this project's references replace
+AReaL's own qwen2 and qwen3 there, so they are proven too), and one checker process
+that imports that AReaL answers every test. The tier never skips for lack of AReaL: it
+installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skill.areal.environment import DEFAULT_VENV_DIR, ensure_areal_env
+from skill.areal.export import PROJECT_ROOT, AReaLChecker, stage_export
+from skill.codemod import StagedTree, Workspace
+
+_PROPERTY = "areal_tier_result"
+
+
+def areal_venv_dir() -> Path:
+    return Path(os.environ.get("ARCHON_PORT_AREAL_VENV", PROJECT_ROOT / DEFAULT_VENV_DIR))
+
+
+def committed_packages() -> dict[str, list[str]]:
+    """Package name -> the model types its spec serves, for every committed package."""
+    import archon_models
+
+    by_package: dict[str, list[str]] = {}
+    for model_type in sorted(archon_models.get_supported_model_types()):
+        spec = archon_models.get_model_spec(model_type)
+        package = spec.model_class.__module__.split(".")[1]
+        by_package.setdefault(package, []).append(model_type)
+    return by_package
+
+
+@pytest.fixture(scope="session")
+def areal_checker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AReaLChecker]:
+    python = ensure_areal_env(areal_venv_dir())
+    site = subprocess.run(
+        [str(python), "-c", "import areal, os; print(os.path.dirname(areal.__path__[0]))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    root = tmp_path_factory.mktemp("areal-tree")
+    shutil.copytree(Path(site) / "areal", root / "areal", ignore=shutil.ignore_patterns("__pycache__"))
+    tree = StagedTree(Workspace(root, marker="areal/experimental/models/archon"))
+    for package in committed_packages():
+        stage_export(tree, PROJECT_ROOT, package, overwrite=True, replace_builtin=True)
+    tree.commit()
+    checker = AReaLChecker(python, root, log_path=root / "checker.log")
+    yield checker
+    checker.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    rows = []
+    for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed"):
+        for name, value in getattr(report, "user_properties", []):
+            if name == _PROPERTY:
+                rows.append(json.loads(value))
+    if not rows:
+        return
+    terminalreporter.section("AReaL tier: max abs diff vs HF fp32 inside AReaL 1.0.4")
+    terminalreporter.write_line(f"{'model_type':<14} {'package':<44} {'logits':>9} {'grads':>9} {'time':>6}  result")
+    for row in sorted(rows, key=lambda r: r["model_type"]):
+        logit = "-" if row["logits"] is None else f"{row['logits']:.2e}"
+        grad = "-" if row["grads"] is None else f"{row['grads']:.2e}"
+        terminalreporter.write_line(
+            f"{row['model_type']:<14} {row['package']:<44} {logit:>9} {grad:>9} {row['seconds']:>5.1f}s  "
+            f"{'ok' if row['passed'] else 'FAILED'}"
+        )
