@@ -171,7 +171,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 f"hf_config.{width}",
                 lambda c: getattr(c, width),
             ),
-            ArgField("moe_args", "MoEArgs | None", None, "moe_args", expected_moe_args),
+            _moe_args_field(profile, config, expected_moe_args),
             ArgField(
                 "decoder_sparse_step",
                 "int",
@@ -203,6 +203,26 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
     return fields
+
+
+def _moe_args_field(plan: PortPlan, config: Any, expected: Callable[[Any], Any]) -> ArgField:
+    """``moe_args``: optional where the family mixes dense and MoE layers; where every layer
+    is MoE, required, defaulting to the config class's routing (the fields that differ
+    from ``MoEArgs()``)."""
+    if not plan.all_layers_moe:
+        return ArgField("moe_args", "MoEArgs | None", None, "moe_args", expected)
+    import dataclasses
+
+    from archon_models.moe import MoEArgs
+
+    default, base = expected(config), MoEArgs()
+    changed = {
+        f.name: getattr(default, f.name)
+        for f in dataclasses.fields(MoEArgs)
+        if f.init and getattr(default, f.name) != getattr(base, f.name)
+    }
+    call = "MoEArgs(" + ", ".join(f"{k}={_literal(v)}" for k, v in changed.items()) + ")"
+    return ArgField("moe_args", "MoEArgs", None, "moe_args", expected, default_source=f"field(default_factory=lambda: {call})")
 
 
 def _partial_factor(config: Any) -> float:

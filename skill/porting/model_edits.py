@@ -386,27 +386,30 @@ def _logits_scaling(text: str, ctx: EditContext) -> str:
 
 
 def _all_layers_moe(text: str, ctx: EditContext) -> str:
-    """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch."""
+    """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch.
+
+    ``moe_enabled`` stays as a constant attribute: AReaL's parallelize helpers read it."""
+    for statement in ("self.moe: MoE | None = None", "self.feed_forward: FeedForward | None = None"):
+        text = replace_in_function(text, "TransformerBlock", "__init__", statement, "")
     text = replace_statement_assigning(
         text, "TransformerBlock", "__init__", "self.moe_enabled", "self.moe_enabled = True  # every layer is MoE\n"
     )
-    text = replace_in_function(text, "TransformerBlock", "__init__", "self.feed_forward: FeedForward | None = None", "")
     text = replace_statement_assigning(
         text,
         "TransformerBlock",
         "__init__",
         "self.moe",
-        "assert model_args.moe_args is not None\n"
         "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)\n",
     )
     for func in ("forward", "init_weights"):
         text = replace_in_function(text, "TransformerBlock", func, "mlp = self.moe if self.moe_enabled else self.feed_forward", "")
-    text = replace_in_residual_branch(text, "ffn", "mlp(self.ffn_norm(x))", "self.moe(self.ffn_norm(x))")
+    # Whatever the norm edits made of the feed-forward branch, its callee is now the MoE.
+    text = replace_call(text, "TransformerBlock", "forward", "mlp", "self.moe({})")
     text = replace_in_function(text, "TransformerBlock", "init_weights", "mlp.init_weights(self.weight_init_std)", "self.moe.init_weights(self.weight_init_std)")
     text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
-    return set_docstring(text, "TransformerBlock", "``x + attention(norm(x))``, then ``x + moe(norm(x))``: every layer routes to experts.")
+    return set_docstring(text, "TransformerBlock", "Every layer routes its tokens to experts (no dense feed-forward).")
 
 
 # The canonical order: where two edits touch one place, the inner one comes first
