@@ -391,6 +391,9 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
         text, "TransformerBlock", "__init__", "self.moe_enabled", "self.moe_enabled = True  # every layer is MoE\n"
     )
     text = replace_in_function(text, "TransformerBlock", "__init__", "self.feed_forward: FeedForward | None = None", "")
+    # The optional declaration goes; the dense-or-MoE ``if`` that assigns ``self.moe`` becomes
+    # the one MoE assignment.
+    text = replace_in_function(text, "TransformerBlock", "__init__", "self.moe: MoE | None = None", "")
     text = replace_statement_assigning(
         text,
         "TransformerBlock",
@@ -406,7 +409,12 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
-    return set_docstring(text, "TransformerBlock", "``x + attention(norm(x))``, then ``x + moe(norm(x))``: every layer routes to experts.")
+    # The block's wiring as the norm edits left it, with the MoE in the feed-forward's place.
+    wiring = {
+        "sandwich": "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the MoE",
+        "post_norm": "Post-norm: ``x + norm(attention(x))``, then ``x + norm(moe(x))``",
+    }.get(ctx.profile.block, "``x + attention(norm(x))``, then ``x + moe(norm(x))``")
+    return set_docstring(text, "TransformerBlock", f"{wiring}: every layer routes to experts.")
 
 
 # The canonical order: where two edits touch one place, the inner one comes first

@@ -97,6 +97,10 @@ def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
     return result.model_copy(update={"changed_files": written})
 
 
+# The folder holding the ``skill`` package this process imported.
+ENGINE_ROOT = Path(__file__).resolve().parents[2]
+
+
 def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], timeout_s: float = 600.0) -> RunTestStageResult:
     """Run the stage(s) of a package's test file in one pytest subprocess."""
     stages = [stage] if isinstance(stage, int) else list(stage)
@@ -111,7 +115,10 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
             sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
         ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        # The workspace first (its archon_models), then the engine running this call, so the
+        # stages run the same skill package as the caller whatever is installed.
+        paths = [str(root), str(ENGINE_ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p))}
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:
