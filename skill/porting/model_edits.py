@@ -499,8 +499,14 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append(f"{profile.rope_type}-scaled RoPE")
     if profile.partial_rotary:
         extras.append("partial rotary embeddings")
+    if profile.rotary_interleaved:
+        extras.append("RoPE over adjacent feature pairs (interleaved)")
     if profile.moe:
-        extras.append("mixture-of-experts MLPs" + (" with a gated shared expert" if profile.shared_expert else ""))
+        extras.append(
+            "mixture-of-experts MLPs"
+            + (" routed by per-expert sigmoid scores" if profile.router_scoring == "sigmoid" else "")
+            + (" with a gated shared expert" if profile.shared_expert else "")
+        )
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")
     if profile.multipliers:

@@ -4,12 +4,14 @@ Embeddings scaled by a config multiplier, a final logit soft-cap, and an LM head
 the embedding matrix.
 """
 
+from typing import ClassVar
+
 from transformers import PretrainedConfig
 
 
 class CapscaleConfig(PretrainedConfig):
     model_type = "capscale"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(
         self,
@@ -52,7 +54,11 @@ class CapscaleConfig(PretrainedConfig):
         self.attention_dropout = attention_dropout
         self.embedding_multiplier = embedding_multiplier
         self.final_logit_softcapping = final_logit_softcapping
-        self.rope_parameters = rope_parameters if rope_parameters is not None else {"rope_type": "default", "rope_theta": 10000.0}
+        self.rope_parameters = (
+            rope_parameters
+            if rope_parameters is not None
+            else {"rope_type": "default", "rope_theta": 10000.0}
+        )
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -4,12 +4,14 @@ Partial rotary embeddings (``partial_rotary_factor``) with YaRN frequency scalin
 (``rope_parameters``), on a dense decoder with q/k/v biases.
 """
 
+from typing import ClassVar
+
 from transformers import PretrainedConfig
 
 
 class PartyarnConfig(PretrainedConfig):
     model_type = "partyarn"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(
         self,

@@ -5,12 +5,14 @@ projections, sandwich norms around both sub-layers, and both sub-layer outputs s
 ``residual_multiplier`` before they join the residual stream.
 """
 
+from typing import ClassVar
+
 from transformers import PretrainedConfig
 
 
 class SandmoeConfig(PretrainedConfig):
     model_type = "sandmoe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(
         self,
@@ -57,7 +59,11 @@ class SandmoeConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
         self.residual_multiplier = residual_multiplier
-        self.rope_parameters = rope_parameters if rope_parameters is not None else {"rope_type": "default", "rope_theta": 10000.0}
+        self.rope_parameters = (
+            rope_parameters
+            if rope_parameters is not None
+            else {"rope_type": "default", "rope_theta": 10000.0}
+        )
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -5,12 +5,14 @@ MLPs whose router scores experts with a sigmoid (``scoring_func``), the top-k we
 used as they are (``norm_topk_prob=False``).
 """
 
+from typing import ClassVar
+
 from transformers import PretrainedConfig
 
 
 class SigmoeConfig(PretrainedConfig):
     model_type = "sigmoe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(
         self,
@@ -57,7 +59,11 @@ class SigmoeConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
         self.scoring_func = scoring_func
-        self.rope_parameters = rope_parameters if rope_parameters is not None else {"rope_type": "default", "rope_theta": 10000.0}
+        self.rope_parameters = (
+            rope_parameters
+            if rope_parameters is not None
+            else {"rope_type": "default", "rope_theta": 10000.0}
+        )
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
