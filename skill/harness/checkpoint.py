@@ -21,7 +21,7 @@ from archon_models.base import SAFETENSORS_INDEX
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensors
 from skill.harness.inputs import make_packed_inputs
-from skill.harness.models import ArchonModel, build_model_pair
+from skill.harness.models import ArchonModel, build_model_pair, copy_remote_code
 from skill.harness.results import StageRecorder, StageResult, run_stage
 
 MIN_SHARDS = 2
@@ -72,6 +72,7 @@ def run_checkpoint_stage(
             out = Path(tmp) / "archon_export"
             out.mkdir()
             pair.hf_config.save_pretrained(str(out))
+            copy_remote_code(case, out)
             hf_state = archon.adapter.to_hf(archon.model.state_dict())
             weight_map = write_sharded_checkpoint(hf_state, out)
             shards = sorted(set(weight_map.values()))
@@ -82,7 +83,11 @@ def run_checkpoint_stage(
             )
 
             reloaded, info = AutoModelForCausalLM.from_pretrained(
-                str(out), output_loading_info=True, dtype=torch.float32, attn_implementation="eager"
+                str(out),
+                output_loading_info=True,
+                dtype=torch.float32,
+                attn_implementation="eager",
+                trust_remote_code=case.trust_remote_code,
             )
             reloaded.eval()
             for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,24 @@ def save_hf_checkpoint(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(directory), **kwargs)
     return directory
+
+
+def copy_remote_code(case: ModelCase, directory: str | Path) -> list[Path]:
+    """Copy the source folder's Python files (its ``configuration_*.py``, ``modeling_*.py``
+    and what they import) next to a checkpoint written for ``case``, so that
+    ``from_pretrained(directory, trust_remote_code=True)`` finds the family's code.
+    Nothing for a case without remote code."""
+    if case.source is None or not case.trust_remote_code:
+        return []
+    folder = Path(case.source).expanduser()
+    folder = folder.parent if folder.is_file() else folder
+    copied = []
+    for file in sorted(folder.glob("*.py")):
+        target = Path(directory) / file.name
+        if not target.exists():
+            shutil.copyfile(file, target)
+            copied.append(target)
+    return copied
 
 
 def read_hf_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -6,6 +6,11 @@ several packed documents of different lengths against HF run on each document al
 (proving no document attends to another); the loss; and the gradient of that loss
 w.r.t. every parameter, matched under checkpoint keys. Both attention backends run.
 
+When the case names a ``source`` folder that holds safetensors weights (a checkpoint,
+possibly with its own remote code), the folder's own model is compared too: HF
+``from_pretrained(folder)`` against the Archon model loaded from that folder's files
+through the adapter, logits of one sequence and of the packed documents.
+
 In fp32 the tolerance is ``torch.testing.assert_close``'s default. The bf16 variant
 (CUDA only) cannot use a fixed tolerance: the Archon kernels (flash varlen) and HF's
 eager attention round differently, and how much depends on the tensor. It compares
@@ -143,6 +148,62 @@ def _parity_fp32(rec: StageRecorder, case: ModelCase, tmp: Path) -> None:
         check_fp32(rec, ref, archon_outputs(archon, inputs), inputs, attn_type)
 
 
+def _logits(model: PreTrainedModel, archon: ArchonModel, inputs: PackedInputs) -> tuple[Reference, Reference]:
+    """HF (one sequence; each document alone) and Archon (the same, packed) logits, no gradients."""
+    whole = single_sequence(inputs)
+    with torch.no_grad():
+        hf_single = model(input_ids=inputs.tokens).logits
+        hf_packed = torch.cat([model(input_ids=doc).logits for doc in inputs.documents()], dim=1)
+        got_single = archon.model(whole.tokens, whole.positions, whole.cu_seqlens, whole.max_seqlen)
+        got_packed = archon.model(inputs.tokens, inputs.positions, inputs.cu_seqlens, inputs.max_seqlen)
+    empty: dict[str, torch.Tensor] = {}
+    nothing = torch.zeros(())
+    return (
+        Reference(single_logits=hf_single, packed_logits=hf_packed, loss=nothing, grads=empty),
+        Reference(single_logits=got_single, packed_logits=got_packed, loss=nothing, grads=empty),
+    )
+
+
+def source_weight_files(case: ModelCase) -> list[Path]:
+    """The safetensors files of the case's source folder (none without a folder source)."""
+    if case.source is None:
+        return []
+    folder = Path(case.source).expanduser()
+    if folder.is_file():
+        folder = folder.parent
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def _parity_source_weights(rec: StageRecorder, case: ModelCase) -> None:
+    """The folder's own checkpoint: HF ``from_pretrained`` (its own code with
+    ``trust_remote_code``) against Archon loaded from the same files through the adapter.
+    The folder's config is used as it is (the case's overrides would not fit its weights)."""
+    files = source_weight_files(case)
+    if not files:
+        return
+    folder = files[0].parent
+    hf_model = _load_hf(folder, torch.float32, "cpu", case.trust_remote_code)
+    hf_config = hf_model.config
+    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed)
+    for attn_type in ATTN_TYPES:
+        archon = load_archon_model(hf_config, folder, attn_type=attn_type)
+        ref, got = _logits(hf_model, archon, inputs)
+        rec.add(
+            compare_tensors(
+                f"logits, one sequence, the source folder's own weights [{attn_type}]",
+                got.single_logits,
+                ref.single_logits,
+            )
+        )
+        rec.add(
+            compare_tensors(
+                f"logits, {len(inputs.doc_lens)} packed documents, the source folder's own weights [{attn_type}]",
+                got.packed_logits,
+                ref.packed_logits,
+            )
+        )
+
+
 def _within_bf16_error(name: str, archon: torch.Tensor, hf: torch.Tensor, truth: torch.Tensor) -> CheckResult:
     archon_err = max_abs_diff(archon, truth)
     hf_err = max_abs_diff(hf, truth)
@@ -156,8 +217,10 @@ def _within_bf16_error(name: str, archon: torch.Tensor, hf: torch.Tensor, truth:
     )
 
 
-def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation="eager")
+def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_code: bool = False) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
+    )
     return model.to(device).eval()
 
 
@@ -173,8 +236,9 @@ def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) ->
     hf_config = build_hf_config(case)
     checkpoint = save_hf_checkpoint(build_hf_model(case, hf_config), tmp / "hf")
     inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed).to(device)
-    truth = hf_reference(_load_hf(checkpoint, torch.float32, device), inputs, tmp / "g32")
-    hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device), inputs, tmp / "g16")
+    trust = case.trust_remote_code
+    truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
+    hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
     got = archon_outputs(_archon_in(hf_config, checkpoint, torch.bfloat16, device), inputs)
     rec.add(
         _within_bf16_error(
@@ -228,6 +292,7 @@ def run_parity_stage(
                 if device != "cpu":
                     raise ValueError("the fp32 parity stage runs on CPU")
                 _parity_fp32(rec, case, Path(tmp))
+                _parity_source_weights(rec, case)
             else:
                 _parity_bf16(rec, case, Path(tmp), device)
 

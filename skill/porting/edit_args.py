@@ -30,7 +30,7 @@ from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
 
-CORE_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+CORE_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Config flags that change which parameters exist; a port is specialised to one value.
 STRUCTURAL_FLAGS = {
     "attention_bias": "qkv_bias",
@@ -76,9 +76,18 @@ def _rope_theta(config: Any) -> float:
     return float(getattr(config, "rope_theta", 10000.0))
 
 
+def dense_width_field(profile: PortPlan, config: Any) -> str:
+    """The config field ``hidden_dim`` reads: the dense MLP width, or, for a family whose
+    every layer routes to experts and whose config names no dense width, the experts'."""
+    if profile.all_layers_moe and not hasattr(config, "intermediate_size") and hasattr(config, "moe_intermediate_size"):
+        return "moe_intermediate_size"
+    return "intermediate_size"
+
+
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
     eps = profile.norm_eps_field
+    dense = dense_width_field(profile, config)
     eos_default = _eos(config, 0)
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
@@ -93,7 +102,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ),
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
-        ArgField("hidden_dim", "int", config.intermediate_size, "hf_config.intermediate_size", lambda c: c.intermediate_size),
+        ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
         ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
         ArgField("rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta),
         ArgField(
@@ -161,6 +170,10 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 # The checkpoint holds a gated shared expert; its width is the config's.
                 moe_args.shared_expert_intermediate_size = c.shared_expert_intermediate_size
                 moe_args.use_shared_expert_gate = True
+            if profile.router_scoring_field is not None:
+                moe_args.score_func = getattr(c, profile.router_scoring_field)
+            elif profile.router_scoring == "sigmoid":
+                moe_args.score_func = "sigmoid"
             return moe_args
 
         fields += [
@@ -290,7 +303,7 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += ("num_experts_per_tok",)
-    return (*CORE_REQUIRED, profile.norm_eps_field, *moe)
+    return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
 
 
 MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)
@@ -371,6 +384,18 @@ SHARED_EXPERT_SETUP = """# One always-active shared expert, scaled by sigmoid(sh
 moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
 moe_args.use_shared_expert_gate = True
 """
+def router_setup(plan: PortPlan) -> str:
+    """Statements after ``MoEArgs.from_hf_config`` (which scores with softmax, as AReaL's
+    does) that give the router the family's scoring: the config's field, or a sigmoid the
+    analysis measured when no field names it. Nothing for a plain softmax router."""
+    if plan.router_scoring_field is not None:
+        return (
+            "# The router scores experts as the config says: softmax over them, or a sigmoid each.\n"
+            f"moe_args.score_func = hf_config.{plan.router_scoring_field}\n"
+        )
+    if plan.router_scoring == "sigmoid":
+        return '# The router scores each expert with its own sigmoid; no config field says so.\nmoe_args.score_func = "sigmoid"\n'
+    return ""
 
 
 def from_hf_config_source(
@@ -380,6 +405,7 @@ def from_hf_config_source(
     moe: bool = False,
     route_norm: bool = False,
     shared_expert: bool = False,
+    router: str = "",
 ) -> str:
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
@@ -403,6 +429,10 @@ def from_hf_config_source(
         )
     if shared_expert:
         moe_setup += SHARED_EXPERT_SETUP
+    if router:
+        moe_setup = moe_setup.replace(
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n", "moe_args = MoEArgs.from_hf_config(hf_config)\n" + router, 1
+        )
     setup = "".join(f"    {line}\n" if line else "\n" for line in moe_setup.splitlines()) if moe else ""
     return f'''@classmethod
 def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> {camel}ModelArgs:
@@ -497,6 +527,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             profile.moe,
             route_norm=profile.route_norm,
             shared_expert=profile.shared_expert,
+            router=router_setup(profile),
         ),
     )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.

@@ -409,7 +409,12 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
-    return set_docstring(text, "TransformerBlock", "Every layer routes its tokens to experts (no dense feed-forward).")
+    # The block's wiring as the norm edits left it, with the MoE in the feed-forward's place.
+    wiring = {
+        "sandwich": "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the MoE",
+        "post_norm": "Post-norm: ``x + norm(attention(x))``, then ``x + norm(moe(x))``",
+    }.get(ctx.profile.block, "``x + attention(norm(x))``, then ``x + moe(norm(x))``")
+    return set_docstring(text, "TransformerBlock", f"{wiring}: every layer routes to experts.")
 
 
 # The canonical order: where two edits touch one place, the inner one comes first
@@ -494,8 +499,14 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append(f"{profile.rope_type}-scaled RoPE")
     if profile.partial_rotary:
         extras.append("partial rotary embeddings")
+    if profile.rotary_interleaved:
+        extras.append("RoPE over adjacent feature pairs (interleaved)")
     if profile.moe:
-        extras.append("mixture-of-experts MLPs" + (" with a gated shared expert" if profile.shared_expert else ""))
+        extras.append(
+            "mixture-of-experts MLPs"
+            + (" routed by per-expert sigmoid scores" if profile.router_scoring == "sigmoid" else "")
+            + (" with a gated shared expert" if profile.shared_expert else "")
+        )
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")
     if profile.multipliers:

@@ -31,6 +31,7 @@ from skill.features import (
     NormPlacement,
     QKNormKind,
     RotaryStyle,
+    RouterScoring,
     SlidingWindowKind,
 )
 
@@ -93,6 +94,12 @@ class PortPlan(BaseModel):
     all_layers_moe: bool
     shared_expert: bool
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
+    router_scoring: Literal["softmax", "sigmoid"] = Field(
+        default="softmax", description="how the router scores experts: softmax over them, or a sigmoid each"
+    )
+    router_scoring_field: str | None = Field(
+        default=None, description="config field naming the router's scoring function, if the config has one"
+    )
     tied: bool
 
     @property
@@ -145,6 +152,17 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     logit_divisor = logit.field if logit is not None and logit.relation == "1/x" else None
     scale = att.scaling_source if att.custom_scaling else None
     n_layers = moe.n_layers if moe is not None else 0
+    scoring: Literal["softmax", "sigmoid"] = (
+        "sigmoid" if moe is not None and moe.router_scoring is RouterScoring.SIGMOID else "softmax"
+    )
+    scoring_field = next(
+        (
+            f.name
+            for f in report.config_fields
+            if f.archon_field == "moe_args.score_func" and f.value in ("softmax", "sigmoid")
+        ),
+        None,
+    )
     return PortPlan(
         source=source,
         trust_remote_code=trust_remote_code,
@@ -178,6 +196,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         all_layers_moe=moe is not None and bool(n_layers) and len(moe.moe_layers) == n_layers,
         shared_expert=moe is not None and moe.shared_expert_gate,
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
+        router_scoring=scoring,
+        router_scoring_field=scoring_field if moe is not None else None,
         tied=sc.tie_word_embeddings,
     )
 

@@ -137,7 +137,7 @@ def run_stage_subprocess(
             command += ["-k", f"[{case_id}]"]
         # The workspace's archon_models and tests first, then this engine (for a workspace without skill/).
         paths = [str(root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p))}
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:

@@ -1,0 +1,171 @@
+"""Edits compose (issue 8, item 2): four remote-code families of our own, each combining
+features across both references, port with zero hand edits and pass stages 1-6.
+
+The families live in ``tests/composition/<name>/`` as a ``configuration_<name>.py`` +
+``modeling_<name>.py`` pair written the way HF remote code is. Each test copies one into
+a temporary checkpoint folder, writes its ``config.json`` (with ``auto_map``) and tiny
+noisy random weights with ``save_pretrained``, and runs ``port_model`` on that folder
+in a scratch workspace. Stage 4 then also compares the folder's own weights
+(``from_pretrained(folder, trust_remote_code=True)`` against the Archon model loaded
+from those files through the adapter).
+
+| family   | reference | features combined                                                      |
+|----------|-----------|------------------------------------------------------------------------|
+| sandmoe  | qwen3     | MoE + full-width QK RMSNorm + sandwich norms + residual multiplier     |
+| partyarn | qwen2     | partial rotary + YaRN-scaled RoPE (and q/k/v bias)                     |
+| sigmoe   | qwen3     | interleaved RoPE + sigmoid-scored router MoE                           |
+| capscale | qwen2     | embedding multiplier + final logit soft-cap + tied LM head             |
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from skill.harness.case import ModelCase
+from skill.harness.models import build_hf_model
+from skill.porting.port_model import PortModelRequest, port_model
+from tests.skill.test_port_rope import _workspace
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILIES_DIR = REPO / "tests" / "composition"
+
+# The model edits each family must get (a subset of result.edits), and facts of the plan
+# and of the generated files that no model edit names.
+FAMILIES: dict[str, dict] = {
+    "sandmoe": {
+        "reference": "qwen3",
+        "edits": {
+            "full_width_qk_norm",
+            "sandwich_norm",
+            "residual_multiplier",
+            "all_layers_moe",
+        },
+        "files": {
+            "model/model.py": [
+                "self.post_attention_norm(",
+                "* self.residual_multiplier",
+                "RMSNorm(self.n_heads * self.head_dim",
+            ]
+        },
+    },
+    "partyarn": {
+        "reference": "qwen2",
+        "edits": {"rope_cache", "projection_bias"},
+        "files": {
+            "model/args.py": ["rotary_dim", "rope_freq_scaling"],
+            "model/rope.py": ["rotary_dim"],
+        },
+    },
+    "sigmoe": {
+        "reference": "qwen3",
+        "edits": {"remove_qk_norm", "all_layers_moe"},
+        "files": {
+            "model/args.py": ["moe_args.score_func = hf_config.scoring_func"],
+            "model/rope.py": ["x[..., ::2]"],
+        },
+    },
+    "capscale": {
+        "reference": "qwen2",
+        "edits": {"embedding_multiplier", "final_softcap"},
+        "files": {
+            "model/model.py": [
+                "self.model_args.embedding_multiplier",
+                "torch.tanh(logits / cap) * cap",
+            ]
+        },
+    },
+}
+
+
+def _camel(name: str) -> str:
+    return name[0].upper() + name[1:]
+
+
+def make_checkpoint(tmp_path: Path, name: str) -> Path:
+    """The family's folder with ``config.json`` (auto_map) and tiny noisy weights."""
+    folder = tmp_path / f"{name}-checkpoint"
+    shutil.copytree(
+        FAMILIES_DIR / name, folder, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    camel = _camel(name)
+    # A config.json naming only the family's code: every value comes from the config
+    # class's defaults, which the tiny config then shrinks.
+    auto_map = {
+        "AutoConfig": f"configuration_{name}.{camel}Config",
+        "AutoModelForCausalLM": f"modeling_{name}.{camel}ForCausalLM",
+    }
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": name, "auto_map": auto_map})
+    )
+    case = ModelCase(
+        model_type=name, source=str(folder), trust_remote_code=True, seed=7
+    )
+    model = build_hf_model(case)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["auto_map"]["AutoModelForCausalLM"] == auto_map["AutoModelForCausalLM"]
+    assert sorted(folder.glob("*.safetensors")), "save_pretrained wrote no weights"
+    return folder
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_ports_with_zero_hand_edits(tmp_path, name):
+    expected = FAMILIES[name]
+    folder = make_checkpoint(tmp_path, name)
+    root = _workspace(tmp_path)
+
+    # Without trust_remote_code: refused in one line naming the fix, nothing written.
+    before = _files(root)
+    refused = port_model(
+        PortModelRequest(source=str(folder), stages=[], workspace=root)
+    )
+    assert not refused.passed and refused.failed_step == "analyze"
+    assert refused.error is not None and "\n" not in refused.error.strip()
+    assert "trust_remote_code" in refused.error, refused.error
+    assert _files(root) == before, "a refused port wrote files"
+
+    result = port_model(
+        PortModelRequest(
+            source=str(folder),
+            trust_remote_code=True,
+            stages=[1, 2, 3, 4, 5, 6],
+            workspace=root,
+        )
+    )
+    failing = [f"{s.step}: {s.detail}" for s in result.steps if not s.ok]
+    assert result.passed, f"{result.failed_step}: {result.error}\n" + "\n".join(failing)
+    assert result.reference == expected["reference"]
+    missing = expected["edits"] - set(result.edits)
+    assert not missing, f"edits {sorted(missing)} not applied (applied: {result.edits})"
+
+    assert [r.stage for r in result.stage_results] == [1, 2, 3, 4, 5, 6]
+    assert all(r.passed for r in result.stage_results)
+    # Stage 4 also compared the folder's own weights, within assert_close's defaults.
+    parity = next(r for r in result.stage_results if r.stage == 4)
+    own = [
+        c
+        for t in parity.tests
+        for c in t.checks
+        if "source folder's own weights" in c.name
+    ]
+    assert len(own) == 4 and all(c.passed for c in own), [c.name for c in own]
+    assert result.max_abs_logit_diff is not None and result.max_abs_logit_diff < 1e-5
+
+    package = root / "archon_models" / name
+    for relative, needles in expected["files"].items():
+        text = (package / relative).read_text()
+        for needle in needles:
+            assert needle in text, f"{relative} lacks {needle!r}"

@@ -1,0 +1,77 @@
+"""Stage 4 with a source folder (issue 8, item 5): the folder's own weights are compared too.
+
+HF ``from_pretrained(folder)`` against the Archon model loaded from the folder's
+safetensors through the adapter, logits in fp32 with ``assert_close``'s defaults. The
+remote-code path (``trust_remote_code``) is exercised by tests/skill/test_composition_families.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skill.harness import parity
+from skill.harness.case import ModelCase
+from skill.harness.models import build_hf_model, save_hf_checkpoint
+from skill.harness.parity import run_parity_stage
+
+OWN = "source folder's own weights"
+
+
+def _folder(tmp_path):
+    # Seeded differently from the stage's own tiny model, so the two comparisons differ.
+    model = build_hf_model(ModelCase(model_type="qwen2", seed=11))
+    return save_hf_checkpoint(model, tmp_path / "checkpoint")
+
+
+def _own_checks(result):
+    return [c for c in result.checks if OWN in c.name]
+
+
+def test_stage4_compares_the_source_folders_weights(tmp_path):
+    folder = _folder(tmp_path)
+    result = run_parity_stage(
+        ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path
+    )
+    own = _own_checks(result)
+    assert result.passed
+    # One sequence and packed documents, for both attention backends.
+    assert len(own) == 4 and all(c.passed for c in own)
+    assert all(c.max_abs_diff is not None and c.max_abs_diff < 1e-5 for c in own)
+
+
+def test_stage4_without_weights_in_the_folder_compares_only_the_tiny_model(tmp_path):
+    folder = _folder(tmp_path)
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    result = run_parity_stage(
+        ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path
+    )
+    assert result.passed and not _own_checks(result)
+    assert not _own_checks(
+        run_parity_stage(ModelCase(model_type="qwen2"), workdir=tmp_path)
+    )
+
+
+def test_stage4_fails_when_archon_disagrees_with_the_folders_weights(
+    tmp_path, monkeypatch
+):
+    folder = _folder(tmp_path)
+    load = parity.load_archon_model
+
+    def skewed(hf_config, checkpoint, attn_type="sdpa"):
+        archon = load(hf_config, checkpoint, attn_type=attn_type)
+        if checkpoint == folder:
+            with torch.no_grad():
+                archon.model.norm.weight.mul_(1.01)
+        return archon
+
+    monkeypatch.setattr(parity, "load_archon_model", skewed)
+    result = run_parity_stage(
+        ModelCase(model_type="qwen2", source=str(folder)),
+        workdir=tmp_path,
+        raise_on_failure=False,
+    )
+    own = _own_checks(result)
+    assert not result.passed and own and not any(c.passed for c in own)
+    # The tiny seeded model's own comparison is untouched by the skew.
+    assert all(c.passed for c in result.checks if OWN not in c.name)
