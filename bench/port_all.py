@@ -8,8 +8,9 @@ does (passes, refuses, fails at a step, raises) is one row of the table:
     family  reference  reached  result  seconds
 
 ``result`` is ``ported``, ``refused: <features>``, ``failed at <step>: <reason>`` or
-``crashed: <exception>`` (an exception out of ``run_port``, or a worker that died or
-ran out of time). Uncommitted changes are not swept: commit them first.
+``crashed: <exception>`` (an exception out of ``run_port``, a step that died of a
+programming error such as ``AttributeError``, or a worker that died or ran out of time).
+Uncommitted changes are not swept: commit them first.
 
     python bench/port_all.py [--families llama,gpt2] [--jobs N] [--stages 1,2,3,4,5,6] [--json OUT.json]
 """
@@ -35,6 +36,24 @@ logger = logging.getLogger("bench.port_all")
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_STAGES = [1, 2, 3, 4, 5, 6]
+# run_port reports a step's exception as "<Type>: <message>". These types are bugs in the
+# engine, never a refusal or a reasoned failure, so the sweep counts them as crashes.
+BUG_EXCEPTIONS = frozenset(
+    {
+        "AssertionError",
+        "AttributeError",
+        "ImportError",
+        "IndexError",
+        "KeyError",
+        "ModuleNotFoundError",
+        "NameError",
+        "NotImplementedError",
+        "RecursionError",
+        "TypeError",
+        "UnboundLocalError",
+        "ZeroDivisionError",
+    }
+)
 Outcome = Literal["ported", "refused", "failed", "crashed"]
 
 
@@ -58,7 +77,7 @@ class FamilyRow(BaseModel):
             case "failed":
                 return f"failed at {self.reached}: {self.detail}"
             case _:
-                return f"crashed: {self.detail}"
+                return f"crashed: {self.detail}" + (f" (in {self.reached})" if self.reached else "")
 
 
 # --- the worker: one family, in the clone it runs from --------------------------------------
@@ -108,12 +127,14 @@ def port_one(family: str, stages: list[int], workspace: Path) -> FamilyRow:
             detail=", ".join(refused),
             seconds=seconds,
         )
+    error = result.error or ""
+    crashed = error.split(":", 1)[0] in BUG_EXCEPTIONS
     return FamilyRow(
         family=family,
         reference=result.reference,
         reached=result.failed_step or reached,
-        outcome="failed",
-        detail=result.error or "",
+        outcome="crashed" if crashed else "failed",
+        detail=error,
         seconds=seconds,
     )
 
