@@ -8,13 +8,12 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
-MARKER = "archon-port: hand edit needed:"
 
 # Where the hand edit for an unsupported feature goes, by the words of its name: the
 # first function of the Archon module contract whose part the feature belongs to.
@@ -71,7 +70,7 @@ def mark_hand_edits(text: str, features: list[str], model_class: str) -> str:
     for feature in features:
         name = feature.removeprefix("unsupported: ")
         class_name, func = _marker_place(name, model_class)
-        text = add_marker(text, class_name, func, f"{MARKER} {name}")
+        text = add_marker(text, class_name, func, f"{HAND_EDIT_MARKER.removeprefix('# ')} {name}")
     return text
 
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from skill.analysis.analyze import analyze_hf_model
 from skill.analysis.reference import reference_for
 from skill.analysis.report import AnalyzeInput, ArchitectureReport
+from skill.errors import UnsupportedFeatureError
 from skill.features import (
     ConfigScalar,
     FFNKind,
@@ -40,21 +41,17 @@ logger = logging.getLogger(__name__)
 # Activations the edits can write, by the names transformers' ACT2FN uses.
 ACTIVATIONS = {"silu": "F.silu", "gelu_pytorch_tanh": 'functools.partial(F.gelu, approximate="tanh")', "gelu": "F.gelu"}
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
-HAND_PORT = "SKILL.md, section 'Porting by hand'"
 
 
-class UnsupportedFeatureError(ValueError):
-    """The family has features no reference or edit reproduces (named in ``features``)."""
-
-    def __init__(self, model_type: str, features: list[str], step: str):
-        self.model_type = model_type
-        self.features = features
-        names = ", ".join(f.removeprefix("unsupported: ") for f in features)
-        super().__init__(
-            f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. "
-            f"Pass allow_unsupported=true to {step} to apply every supported edit and leave a marker "
-            f"where each hand edit goes ({HAND_PORT})."
-        )
+def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
+    """The one refusal: every unsupported feature of the report, and the way past it."""
+    names = ", ".join(f.removeprefix("unsupported: ") for f in features)
+    return UnsupportedFeatureError(
+        f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. "
+        f"Pass allow_unsupported=true to {step} to apply every supported edit and leave a marker "
+        "where each hand edit goes.",
+        features,
+    )
 
 
 class PortPlan(BaseModel):
@@ -230,4 +227,4 @@ def plan_for(source: str, trust_remote_code: bool = False) -> PortPlan:
 def refuse_unsupported(plan: PortPlan, step: str) -> None:
     """The one refusal: raise naming every unsupported feature of the report."""
     if plan.unsupported:
-        raise UnsupportedFeatureError(plan.model_type, plan.unsupported, step)
+        raise unsupported_error(plan.model_type, plan.unsupported, step)

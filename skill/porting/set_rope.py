@@ -8,6 +8,7 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.porting.common import PackageLayout, SourceRequest, StepResult, staged, write_if_changed
+from skill.errors import HAND_PORT_POINTER
 from skill.porting.plan import PortPlan, plan_for
 from skill.porting.snippets import snippet
 
@@ -119,7 +120,7 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | N
     if plan.rope_type not in ROPE_TYPES:
         raise ValueError(
             f"rope_type {plan.rope_type!r} has no implementation in the engine (supported: {', '.join(ROPE_TYPES)}); "
-            "write rope.py by hand (SKILL.md, section 'Porting by hand')."
+            f"write rope.py by hand ({HAND_PORT_POINTER})."
         )
     changed: list[str] = []
     camel = layout.names.camel
