@@ -17,6 +17,7 @@ from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_refere
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
+from skill.errors import step_error_message
 from skill.porting.plan import plan_for, refuse_unsupported
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
@@ -72,6 +73,9 @@ class PortModelResult(BaseModel):
     error: str | None = None
     steps: list[StepReport]
     edits: list[str] = Field(default_factory=list)
+    unsupported: list[str] = Field(
+        default_factory=list, description="the analysis' unsupported features (a port is refused when any)"
+    )
     changed_files: list[str] = Field(default_factory=list)
     max_abs_logit_diff: float | None = None
     stage_results: list[RunTestStageResult] = Field(default_factory=list)
@@ -118,7 +122,13 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
     start = time.perf_counter()
     runner = _Runner(progress)
     workspace = Workspace(request.workspace)
-    state: dict[str, Any] = {"model_name": request.model_name or "", "model_types": [], "edits": [], "reference": None}
+    state: dict[str, Any] = {
+        "model_name": request.model_name or "",
+        "model_types": [],
+        "edits": [],
+        "reference": None,
+        "unsupported": [],
+    }
 
     def result(passed: bool, failed: str | None = None, error: str | None = None, **extra: Any) -> PortModelResult:
         return PortModelResult(
@@ -130,6 +140,7 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             error=error,
             steps=runner.steps,
             edits=state["edits"],
+            unsupported=state["unsupported"],
             seconds=time.perf_counter() - start,
             **extra,
         )
@@ -142,12 +153,16 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         )
         model_type = profile.model_type
         name = request.model_name or validate_model_name(model_type)
-        state.update(model_name=name, model_types=[model_type])
+        state.update(model_name=name, model_types=[model_type], unsupported=list(profile.unsupported))
         refuse_unsupported(profile, "edit_model")
         reference = profile.reference
         state["reference"] = reference
     except Exception as e:
-        return result(False, runner.steps[-1].step if runner.steps and not runner.steps[-1].ok else "analyze", f"{type(e).__name__}: {e}")
+        return result(
+            False,
+            runner.steps[-1].step if runner.steps and not runner.steps[-1].ok else "analyze",
+            f"{type(e).__name__}: {step_error_message(e)}",
+        )
 
     layout = PackageLayout.for_name(name)
     tree = StagedTree(workspace)
