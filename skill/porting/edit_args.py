@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
+    replace_in_function,
     class_field_names,
     remove_function,
     remove_statements,
@@ -23,6 +24,7 @@ from skill.codemod.cst import (
     upsert_function,
 )
 from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.snippets import snippet
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.hf_source import load_config
@@ -243,11 +245,6 @@ def _partial_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
 
 
-PARTIAL_ROTARY_HELPER = '''def _partial_rotary_factor(hf_config: Any) -> float:
-    """The share of each head's features that rotate (``rope_parameters`` in transformers 5)."""
-    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
-    return float(rope_parameters.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
-'''
 
 
 def _rope_scaling_of(config: Any) -> dict[str, float] | None:
@@ -261,19 +258,6 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-ROPE_SCALING_HELPER = '''def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
-    """The RoPE frequency-scaling parameters (``rope_parameters`` less its type and theta);
-    ``None`` for the unscaled default RoPE."""
-    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
-    if rope_parameters.get("rope_type", "default") == "default":
-        return None
-    skip = ("rope_type", "rope_theta")
-    return {
-        k: float(v)
-        for k, v in rope_parameters.items()
-        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
-'''
 
 
 def _literal(value: Any) -> str:
@@ -511,9 +495,12 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
     if profile.partial_rotary:
-        text = upsert_function(text, "_partial_rotary_factor", PARTIAL_ROTARY_HELPER, before_class=layout.args_class)
+        helper = snippet("args", "_partial_rotary_factor")
+        text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.rope_type != "default":
-        text = upsert_function(text, "_rope_freq_scaling", ROPE_SCALING_HELPER, before_class=layout.args_class)
+        text = upsert_function(
+            text, "_rope_freq_scaling", snippet("args", "_rope_freq_scaling"), before_class=layout.args_class
+        )
         if "\nfrom dataclasses import dataclass\n" in text:
             text = text.replace("\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
     text = replace_function(
@@ -530,6 +517,16 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             router=router_setup(profile),
         ),
     )
+    if profile.sliding_window or profile.attn_softcap:
+        # The package's own attention kernel serves every attn_type AReaL's engine passes.
+        text = replace_in_function(
+            text,
+            layout.args_class,
+            "__post_init__",
+            'if self.attn_type not in ("varlen", "sdpa"):\n'
+            '    raise ValueError(f"attn_type must be \'varlen\' or \'sdpa\', got {self.attn_type!r}.")',
+            "",
+        )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
     text = remove_function(text, "_num_experts")
     text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))

@@ -1,0 +1,25 @@
+"""Helpers a family's ``args.py`` needs to read its config, copied in by ``edit_args``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head's features that rotate (``rope_parameters`` in transformers 5)."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(rope_parameters.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
+
+
+def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
+    """The RoPE frequency-scaling parameters (``rope_parameters`` less its type and theta);
+    ``None`` for the unscaled default RoPE."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if rope_parameters.get("rope_type", "default") == "default":
+        return None
+    skip = ("rope_type", "rope_theta")
+    return {
+        k: float(v)
+        for k, v in rope_parameters.items()
+        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
