@@ -42,8 +42,8 @@ from pydantic import BaseModel, Field, TypeAdapter
 from pydantic_core import to_jsonable_python
 
 from skill import __version__
-from skill.codemod.workspace import Workspace
-from skill.tools import STATE_DIR, Tool, state_dir
+from skill.codemod.workspace import STATE_DIR, Workspace
+from skill.tools import Tool, state_dir
 
 logger = logging.getLogger(__name__)
 

@@ -103,21 +103,28 @@ def register_spec(request: RegisterSpecRequest) -> RegisterSpecResult:
         return apply_register_spec(tree, request)
 
 
-def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
-    layout = PackageLayout.for_name(request.model_name)
-    if not tree.exists(layout.model):
-        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first.")
-    model_types = request.model_types or [request.model_name]
+def check_model_types_free(tree: StagedTree, package: str, model_types: list[str]) -> None:
+    """Raise ``ValueError`` when another package's spec registers one of ``model_types``."""
     owners = registered_types(tree)
-    clashes = {t: owners[t] for t in model_types if t in owners and owners[t] != layout.names.package}
+    clashes = {t: owners[t] for t in model_types if t in owners and owners[t] != package}
     if clashes:
         listing = ", ".join(f"{t!r} (archon_models/{p}/spec.py)" for t, p in sorted(clashes.items()))
         raise ValueError(
             f"model_type already registered by another package: {listing}. Each model_type belongs to one "
             "ModelSpec; remove it from that package or pick other model_types."
         )
-    changed: list[str] = []
+
+
+def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
+    layout = PackageLayout.for_name(request.model_name)
+    if not tree.exists(layout.model):
+        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first.")
+    model_types = request.model_types or [request.model_name]
     names = layout.names
+    check_model_types_free(tree, names.package, model_types)
+    # Checked again at commit, over what other calls committed meanwhile.
+    tree.add_commit_check(lambda view: check_model_types_free(view, names.package, model_types))
+    changed: list[str] = []
     current = tree.read_text(layout.spec)
     if current is None:
         text = SPEC_TEMPLATE.format(
@@ -130,7 +137,10 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
     init_text = tree.read_text(ARCHON_INIT)
     if init_text is None:
         raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
-    write_if_changed(tree, ARCHON_INIT, ensure_import_line(init_text, line), changed)
+    if ensure_import_line(init_text, line) != init_text:
+        # A function of the registry's content: re-applied on top of another call's import line.
+        tree.update_text(ARCHON_INIT, lambda text: ensure_import_line(text, line))
+        changed.append(ARCHON_INIT)
     return RegisterSpecResult(
         spec_file=layout.spec, import_line=line, model_types=sorted(model_types), changed_files=sorted(changed)
     )
