@@ -86,13 +86,7 @@ class Workspace:
 
     def resolve(self, rel: str | os.PathLike) -> Path:
         """The absolute path of ``rel``; raises ``WorkspaceError`` if it leaves the root."""
-        rel_path = PurePosixPath(str(rel).replace(os.sep, "/"))
-        if rel_path.is_absolute():
-            raise WorkspaceError(f"{rel} is absolute; engine paths are relative to the workspace.")
-        target = (self.root / rel_path).resolve()
-        if target != self.root and self.root not in target.parents:
-            raise WorkspaceError(f"{rel} resolves outside the workspace {self.root}; refused.")
-        return target
+        return confine(self.root, rel)
 
     def state_dir(self, *parts: str) -> Path:
         """``<root>/.archon-port/<parts>``, created; refused when a link leads it outside.
@@ -117,6 +111,24 @@ class Workspace:
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
+
+
+def confine(root: Path, rel: str | os.PathLike) -> Path:
+    """``root / rel`` with symbolic links resolved; ``WorkspaceError`` unless it stays inside ``root``.
+
+    ``root`` must be resolved already. Absolute paths, ``..`` that climbs out, NUL bytes
+    and links (anywhere on the way) that lead outside are all refused.
+    """
+    text = os.fspath(rel)
+    if "\0" in text:
+        raise WorkspaceError(f"{text!r} holds a NUL byte; refused.")
+    rel_path = PurePosixPath(text.replace(os.sep, "/"))
+    if rel_path.is_absolute():
+        raise WorkspaceError(f"{text} is absolute; engine paths are relative to the workspace.")
+    target = (root / rel_path).resolve()
+    if target != root and root not in target.parents:
+        raise WorkspaceError(f"{text} resolves outside the workspace {root}; refused.")
+    return target
 
 
 def find_project_root(start: str | os.PathLike | None = None) -> Path:
