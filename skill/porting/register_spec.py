@@ -68,17 +68,21 @@ def types_literal(model_types: list[str]) -> str:
     return "{" + ", ".join(f'"{t}"' for t in sorted(model_types)) + "}"
 
 
-def registered_types(tree: StagedTree) -> dict[str, str]:
-    """model_type -> package, read statically from every ``archon_models/*/spec.py``."""
-    owners: dict[str, str] = {}
+def _claims(tree: StagedTree) -> list[tuple[str, str]]:
+    """(model_type, package) for every type each ``archon_models/*/spec.py`` registers, read statically."""
+    claims: list[tuple[str, str]] = []
     for path in tree.list_files("archon_models"):
         parts = path.split("/")
         if len(parts) != 3 or parts[2] != "spec.py":
             continue
         literal = get_call_kwarg(tree.read_text(path) or "", "ModelSpec", "supported_model_types")
-        for model_type in _types_from_literal(literal):
-            owners[model_type] = parts[1]
-    return owners
+        claims += [(model_type, parts[1]) for model_type in _types_from_literal(literal)]
+    return claims
+
+
+def registered_types(tree: StagedTree) -> dict[str, str]:
+    """model_type -> package, read statically from every ``archon_models/*/spec.py``."""
+    return dict(_claims(tree))
 
 
 def _types_from_literal(literal: str | None) -> list[str]:
@@ -105,8 +109,7 @@ def register_spec(request: RegisterSpecRequest) -> RegisterSpecResult:
 
 def check_model_types_free(tree: StagedTree, package: str, model_types: list[str]) -> None:
     """Raise ``ValueError`` when another package's spec registers one of ``model_types``."""
-    owners = registered_types(tree)
-    clashes = {t: owners[t] for t in model_types if t in owners and owners[t] != package}
+    clashes = {t: p for t, p in _claims(tree) if t in model_types and p != package}
     if clashes:
         listing = ", ".join(f"{t!r} (archon_models/{p}/spec.py)" for t, p in sorted(clashes.items()))
         raise ValueError(
