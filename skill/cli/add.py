@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     request = PortModelRequest(source=args.source, model_name=args.name, overwrite=args.overwrite, stages=stages)
     result = invoke("port_model", request)
+    if not args.json and result.failed_step == "analyze":
+        # Refused before anything was written: the reason is the whole story.
+        sys.stderr.write(f"archon-port: error: {result.error}\n")
+        return 2
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:

@@ -22,7 +22,7 @@ from skill.codemod.cst import (
     set_module_assign,
     upsert_function,
 )
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.family import FamilyProfile, detect_family
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.hf_source import load_config
@@ -410,6 +410,7 @@ def edit_args(request: EditArgsRequest) -> EditArgsResult:
 
 def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: FamilyProfile | None = None) -> EditArgsResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.args, "run copy_reference first.")
     profile = profile or detect_family(request.source)
     check_reference_fits(profile, text)

@@ -7,7 +7,7 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.family import FamilyProfile, detect_family
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 
@@ -44,6 +44,7 @@ def unsupported_features(profile: FamilyProfile) -> list[str]:
 
 def apply_edit_model(tree: StagedTree, request: EditModelRequest, profile: FamilyProfile | None = None) -> EditModelResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.model, "run copy_reference first.")
     profile = profile or detect_family(request.source)
     missing = unsupported_features(profile)

@@ -10,14 +10,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from skill.analysis.analyze import analyze_hf_model
+from skill.analysis.report import AnalyzeInput
 from skill.codemod import StagedTree, Workspace, validate_model_name
 from skill.porting.check_package import CheckPackageRequest, run_checks
 from skill.porting.common import PackageLayout
-from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference
+from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference, refuse_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model, unsupported_features
-from skill.porting.family import detect_family
+from skill.porting.family import FamilyProfile, detect_family
 from skill.porting.reference_choice import choose_reference
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
@@ -130,13 +132,18 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             **extra,
         )
 
+    def analyse() -> FamilyProfile:
+        # What the analyser refuses (encoders, encoder-decoders, multimodal, hybrid and
+        # state-space models, ...) is refused here too, with its message, before anything is written.
+        analyze_hf_model(AnalyzeInput(source=request.source))
+        return detect_family(request.source)
+
     try:
-        profile = runner.run(
-            "analyze", lambda: detect_family(request.source), lambda p: f"{p.model_type} ({p.config_class})"
-        )
+        profile = runner.run("analyze", analyse, lambda p: f"{p.model_type} ({p.config_class})")
         model_type = profile.model_type
         name = request.model_name or validate_model_name(model_type)
         state.update(model_name=name, model_types=[model_type])
+        refuse_reference(name)
         missing = unsupported_features(profile)
         if missing:
             raise ValueError(

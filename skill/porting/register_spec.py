@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,7 @@ def check_model_types_free(tree: StagedTree, package: str, model_types: list[str
 
 def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
     layout = PackageLayout.for_name(request.model_name)
-    if not tree.exists(layout.model):
-        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first.")
+    require_package(tree, layout)
     model_types = request.model_types or [request.model_name]
     names = layout.names
     check_model_types_free(tree, names.package, model_types)

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from skill.codemod import StagedTree, Workspace
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.family import detect_family
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
@@ -67,6 +67,7 @@ class RunTestStageResult(StepResult):
 def ensure_test_file(tree: StagedTree, model_name: str, model_type: str, source: str | None = None) -> list[str]:
     """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written."""
     layout = PackageLayout.for_name(model_name)
+    require_package(tree, layout)
     if tree.exists(layout.test_file):
         return []
     profile = detect_family(source or model_type)

@@ -7,7 +7,7 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.family import ROPE_TYPES, FamilyProfile, detect_family
 
 logger = logging.getLogger(__name__)
@@ -233,6 +233,7 @@ def set_rope(request: SetRopeRequest) -> SetRopeResult:
 
 def apply_set_rope(tree: StagedTree, request: SetRopeRequest, profile: FamilyProfile | None = None) -> SetRopeResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     profile = profile or detect_family(request.source)
     if profile.rope_type not in ROPE_TYPES or (profile.partial_rotary and profile.rope_type != "default"):
         raise ValueError(

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.family import FamilyProfile, detect_family
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ def apply_write_parallelize(
     tree: StagedTree, request: WriteParallelizeRequest, profile: FamilyProfile | None = None
 ) -> WriteParallelizeResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
     profile = profile or detect_family(request.source)
     if profile.qk_norm == "none" and "has_qk_norm" in text:
