@@ -504,6 +504,20 @@ class CallHandle:
         self.result = result
 
 
+def open_records(path: str | os.PathLike) -> list:
+    """The records of a session file that can be recorded into (``[]`` for a new one).
+
+    Raises ``ValueError`` for a file that is not a session or one already closed.
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return []
+    records = read_session(path)
+    if isinstance(records[-1], CloseRecord):
+        raise ValueError(f"session {path} is closed; record into a new file")
+    return records
+
+
 class SessionRecorder:
     """Appends a workspace's tool calls to one session file.
 
@@ -531,10 +545,8 @@ class SessionRecorder:
         self._checkpoint_path = state_dir(self.workspace, "sessions") / f"{key}.checkpoint.json"
         self._touched: set[str] = set()
         self.last_call: CallRecord | None = None
-        if self.path.exists() and self.path.stat().st_size > 0:
-            records = read_session(self.path)
-            if isinstance(records[-1], CloseRecord):
-                raise ValueError(f"session {self.path} is closed; record into a new file")
+        records = open_records(self.path)
+        if records:
             self.session_id = records[0].session_id
             self._seq = max(getattr(r, "seq", 0) for r in records)
             self._calls = sum(isinstance(r, CallRecord) for r in records)

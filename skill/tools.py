@@ -322,7 +322,7 @@ def _confine(workspace: Workspace, field: str, value: str | os.PathLike) -> Path
     if not _inside(workspace, target):
         raise WorkspaceError(
             f"{field}={os.fspath(value)!r} is outside the workspace {workspace.root}; refused. "
-            "Copy it into the workspace (a server's workspace is the folder given to `archon-port serve --workspace`)."
+            "Copy it into the workspace first."
         )
     if target.is_dir() and target != workspace.root:
         for link in _links_leaving(workspace, target):

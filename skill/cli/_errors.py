@@ -8,6 +8,9 @@ from functools import wraps
 
 from pydantic import ValidationError
 
+from skill.codemod.workspace import ConcurrentEditError
+from skill.tools import ToolBusyError
+
 
 def _message(error: Exception) -> str:
     if isinstance(error, ValidationError):
@@ -15,16 +18,22 @@ def _message(error: Exception) -> str:
     return str(error)
 
 
+def error_line(error: BaseException) -> str:
+    """``archon-port: error: ...`` on one line."""
+    return "archon-port: error: " + " ".join(_message(error).split()) + "\n"
+
+
 def reports_bad_input(run: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a sub-command: ValueError (pydantic's included), FileNotFoundError and
-    FileExistsError print ``archon-port: error: ...`` and return 2 instead of a traceback."""
+    """Wrap a sub-command: ValueError (pydantic's included) and OSError (a missing file, a
+    name too long for the file system, ...) print ``archon-port: error: ...`` on one line
+    and return 2 instead of a traceback."""
 
     @wraps(run)
     def wrapper(*args, **kwargs) -> int:
         try:
             return run(*args, **kwargs)
-        except (ValueError, FileNotFoundError, FileExistsError) as error:
-            sys.stderr.write(f"archon-port: error: {_message(error)}\n")
+        except (ValueError, OSError, ToolBusyError, ConcurrentEditError) as error:
+            sys.stderr.write(error_line(error))
             return 2
 
     return wrapper

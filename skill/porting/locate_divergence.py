@@ -16,7 +16,6 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from skill.codemod import Workspace
+from skill.porting.child_process import run_child
 from skill.porting.common import PackageLayout, PackageRequest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
     if request.model_type:
         command += ["--model-type", request.model_type]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workspace.root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(command, cwd=workspace.root, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_child(command, cwd=workspace.root, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
     return LocateDivergenceResult.model_validate_json(proc.stdout.strip().splitlines()[-1])

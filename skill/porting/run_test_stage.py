@@ -7,13 +7,13 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
 from skill.codemod import StagedTree, Workspace
+from skill.porting.child_process import run_child, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.family import detect_family
 from skill.porting.hf_source import load_config
@@ -102,8 +102,8 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
     test_path = root / layout.test_file
     if not test_path.is_file():
         raise FileNotFoundError(f"{layout.test_file} does not exist; run_test_stage writes it, or run port_model.")
-    with tempfile.TemporaryDirectory(prefix="archon-port-stage-") as tmp:
-        report = Path(tmp) / "report.xml"
+    with scratch_dir("archon-port-stage") as tmp:
+        report = tmp / "report.xml"
         command = [
             sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
@@ -112,7 +112,7 @@ def run_stage_subprocess(root: Path, model_name: str, stage: int | list[int], ti
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:
-            proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+            proc = run_child(command, cwd=root, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise TimeoutError(f"stage {stage} of {model_name} ran past {timeout_s:.0f}s") from e
         seconds = time.perf_counter() - start
