@@ -29,7 +29,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from skill.codemod.workspace import Workspace, WorkspaceError, confine, find_project_root
+from skill.codemod.workspace import (
+    Workspace,
+    WorkspaceError,
+    confine,
+    find_project_root,
+)
 from skill.session import (
     IGNORED_DIRS,
     IGNORED_SUFFIXES,

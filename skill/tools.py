@@ -566,7 +566,7 @@ def invoke(
     Rolls back what a killed call left half-written, validates and confines the
     arguments, takes the package lock the entry names, and, when a session is recording
     (``session`` or the active one), appends the call to it. Once ``cancel`` is set the
-    step's commit refuses to write (:class:`~skill.codemod.workspace.CancelledError`).
+    step's commit refuses to write (:class:`~skill.codemod.workspace.CallCancelledError`).
     Engine errors propagate unchanged (after being recorded).
     """
     from skill import session as session_module  # session imports this module

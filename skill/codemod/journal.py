@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 REGISTRY = "archon_models/__init__.py"
 JOURNAL = "journal.json"
-_REGISTRY_IMPORT = re.compile(r"^from archon_models\.(?P<package>\w+)[\w.]* import [^(\n]*$", re.MULTILINE)
+# A one-line import of a model package in the registry (``from archon_models.x import spec as x_spec``).
+_REGISTRY_IMPORT = re.compile(r"from archon_models\.(?P<package>\w+)[\w.]* import [^(\n]*")
 
 
 class JournalEntry(BaseModel):
@@ -89,11 +90,14 @@ def _package_of(rel: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[0] == "archon_models" else None
 
 
+def _imported_by(line: str) -> str | None:
+    match = _REGISTRY_IMPORT.fullmatch(line.rstrip("\r\n"))
+    return match["package"] if match else None
+
+
 def _without_imports(registry: str, packages: set[str]) -> str:
     """``registry`` less the one-line imports of ``packages``."""
-    return _REGISTRY_IMPORT.sub(
-        lambda m: "\0" if m["package"] in packages else m[0], registry
-    ).replace("\0\n", "").replace("\0", "")
+    return "".join(line for line in registry.splitlines(keepends=True) if _imported_by(line) not in packages)
 
 
 def plan(workspace: Workspace, changes: Mapping[str, bytes | None]) -> list[tuple[str, bytes | None]]:
@@ -107,7 +111,7 @@ def plan(workspace: Workspace, changes: Mapping[str, bytes | None]) -> list[tupl
     current = registry_path.read_bytes() if registry_path.is_file() else None
     steps: list[tuple[str, bytes | None]] = []
     if current is not None:
-        imported = {m["package"] for m in _REGISTRY_IMPORT.finditer(current.decode("utf-8"))}
+        imported = {_imported_by(line) for line in current.decode("utf-8").splitlines()} - {None}
         counts: dict[str, int] = {}
         for rel in changes:
             package = _package_of(rel)
@@ -201,9 +205,17 @@ def _roll_back(workspace: Workspace, txdir: Path) -> None:
     shutil.rmtree(txdir, ignore_errors=True)
 
 
+def _txn_root(workspace: Workspace) -> Path:
+    from skill.codemod.workspace import (
+        STATE_DIR,  # the workspace module imports this one
+    )
+
+    return workspace.root / STATE_DIR / "txn"
+
+
 def recover_locked(workspace: Workspace) -> list[str]:
     """Roll back every unfinished transaction; the caller holds :func:`commit_lock`."""
-    txn_root = workspace.root / ".archon-port" / "txn"
+    txn_root = _txn_root(workspace)
     if not txn_root.is_dir():
         return []
     rolled_back: list[str] = []
@@ -219,7 +231,7 @@ def recover_locked(workspace: Workspace) -> list[str]:
 
 def recover(workspace: Workspace) -> list[str]:
     """Roll back the transactions of calls that died mid-commit; returns their ids."""
-    if not (workspace.root / ".archon-port" / "txn").is_dir():
+    if not _txn_root(workspace).is_dir():
         return []
     with commit_lock(workspace):
         return recover_locked(workspace)

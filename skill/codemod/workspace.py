@@ -43,7 +43,7 @@ class ConcurrentEditError(RuntimeError):
     """A file changed on disk between staging an edit and applying it."""
 
 
-class CancelledError(RuntimeError):
+class CallCancelledError(RuntimeError):
     """The call was cancelled (its client went away) before its changes were committed."""
 
 
@@ -63,10 +63,10 @@ def cancellable(event: threading.Event | None) -> Iterator[None]:
 
 
 def check_cancelled() -> None:
-    """Raise :class:`CancelledError` when the running call has been cancelled."""
+    """Raise :class:`CallCancelledError` when the running call has been cancelled."""
     event = _cancel_event.get()
     if event is not None and event.is_set():
-        raise CancelledError("the call was cancelled before its changes were written; nothing was written.")
+        raise CallCancelledError("the call was cancelled before its changes were written; nothing was written.")
 
 
 def _read_bytes(path: Path) -> bytes | None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 from mcp import Client
 
 from mcp_server import build_server
-from skill.porting.child_process import sweep_stale_scratch
+from skill.codemod.workspace import CallCancelledError, cancellable
+from skill.porting.child_process import run_child, sweep_stale_scratch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,16 +98,12 @@ def test_a_killed_parent_takes_its_stage_child_and_scratch_folder_along(tmp_path
 
 
 def test_interrupting_a_stage_kills_its_child(tmp_path: Path):
-    from skill.porting.child_process import run_child
-    from skill.codemod.workspace import CancelledError, cancellable
-    import threading
-
     event = threading.Event()
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     threading.Timer(1.0, event.set).start()
     started = time.monotonic()
-    with cancellable(event), pytest.raises(CancelledError):
+    with cancellable(event), pytest.raises(CallCancelledError):
         run_child([sys.executable, "-c", child], cwd=tmp_path, env=dict(os.environ), timeout=60)
     assert time.monotonic() - started < 10
     pid = int(pid_file.read_text())

@@ -145,9 +145,11 @@ def test_the_busy_message_names_only_live_holders(workspace: Path):
     thread.start()
     try:
         assert reading.wait(10)
-        with pytest.raises(tools.ToolBusyError) as busy:
-            with tools.package_lock(ws, "mistral", exclusive=True, holder="second_writer", timeout=0):
-                pass
+        with (
+            pytest.raises(tools.ToolBusyError) as busy,
+            tools.package_lock(ws, "mistral", exclusive=True, holder="second_writer", timeout=0),
+        ):
+            pass
     finally:
         release.set()
         thread.join()

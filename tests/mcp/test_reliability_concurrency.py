@@ -18,7 +18,7 @@ def _copy(workspace: Path, *names: str) -> None:
         tools.invoke("copy_reference", {"model_name": name, "reference": "qwen2"}, workspace=workspace)
 
 
-def _register_together(workspace: Path, requests: list[dict]) -> list[BaseException | None]:
+def _register_together(workspace: Path, requests: list[dict]) -> list[Exception | None]:
     """Run register_spec calls in threads that all finish staging before any commits."""
     barrier = threading.Barrier(len(requests), timeout=60)
     real_commit = StagedTree.commit
@@ -27,12 +27,12 @@ def _register_together(workspace: Path, requests: list[dict]) -> list[BaseExcept
         barrier.wait()
         return real_commit(tree)
 
-    outcomes: list[BaseException | None] = [None] * len(requests)
+    outcomes: list[Exception | None] = [None] * len(requests)
 
     def call(index: int) -> None:
         try:
             tools.invoke("register_spec", requests[index], workspace=workspace, lock_timeout=30)
-        except BaseException as e:  # collected and asserted on below
+        except Exception as e:  # collected and asserted on below
             outcomes[index] = e
             barrier.abort()
 

@@ -13,7 +13,13 @@ import pytest
 
 from skill import session as sessions
 from skill.replay import ReplayInput, UnsafeSessionError, replay_session
-from skill.session import CallRecord, EditRecord, FileContent, SessionHeader, unified_diff
+from skill.session import (
+    CallRecord,
+    EditRecord,
+    FileContent,
+    SessionHeader,
+    unified_diff,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
