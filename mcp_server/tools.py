@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -152,6 +153,7 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
 
     async def run(arguments: dict[str, Any], ctx: Context) -> Any:
         progress = _Progress(ctx, tool)
+        cancel = threading.Event()
         call: Callable[[], BaseModel] = functools.partial(
             invoke,
             tool.name,
@@ -160,6 +162,7 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             session=state.recorder,
             progress=progress.from_worker,
             lock_timeout=state.lock_timeout,
+            cancel=cancel,
         )
         error: Exception | None = None
         async with anyio.create_task_group() as group:
@@ -167,7 +170,13 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
                 await progress.send(f"{tool.name} started")
                 group.start_soon(progress.heartbeat)
             try:
-                result = await anyio.to_thread.run_sync(call)
+                # A client that cancels or goes away stops the wait at once; the step then
+                # stops at its next check (before it commits, or its stage child is killed).
+                result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            except anyio.get_cancelled_exc_class():
+                logger.info("%s cancelled by the client; it writes nothing", tool.name)
+                cancel.set()
+                raise
             except Exception as e:  # every failure is the agent's to read, as a structured result
                 error = e
             finally:

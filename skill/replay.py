@@ -6,6 +6,14 @@ edits made outside the tools are applied as patches, tool calls are re-run throu
 :func:`skill.tools.invoke`. The first call whose outcome, result or changed files
 differ from the recording, or the first edit that does not apply, ends the replay with
 a mismatch naming it.
+
+A session file is untrusted input (it may come with a pull request that CI replays).
+Before anything runs, every path it names (each record's ``base`` and ``files``, each
+patch header, each ``binary`` entry) must be a plain relative path, and each is
+confined again to the scratch copy, after resolving symbolic links, when it is used. A
+recorded call with ``trust_remote_code`` runs only when the person replaying allows
+remote code themselves. A session that breaks either rule is refused with one line
+naming the record (:class:`UnsafeSessionError`).
 """
 
 from __future__ import annotations
@@ -15,12 +23,18 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from skill.codemod.workspace import Workspace, find_project_root
+from skill.codemod.workspace import (
+    Workspace,
+    WorkspaceError,
+    confine,
+    find_project_root,
+)
 from skill.session import (
     IGNORED_DIRS,
     IGNORED_SUFFIXES,
@@ -34,6 +48,7 @@ from skill.session import (
     apply_patch,
     engine_version,
     first_difference,
+    patch_paths,
     read_session,
 )
 from skill.tools import invoke
@@ -49,6 +64,56 @@ class ReplayInput(BaseModel):
         default=None, description="repository to copy (default: the project holding the current directory)"
     )
     keep: bool = Field(default=False, description="keep the temporary copy for inspection")
+    trust_remote_code: bool = Field(
+        default=False, description="let recorded calls with trust_remote_code run a checkpoint's own code"
+    )
+
+
+class UnsafeSessionError(ValueError):
+    """A session that names a path outside the scratch copy, or runs remote code unasked."""
+
+
+def _record_name(record: CallRecord | EditRecord | CloseRecord) -> str:
+    return f"call #{record.seq} ({record.tool})" if isinstance(record, CallRecord) else f"{record.kind} #{record.seq}"
+
+
+def _check_relative(record, what: str, rel: str) -> None:
+    parts = rel.replace("\\", "/").split("/")
+    if not rel or "\0" in rel or rel.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
+        raise UnsafeSessionError(
+            f"{_record_name(record)}: {what} {rel!r} is not a path inside the workspace; "
+            "the session file was edited or crafted, refused before replaying anything"
+        )
+
+
+def _paths_of(record) -> Iterator[tuple[str, str]]:
+    for rel in getattr(record, "base", {}):
+        yield "base path", rel
+    for rel in getattr(record, "files", {}):
+        yield "changed file", rel
+    if isinstance(record, EditRecord):
+        for rel in record.binary:
+            yield "binary entry", rel
+        for rel in patch_paths(record.patch):
+            yield "patch path", rel
+    if isinstance(record, CloseRecord):
+        for rel in patch_paths(record.patch):
+            yield "patch path", rel
+
+
+def vet_session(records: list, *, trust_remote_code: bool) -> None:
+    """Refuse a session whose records name paths outside the workspace, or run remote code unasked."""
+    for record in records[1:]:
+        try:
+            for what, rel in _paths_of(record):
+                _check_relative(record, what, rel)
+        except PatchError as e:
+            raise UnsafeSessionError(f"{_record_name(record)}: {e}; refused before replaying anything") from e
+        if isinstance(record, CallRecord) and record.arguments.get("trust_remote_code") and not trust_remote_code:
+            raise UnsafeSessionError(
+                f"{_record_name(record)} runs the checkpoint's own code (trust_remote_code=true); "
+                "replay with --trust-remote-code only if you trust that code"
+            )
 
 
 class ReplayMismatch(BaseModel):
@@ -97,12 +162,15 @@ def copy_repository(source: Path, destination: Path) -> Path:
 
 def _restore_base(root: Path, records: list) -> None:
     """Put back, in the copy, the content each touched file had when the session started."""
-    base: dict[str, FileContent | None] = {}
+    base: dict[str, tuple[FileContent | None, object]] = {}
     for record in records:
         for rel, content in getattr(record, "base", {}).items():
-            base.setdefault(rel, content)
-    for rel, content in base.items():
-        path = root / rel
+            base.setdefault(rel, (content, record))
+    for rel, (content, record) in base.items():
+        try:
+            path = confine(root, rel)
+        except WorkspaceError as e:
+            raise UnsafeSessionError(f"{_record_name(record)}: base path {e}") from e
         if content is None:
             if path.is_file():
                 path.unlink()
@@ -150,9 +218,10 @@ def replay_session(request: ReplayInput) -> ReplayReport:
     records = read_session(request.session)
     header = records[0]
     assert isinstance(header, SessionHeader)
+    vet_session(records, trust_remote_code=request.trust_remote_code)
     source = (request.source or find_project_root()).resolve()
     tmp = Path(tempfile.mkdtemp(prefix="archon-port-replay-"))
-    root = copy_repository(source, tmp / "repo")
+    root = copy_repository(source, tmp / "repo").resolve()
     calls = edits = 0
     mismatch: ReplayMismatch | None = None
     try:
@@ -164,11 +233,14 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                 try:
                     apply_patch(root, record.patch)
                     for rel, content in record.binary.items():
-                        (root / rel).write_bytes(content.to_bytes())
+                        workspace.resolve(rel).write_bytes(content.to_bytes())
+                    actual = workspace_hashes(workspace, record.files)
+                except WorkspaceError as e:
+                    raise UnsafeSessionError(f"{_record_name(record)}: {e}") from e
                 except (PatchError, OSError, UnicodeDecodeError) as e:
                     mismatch = ReplayMismatch(seq=record.seq, kind="edit", detail=str(e))
                     break
-                differs = _compare_files(record.files, workspace_hashes(workspace, record.files))
+                differs = _compare_files(record.files, actual)
                 if differs:
                     mismatch = ReplayMismatch(seq=record.seq, kind="edit", detail=differs)
                     break
@@ -212,9 +284,17 @@ def workspace_hashes(workspace: Workspace, paths: dict[str, str | None]) -> dict
     """The current sha256 of each path (None when absent)."""
     result: dict[str, str | None] = {}
     for rel in paths:
-        path = workspace.root / rel
+        path = workspace.resolve(rel)
         result[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
     return result
 
 
-__all__ = ["ReplayInput", "ReplayMismatch", "ReplayReport", "copy_repository", "replay_session"]
+__all__ = [
+    "ReplayInput",
+    "ReplayMismatch",
+    "ReplayReport",
+    "UnsafeSessionError",
+    "copy_repository",
+    "replay_session",
+    "vet_session",
+]

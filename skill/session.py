@@ -42,8 +42,8 @@ from pydantic import BaseModel, Field, TypeAdapter
 from pydantic_core import to_jsonable_python
 
 from skill import __version__
-from skill.codemod.workspace import Workspace
-from skill.tools import STATE_DIR, Tool, state_dir
+from skill.codemod.workspace import STATE_DIR, Workspace, confine
+from skill.tools import Tool, state_dir
 
 logger = logging.getLogger(__name__)
 
@@ -414,19 +414,35 @@ class PatchError(ValueError):
     """A patch that does not apply to the file it names."""
 
 
+def _patch_chunks(patch: str) -> Iterator[tuple[str, list[str]]]:
+    """Each file section of a patch: the path it names and its lines."""
+    for chunk in re.split(r"^diff --git ", patch, flags=re.MULTILINE)[1:]:
+        lines = _lines(chunk)
+        header = lines[0]
+        if " b/" not in header:
+            raise PatchError(f"malformed patch header {('diff --git ' + header).strip()!r}")
+        yield header.split(" b/", 1)[1].strip(), lines
+
+
+def patch_paths(patch: str) -> list[str]:
+    """The paths a patch names, in order."""
+    return [rel for rel, _ in _patch_chunks(patch)]
+
+
 def apply_patch(root: Path, patch: str) -> list[str]:
     """Apply a patch written by :func:`unified_diff` under ``root``, strictly (context must match).
 
-    Returns the paths changed. Raises :class:`PatchError` naming the file and hunk that
-    does not apply.
+    Every path is confined to ``root`` after resolving symbolic links (a patch is
+    untrusted input: :class:`~skill.codemod.workspace.WorkspaceError` for one that
+    leaves it). Returns the paths changed. Raises :class:`PatchError` naming the file
+    and hunk that does not apply.
     """
     changed: list[str] = []
-    for chunk in re.split(r"^diff --git ", patch, flags=re.MULTILINE)[1:]:
-        lines = _lines(chunk)
-        rel = lines[0].split(" b/", 1)[1].strip()
+    root = root.resolve()
+    for rel, lines in _patch_chunks(patch):
         creating = any(line.startswith("new file mode") for line in lines[1:3])
         deleting = any(line.startswith("deleted file mode") for line in lines[1:3])
-        path = root / rel
+        path = confine(root, rel)
         if creating and path.exists():
             raise PatchError(f"{rel}: the patch creates it but it already exists")
         old = [] if creating else _lines(path.read_bytes().decode("utf-8"))
@@ -488,6 +504,20 @@ class CallHandle:
         self.result = result
 
 
+def open_records(path: str | os.PathLike) -> list:
+    """The records of a session file that can be recorded into (``[]`` for a new one).
+
+    Raises ``ValueError`` for a file that is not a session or one already closed.
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return []
+    records = read_session(path)
+    if isinstance(records[-1], CloseRecord):
+        raise ValueError(f"session {path} is closed; record into a new file")
+    return records
+
+
 class SessionRecorder:
     """Appends a workspace's tool calls to one session file.
 
@@ -515,10 +545,8 @@ class SessionRecorder:
         self._checkpoint_path = state_dir(self.workspace, "sessions") / f"{key}.checkpoint.json"
         self._touched: set[str] = set()
         self.last_call: CallRecord | None = None
-        if self.path.exists() and self.path.stat().st_size > 0:
-            records = read_session(self.path)
-            if isinstance(records[-1], CloseRecord):
-                raise ValueError(f"session {self.path} is closed; record into a new file")
+        records = open_records(self.path)
+        if records:
             self.session_id = records[0].session_id
             self._seq = max(getattr(r, "seq", 0) for r in records)
             self._calls = sum(isinstance(r, CallRecord) for r in records)

@@ -30,13 +30,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from skill.codemod.workspace import Workspace, WorkspaceError
+from skill.codemod import journal
+from skill.codemod.workspace import Workspace, WorkspaceError, cancellable
 
 logger = logging.getLogger(__name__)
-
-# Where the engine keeps per-workspace state (locks, server sessions, latest reports).
-# Never part of a session's recorded file changes.
-STATE_DIR = ".archon-port"
 
 DEFAULT_LOCK_TIMEOUT_S = 300.0
 # The lock every package-level call shares and a call on a not-yet-named package holds
@@ -45,14 +42,8 @@ WORKSPACE_LOCK = "_workspace"
 
 
 def state_dir(workspace: Workspace, *parts: str) -> Path:
-    """``<workspace>/.archon-port/<parts>``, created; the state directory ignores itself in git."""
-    root = workspace.root / STATE_DIR
-    if not root.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        (root / ".gitignore").write_text("*\n", encoding="utf-8")
-    path = root.joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """``<workspace>/.archon-port/<parts>``, created (see :meth:`Workspace.state_dir`)."""
+    return workspace.state_dir(*parts)
 
 
 class ToolEntry(BaseModel):
@@ -328,12 +319,31 @@ def _confine(workspace: Workspace, field: str, value: str | os.PathLike) -> Path
     raw = os.path.expanduser(os.fspath(value))
     path = Path(raw)
     target = (path if path.is_absolute() else workspace.root / path).resolve()
-    if target != workspace.root and workspace.root not in target.parents:
+    if not _inside(workspace, target):
         raise WorkspaceError(
             f"{field}={os.fspath(value)!r} is outside the workspace {workspace.root}; refused. "
-            "Copy it into the workspace, or start the server with --workspace set to a directory holding it."
+            "Copy it into the workspace first."
         )
+    if target.is_dir() and target != workspace.root:
+        for link in _links_leaving(workspace, target):
+            raise WorkspaceError(
+                f"{field}={os.fspath(value)!r}: {link.relative_to(workspace.root)} is a symbolic link to "
+                f"{link.resolve()}, outside the workspace {workspace.root}; refused. Copy the file in instead of linking it."
+            )
     return target
+
+
+def _inside(workspace: Workspace, path: Path) -> bool:
+    return path == workspace.root or workspace.root in path.parents
+
+
+def _links_leaving(workspace: Workspace, folder: Path) -> Iterator[Path]:
+    """Symbolic links under ``folder`` (a source folder the engine will read) that resolve outside."""
+    for directory, dirnames, filenames in os.walk(folder):
+        for name in (*dirnames, *filenames):
+            path = Path(directory, name)
+            if path.is_symlink() and not _inside(workspace, path.resolve()):
+                yield path
 
 
 def prepare_request(tool: Tool, arguments: Mapping[str, Any] | BaseModel, workspace: Workspace) -> BaseModel:
@@ -364,6 +374,56 @@ def prepare_request(tool: Tool, arguments: Mapping[str, Any] | BaseModel, worksp
 # --- package locks ------------------------------------------------------------------
 
 
+class LockHolder(BaseModel):
+    """Who holds a package lock: written beside the lock while held, removed on release."""
+
+    tool: str
+    pid: int
+    process_start: str | None = Field(default=None, description="the process's start time, against pid reuse")
+    exclusive: bool
+    since: str
+
+    def alive(self) -> bool:
+        """Whether the recorded process still runs (the same process, not a reused pid)."""
+        if self.process_start is not None:
+            return _process_start(self.pid) == self.process_start
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def describe(self) -> str:
+        return f"{self.tool} (pid {self.pid}, {'changing' if self.exclusive else 'reading'} it since {self.since})"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _live_holders(holders_dir: Path) -> list[LockHolder]:
+    """The holders recorded in ``holders_dir`` whose process is alive; stale records are removed."""
+    live: list[LockHolder] = []
+    for path in sorted(holders_dir.glob("*.json")):
+        try:
+            holder = LockHolder.model_validate_json(path.read_bytes())
+        except (OSError, ValueError):
+            continue  # being written or removed right now
+        if holder.alive():
+            live.append(holder)
+        else:
+            logger.info("removing the stale lock record of %s", holder.describe())
+            path.unlink(missing_ok=True)
+    return live
+
+
 @contextlib.contextmanager
 def package_lock(
     workspace: Workspace,
@@ -376,13 +436,16 @@ def package_lock(
     """Hold ``package``'s lock: shared for reads, exclusive for changes.
 
     The lock is an ``flock`` on ``.archon-port/locks/<package>.lock``, so it also
-    serialises calls from different processes (two servers, a server and the CLI).
-    A call that cannot get it within ``timeout`` seconds raises :class:`ToolBusyError`
-    naming the call that holds it; ``timeout=0`` refuses at once.
+    serialises calls from different processes (two servers, a server and the CLI), and
+    the kernel releases it when its process dies. Each holder records itself in
+    ``<package>.holders/`` while it holds the lock. A call that cannot get it within
+    ``timeout`` seconds raises :class:`ToolBusyError` naming the live holders (records
+    of processes that are gone are dropped); ``timeout=0`` refuses at once.
     """
-    path = state_dir(workspace, "locks") / f"{package}.lock"
+    locks = state_dir(workspace, "locks")
+    holders_dir = locks / f"{package}.holders"
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    with open(path, "a+", encoding="utf-8") as handle:
+    with open(locks / f"{package}.lock", "a+", encoding="utf-8") as handle:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -390,21 +453,27 @@ def package_lock(
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    handle.seek(0)
-                    current = handle.read().strip() or "another call"
+                    live = _live_holders(holders_dir) if holders_dir.is_dir() else []
+                    current = ", ".join(h.describe() for h in live) or "another call"
                     what = "the workspace" if package == WORKSPACE_LOCK else f"package {package!r}"
                     raise ToolBusyError(
                         f"{what} is busy: {current} holds it (waited {timeout:g} s). Retry when that call has finished."
                     ) from None
                 time.sleep(0.02)
+        record = holders_dir / f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.json"
         try:
-            if exclusive:
-                handle.seek(0)
-                handle.truncate()
-                handle.write(f"{holder} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})")
-                handle.flush()
+            holders_dir.mkdir(exist_ok=True)
+            me = LockHolder(
+                tool=holder,
+                pid=os.getpid(),
+                process_start=_process_start(os.getpid()),
+                exclusive=exclusive,
+                since=time.strftime("%H:%M:%S"),
+            )
+            record.write_text(me.model_dump_json(), encoding="utf-8")
             yield
         finally:
+            record.unlink(missing_ok=True)
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
@@ -490,11 +559,14 @@ def invoke(
     session: Any | None = None,
     progress: Callable[[str], None] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+    cancel: threading.Event | None = None,
 ) -> BaseModel:
     """Run step ``name`` inside ``workspace`` and return its result model.
 
-    Validates and confines the arguments, takes the package lock the entry names, and,
-    when a session is recording (``session`` or the active one), appends the call to it.
+    Rolls back what a killed call left half-written, validates and confines the
+    arguments, takes the package lock the entry names, and, when a session is recording
+    (``session`` or the active one), appends the call to it. Once ``cancel`` is set the
+    step's commit refuses to write (:class:`~skill.codemod.workspace.CallCancelledError`).
     Engine errors propagate unchanged (after being recorded).
     """
     from skill import session as session_module  # session imports this module
@@ -507,6 +579,7 @@ def invoke(
             f"the recording session belongs to workspace {recorder.workspace.root}, not {ws.root}; "
             "record each workspace in its own session"
         )
+    journal.recover(ws)
     recorded_arguments = session_module.portable_arguments(arguments, ws)
     try:
         request = prepare_request(tool, arguments, ws)
@@ -527,6 +600,7 @@ def invoke(
                 package_lock(ws, package, exclusive=not tool.entry.read_only, holder=tool.name, timeout=lock_timeout)
             )
         stack.enter_context(_forward_progress(progress))
+        stack.enter_context(cancellable(cancel))
         if recorder is None:
             return tool.function(request)
         with recorder.record_call(tool, recorded_arguments) as call:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 
 from skill import __version__
+from skill.cli._errors import error_line
 
 # One module per sub-command under skill/cli/, each defining
 # ``register(subparsers) -> None`` that adds its parser and sets ``func``
@@ -46,6 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(EXIT_TERMINATED)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit`` so cleanup (rollback, child processes) runs as on Ctrl-C."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: leave signals to it
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(error: BaseException) -> bool:
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    return isinstance(error, BaseExceptionGroup) and error.subgroup(KeyboardInterrupt) is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -53,12 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    if args.record:
-        from skill.session import recording
+    try:
+        with _sigterm_unwinds():
+            if args.record:
+                from skill.session import recording
 
-        with recording(args.record, getattr(args, "workspace", None)):
+                with recording(args.record, getattr(args, "workspace", None)):
+                    return int(args.func(args) or 0)
             return int(args.func(args) or 0)
-    return int(args.func(args) or 0)
+    except (ValueError, OSError) as error:  # bad input found outside a sub-command (a corrupt --record file)
+        sys.stderr.write(error_line(error))
+        return 2
+    except BaseException as error:
+        if not _interrupted(error):
+            raise
+        sys.stderr.write("archon-port: interrupted (an interrupted write is rolled back)\n")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

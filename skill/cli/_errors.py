@@ -9,6 +9,8 @@ from functools import wraps
 from pydantic import ValidationError
 
 from skill.errors import step_error_message
+from skill.codemod.workspace import ConcurrentEditError
+from skill.tools import ToolBusyError
 
 
 def _message(error: Exception) -> str:
@@ -17,17 +19,23 @@ def _message(error: Exception) -> str:
     return step_error_message(error)
 
 
+def error_line(error: BaseException) -> str:
+    """``archon-port: error: ...`` on one line."""
+    return "archon-port: error: " + " ".join(_message(error).split()) + "\n"
+
+
 def reports_bad_input(run: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a sub-command: ValueError (pydantic's included), FileNotFoundError and
-    FileExistsError print ``archon-port: error: ...`` and return 2 instead of a traceback; an
-    unsupported feature or a missing file also points to SKILL.md's hand-port section."""
+    """Wrap a sub-command: ValueError (pydantic's included) and OSError (a missing file, a
+    name too long for the file system, ...) print ``archon-port: error: ...`` on one line
+    and return 2 instead of a traceback; an unsupported feature or a missing file also
+    points to SKILL.md's hand-port section."""
 
     @wraps(run)
     def wrapper(*args, **kwargs) -> int:
         try:
             return run(*args, **kwargs)
-        except (ValueError, FileNotFoundError, FileExistsError) as error:
-            sys.stderr.write(f"archon-port: error: {_message(error)}\n")
+        except (ValueError, OSError, ToolBusyError, ConcurrentEditError) as error:
+            sys.stderr.write(error_line(error))
             return 2
 
     return wrapper

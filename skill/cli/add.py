@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
     result = invoke("port_model", request)
+    if not args.json and result.failed_step == "analyze":
+        # Refused before anything was written: the reason is the whole story.
+        sys.stderr.write(f"archon-port: error: {result.error}\n")
+        return 2
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:

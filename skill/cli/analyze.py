@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from skill.cli._errors import reports_bad_input
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+@reports_bad_input
 def run(args: argparse.Namespace) -> int:
     from skill.analysis import AnalysisError, AnalyzeInput, decoder_only_candidates
     from skill.tools import invoke

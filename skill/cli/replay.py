@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from skill.cli._errors import reports_bad_input
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--source", type=Path, help="repository to copy (default: this project)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy and print its path")
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let recorded calls that set trust_remote_code run a checkpoint's own Python code "
+        "(refused by default: a session file is untrusted input)",
+    )
+    parser.add_argument(
         "--close",
         action="store_true",
         help="first close the session (capturing edits made outside the tools since its last call)",
@@ -29,13 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+@reports_bad_input
 def run(args: argparse.Namespace) -> int:
     from skill.replay import ReplayInput, replay_session
     from skill.session import SessionRecorder
 
     if args.close:
         SessionRecorder(args.session, args.source).close()
-    report = replay_session(ReplayInput(session=args.session, source=args.source, keep=args.keep))
+    request = ReplayInput(
+        session=args.session, source=args.source, keep=args.keep, trust_remote_code=args.trust_remote_code
+    )
+    report = replay_session(request)
     sys.stdout.write(report.describe() + "\n")
     if report.kept_copy is not None:
         sys.stdout.write(f"copy kept at {report.kept_copy}\n")

@@ -27,6 +27,9 @@ RESERVED_NAMES = frozenset(
 )
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+# Longest package name: its files (``test_<name>.py``, ``<name>_spec``) must fit the
+# 255-byte file-name limit of common file systems with room to spare.
+MAX_NAME_LENGTH = 100
 
 
 def validate_model_name(name: str) -> str:
@@ -38,6 +41,10 @@ def validate_model_name(name: str) -> str:
     """
     if not isinstance(name, str) or not name:
         raise ValueError("Model name is empty; pass a lowercase identifier such as 'mistral'.")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"Model name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}. Pick a shorter name."
+        )
     if "/" in name or "\\" in name or name.startswith(".") or ".." in name:
         raise ValueError(
             f"Model name {name!r} would leave archon_models/; pass a bare package name "

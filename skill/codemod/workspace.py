@@ -1,24 +1,38 @@
 """Transactional, confined file writes inside a project workspace.
 
 A step never writes straight to disk: it stages whole-file contents in a
-``StagedTree`` and the transaction applies them at the end, all or nothing. If
-anything raises before or during the apply (KeyboardInterrupt included) the files
-written so far are restored and the directories created are removed, so the tree
-never holds half a package or an import line pointing at a package that is not there.
+``StagedTree`` and the transaction applies them at the end, all or nothing, through
+the journal of :mod:`skill.codemod.journal`. If anything raises before or during the
+apply (KeyboardInterrupt included) the files written so far are restored and the
+directories created are removed; a process killed mid-write is rolled back by the next
+call. The tree never holds half a package or an import line pointing at a package that
+is not there.
+
+Commits run one at a time per workspace (the commit lock). A shared file edited by a
+function of its content (the registry's import lines, :meth:`StagedTree.update_text`)
+is re-edited on top of what another call committed meanwhile instead of overwriting
+it, and the checks a step registers with :meth:`StagedTree.add_commit_check` run again
+under the lock, so two calls cannot both claim what only one may have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
-import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
+
+from skill.codemod import journal
 
 logger = logging.getLogger(__name__)
 
 _DELETED = object()
+
+# Where the engine keeps per-workspace state (locks, journals, sessions, reports).
+STATE_DIR = ".archon-port"
 
 
 class WorkspaceError(ValueError):
@@ -27,6 +41,32 @@ class WorkspaceError(ValueError):
 
 class ConcurrentEditError(RuntimeError):
     """A file changed on disk between staging an edit and applying it."""
+
+
+class CallCancelledError(RuntimeError):
+    """The call was cancelled (its client went away) before its changes were committed."""
+
+
+_cancel_event: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "archon_port_cancel", default=None
+)
+
+
+@contextlib.contextmanager
+def cancellable(event: threading.Event | None) -> Iterator[None]:
+    """Within the block, a commit refuses to start once ``event`` is set."""
+    token = _cancel_event.set(event)
+    try:
+        yield
+    finally:
+        _cancel_event.reset(token)
+
+
+def check_cancelled() -> None:
+    """Raise :class:`CallCancelledError` when the running call has been cancelled."""
+    event = _cancel_event.get()
+    if event is not None and event.is_set():
+        raise CallCancelledError("the call was cancelled before its changes were written; nothing was written.")
 
 
 def _read_bytes(path: Path) -> bytes | None:
@@ -48,16 +88,49 @@ class Workspace:
 
     def resolve(self, rel: str | os.PathLike) -> Path:
         """The absolute path of ``rel``; raises ``WorkspaceError`` if it leaves the root."""
-        rel_path = PurePosixPath(str(rel).replace(os.sep, "/"))
-        if rel_path.is_absolute():
-            raise WorkspaceError(f"{rel} is absolute; engine paths are relative to the workspace.")
-        target = (self.root / rel_path).resolve()
-        if target != self.root and self.root not in target.parents:
-            raise WorkspaceError(f"{rel} resolves outside the workspace {self.root}; refused.")
-        return target
+        return confine(self.root, rel)
+
+    def state_dir(self, *parts: str) -> Path:
+        """``<root>/.archon-port/<parts>``, created; refused when a link leads it outside.
+
+        Sessions, locks and journals must live inside the workspace: a symbolic link on
+        the way would put them (and every lock's meaning) somewhere else.
+        """
+        root = self.root / STATE_DIR
+        if root.is_symlink():
+            raise WorkspaceError(
+                f"{root} is a symbolic link; the engine keeps its state only inside the workspace. "
+                f"Remove the link (rm {root}) and run again."
+            )
+        if not root.is_dir():
+            root.mkdir(exist_ok=True)
+            (root / ".gitignore").write_text("*\n", encoding="utf-8")
+        path = root.joinpath(*parts)
+        path.mkdir(parents=True, exist_ok=True)
+        if path.resolve() != path:
+            raise WorkspaceError(f"{path} leads outside the workspace through a symbolic link; remove the link.")
+        return path
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
+
+
+def confine(root: Path, rel: str | os.PathLike) -> Path:
+    """``root / rel`` with symbolic links resolved; ``WorkspaceError`` unless it stays inside ``root``.
+
+    ``root`` must be resolved already. Absolute paths, ``..`` that climbs out, NUL bytes
+    and links (anywhere on the way) that lead outside are all refused.
+    """
+    text = os.fspath(rel)
+    if "\0" in text:
+        raise WorkspaceError(f"{text!r} holds a NUL byte; refused.")
+    rel_path = PurePosixPath(text.replace(os.sep, "/"))
+    if rel_path.is_absolute():
+        raise WorkspaceError(f"{text} is absolute; engine paths are relative to the workspace.")
+    target = (root / rel_path).resolve()
+    if target != root and root not in target.parents:
+        raise WorkspaceError(f"{text} resolves outside the workspace {root}; refused.")
+    return target
 
 
 def find_project_root(start: str | os.PathLike | None = None) -> Path:
@@ -79,8 +152,11 @@ class StagedTree:
         self.workspace = workspace
         self._staged: dict[str, object] = {}
         # Disk content of every path when this tree first looked at it; commit refuses
-        # to overwrite a file that changed since (a concurrent edit would be lost).
+        # to overwrite a file that changed since (a concurrent edit would be lost)...
         self._base: dict[str, bytes | None] = {}
+        # ...unless every change to it was a function of its content, re-run on the new one.
+        self._edits: dict[str, list[Callable[[str], str]]] = {}
+        self._checks: list[Callable[[StagedTree], None]] = []
 
     def _snapshot(self, key: str) -> None:
         if key not in self._base:
@@ -115,11 +191,38 @@ class StagedTree:
         key = self._key(rel)
         self._snapshot(key)  # also the confinement check, now rather than at commit
         self._staged[key] = text
+        self._edits.pop(key, None)
+
+    def update_text(self, rel: str | os.PathLike, edit: Callable[[str], str]) -> str:
+        """Stage ``edit`` of an existing file's text; returns the new staged text.
+
+        Unlike :meth:`write_text`, the edit is re-applied at commit when another call
+        changed the file meanwhile (for shared files such as the registry).
+        """
+        key = self._key(rel)
+        current = self.read_text(key)
+        if current is None:
+            raise FileNotFoundError(f"{key} does not exist")
+        rebasable = key not in self._staged or key in self._edits
+        new = edit(current)
+        self._staged[key] = new
+        if rebasable:
+            self._edits.setdefault(key, []).append(edit)
+        return new
+
+    def add_commit_check(self, check: Callable[[StagedTree], None]) -> None:
+        """Run ``check`` again at commit, under the commit lock, over the state about to be written.
+
+        It sees what other calls committed since this tree was staged, so a claim (a
+        model_type) made by two calls at once is refused for the second; raise to refuse.
+        """
+        self._checks.append(check)
 
     def delete(self, rel: str | os.PathLike) -> None:
         key = self._key(rel)
         self._snapshot(key)
         self._staged[key] = _DELETED
+        self._edits.pop(key, None)
 
     def delete_tree(self, rel_dir: str | os.PathLike) -> None:
         """Stage the removal of every file under ``rel_dir`` (later writes win)."""
@@ -160,74 +263,57 @@ class StagedTree:
     def commit(self) -> list[str]:
         """Apply every staged change atomically; returns the paths changed.
 
-        Each file is written to a temporary sibling and moved into place with
-        ``os.replace``. On any exception (KeyboardInterrupt included) the originals
-        are restored, new files and directories are removed, and the error re-raised.
+        Runs under the workspace's commit lock: unfinished transactions of killed calls
+        are rolled back first, files edited with :meth:`update_text` are re-edited on
+        top of any newer content, other files changed on disk since staging are refused
+        (:class:`ConcurrentEditError`), the commit checks run, and the changes are
+        applied through the journal. On any exception (KeyboardInterrupt included) the
+        originals are restored and the error re-raised. A cancelled call writes nothing.
         """
-        changes = self.changes()
-        moved = [
-            key
-            for key in changes
-            if key in self._base and _read_bytes(self.workspace.resolve(key)) != self._base[key]
-        ]
+        check_cancelled()
+        with journal.commit_lock(self.workspace):
+            journal.recover_locked(self.workspace)
+            self._rebase()
+            for check in self._checks:
+                check(self._fresh_view())
+            changes = self.changes()
+            check_cancelled()
+            journal.apply(
+                self.workspace, {key: None if text is None else text.encode("utf-8") for key, text in changes.items()}
+            )
+        self._staged.clear()
+        self._edits.clear()
+        return sorted(changes)
+
+    def _rebase(self) -> None:
+        moved = []
+        for key in self._staged:
+            if key not in self._base:
+                continue
+            on_disk = _read_bytes(self.workspace.resolve(key))
+            if on_disk == self._base[key]:
+                continue
+            if key in self._edits and on_disk is not None:
+                text = on_disk.decode("utf-8")
+                for edit in self._edits[key]:
+                    text = edit(text)
+                self._staged[key] = text
+                self._base[key] = on_disk
+                logger.info("%s changed on disk meanwhile; re-applied this call's edit on top", key)
+            else:
+                moved.append(key)
+        moved = [key for key in moved if key in self.changes()]
         if moved:
             raise ConcurrentEditError(
                 f"{', '.join(sorted(moved))} changed on disk while the edit was being prepared; "
                 "nothing was written. Run the step again to apply it on top of the new content."
             )
-        originals: dict[Path, bytes | None] = {}
-        created_dirs: list[Path] = []
-        temps: list[Path] = []
-        try:
-            prepared: list[tuple[Path, Path | None]] = []
-            for key, text in sorted(changes.items()):
-                path = self.workspace.resolve(key)
-                originals[path] = path.read_bytes() if path.is_file() else None
-                if text is None:
-                    prepared.append((path, None))
-                    continue
-                missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-                for directory in reversed(missing):
-                    directory.mkdir()
-                    created_dirs.append(directory)
-                fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".archon-port", dir=path.parent)
-                with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                    handle.write(text)
-                os.chmod(tmp_name, 0o644)
-                temps.append(Path(tmp_name))
-                prepared.append((path, Path(tmp_name)))
-            for path, tmp in prepared:
-                if tmp is None:
-                    path.unlink()
-                else:
-                    os.replace(tmp, path)
-                    temps.remove(tmp)
-        except BaseException:
-            logger.warning("Rolling back %d staged file(s)", len(changes))
-            _rollback(originals, created_dirs, temps)
-            raise
-        self._staged.clear()
-        return sorted(changes)
 
-
-def _rollback(originals: dict[Path, bytes | None], created_dirs: list[Path], temps: list[Path]) -> None:
-    for tmp in temps:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    for path, data in originals.items():
-        with contextlib.suppress(OSError):
-            if data is None:
-                if path.exists():
-                    path.unlink()
-            else:
-                path.write_bytes(data)
-    for directory in reversed(created_dirs):
-        with contextlib.suppress(OSError):
-            for cache in directory.rglob("__pycache__"):
-                for item in cache.iterdir():
-                    item.unlink()
-                cache.rmdir()
-            directory.rmdir()
+    def _fresh_view(self) -> StagedTree:
+        """This tree's staged changes over the disk as it is now."""
+        view = StagedTree(self.workspace)
+        view._staged = dict(self._staged)
+        return view
 
 
 @contextlib.contextmanager

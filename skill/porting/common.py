@@ -133,6 +133,17 @@ def staged(workspace: Path | None, tree: StagedTree | None = None) -> Iterator[S
         yield new_tree
 
 
+def require_package(tree: StagedTree, layout: PackageLayout) -> None:
+    """Raise ``FileNotFoundError`` naming the fix when the package does not exist (so no step
+    creates files for a package nobody ported)."""
+    if not tree.exists(layout.model):
+        package = layout.names.package
+        raise FileNotFoundError(
+            f"{layout.package_dir}/ does not exist; port it first: `archon-port add <model_type> --name {package}` "
+            f"(or copy_reference with model_name={package!r}). Nothing was written."
+        )
+
+
 def require_file(tree: StagedTree, path: str, hint: str) -> str:
     """The text of ``path`` or a ``FileNotFoundError`` that says which step creates it."""
     text = tree.read_text(path)

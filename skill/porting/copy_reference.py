@@ -6,13 +6,24 @@ import logging
 
 from pydantic import Field, field_validator
 
+from skill.analysis.reference import REFERENCES as _REFERENCE_TYPES
 from skill.codemod import ModelNames, StagedTree, validate_model_name
 from skill.codemod.cst import set_docstring, rename_identifiers
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
 
-REFERENCES = ("qwen2", "qwen3")
+# The hand-written packages every port is copied from: never written over by a step.
+REFERENCES = tuple(_REFERENCE_TYPES)
+
+
+def refuse_reference(model_name: str) -> None:
+    """Raise ``ValueError`` when ``model_name`` is a reference package (overwrite or not)."""
+    if model_name in REFERENCES:
+        raise ValueError(
+            f"archon_models/{model_name}/ is a hand-written reference package that every port is copied from; "
+            "it is never replaced, --overwrite included. Pick another package name (--name / model_name)."
+        )
 
 
 class CopyReferenceRequest(PackageRequest):
@@ -70,6 +81,7 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
 
 def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> CopyReferenceResult:
     layout = PackageLayout.for_name(request.model_name)
+    refuse_reference(request.model_name)
     if request.model_name == request.reference:
         raise ValueError(f"model_name {request.model_name!r} is the reference itself; pick the new family's name.")
     new_files = renamed_reference_files(tree, request.reference, request.model_name)

@@ -18,7 +18,7 @@ from skill.codemod.cst import (
     replace_in_function,
     upsert_method,
 )
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.hf_source import checkpoint_keys, generalise_key, generalised_keys, load_config
 from skill.tiny_model import tiny_config
 
@@ -267,6 +267,7 @@ def edit_adapter_map(request: EditAdapterMapRequest) -> EditAdapterMapResult:
 
 def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> EditAdapterMapResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.adapter, "run copy_reference first.")
     target = _map_target(text)
     current = read_dict_literal(text, target)

@@ -23,7 +23,7 @@ from skill.codemod.cst import (
     set_module_assign,
     upsert_function,
 )
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.snippets import snippet
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
@@ -474,6 +474,7 @@ def edit_args(request: EditArgsRequest) -> EditArgsResult:
 
 def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPlan | None = None) -> EditArgsResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.args, "run copy_reference first.")
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
-from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
@@ -76,6 +76,7 @@ def mark_hand_edits(text: str, features: list[str], model_class: str) -> str:
 
 def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan | None = None) -> EditModelResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.model, "run copy_reference first.")
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:

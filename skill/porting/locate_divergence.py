@@ -20,7 +20,6 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +29,7 @@ from pydantic import BaseModel, Field, JsonValue
 
 import skill
 from skill.codemod import Workspace
+from skill.porting.child_process import run_child
 from skill.porting.common import PackageLayout, PackageRequest
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
         command += ["--config-overrides", json.dumps(request.config_overrides)]
     paths = [str(workspace.root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    proc = subprocess.run(command, cwd=workspace.root, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_child(command, cwd=workspace.root, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
     return LocateDivergenceResult.model_validate_json(proc.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from skill.codemod import StagedTree, Workspace, validate_model_name
 from skill.porting.check_package import CheckPackageRequest, run_checks
 from skill.porting.common import PackageLayout
-from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference
+from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference, refuse_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
@@ -146,6 +146,9 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         )
 
     try:
+        # The plan is read off the analysis: what the analyser refuses (encoders,
+        # encoder-decoders, multimodal, hybrid and state-space models, ...) is refused here
+        # too, with its message, before anything is written.
         profile = runner.run(
             "analyze",
             lambda: plan_for(request.source, request.trust_remote_code),
@@ -154,6 +157,7 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         model_type = profile.model_type
         name = request.model_name or validate_model_name(model_type)
         state.update(model_name=name, model_types=[model_type], unsupported=list(profile.unsupported))
+        refuse_reference(name)
         refuse_unsupported(profile, "edit_model")
         reference = profile.reference
         state["reference"] = reference

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +74,21 @@ def types_literal(model_types: list[str]) -> str:
     return "{" + ", ".join(f'"{t}"' for t in sorted(model_types)) + "}"
 
 
-def registered_types(tree: StagedTree) -> dict[str, str]:
-    """model_type -> package, read statically from every ``archon_models/*/spec.py``."""
-    owners: dict[str, str] = {}
+def _claims(tree: StagedTree) -> list[tuple[str, str]]:
+    """(model_type, package) for every type each ``archon_models/*/spec.py`` registers, read statically."""
+    claims: list[tuple[str, str]] = []
     for path in tree.list_files("archon_models"):
         parts = path.split("/")
         if len(parts) != 3 or parts[2] != "spec.py":
             continue
         literal = get_call_kwarg(tree.read_text(path) or "", "ModelSpec", "supported_model_types")
-        for model_type in _types_from_literal(literal):
-            owners[model_type] = parts[1]
-    return owners
+        claims += [(model_type, parts[1]) for model_type in _types_from_literal(literal)]
+    return claims
+
+
+def registered_types(tree: StagedTree) -> dict[str, str]:
+    """model_type -> package, read statically from every ``archon_models/*/spec.py``."""
+    return dict(_claims(tree))
 
 
 def _types_from_literal(literal: str | None) -> list[str]:
@@ -109,21 +113,26 @@ def register_spec(request: RegisterSpecRequest) -> RegisterSpecResult:
         return apply_register_spec(tree, request)
 
 
-def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
-    layout = PackageLayout.for_name(request.model_name)
-    if not tree.exists(layout.model):
-        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first.")
-    model_types = request.model_types or [request.model_name]
-    owners = registered_types(tree)
-    clashes = {t: owners[t] for t in model_types if t in owners and owners[t] != layout.names.package}
+def check_model_types_free(tree: StagedTree, package: str, model_types: list[str]) -> None:
+    """Raise ``ValueError`` when another package's spec registers one of ``model_types``."""
+    clashes = {t: p for t, p in _claims(tree) if t in model_types and p != package}
     if clashes:
         listing = ", ".join(f"{t!r} (archon_models/{p}/spec.py)" for t, p in sorted(clashes.items()))
         raise ValueError(
             f"model_type already registered by another package: {listing}. Each model_type belongs to one "
             "ModelSpec; remove it from that package or pick other model_types."
         )
-    changed: list[str] = []
+
+
+def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
+    layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
+    model_types = request.model_types or [request.model_name]
     names = layout.names
+    check_model_types_free(tree, names.package, model_types)
+    # Checked again at commit, over what other calls committed meanwhile.
+    tree.add_commit_check(lambda view: check_model_types_free(view, names.package, model_types))
+    changed: list[str] = []
     current = tree.read_text(layout.spec)
     if current is None:
         text = SPEC_TEMPLATE.format(
@@ -136,7 +145,10 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
     init_text = tree.read_text(ARCHON_INIT)
     if init_text is None:
         raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
-    write_if_changed(tree, ARCHON_INIT, ensure_import_line(init_text, line), changed)
+    if ensure_import_line(init_text, line) != init_text:
+        # A function of the registry's content: re-applied on top of another call's import line.
+        tree.update_text(ARCHON_INIT, lambda text: ensure_import_line(text, line))
+        changed.append(ARCHON_INIT)
     if request.source is not None:
         from skill.porting.plan import plan_for
         from skill.porting.provenance import stamp_package

@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from pydantic import BaseModel, Field, JsonValue, field_validator
 
 import skill
 from skill.codemod import StagedTree, Workspace
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
+from skill.porting.child_process import run_child, scratch_dir
+from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.hf_source import load_config
 from skill.porting.plan import plan_for
 from skill.porting.model_edits import describe
@@ -78,6 +78,7 @@ def ensure_test_file(
 ) -> list[str]:
     """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written."""
     layout = PackageLayout.for_name(model_name)
+    require_package(tree, layout)
     if tree.exists(layout.test_file):
         return []
     profile = plan_for(source or model_type, trust_remote_code)
@@ -127,8 +128,8 @@ def run_stage_subprocess(
     test_path = root / layout.test_file
     if not test_path.is_file():
         raise FileNotFoundError(f"{layout.test_file} does not exist; run_test_stage writes it, or run port_model.")
-    with tempfile.TemporaryDirectory(prefix="archon-port-stage-") as tmp:
-        report = Path(tmp) / "report.xml"
+    with scratch_dir("archon-port-stage") as tmp:
+        report = tmp / "report.xml"
         command = [
             sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
@@ -141,7 +142,7 @@ def run_stage_subprocess(
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:
-            proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+            proc = run_child(command, cwd=root, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise TimeoutError(f"stage {stage} of {model_name} ran past {timeout_s:.0f}s") from e
         seconds = time.perf_counter() - start

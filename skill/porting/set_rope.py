@@ -7,7 +7,7 @@ import logging
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, staged, write_if_changed
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
 from skill.errors import HAND_PORT_POINTER
 from skill.porting.plan import PortPlan, plan_for
 from skill.porting.snippets import snippet
@@ -114,8 +114,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | None = None) -> SetRopeResult:
     layout = PackageLayout.for_name(request.model_name)
-    if not tree.exists(layout.model):
-        raise FileNotFoundError(f"{layout.model} does not exist; run copy_reference first (see SKILL.md).")
+    require_package(tree, layout)
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if plan.rope_type not in ROPE_TYPES:
         raise ValueError(

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, staged, write_if_changed
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
 from skill.porting.plan import PortPlan, plan_for
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ def apply_write_parallelize(
     tree: StagedTree, request: WriteParallelizeRequest, profile: PortPlan | None = None
 ) -> WriteParallelizeResult:
     layout = PackageLayout.for_name(request.model_name)
+    require_package(tree, layout)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if profile.qk_norm != "per_head" and "has_qk_norm" in text:

@@ -72,6 +72,7 @@ def read_note(request: ReadNoteRequest) -> ReadNoteResult:
 class RewriteRequest(BaseModel):
     model_name: str
     content: str
+    delay_s: float = Field(default=0.0, ge=0.0, le=5.0, description="pause between staging and committing")
     workspace: Path | None = None
 
 
@@ -81,6 +82,8 @@ def rewrite_note(request: RewriteRequest) -> AppendNoteResult:
     rel = f"archon_models/{request.model_name}/NOTES.txt"
     with transaction(ws) as tree:
         tree.write_text(rel, request.content)
+        logger.info("staged %s", rel)
+        time.sleep(request.delay_s)
     return AppendNoteResult(path=rel, lines=request.content.count("\n"), elapsed_s=0.0)
 
 

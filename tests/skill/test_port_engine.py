@@ -18,10 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
+    """The project's files (not caches, not the engine's own state under .archon-port/)."""
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts
+        if p.is_file() and "__pycache__" not in p.parts and ".archon-port" not in p.parts
     }
 
 

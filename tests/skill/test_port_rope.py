@@ -38,7 +38,11 @@ ROPE = {
 }
 
 
-def _workspace(tmp_path: Path) -> Path:
+def _workspace(tmp_path: Path, *packages: str) -> Path:
+    """A project copy; each of ``packages`` is created as a copy of the qwen2 reference
+    (set_rope edits a package that exists, it never creates one)."""
+    from skill.porting.copy_reference import CopyReferenceRequest, copy_reference
+
     root = tmp_path / "ws"
     shutil.copytree(REPO / "archon_models", root / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
     (root / "tests" / "archon").mkdir(parents=True)
@@ -47,6 +51,8 @@ def _workspace(tmp_path: Path) -> Path:
         shutil.copy(REPO / "tests" / "archon" / name, root / "tests" / "archon" / name)
     shutil.copy(REPO / "tests/archon/conftest.py", root / "tests/archon/conftest.py")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    for package in packages:
+        copy_reference(CopyReferenceRequest(model_name=package, reference="qwen2", workspace=root))
     return root
 
 
@@ -141,7 +147,7 @@ def _write_interleaved(root: Path) -> tuple[Path, list[str]]:
     ids=["arange", "packed", "random"],
 )
 def test_interleaved_rope_matches_cohere(tmp_path, positions):
-    root = _workspace(tmp_path)
+    root = _workspace(tmp_path, "ropey")
     path, changed = _write_interleaved(root)
     assert changed == ["archon_models/llama/model/rope.py"]
     rope = _load(path, f"_rope_interleaved_{id(positions)}")
@@ -168,7 +174,7 @@ def test_interleaved_rope_matches_cohere(tmp_path, positions):
 
 
 def test_interleaved_rope_written_once_and_idempotent(tmp_path):
-    root = _workspace(tmp_path)
+    root = _workspace(tmp_path, "ropey")
     path, changed = _write_interleaved(root)
     first = path.read_text()
     assert changed and "x[..., ::2]" in first and "repeat_interleave" in first
