@@ -147,12 +147,7 @@ def _post_branches(text: str) -> str:
 def _sandwich_norm(text: str, ctx: EditContext) -> str:
     """Norms before and after each sub-layer: ``x + post_norm(f(norm(x)))``."""
     text = _add_block_norms(text, ("post_attention_norm", "post_ffn_norm"))
-    text = _post_branches(text)
-    return set_docstring(
-        text,
-        "TransformerBlock",
-        "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the feed-forward.",
-    )
+    return _post_branches(text)
 
 
 HEAD_RETURN = "return head(h) if head is not None else h"
@@ -252,10 +247,7 @@ def _post_norm(text: str, ctx: EditContext) -> str:
             text = replace_in_function(
                 text, "TransformerBlock", "init_weights", f"self.{old}.reset_parameters()", f"self.{new}.reset_parameters()\n"
             )
-    text = _post_branches(text)
-    return set_docstring(
-        text, "TransformerBlock", "Post-norm: ``x + norm(attention(x))``, then ``x + norm(feed_forward(x))``."
-    )
+    return _post_branches(text)
 
 
 ROPE_CACHE_CALL = (
@@ -409,12 +401,7 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
-    # The block's wiring as the norm edits left it, with the MoE in the feed-forward's place.
-    wiring = {
-        "sandwich": "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the MoE",
-        "post_norm": "Post-norm: ``x + norm(attention(x))``, then ``x + norm(moe(x))``",
-    }.get(ctx.profile.block, "``x + attention(norm(x))``, then ``x + moe(norm(x))``")
-    return set_docstring(text, "TransformerBlock", f"{wiring}: every layer routes to experts.")
+    return text
 
 
 # The canonical order: where two edits touch one place, the inner one comes first
@@ -558,12 +545,30 @@ def _attention_features(profile: PortPlan) -> str:
     return "\n" + "".join(f"    {line}\n" for line in wrapped)
 
 
+def _block_docstring(plan: PortPlan) -> str | None:
+    """The block's wiring as the edits composed it; None keeps the reference's own."""
+    if plan.block == "pre_norm" and plan.residual_multiplier_field is None and not plan.all_layers_moe:
+        return None
+    ffn = "moe" if plan.all_layers_moe else "feed_forward"
+    scale = " * residual_multiplier" if plan.residual_multiplier_field else ""
+    wiring = {
+        "pre_norm": f"``x + attention(norm(x)){scale}``, then ``x + {ffn}(norm(x)){scale}``",
+        "sandwich": f"Sandwich norms: ``x + post_norm(attention(norm(x))){scale}``, then the same around the "
+        + ("MoE" if plan.all_layers_moe else "feed-forward"),
+        "post_norm": f"Post-norm: ``x + norm(attention(x)){scale}``, then ``x + norm({ffn}(x)){scale}``",
+    }[plan.block]
+    return wiring + (": every layer routes its tokens to experts." if plan.all_layers_moe else ".")
+
+
 def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
     for name in names:
         if name not in EDITS_BY_NAME:
             raise ValueError(f"unknown model edit {name!r}; known: {sorted(EDITS_BY_NAME)}")
         text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
+    block_doc = _block_docstring(profile)
+    if block_doc is not None:
+        text = set_docstring(text, "TransformerBlock", block_doc)
     text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
     text = set_docstring(text, None, describe(profile, ctx.camel))
     return prune_unused_imports(text)
