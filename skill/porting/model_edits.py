@@ -139,6 +139,30 @@ def _append_to_function(text: str, class_name: str, func: str, statement: str) -
     raise ValueError(f"{class_name}.{func} resets no norm to add {statement!r} after")
 
 
+def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
+    """The block's wiring in one sentence, and whether edits compose on it (a residual
+    multiplier or an all-MoE feed-forward on top of the norm placement)."""
+    mult = " * residual_multiplier" if plan.residual_multiplier_field else ""
+    mlp, call = ("MoE", "moe") if plan.all_layers_moe else ("feed-forward", "feed_forward")
+    if plan.block == "sandwich":
+        sentence = f"Sandwich norms: ``x + post_norm(attention(norm(x))){mult}``, then the same around the {mlp}."
+    elif plan.block == "post_norm":
+        sentence = f"Post-norm: ``x + norm(attention(x)){mult}``, then ``x + norm({call}(x)){mult}``."
+    else:
+        sentence = f"``x + attention(norm(x)){mult}``, then ``x + {call}(norm(x)){mult}``."
+    if plan.all_layers_moe:
+        sentence += " Every layer routes its tokens to experts."
+    return sentence, bool(mult) or plan.all_layers_moe
+
+
+def _set_block_doc(text: str, plan: PortPlan) -> str:
+    """``TransformerBlock``'s docstring from the plan, so composed edits describe one block."""
+    sentence, composed = _block_wiring(plan)
+    lines = textwrap.wrap(sentence, width=88, break_on_hyphens=False) if composed else [sentence]
+    doc = lines[0] if len(lines) == 1 else "\n    ".join(lines) + "\n    "
+    return set_docstring(text, "TransformerBlock", doc)
+
+
 def _post_branches(text: str) -> str:
     text = wrap_residual_branch(text, "attention", "self.post_attention_norm({})", applied_if="post_attention_norm")
     return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
@@ -148,11 +172,7 @@ def _sandwich_norm(text: str, ctx: EditContext) -> str:
     """Norms before and after each sub-layer: ``x + post_norm(f(norm(x)))``."""
     text = _add_block_norms(text, ("post_attention_norm", "post_ffn_norm"))
     text = _post_branches(text)
-    return set_docstring(
-        text,
-        "TransformerBlock",
-        "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the feed-forward.",
-    )
+    return _set_block_doc(text, ctx.profile)
 
 
 HEAD_RETURN = "return head(h) if head is not None else h"
@@ -253,9 +273,7 @@ def _post_norm(text: str, ctx: EditContext) -> str:
                 text, "TransformerBlock", "init_weights", f"self.{old}.reset_parameters()", f"self.{new}.reset_parameters()\n"
             )
     text = _post_branches(text)
-    return set_docstring(
-        text, "TransformerBlock", "Post-norm: ``x + norm(attention(x))``, then ``x + norm(feed_forward(x))``."
-    )
+    return _set_block_doc(text, ctx.profile)
 
 
 ROPE_CACHE_CALL = (
@@ -409,12 +427,7 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
-    # The block's wiring as the norm edits left it, with the MoE in the feed-forward's place.
-    wiring = {
-        "sandwich": "Sandwich norms: ``x + post_norm(attention(norm(x)))``, then the same around the MoE",
-        "post_norm": "Post-norm: ``x + norm(attention(x))``, then ``x + norm(moe(x))``",
-    }.get(ctx.profile.block, "``x + attention(norm(x))``, then ``x + moe(norm(x))``")
-    return set_docstring(text, "TransformerBlock", f"{wiring}: every layer routes to experts.")
+    return _set_block_doc(text, ctx.profile)
 
 
 # The canonical order: where two edits touch one place, the inner one comes first
