@@ -377,8 +377,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.MOE: frozenset({"true", "false"}),
     Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID}),
     Feature.NORM_TOPK_PROB: frozenset({"true", "false"}),
-    Feature.ROUTED_SCALING: frozenset({"none", "constant"}),
-    Feature.GROUPED_TOPK: frozenset({"true", "false"}),
+    # Route scale and grouped top-k: MoEArgs has them, but no edit maps a config onto them yet.
+    Feature.ROUTED_SCALING: frozenset({"none"}),
+    Feature.GROUPED_TOPK: frozenset({"false"}),
     Feature.SHARED_EXPERTS: frozenset({"true", "false"}),
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
     Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved"}),

@@ -139,6 +139,30 @@ def _append_to_function(text: str, class_name: str, func: str, statement: str) -
     raise ValueError(f"{class_name}.{func} resets no norm to add {statement!r} after")
 
 
+def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
+    """The block's wiring in one sentence, and whether edits compose on it (a residual
+    multiplier or an all-MoE feed-forward on top of the norm placement)."""
+    mult = " * residual_multiplier" if plan.residual_multiplier_field else ""
+    mlp, call = ("MoE", "moe") if plan.all_layers_moe else ("feed-forward", "feed_forward")
+    if plan.block == "sandwich":
+        sentence = f"Sandwich norms: ``x + post_norm(attention(norm(x))){mult}``, then the same around the {mlp}."
+    elif plan.block == "post_norm":
+        sentence = f"Post-norm: ``x + norm(attention(x)){mult}``, then ``x + norm({call}(x)){mult}``."
+    else:
+        sentence = f"``x + attention(norm(x)){mult}``, then ``x + {call}(norm(x)){mult}``."
+    if plan.all_layers_moe:
+        sentence += " Every layer routes its tokens to experts."
+    return sentence, bool(mult) or plan.all_layers_moe
+
+
+def _set_block_doc(text: str, plan: PortPlan) -> str:
+    """``TransformerBlock``'s docstring from the plan, so composed edits describe one block."""
+    sentence, composed = _block_wiring(plan)
+    lines = textwrap.wrap(sentence, width=88, break_on_hyphens=False) if composed else [sentence]
+    doc = lines[0] if len(lines) == 1 else "\n    ".join(lines) + "\n    "
+    return set_docstring(text, "TransformerBlock", doc)
+
+
 def _post_branches(text: str) -> str:
     text = wrap_residual_branch(text, "attention", "self.post_attention_norm({})", applied_if="post_attention_norm")
     return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
@@ -545,30 +569,15 @@ def _attention_features(profile: PortPlan) -> str:
     return "\n" + "".join(f"    {line}\n" for line in wrapped)
 
 
-def _block_docstring(plan: PortPlan) -> str | None:
-    """The block's wiring as the edits composed it; None keeps the reference's own."""
-    if plan.block == "pre_norm" and plan.residual_multiplier_field is None and not plan.all_layers_moe:
-        return None
-    ffn = "moe" if plan.all_layers_moe else "feed_forward"
-    scale = " * residual_multiplier" if plan.residual_multiplier_field else ""
-    wiring = {
-        "pre_norm": f"``x + attention(norm(x)){scale}``, then ``x + {ffn}(norm(x)){scale}``",
-        "sandwich": f"Sandwich norms: ``x + post_norm(attention(norm(x))){scale}``, then the same around the "
-        + ("MoE" if plan.all_layers_moe else "feed-forward"),
-        "post_norm": f"Post-norm: ``x + norm(attention(x)){scale}``, then ``x + norm({ffn}(x)){scale}``",
-    }[plan.block]
-    return wiring + (": every layer routes its tokens to experts." if plan.all_layers_moe else ".")
-
-
 def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
     for name in names:
         if name not in EDITS_BY_NAME:
             raise ValueError(f"unknown model edit {name!r}; known: {sorted(EDITS_BY_NAME)}")
         text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
-    block_doc = _block_docstring(profile)
-    if block_doc is not None:
-        text = set_docstring(text, "TransformerBlock", block_doc)
+    if profile.block != "pre_norm" or _block_wiring(profile)[1]:
+        # The block's wiring as the edits composed it (the reference's own otherwise).
+        text = _set_block_doc(text, profile)
     text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
     text = set_docstring(text, None, describe(profile, ctx.camel))
     return prune_unused_imports(text)
