@@ -156,7 +156,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``."""
+    """``x + attention(norm(x)) * residual_multiplier``, then ``x + feed_forward(norm(x)) *
+    residual_multiplier``.
+    """
 
     def __init__(self, layer_id: int, model_args: GraniteModelArgs):
         super().__init__()

@@ -139,7 +139,9 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """``x + attention(norm(x))``, then ``x + moe(norm(x))``: every layer routes to experts."""
+    """``x + attention(norm(x))``, then ``x + moe(norm(x))``. Every layer routes its tokens to
+    experts.
+    """
 
     def __init__(self, layer_id: int, model_args: MixtralModelArgs):
         super().__init__()
