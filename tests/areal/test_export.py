@@ -136,6 +136,9 @@ def test_dry_run_prints_the_diff_and_writes_nothing(areal_copy: Path, capsys):
     added = [line[1:] for line in out.splitlines() if line.startswith("+") and not line.startswith("+++")]
     assert not [line for line in added if line.lstrip().startswith(("from archon_models", "import archon_models"))]
     assert any(line.startswith("from areal.experimental.models.archon.") for line in added)
+    # An AReaL source checkout (the directory holding areal/) gives the same diff.
+    code, checkout_out, err = _export(capsys, "llama", "--areal", str(areal_copy.parent), "--dry-run")
+    assert code == 0 and checkout_out == out, err
 
 
 @pytest.mark.areal
