@@ -84,7 +84,9 @@ class ReplayReport(BaseModel):
         ran = f"{self.calls} call(s), {self.edits} edit(s) outside the tools"
         other = self.transformers_differs
         if self.ok:
-            also = f" (recorded with transformers {self.recorded_transformers}, replayed on {self.replay_transformers})" if other else ""
+            also = ""
+            if other:
+                also = f" (recorded with transformers {self.recorded_transformers}, replayed on {self.replay_transformers})"
             return f"replay OK: {self.session}: {ran} matched in {self.duration_s:.1f} s{also}"
         m = self.mismatch
         assert m is not None

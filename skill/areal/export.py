@@ -205,7 +205,10 @@ def run_checks_in(
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=str(areal_root))
     results = [AReaLCheckResult.model_validate(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("{")]
     if len(results) != len(model_types):
-        raise AReaLChecksDidNotRun(f"the AReaL checks in {python} ended (exit {proc.returncode}) without a result for every model type:\n{proc.stderr[-4000:]}")
+        raise AReaLChecksDidNotRun(
+            f"the AReaL checks in {python} ended (exit {proc.returncode}) without a result for every "
+            f"model type:\n{proc.stderr[-4000:]}"
+        )
     return results
 
 

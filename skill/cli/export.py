@@ -80,7 +80,7 @@ def format_result(result) -> str:
     if not result.checks:
         return "\n".join(lines)
     rows = [
-        (r.model_type, c.name, "ok" if c.passed else "FAILED", "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}")
+        (r.model_type, c.name, "ok" if c.passed else "FAILED", _diff(c.max_abs_diff))
         for r in result.checks
         for c in r.checks
     ]
@@ -92,11 +92,14 @@ def format_result(result) -> str:
         lines.append("  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + "  " + row[3])
     lines.append("")
     for r in result.checks:
-        logit = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
-        grad = "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.2e}"
+        logit, grad = _diff(r.max_logit_diff), _diff(r.max_grad_diff)
         status = "PASSED" if r.passed else f"FAILED ({sum(not c.passed for c in r.checks)} check(s))"
         lines.append(
             f"{r.model_type} inside AReaL ({r.package}): {status} in {r.seconds:.1f}s; "
             f"max abs logit diff {logit}, gradient diff {grad}"
         )
     return "\n".join(lines)
+
+
+def _diff(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"

@@ -235,3 +235,16 @@ def test_export_over_mcp_dry_run(areal_copy: Path):
     assert content["model_types"] == ["llama"] and content["passed"] is None and content["changed_files"] == []
     assert f"+{LLAMA_INIT_LINE}" in content["diff"]
     assert _snapshot(areal_copy) == before
+
+
+@pytest.mark.areal
+def test_checks_that_cannot_run_are_reported_after_the_write(areal_copy: Path, capsys):
+    """This interpreter lacks AReaL's dependencies (aiohttp, ...): the package is written, the
+    failure to check it is said in one place, and the exit status is 1."""
+    import sys
+
+    code, out, err = _export(capsys, "llama", "--areal", str(areal_copy), "--python", sys.executable)
+    assert code == 1
+    assert (areal_copy / "experimental/models/archon/llama/spec.py").is_file()
+    assert f"the AReaL checks could not run: the AReaL checks in {sys.executable} ended (exit 1)" in out
+    assert "ModuleNotFoundError" in out
