@@ -163,6 +163,9 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             progress=progress.from_worker,
             lock_timeout=state.lock_timeout,
             cancel=cancel,
+            # The server's user names the trees a step may work on outside the workspace
+            # (export's AReaL); a replayed session file gets no such trust (skill.replay).
+            allow_external=True,
         )
         error: Exception | None = None
         async with anyio.create_task_group() as group:

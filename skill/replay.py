@@ -50,6 +50,7 @@ from skill.session import (
     first_difference,
     patch_paths,
     read_session,
+    transformers_version,
 )
 from skill.tools import invoke
 
@@ -136,18 +137,42 @@ class ReplayReport(BaseModel):
     mismatch: ReplayMismatch | None = None
     recorded_engine: str
     replay_engine: str
+    recorded_transformers: str | None = Field(
+        default=None, description="the transformers version the session was recorded with (None: not recorded)"
+    )
+    replay_transformers: str | None = Field(default=None, description="the transformers version of this replay")
     kept_copy: Path | None = Field(default=None, description="the temporary repository copy, when kept")
     duration_s: float = Field(default=0.0, json_schema_extra={"volatile": True})
 
     def describe(self) -> str:
         """One line for a terminal or a CI log."""
         ran = f"{self.calls} call(s), {self.edits} edit(s) outside the tools"
+        other = self.transformers_differs
         if self.ok:
-            return f"replay OK: {self.session}: {ran} matched in {self.duration_s:.1f} s"
+            also = ""
+            if other:
+                also = f" (recorded with transformers {self.recorded_transformers}, replayed on {self.replay_transformers})"
+            return f"replay OK: {self.session}: {ran} matched in {self.duration_s:.1f} s{also}"
         m = self.mismatch
         assert m is not None
         what = f"call #{m.seq} ({m.tool})" if m.tool else f"edit #{m.seq}"
+        if other:
+            # Results depend on transformers (config defaults, checkpoint key names, known
+            # families): a difference here is first of all a version difference.
+            return (
+                f"replay FAILED: recorded with transformers {self.recorded_transformers}, this is "
+                f"{self.replay_transformers}: results differ from {what} on: {m.kind}: {m.detail} (after {ran}); "
+                f"replay it under transformers {self.recorded_transformers}, or re-record it under this version"
+            )
         return f"replay FAILED at {what}: {m.kind}: {m.detail} (after {ran})"
+
+    @property
+    def transformers_differs(self) -> bool:
+        return (
+            self.recorded_transformers is not None
+            and self.replay_transformers is not None
+            and self.recorded_transformers != self.replay_transformers
+        )
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
@@ -273,6 +298,8 @@ def replay_session(request: ReplayInput) -> ReplayReport:
         mismatch=mismatch,
         recorded_engine=header.engine_version,
         replay_engine=engine_version(),
+        recorded_transformers=header.transformers,
+        replay_transformers=transformers_version(),
         kept_copy=root if request.keep else None,
         duration_s=round(time.perf_counter() - start, 3),
     )

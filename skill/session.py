@@ -2,7 +2,7 @@
 
 A session file is JSON Lines:
 
-- ``session``: the header (format, id, engine version);
+- ``session``: the header (format, id, engine version, transformers version);
 - ``call``: one per tool call: tool, arguments (workspace-relative), a digest of the
   result, the files the call changed with their content hashes, the engine version,
   and the content every file had before the session first changed it (``base``),
@@ -116,6 +116,11 @@ class SessionHeader(BaseModel):
     session_id: str
     engine_version: str
     created: str
+    transformers: str | None = Field(
+        default=None,
+        description="the transformers version the session ran with (results depend on it: config "
+        "defaults, checkpoint key names, the families it knows); absent in older sessions",
+    )
 
 
 class CallRecord(BaseModel):
@@ -179,6 +184,16 @@ def read_session(path: str | os.PathLike) -> list[SessionHeader | CallRecord | E
 # --- engine version ----------------------------------------------------------------------------
 
 _engine_version: str | None = None
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, read from its metadata (transformers is not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def engine_version() -> str:
@@ -562,6 +577,7 @@ class SessionRecorder:
                 session_id=self.session_id,
                 engine_version=engine_version(),
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                transformers=transformers_version(),
             )
             self._append(header)
             self._expected = self.state.scan()

@@ -71,6 +71,13 @@ class ToolEntry(BaseModel):
         description="str input fields that may hold a filesystem path; confined to the workspace "
         "when their value names an existing path or looks like one",
     )
+    external_paths: tuple[str, ...] = Field(
+        default=(),
+        description="Path input fields naming a tree outside the workspace that the caller asks the step "
+        "to work on (export's AReaL checkout and its Python); resolved to absolute paths and left "
+        "unconfined only when the face vouches for its caller (the CLI, the MCP server), confined like "
+        "every other path otherwise (replaying a session file)",
+    )
     long_running: bool = Field(default=False, description="the server reports progress while it runs")
     title: str | None = None
 
@@ -155,6 +162,14 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         package_field="model_name",
         long_running=True,
     ),
+    ToolEntry(
+        name="export_to_areal",
+        target="skill.areal.export:export_to_areal",
+        destructive=True,
+        package_field="model_name",
+        external_paths=("areal", "python"),
+        long_running=True,
+    ),
 )
 
 
@@ -231,7 +246,7 @@ def resolve_entry(entry: ToolEntry) -> Tool:
                 f"tool {entry.name!r}: the {role} annotation of {entry.target} must be a pydantic "
                 f"BaseModel subclass, found {model!r}"
             )
-    for field in (entry.package_field, *entry.path_fields):
+    for field in (entry.package_field, *entry.path_fields, *entry.external_paths):
         if field is not None and field not in input_model.model_fields:
             raise ToolRegistryError(
                 f"tool {entry.name!r}: field {field!r} named in the registry is not a field of "
@@ -346,13 +361,17 @@ def _links_leaving(workspace: Workspace, folder: Path) -> Iterator[Path]:
                 yield path
 
 
-def prepare_request(tool: Tool, arguments: Mapping[str, Any] | BaseModel, workspace: Workspace) -> BaseModel:
+def prepare_request(
+    tool: Tool, arguments: Mapping[str, Any] | BaseModel, workspace: Workspace, *, allow_external: bool = False
+) -> BaseModel:
     """Validate ``arguments`` into the tool's input model, confined to ``workspace``.
 
     The ``workspace`` field, when the step has one, is set to the workspace root (a
     caller-given one must lie inside it). ``Path`` fields and the entry's
     ``path_fields`` are resolved to absolute paths inside the workspace; anything
-    outside raises :class:`WorkspaceError`.
+    outside raises :class:`WorkspaceError`. With ``allow_external`` the entry's
+    ``external_paths`` are made absolute (relative ones from the workspace root) but not
+    confined, and their symlinks are kept.
     """
     data = arguments.model_dump() if isinstance(arguments, BaseModel) else dict(arguments)
     fields = tool.input_model.model_fields
@@ -362,6 +381,9 @@ def prepare_request(tool: Tool, arguments: Mapping[str, Any] | BaseModel, worksp
             if value is not None:
                 _confine(workspace, name, value)
             data[name] = workspace.root
+        elif value is not None and allow_external and name in tool.entry.external_paths:
+            # Absolute, but symlinks kept: a venv's bin/python is a link that must stay the venv's.
+            data[name] = Path(os.path.abspath(workspace.root / os.path.expanduser(os.fspath(value))))
         elif value is not None and _annotation_is_path(info.annotation):
             data[name] = _confine(workspace, name, value)
         elif name in tool.entry.path_fields and isinstance(value, str):
@@ -560,6 +582,7 @@ def invoke(
     progress: Callable[[str], None] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
+    allow_external: bool = False,
 ) -> BaseModel:
     """Run step ``name`` inside ``workspace`` and return its result model.
 
@@ -567,7 +590,8 @@ def invoke(
     arguments, takes the package lock the entry names, and, when a session is recording
     (``session`` or the active one), appends the call to it. Once ``cancel`` is set the
     step's commit refuses to write (:class:`~skill.codemod.workspace.CallCancelledError`).
-    Engine errors propagate unchanged (after being recorded).
+    Engine errors propagate unchanged (after being recorded). ``allow_external``: the
+    caller vouches for the entry's ``external_paths`` (see :func:`prepare_request`).
     """
     from skill import session as session_module  # session imports this module
 
@@ -582,7 +606,7 @@ def invoke(
     journal.recover(ws)
     recorded_arguments = session_module.portable_arguments(arguments, ws)
     try:
-        request = prepare_request(tool, arguments, ws)
+        request = prepare_request(tool, arguments, ws, allow_external=allow_external)
     except ValidationError as e:
         problems = [(".".join(str(p) for p in err["loc"]) or "(arguments)", err["msg"]) for err in e.errors()]
         raise InvalidArgumentsError(tool.name, problems) from e

@@ -67,7 +67,7 @@ class AReaLCheckResult(BaseModel):
     model_type: str
     package: str = Field(description="the AReaL module whose spec serves model_type")
     checks: list[CheckResult]
-    seconds: float
+    seconds: float = Field(json_schema_extra={"volatile": True})
     max_logit_diff: float | None = None
     max_grad_diff: float | None = None
 

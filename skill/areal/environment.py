@@ -1,4 +1,6 @@
-"""A cached virtual environment holding a real AReaL next to this interpreter's packages.
+"""Cached virtual environments next to this interpreter's packages: one holding a real
+AReaL (``.venv-areal/``), one holding the oldest transformers this project accepts
+(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family.
 
 AReaL's wheel pins ``torch<2.11`` and ``transformers<=5.3.0``; installing it with its
 dependencies would replace the CPU torch this project runs on. So the environment is
@@ -8,13 +10,14 @@ torch and transformers this interpreter already has. The venv sees this interpre
 site-packages through a ``.pth`` file (its own packages come first), so torch is never
 copied or re-resolved. A stamp file records what was installed; a venv whose stamp
 matches is reused, any other is rebuilt. A file lock keeps two test workers from
-building it at once.
+building it at once. The transformers venv is built the same way, with no ``areal`` and
+no AReaL requirements: only ``transformers==<version>`` (and what pip needs to satisfy its
+pins) lands in the venv, everything else comes from this interpreter.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -54,6 +57,9 @@ AREAL_RUNTIME_REQUIREMENTS: tuple[str, ...] = (
 )
 
 DEFAULT_VENV_DIR = ".venv-areal"
+# The oldest transformers pyproject.toml accepts (AReaL 1.0.4's newest allowed), and its venv.
+OLDEST_TRANSFORMERS = "5.3.0"
+DEFAULT_TF_VENV_DIR = ".venv-tf53"
 _STAMP = "archon-port-env.json"
 _BRIDGE_PTH = "_archon_port_parent_site.pth"
 
@@ -63,7 +69,8 @@ class AReaLEnvSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    areal_version: str = AREAL_VERSION
+    # None: a venv without AReaL (only the pinned torch and transformers).
+    areal_version: str | None = AREAL_VERSION
     requirements: tuple[str, ...] = AREAL_RUNTIME_REQUIREMENTS
     # Pinned exactly, always: a range would let pip pick a CUDA build.
     torch: str
@@ -93,6 +100,11 @@ def default_spec(transformers_version: str | None = None) -> AReaLEnvSpec:
         parent_site=tuple(p for p in parent if Path(p).is_dir()),
         python=f"{sys.version_info.major}.{sys.version_info.minor}",
     )
+
+
+def transformers_spec(transformers_version: str = OLDEST_TRANSFORMERS) -> AReaLEnvSpec:
+    """A venv with no AReaL: this interpreter's packages with ``transformers`` pinned."""
+    return default_spec(transformers_version).model_copy(update={"areal_version": None, "requirements": ()})
 
 
 def venv_python(venv: Path) -> Path:
@@ -134,20 +146,23 @@ def _build(venv: Path, spec: AReaLEnvSpec) -> None:
     # venv's own; addsitedir also processes their .pth files.
     bridge = "".join(f"import site; site.addsitedir({p!r})\n" for p in spec.parent_site)
     (_site_packages(python) / _BRIDGE_PTH).write_text(bridge)
-    _pip(python, "--no-deps", f"areal=={spec.areal_version}")
+    if spec.areal_version is not None:
+        _pip(python, "--no-deps", f"areal=={spec.areal_version}")
     _pip(python, f"torch=={spec.torch}", f"transformers=={spec.transformers}", *spec.requirements)
     (venv / _STAMP).write_text(spec.model_dump_json(indent=2) + "\n")
 
 
 def ensure_areal_env(venv: str | os.PathLike, spec: AReaLEnvSpec | None = None) -> Path:
-    """The python of a venv at ``venv`` that holds AReaL; built (or rebuilt) when needed."""
+    """The python of a venv at ``venv`` built to ``spec`` (default: AReaL next to this
+    interpreter's torch and transformers); built (or rebuilt) when its stamp differs."""
     venv = Path(venv).resolve()
     spec = spec or default_spec()
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f"{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _read_stamp(venv) != spec:
-            logger.info("building the AReaL %s environment in %s", spec.areal_version, venv)
+            what = f"AReaL {spec.areal_version}" if spec.areal_version else f"transformers {spec.transformers}"
+            logger.info("building the %s environment in %s", what, venv)
             _build(venv, spec)
         else:
             logger.debug("reusing the AReaL environment in %s", venv)
@@ -157,12 +172,21 @@ def ensure_areal_env(venv: str | os.PathLike, spec: AReaLEnvSpec | None = None) 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Create or reuse the cached AReaL venv.")
+    parser = argparse.ArgumentParser(
+        description="Create or reuse a cached venv: AReaL (default), or with --no-areal only a pinned "
+        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`); "
+        "prints its python."
+    )
     parser.add_argument("venv", nargs="?", default=DEFAULT_VENV_DIR)
     parser.add_argument("--transformers", help="pin this transformers version in the venv")
+    parser.add_argument("--no-areal", action="store_true", help="no AReaL, no AReaL requirements")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    python = ensure_areal_env(args.venv, default_spec(args.transformers))
+    if args.no_areal:
+        spec = transformers_spec(args.transformers or OLDEST_TRANSFORMERS)
+    else:
+        spec = default_spec(args.transformers)
+    python = ensure_areal_env(args.venv, spec)
     print(python)
     return 0
 

@@ -49,6 +49,7 @@ class ExportRequest(BaseModel):
     overwrite: bool = Field(default=False, description="replace an existing, different package of that name")
     dry_run: bool = Field(default=False, description="return the diff, write nothing, run no checks")
     run_checks: bool = Field(default=True, description="run the AReaL-tier checks inside that AReaL afterwards")
+    distributed: bool = Field(default=True, description="include TP=2 and FSDP=2 on 2 gloo processes in the checks")
     python: Path | None = Field(
         default=None,
         description="the Python that imports that AReaL (default: the venv holding an installed "
@@ -68,11 +69,13 @@ class ExportResult(BaseModel):
     model_types: list[str]
     changed_files: list[str] = Field(default_factory=list, description="paths under areal_root written")
     diff: str = Field(default="", description="unified diff of what the export writes (or would write)")
-    checks: list[AReaLCheckResult] = Field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.checks)
+    checks: list[AReaLCheckResult] = Field(default_factory=list, description="one entry per model_type")
+    checks_error: str | None = Field(
+        default=None, description="why the checks could not run (the package was written all the same)"
+    )
+    passed: bool | None = Field(
+        default=None, description="every AReaL check of every model_type passed; None when none ran (dry run)"
+    )
 
 
 def areal_root_of(path: Path) -> Path:
@@ -116,14 +119,17 @@ def _add_import_line(init_text: str, line: str) -> str:
 
 
 def _unified(rel: str, old: str | None, new: str | None) -> str:
-    return "".join(
+    fromfile = f"a/{rel}" if old is not None else "/dev/null"
+    tofile = f"b/{rel}" if new is not None else "/dev/null"
+    diff = "".join(
         difflib.unified_diff(
-            (old or "").splitlines(keepends=True),
-            (new or "").splitlines(keepends=True),
-            fromfile=f"a/{rel}" if old is not None else "/dev/null",
-            tofile=f"b/{rel}" if new is not None else "/dev/null",
+            (old or "").splitlines(keepends=True), (new or "").splitlines(keepends=True), fromfile, tofile
         )
     )
+    # An empty file created or deleted (a package's infra/__init__.py) has no hunk, only its header.
+    if not diff and old != new:
+        diff = f"--- {fromfile}\n+++ {tofile}\n"
+    return diff
 
 
 def stage_export(
@@ -182,6 +188,10 @@ def default_python(areal_root: Path) -> Path:
     return Path(sys.executable)
 
 
+class AReaLChecksDidNotRun(RuntimeError):
+    """The check process ended without a result for every model type (e.g. that Python lacks AReaL)."""
+
+
 def run_checks_in(
     python: Path, areal_root: Path, model_types: list[str], distributed: bool = True
 ) -> list[AReaLCheckResult]:
@@ -192,16 +202,27 @@ def run_checks_in(
     if not distributed:
         cmd.append("--no-distributed")
     logger.info("running the AReaL checks: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(areal_root))
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=str(areal_root))
     results = [AReaLCheckResult.model_validate(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("{")]
     if len(results) != len(model_types):
-        raise RuntimeError(f"the AReaL checks ended (exit {proc.returncode}) without a result for every model type:\n{proc.stderr[-4000:]}")
+        raise AReaLChecksDidNotRun(
+            f"the AReaL checks in {python} ended (exit {proc.returncode}) without a result for every "
+            f"model type:\n{proc.stderr[-4000:]}"
+        )
     return results
 
 
 def export_to_areal(request: ExportRequest) -> ExportResult:
-    """Copy archon_models/<model_name>/ into an AReaL tree with the import prefix
-    rewritten, register it there, and run the AReaL-tier checks for it inside that AReaL."""
+    """Step 11, after the stages pass: copy archon_models/<model_name>/ into an AReaL checkout
+    or installed areal package (areal/experimental/models/archon/<model_name>/) with the import
+    prefix rewritten, add its import line there, and run the AReaL-tier checks for it inside that
+    AReaL (built as ArchonEngine builds it: parity, to_hf, critic, TP/FSDP). Refuses a model_type
+    AReaL already serves and, without overwrite, a different package of that name; dry_run
+    returns the diff only.
+
+    Every file is written or none. Read ``passed``, ``checks`` (per model_type: each check,
+    ``max_logit_diff``, ``max_grad_diff``) and ``checks_error``.
+    """
     project = Path(request.workspace).resolve() if request.workspace else find_project_root()
     root = areal_root_of(request.areal)
     tree = StagedTree(Workspace(root, marker=ARCHON_DIR))
@@ -219,7 +240,13 @@ def export_to_areal(request: ExportRequest) -> ExportResult:
     result.changed_files = tree.commit()
     if request.run_checks:
         python = request.python or default_python(root)
-        result.checks = run_checks_in(python, root, types)
+        try:
+            result.checks = run_checks_in(python, root, types, distributed=request.distributed)
+        except AReaLChecksDidNotRun as exc:
+            result.checks_error = str(exc)
+            result.passed = False
+        else:
+            result.passed = all(r.passed for r in result.checks)
     return result
 
 

@@ -16,7 +16,7 @@ from skill.cli._errors import error_line
 # One module per sub-command under skill/cli/, each defining
 # ``register(subparsers) -> None`` that adds its parser and sets ``func``
 # (``func(args) -> int`` returns the exit status).
-COMMAND_MODULES: tuple[str, ...] = ("serve", "replay", "analyze", "add", "check", "stage", "diverge")
+COMMAND_MODULES: tuple[str, ...] = ("serve", "replay", "analyze", "add", "check", "stage", "diverge", "export")
 
 
 def add_verbose_option(parser: argparse.ArgumentParser) -> None:

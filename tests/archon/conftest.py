@@ -36,7 +36,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             raise pytest.UsageError(
                 f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES"
             )
-        metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+        metafunc.parametrize("case", [_skip_if_unknown(c) for c in cases], ids=[c.id for c in cases])
+
+
+def _skip_if_unknown(case: ModelCase) -> Any:
+    """The case, skipped (not failed) when the installed transformers lacks its model_type.
+
+    pyproject.toml accepts transformers from 5.3.0 on; a family newer than the installed
+    version cannot be built there, which says nothing about the port.
+    """
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if case.model_type in CONFIG_MAPPING:
+        return case
+    reason = f"model_type {case.model_type!r} is unknown to the installed transformers {transformers.__version__}"
+    return pytest.param(case, marks=pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,21 @@ def committed_packages() -> dict[str, list[str]]:
     return by_package
 
 
+@dataclass(frozen=True)
+class AReaLInstall:
+    """The cached venv's Python and the site-packages directory holding its ``areal``."""
+
+    python: Path
+    site: Path
+
+    def copy_to(self, root: Path) -> Path:
+        """A scratch copy of the installed ``areal`` package under ``root``; returns ``root``."""
+        shutil.copytree(self.site / "areal", root / "areal", ignore=shutil.ignore_patterns("__pycache__"))
+        return root
+
+
 @pytest.fixture(scope="session")
-def areal_checker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AReaLChecker]:
+def areal_install() -> AReaLInstall:
     python = ensure_areal_env(areal_venv_dir())
     site = subprocess.run(
         [str(python), "-c", "import areal, os; print(os.path.dirname(areal.__path__[0]))"],
@@ -52,8 +66,13 @@ def areal_checker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AReaLChe
         capture_output=True,
         text=True,
     ).stdout.strip()
-    root = tmp_path_factory.mktemp("areal-tree")
-    shutil.copytree(Path(site) / "areal", root / "areal", ignore=shutil.ignore_patterns("__pycache__"))
+    return AReaLInstall(python=python, site=Path(site))
+
+
+@pytest.fixture(scope="session")
+def areal_checker(areal_install: AReaLInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AReaLChecker]:
+    python = areal_install.python
+    root = areal_install.copy_to(tmp_path_factory.mktemp("areal-tree"))
     tree = StagedTree(Workspace(root, marker="areal/experimental/models/archon"))
     for package in committed_packages():
         stage_export(tree, PROJECT_ROOT, package, overwrite=True, replace_builtin=True)

@@ -129,6 +129,49 @@ def test_replay_names_the_first_differing_call_or_file(workspace: Path):
     assert report.mismatch.detail == "result.lines: expected 99, got 2"
 
 
+def test_a_session_records_the_transformers_version(workspace: Path):
+    from importlib import metadata
+
+    header = sessions.read_session(_record_example(workspace))[0]
+    assert header.transformers == metadata.version("transformers")
+
+
+def test_replay_on_another_transformers_says_so(workspace: Path):
+    path = _record_example(workspace)
+    installed = sessions.transformers_version()
+
+    def recorded_elsewhere(record):
+        record["transformers"] = "5.3.0" if installed != "5.3.0" else "5.23.0"
+
+    _tamper_header(path, recorded_elsewhere)
+    other = sessions.read_session(path)[0].transformers
+    report = replay_session(ReplayInput(session=path, source=workspace))
+    assert report.ok and (report.recorded_transformers, report.replay_transformers) == (other, installed)
+    assert report.describe().endswith(f"(recorded with transformers {other}, replayed on {installed})")
+
+    def other_result(record):
+        record["result"]["lines"] = 99
+        record["result_digest"] = "sha256:0"
+
+    _tamper(path, 1, other_result)
+    report = replay_session(ReplayInput(session=path, source=workspace))
+    assert not report.ok and report.mismatch.seq == 1
+    assert report.describe().startswith(f"replay FAILED: recorded with transformers {other}, this is {installed}: ")
+    assert "call #1 (toy_append_note)" in report.describe() and "result.lines: expected 99, got 2" in report.describe()
+
+    # An older session without the field: no claim about versions either way.
+    _tamper_header(path, lambda record: record.pop("transformers"))
+    report = replay_session(ReplayInput(session=path, source=workspace))
+    assert report.recorded_transformers is None and report.describe().startswith("replay FAILED at call #1")
+
+
+def _tamper_header(path: Path, change) -> None:
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    change(header)
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+
+
 def test_a_session_continues_across_processes_and_refuses_after_close(workspace: Path):
     path = workspace / "cli.jsonl"
     with sessions.recording(path, workspace):

@@ -8,7 +8,7 @@ import pytest
 
 from skill.tools import load_tools
 from tests.mcp.conftest import REPO
-from tests.mcp.scripted_client import read_playbook
+from tests.mcp.scripted_client import _section, _steps, read_playbook
 
 SKILL_MD = (REPO / "SKILL.md").read_text(encoding="utf-8")
 
@@ -44,6 +44,21 @@ def test_every_tool_the_playbook_names_is_registered():
     for step in [*playbook.steps, playbook.on_stage_failure]:
         fields = set(re.findall(r'"([a-z_]+)":', step.call))
         assert fields <= set(tools[step.tool].input_model.model_fields), (step.tool, fields)
+
+
+def test_step_11_exports_into_areal_with_a_registered_tool():
+    """The last step, outside the porting playbook (it needs the user's AReaL path)."""
+    tools = load_tools()
+    (step,) = _steps(_section(SKILL_MD, "Step 11: export into AReaL"))
+    assert step.tool == "export_to_areal" and step.tool in tools
+    fields = set(re.findall(r'"([a-z_]+)":', step.call))
+    assert fields == {"model_name", "areal", "dry_run"} and fields <= set(tools[step.tool].input_model.model_fields)
+    section = _section(SKILL_MD, "Step 11: export into AReaL")
+    for named in ('"overwrite"', '"python"', "`passed`", "`checks_error`", "`diff`", "archon-port export"):
+        assert named in section, named
+    for field in ("overwrite", "python", "passed", "checks_error", "diff"):
+        model = tools[step.tool].input_model if field in ("overwrite", "python") else tools[step.tool].result_model
+        assert field in model.model_fields, field
 
 
 @pytest.mark.parametrize(
