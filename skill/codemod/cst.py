@@ -806,6 +806,16 @@ def remove_function(source: str, func_name: str) -> str:
     return source if len(body) == len(module.body) else module.with_changes(body=body).code
 
 
+def remove_method(source: str, class_name: str, func_name: str) -> str:
+    """Drop a method of a top-level class, if present."""
+    module = _parse(source)
+    cls = _find_class(module, class_name)
+    body = [s for s in cls.body.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
+    if len(body) == len(cls.body.body):
+        return source
+    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+
+
 def insert_after_statement_assigning(
     source: str, class_name: str | None, func_name: str, target: str, new_source: str
 ) -> str:

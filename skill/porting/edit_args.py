@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
+    remove_method,
     replace_in_function,
     class_field_names,
     remove_function,
@@ -187,22 +188,26 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 lambda c: getattr(c, width),
             ),
             _moe_args_field(profile, config, expected_moe_args),
-            ArgField(
-                "decoder_sparse_step",
-                "int",
-                1,
-                'getattr(hf_config, "decoder_sparse_step", None) or 1',
-                lambda c: getattr(c, "decoder_sparse_step", None) or 1,
-            ),
-            ArgField(
-                "mlp_only_layers",
-                "list[int]",
-                None,
-                'list(getattr(hf_config, "mlp_only_layers", None) or [])',
-                lambda c: list(getattr(c, "mlp_only_layers", None) or []),
-                default_source="field(default_factory=list)",
-            ),
         ]
+        if not profile.all_layers_moe:
+            # Which layers route to experts (HF's rule); a family whose every layer is MoE has no such fields.
+            fields += [
+                ArgField(
+                    "decoder_sparse_step",
+                    "int",
+                    1,
+                    'getattr(hf_config, "decoder_sparse_step", None) or 1',
+                    lambda c: getattr(c, "decoder_sparse_step", None) or 1,
+                ),
+                ArgField(
+                    "mlp_only_layers",
+                    "list[int]",
+                    None,
+                    'list(getattr(hf_config, "mlp_only_layers", None) or [])',
+                    lambda c: list(getattr(c, "mlp_only_layers", None) or []),
+                    default_source="field(default_factory=list)",
+                ),
+            ]
     for name in profile.multipliers:
         fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
     fields += [
@@ -526,6 +531,17 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             "__post_init__",
             'if self.attn_type not in ("varlen", "sdpa"):\n'
             '    raise ValueError(f"attn_type must be \'varlen\' or \'sdpa\', got {self.attn_type!r}.")',
+            "",
+        )
+    if profile.all_layers_moe:
+        # Every layer routes to experts: the per-layer rule and its check go.
+        text = remove_method(text, layout.args_class, "is_moe_layer")
+        text = replace_in_function(
+            text,
+            layout.args_class,
+            "__post_init__",
+            "if self.moe_args is not None and self.decoder_sparse_step < 1:\n"
+            '    raise ValueError(f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")',
             "",
         )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # Activations the edits can write, by the names transformers' ACT2FN uses.
 ACTIVATIONS = {"silu": "F.silu", "gelu_pytorch_tanh": 'functools.partial(F.gelu, approximate="tanh")', "gelu": "F.gelu"}
+# The config fields the qwen3 reference's per-layer MoE rule reads (``is_moe_layer``).
+MOE_LAYER_RULE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
 
 
@@ -190,7 +192,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
         moe=moe is not None,
-        all_layers_moe=moe is not None and bool(n_layers) and len(moe.moe_layers) == n_layers,
+        # Every layer routes to experts, and the config has no field of the reference's
+        # per-layer rule that a checkpoint could set otherwise.
+        all_layers_moe=moe is not None
+        and bool(n_layers)
+        and len(moe.moe_layers) == n_layers
+        and not any(f in values for f in MOE_LAYER_RULE_FIELDS),
         shared_expert=moe is not None and moe.shared_expert_gate,
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,

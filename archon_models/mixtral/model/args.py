@@ -76,8 +76,6 @@ class MixtralModelArgs(BaseModelArgs):
 
     moe_inter_dim: int = 14_336
     moe_args: MoEArgs = field(default_factory=lambda: MoEArgs(top_k=2, score_func="softmax", route_norm=True))
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.attn_type not in ("varlen", "sdpa"):
@@ -86,20 +84,10 @@ class MixtralModelArgs(BaseModelArgs):
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
             )
-        if self.moe_args is not None and self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")
 
     @property
     def moe_enabled(self) -> bool:
         return self.moe_args is not None
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether layer ``layer_id`` (0-based) is a sparse MoE layer, by HF's rule."""
-        return (
-            self.moe_args is not None
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> MixtralModelArgs:
@@ -141,8 +129,6 @@ class MixtralModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             moe_inter_dim=hf_config.intermediate_size,
             moe_args=moe_args,
-            decoder_sparse_step=getattr(hf_config, "decoder_sparse_step", None) or 1,
-            mlp_only_layers=list(getattr(hf_config, "mlp_only_layers", None) or []),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
             is_critic=is_critic,
