@@ -13,13 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from skill.codemod import StagedTree, Workspace, validate_model_name
 from skill.porting.check_package import CheckPackageRequest, run_checks
 from skill.porting.common import PackageLayout
-from skill.porting.copy_reference import CopyReferenceRequest, apply_copy_reference, refuse_reference
+from skill.porting.copy_reference import REFERENCES, CopyReferenceRequest, apply_copy_reference, refuse_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
 from skill.errors import step_error_message
 from skill.porting.plan import plan_for, refuse_unsupported
-from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec
+from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec, registered_types
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
 from skill.porting.set_rope import SetRopeRequest, apply_set_rope
 from skill.porting.write_parallelize import WriteParallelizeRequest, apply_write_parallelize
@@ -155,12 +155,22 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             lambda p: f"{p.model_type} ({p.config_class})",
         )
         model_type = profile.model_type
-        name = request.model_name or validate_model_name(model_type)
-        state.update(model_name=name, model_types=[model_type], unsupported=list(profile.unsupported))
-        refuse_reference(name)
-        refuse_unsupported(profile, "edit_model")
-        reference = profile.reference
-        state["reference"] = reference
+        state.update(model_types=[model_type], unsupported=list(profile.unsupported))
+        served_by = _reference_serving(workspace, model_type) if request.model_name is None else None
+        if served_by is not None:
+            # A hand-written reference already serves this model_type: nothing to write, its
+            # own stages prove it.
+            state.update(model_name=served_by, reference=served_by)
+            name = served_by
+            runner._record(StepReport(step="served", ok=True, seconds=0.0, detail=f"by the {served_by} reference"))
+        else:
+            # A model_type such as "gpt-sw3" names the package gpt_sw3.
+            name = request.model_name or validate_model_name(model_type.replace("-", "_"))
+            state.update(model_name=name)
+            refuse_reference(name)
+            refuse_unsupported(profile, "edit_model")
+            state["reference"] = profile.reference
+        reference = state["reference"]
     except Exception as e:
         return result(
             False,
@@ -168,57 +178,59 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             f"{type(e).__name__}: {step_error_message(e)}",
         )
 
-    layout = PackageLayout.for_name(name)
-    tree = StagedTree(workspace)
-    existed = tree.exists(layout.package_dir)
-    # Build the package from scratch in memory; compare with disk at the end.
-    tree.delete_tree(layout.package_dir)
-    if tree.exists(layout.test_file):
-        tree.delete(layout.test_file)
-    common = {"model_name": name, "workspace": request.workspace}
-    trust = request.trust_remote_code
-    sourced = {**common, "source": request.source, "trust_remote_code": trust}
-    source = request.source
-    steps: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
-        (
-            "copy_reference",
-            lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
-            lambda r: f"{reference} -> {r.package_dir}",
-        ),
-        ("edit_args", lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile), lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks"),
-        ("edit_model", lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile), lambda r: ", ".join(r.edits)),
-        ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
-        ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)), lambda r: f"{len(r.from_hf_map)} entries"),
-        ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
-        ("write_tests", lambda: ensure_test_file(tree, name, model_type, source, trust), lambda r: layout.test_file),
-        ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)), lambda r: ", ".join(r.model_types)),
-    ]
-    try:
-        for step_name, fn, detail in steps:
-            value = runner.run(step_name, fn, detail)
-            if step_name == "edit_model":
-                state["edits"] = value.edits
-        check = runner.run(
-            "check_package",
-            lambda: run_checks(
-                tree, CheckPackageRequest(source=source, model_types=[model_type], trust_remote_code=trust, **common)
+    changed: list[str] = []
+    if served_by is None:
+        layout = PackageLayout.for_name(name)
+        tree = StagedTree(workspace)
+        existed = tree.exists(layout.package_dir)
+        # Build the package from scratch in memory; compare with disk at the end.
+        tree.delete_tree(layout.package_dir)
+        if tree.exists(layout.test_file):
+            tree.delete(layout.test_file)
+        common = {"model_name": name, "workspace": request.workspace}
+        trust = request.trust_remote_code
+        sourced = {**common, "source": request.source, "trust_remote_code": trust}
+        source = request.source
+        steps: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
+            (
+                "copy_reference",
+                lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
+                lambda r: f"{reference} -> {r.package_dir}",
             ),
-            lambda r: f"{sum(c.passed for c in r.checks)}/{len(r.checks)} checks",
-        )
-        if not check.passed:
-            failures = "; ".join(f"{c.name}: {c.detail}" for c in check.failures)
-            runner.steps[-1] = runner.steps[-1].model_copy(update={"ok": False, "detail": failures})
-            raise _StepFailed(f"check_package: {failures}")
-        changes = tree.changes()
-        if existed and changes and not request.overwrite:
-            raise FileExistsError(
-                f"{layout.package_dir}/ exists and differs from what the engine generates "
-                f"({', '.join(sorted(changes))}); pass overwrite=True (--overwrite) to replace it. Nothing was written."
+            ("edit_args", lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile), lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks"),
+            ("edit_model", lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile), lambda r: ", ".join(r.edits)),
+            ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
+            ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)), lambda r: f"{len(r.from_hf_map)} entries"),
+            ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
+            ("write_tests", lambda: ensure_test_file(tree, name, model_type, source, trust), lambda r: layout.test_file),
+            ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)), lambda r: ", ".join(r.model_types)),
+        ]
+        try:
+            for step_name, fn, detail in steps:
+                value = runner.run(step_name, fn, detail)
+                if step_name == "edit_model":
+                    state["edits"] = value.edits
+            check = runner.run(
+                "check_package",
+                lambda: run_checks(
+                    tree, CheckPackageRequest(source=source, model_types=[model_type], trust_remote_code=trust, **common)
+                ),
+                lambda r: f"{sum(c.passed for c in r.checks)}/{len(r.checks)} checks",
             )
-        changed = runner.run("write", tree.commit, lambda paths: f"{len(paths)} files changed" if paths else "unchanged")
-    except Exception as e:
-        failed = next((s.step for s in reversed(runner.steps) if not s.ok), "write")
-        return result(False, failed, f"{type(e).__name__}: {e}")
+            if not check.passed:
+                failures = "; ".join(f"{c.name}: {c.detail}" for c in check.failures)
+                runner.steps[-1] = runner.steps[-1].model_copy(update={"ok": False, "detail": failures})
+                raise _StepFailed(f"check_package: {failures}")
+            changes = tree.changes()
+            if existed and changes and not request.overwrite:
+                raise FileExistsError(
+                    f"{layout.package_dir}/ exists and differs from what the engine generates "
+                    f"({', '.join(sorted(changes))}); pass overwrite=True (--overwrite) to replace it. Nothing was written."
+                )
+            changed = runner.run("write", tree.commit, lambda paths: f"{len(paths)} files changed" if paths else "unchanged")
+        except Exception as e:
+            failed = next((s.step for s in reversed(runner.steps) if not s.ok), "write")
+            return result(False, failed, f"{type(e).__name__}: {e}")
 
     stage_results: list[RunTestStageResult] = []
     max_logit: float | None = None
@@ -260,6 +272,12 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
                 max_abs_logit_diff=max_logit,
             )
     return result(True, changed_files=changed, stage_results=stage_results, max_abs_logit_diff=max_logit)
+
+
+def _reference_serving(workspace: Workspace, model_type: str) -> str | None:
+    """The reference package that registers ``model_type``, if one does."""
+    owner = registered_types(StagedTree(workspace)).get(model_type)
+    return owner if owner in REFERENCES else None
 
 
 def _stage_detail(stage_result: RunTestStageResult) -> str:
