@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,8 +45,19 @@ class PackedInputs:
         )
 
 
-def make_packed_inputs(doc_lens: Sequence[int], vocab_size: int, seed: int = 0) -> PackedInputs:
-    """Seeded random tokens for documents of the given lengths, packed."""
+def untrained_token_ids(hf_config: Any) -> tuple[int, ...]:
+    """Token ids HF never trains the embedding row of: ``pad_token_id``, the ``padding_idx``
+    of the HF embedding, whose lookup gives that row no gradient. Archon's embeddings, like
+    AReaL's, have no ``padding_idx``, so gradient parity is proven on inputs without them."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    return (pad,) if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else ()
+
+
+def make_packed_inputs(
+    doc_lens: Sequence[int], vocab_size: int, seed: int = 0, avoid: Sequence[int] = ()
+) -> PackedInputs:
+    """Seeded random tokens for documents of the given lengths, packed; a token in ``avoid``
+    becomes the next id not in it (the other tokens stay those of the seed)."""
     lens = tuple(int(n) for n in doc_lens)
     if not lens or min(lens) < 1:
         raise ValueError(f"doc_lens={lens}: every document needs at least one token.")
@@ -54,6 +66,14 @@ def make_packed_inputs(doc_lens: Sequence[int], vocab_size: int, seed: int = 0) 
     generator = torch.Generator().manual_seed(seed)
     total = sum(lens)
     tokens = torch.randint(0, vocab_size, (1, total), generator=generator, dtype=torch.long)
+    avoided = {int(t) for t in avoid if 0 <= int(t) < vocab_size}
+    if len(avoided) >= vocab_size:
+        raise ValueError(f"avoid={sorted(avoided)} leaves no token of a vocabulary of {vocab_size}.")
+    for token in sorted(avoided):
+        replacement = token
+        while replacement in avoided:
+            replacement = (replacement + 1) % vocab_size
+        tokens[tokens == token] = replacement
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).unsqueeze(0)
     bounds = torch.tensor((0, *lens), dtype=torch.int64).cumsum(0).to(torch.int32)
     return PackedInputs(

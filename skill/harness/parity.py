@@ -30,7 +30,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts, compare_tensors, max_abs_diff
-from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
+from skill.harness.inputs import (
+    PackedInputs,
+    make_packed_inputs,
+    next_token_loss,
+    untrained_token_ids,
+)
 from skill.harness.models import (
     ArchonModel,
     build_hf_config,
@@ -141,7 +146,7 @@ def _parity_fp32(rec: StageRecorder, case: ModelCase, tmp: Path) -> None:
     hf_config = build_hf_config(case)
     hf_model = build_hf_model(case, hf_config)
     checkpoint = save_hf_checkpoint(hf_model, tmp / "hf")
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed)
+    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
     ref = hf_reference(hf_model, inputs, tmp / "hf_grads")
     for attn_type in ATTN_TYPES:
         archon = load_archon_model(hf_config, checkpoint, attn_type=attn_type)
@@ -184,7 +189,7 @@ def _parity_source_weights(rec: StageRecorder, case: ModelCase) -> None:
     folder = files[0].parent
     hf_model = _load_hf(folder, torch.float32, "cpu", case.trust_remote_code)
     hf_config = hf_model.config
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed)
+    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
     for attn_type in ATTN_TYPES:
         archon = load_archon_model(hf_config, folder, attn_type=attn_type)
         ref, got = _logits(hf_model, archon, inputs)
@@ -235,7 +240,7 @@ def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype
 def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) -> None:
     hf_config = build_hf_config(case)
     checkpoint = save_hf_checkpoint(build_hf_model(case, hf_config), tmp / "hf")
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed).to(device)
+    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config)).to(device)
     trust = case.trust_remote_code
     truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
     hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 # first function of the Archon module contract whose part the feature belongs to.
 _MARKER_PLACES: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("router", "expert", "moe", "mixture"), "TransformerBlock", "__init__"),
+    # A per-layer choice of rotating q/k or not is made where the attention applies RoPE.
+    (("without rope",), "Attention", "forward"),
     (("rope", "rotary", "position", "alibi"), None, "_precompute_rope_cache"),
     (("attention", "qk", "query", "key", "sink", "window", "clip", "head", "projection"), "Attention", "forward"),
     (("norm",), "TransformerBlock", "forward"),

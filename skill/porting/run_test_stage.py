@@ -29,11 +29,17 @@ _ENGINE_ROOT = Path(skill.__file__).resolve().parents[1]
 RESULT_PROPERTY = "archon_stage_result"
 
 
+# A max abs diff between fp32 results is rounding noise that differs between CPUs and
+# thread counts, so a session replays a stage's checks (each passed against its tolerance),
+# not these numbers: they are left out of the recorded result (volatile).
+_DIFF_IS_VOLATILE = {"volatile": True}
+
+
 class StageCheck(BaseModel):
     name: str
     passed: bool
     detail: str = ""
-    max_abs_diff: float | None = None
+    max_abs_diff: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
 
 
 class StageTest(BaseModel):
@@ -68,7 +74,9 @@ class RunTestStageResult(StepResult):
     case_id: str | None = Field(default=None, description="the one case that ran (the overrides' case), else every case ran")
     passed: bool
     tests: list[StageTest]
-    max_abs_diff: float | None = Field(default=None, description="largest max abs diff of any check")
+    max_abs_diff: float | None = Field(
+        default=None, description="largest max abs diff of any check", json_schema_extra=_DIFF_IS_VOLATILE
+    )
     seconds: float = Field(json_schema_extra={"volatile": True})
     output_tail: str = Field(default="", json_schema_extra={"volatile": True})
 

@@ -18,7 +18,7 @@ from skill.harness import (
     run_parity_stage,
 )
 from skill.harness.completeness import check_completeness
-from skill.harness.inputs import make_packed_inputs
+from skill.harness.inputs import make_packed_inputs, untrained_token_ids
 from skill.harness.models import build_archon_model, build_hf_config
 from skill.harness.results import StageRecorder, run_stage
 
@@ -153,3 +153,16 @@ def test_packed_inputs_follow_the_forward_contract():
     assert inputs.positions[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
     assert inputs.max_seqlen == 5
     assert [d.shape[1] for d in inputs.documents()] == [3, 5, 2]
+
+
+def test_packed_inputs_avoid_the_pad_token_whose_row_hf_never_trains():
+    """HF's embedding has ``padding_idx=pad_token_id`` (no gradient for that row), Archon's
+    none: parity inputs leave the pad token out and keep every other token of the seed."""
+    plain = make_packed_inputs((7, 13, 4), vocab_size=256, seed=0)
+    pad = int(plain.tokens[0, 5])
+    avoiding = make_packed_inputs((7, 13, 4), vocab_size=256, seed=0, avoid=(pad,))
+    assert pad not in avoiding.tokens.tolist()[0]
+    changed = plain.tokens != avoiding.tokens
+    assert (plain.tokens[changed] == pad).all() and (avoiding.tokens[changed] == pad + 1).all()
+    assert untrained_token_ids(build_hf_config(ModelCase(model_type="smollm3"))) == (251,)
+    assert untrained_token_ids(build_hf_config(ModelCase(model_type="qwen2"))) == ()

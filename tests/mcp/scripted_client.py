@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,65 +122,94 @@ class Transcript:
     failed_at: str | None = None
 
 
-async def follow_playbook(
-    client: Client, source: str, *, model_name: str | None = None, stages: list[int] | None = None
-) -> Transcript:
-    """Port ``source`` by calling the tools SKILL.md names, in its order, with its arguments."""
-    skill_md = (await client.read_resource("archon://skill")).contents[0].text
-    playbook = read_playbook(skill_md)
-    available = {tool.name for tool in (await client.list_tools()).tools}
-    missing = [step.tool for step in playbook.steps if step.tool not in available]
-    if missing:
-        raise RuntimeError(f"SKILL.md names tools the server does not list: {missing}")
+class PlaybookRun:
+    """One port driven over MCP: SKILL.md's playbook, the placeholder values it defines, the
+    transcript of every call. What the scripted client and the hand-port client share."""
 
-    name = model_name or source.lower().replace("-", "_")
-    values: dict[str, Any] = {"source": source, "model_name": name, "model_types": [source]}
-    transcript = Transcript()
+    def __init__(self, client: Client, playbook: Playbook, source: str, model_name: str | None = None):
+        self.client = client
+        self.playbook = playbook
+        self.name = model_name or source.lower().replace("-", "_")
+        self.values: dict[str, Any] = {"source": source, "model_name": self.name, "model_types": [source]}
+        self.transcript = Transcript()
 
-    async def call(tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
-        result = await client.call_tool(tool, arguments)
+    @classmethod
+    async def start(cls, client: Client, source: str, model_name: str | None = None) -> PlaybookRun:
+        """Read SKILL.md from the server and check it names only tools the server lists."""
+        skill_md = (await client.read_resource("archon://skill")).contents[0].text
+        playbook = read_playbook(skill_md)
+        available = {tool.name for tool in (await client.list_tools()).tools}
+        missing = [step.tool for step in playbook.steps if step.tool not in available]
+        if missing:
+            raise RuntimeError(f"SKILL.md names tools the server does not list: {missing}")
+        return cls(client, playbook, source, model_name)
+
+    def step(self, tool: str) -> PlaybookStep:
+        return next(step for step in self.playbook.steps if step.tool == tool)
+
+    def arguments(self, step: PlaybookStep, **extra: Any) -> dict[str, Any]:
+        """The step's **Call:** filled with the values known so far."""
+        return fill(step.call, {**self.values, **extra})
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+        result = await self.client.call_tool(tool, arguments)
         content = result.structured_content
-        transcript.calls.append((tool, arguments, content, not result.is_error))
+        self.transcript.calls.append((tool, arguments, content, not result.is_error))
         logger.info("%s %s -> %s", tool, json.dumps(arguments), "error" if result.is_error else "ok")
         if result.is_error:
-            transcript.failed_at = tool
+            self.transcript.failed_at = tool
             raise RuntimeError(f"{tool} failed: {result.content[0].text}")
         return content
 
-    async def call_step(tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
-        """One step; when it says the copy came from the wrong reference, recopy as SKILL.md says."""
+    async def call_step(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+        """One step; when it says the copy came from the wrong reference, recopy as SKILL.md says.
+        Then take SKILL.md's placeholder values from the result."""
         try:
-            return await call(tool, arguments)
+            content = await self.call(tool, arguments)
         except RuntimeError as e:
             wrong_copy = _RECOPY_RE.search(str(e))
             if wrong_copy is None:
                 raise
-            transcript.failed_at = None
-            values["reference"] = wrong_copy["reference"]
-            await call("copy_reference", {**fill(playbook.steps[1].call, values), "overwrite": True})
-            return await call(tool, arguments)
-
-    for step in playbook.steps:
-        if step.stages:
-            for stage in [s for s in step.stages if stages is None or s in stages]:
-                content = await call(step.tool, fill(step.call, {**values, "stage": stage}))
-                if not content.get("passed", False):
-                    transcript.failed_at = f"{step.tool} stage {stage}"
-                    if playbook.on_stage_failure is not None:
-                        await call(playbook.on_stage_failure.tool, fill(playbook.on_stage_failure.call, values))
-                    return transcript
-            continue
-        content = await call_step(step.tool, fill(step.call, values))
+            self.transcript.failed_at = None
+            self.values["reference"] = wrong_copy["reference"]
+            await self.call("copy_reference", {**self.arguments(self.step("copy_reference")), "overwrite": True})
+            content = await self.call(tool, arguments)
         for placeholder, key in RESULT_VALUES.items():
             found = _find(content, key)
             if found:
-                values[placeholder] = found
+                self.values[placeholder] = found
         if "variant_types" in content:  # SKILL.md: less the types another package registers
-            table = json.loads((await client.read_resource("archon://references")).contents[0].text)
+            table = json.loads((await self.client.read_resource("archon://references")).contents[0].text)
             owners = table["registered"]
-            values["model_types"] = [t for t in values["model_types"] if owners.get(t, name) == name]
-    transcript.passed = True
-    return transcript
+            self.values["model_types"] = [t for t in self.values["model_types"] if owners.get(t, self.name) == self.name]
+        return content
+
+    async def run_stage(self, step: PlaybookStep, stage: int, **extra: Any) -> bool:
+        """One stage; when it fails, the tool of SKILL.md's "When a stage fails" (same ``extra``)."""
+        content = await self.call(step.tool, {**self.arguments(step, stage=stage), **extra})
+        if content.get("passed", False):
+            return True
+        self.transcript.failed_at = f"{step.tool} stage {stage}"
+        failure = self.playbook.on_stage_failure
+        if failure is not None:
+            await self.call(failure.tool, {**self.arguments(failure), **extra})
+        return False
+
+
+async def follow_playbook(
+    client: Client, source: str, *, model_name: str | None = None, stages: list[int] | None = None
+) -> Transcript:
+    """Port ``source`` by calling the tools SKILL.md names, in its order, with its arguments."""
+    run = await PlaybookRun.start(client, source, model_name)
+    for step in run.playbook.steps:
+        if step.stages:
+            for stage in [s for s in step.stages if stages is None or s in stages]:
+                if not await run.run_stage(step, stage):
+                    return run.transcript
+            continue
+        await run.call_step(step.tool, run.arguments(step))
+    run.transcript.passed = True
+    return run.transcript
 
 
 def stdio_server(workspace: Path, session: Path | None) -> StdioServerParameters:
@@ -236,15 +266,33 @@ def export_head(destination: Path) -> Path:
     return destination
 
 
+Porter = Callable[[Path, str, Path], Awaitable[Transcript]]
+
+
+def _skill_md_port(root: Path, family: str, session: Path) -> Awaitable[Transcript]:
+    return port_over_stdio(root, family, session=session, stages=SESSION_STAGES)
+
+
+def porter(family: str) -> Porter:
+    """How ``family``'s session is recorded: SKILL.md's step-by-step path, or, for a family
+    that keeps an unsupported feature, the hand-port path with its recorded hand edit."""
+    from tests.mcp.hand_port_client import HAND_PORTS, hand_port_over_stdio
+
+    if family in HAND_PORTS:
+        return lambda root, family, session: hand_port_over_stdio(root, HAND_PORTS[family], session=session)
+    return _skill_md_port
+
+
 def refresh_session(family: str) -> Path:
     """Re-record ``tests/mcp/sessions/<family>.jsonl``: port the committed family again
     over stdio, following SKILL.md, in a copy of HEAD without it."""
     target = SESSIONS / f"{family}.jsonl"
+    port = porter(family)
     with tempfile.TemporaryDirectory(prefix="archon-port-session-") as tmp:
         root = export_head(Path(tmp) / "repo")
         remove_packages(root, (family,))
         session = Path(tmp) / f"{family}.jsonl"
-        transcript = anyio.run(lambda: port_over_stdio(root, family, session=session, stages=SESSION_STAGES))
+        transcript = anyio.run(lambda: port(root, family, session))
         if not transcript.passed:
             raise RuntimeError(f"{family}: the SKILL.md flow failed at {transcript.failed_at}; session not written")
         produced, committed = root / "archon_models" / family, REPO / "archon_models" / family
@@ -252,6 +300,9 @@ def refresh_session(family: str) -> Path:
             raise RuntimeError(
                 f"{family}: the SKILL.md flow produces an archon_models/{family}/ unlike the committed one"
             )
+        test_file = Path("tests") / "archon" / f"test_{family}.py"
+        if (root / test_file).is_file() and (root / test_file).read_bytes() != (REPO / test_file).read_bytes():
+            raise RuntimeError(f"{family}: the SKILL.md flow produces a {test_file} unlike the committed one")
         SESSIONS.mkdir(exist_ok=True)
         shutil.copy(session, target)
     logger.info("recorded %s", target)
