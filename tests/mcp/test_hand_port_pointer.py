@@ -41,7 +41,9 @@ def test_a_missing_file_names_the_step_that_writes_it_and_points_to_the_section(
     result = _call(workspace, "register_spec", {"model_name": "nopkg", "model_types": ["nopkg"]})
     error = result.structured_content["error"]
     assert error["exception"] == "FileNotFoundError"
-    assert "run copy_reference first" in error["message"] and HAND_PORT_POINTER in error["message"]
+    # The message names the steps that create the package, and the way past it.
+    assert "archon-port add" in error["message"] and "copy_reference" in error["message"]
+    assert HAND_PORT_POINTER in error["message"]
     assert error["see"] is not None
 
 
