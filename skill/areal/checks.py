@@ -49,7 +49,7 @@ from skill.harness.models import (
     read_hf_checkpoint,
     save_hf_checkpoint,
 )
-from skill.harness.parity import archon_outputs, check_fp32, hf_reference
+from skill.harness.parity import archon_outputs, check_fp32, hf_reference, parity_inputs
 from skill.harness.results import CheckResult, StageRecorder
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def run_areal_checks(request: AReaLCheckRequest, workdir: str | Path | None = No
             _check_engine_kwargs(rec, spec, hf_config)
             hf_model = build_hf_model(case, hf_config)
             checkpoint = save_hf_checkpoint(hf_model, tmp_path / "hf")
-            inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed)
+            inputs = parity_inputs(case, hf_config)
             ref = hf_reference(hf_model, inputs, tmp_path / "hf_grads")
             loaded = None
             for attn_type in ATTN_TYPES:

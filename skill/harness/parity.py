@@ -142,11 +142,17 @@ def check_fp32(rec: StageRecorder, ref: Reference, got: Reference, inputs: Packe
     )
 
 
+def parity_inputs(case: ModelCase, hf_config: PretrainedConfig) -> PackedInputs:
+    """The packed documents HF and Archon are compared on: the case's seeded tokens, less
+    the ids whose embedding row HF never trains (see ``untrained_token_ids``)."""
+    return make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
+
+
 def _parity_fp32(rec: StageRecorder, case: ModelCase, tmp: Path) -> None:
     hf_config = build_hf_config(case)
     hf_model = build_hf_model(case, hf_config)
     checkpoint = save_hf_checkpoint(hf_model, tmp / "hf")
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
+    inputs = parity_inputs(case, hf_config)
     ref = hf_reference(hf_model, inputs, tmp / "hf_grads")
     for attn_type in ATTN_TYPES:
         archon = load_archon_model(hf_config, checkpoint, attn_type=attn_type)
@@ -189,7 +195,7 @@ def _parity_source_weights(rec: StageRecorder, case: ModelCase) -> None:
     folder = files[0].parent
     hf_model = _load_hf(folder, torch.float32, "cpu", case.trust_remote_code)
     hf_config = hf_model.config
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
+    inputs = parity_inputs(case, hf_config)
     for attn_type in ATTN_TYPES:
         archon = load_archon_model(hf_config, folder, attn_type=attn_type)
         ref, got = _logits(hf_model, archon, inputs)
@@ -240,7 +246,7 @@ def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype
 def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) -> None:
     hf_config = build_hf_config(case)
     checkpoint = save_hf_checkpoint(build_hf_model(case, hf_config), tmp / "hf")
-    inputs = make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config)).to(device)
+    inputs = parity_inputs(case, hf_config).to(device)
     trust = case.trust_remote_code
     truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
     hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
