@@ -362,7 +362,12 @@ def _links_leaving(workspace: Workspace, folder: Path) -> Iterator[Path]:
 
 
 def prepare_request(
-    tool: Tool, arguments: Mapping[str, Any] | BaseModel, workspace: Workspace, *, allow_external: bool = False
+    tool: Tool,
+    arguments: Mapping[str, Any] | BaseModel,
+    workspace: Workspace,
+    *,
+    allow_external: bool = False,
+    confine_sources: bool = True,
 ) -> BaseModel:
     """Validate ``arguments`` into the tool's input model, confined to ``workspace``.
 
@@ -371,7 +376,9 @@ def prepare_request(
     ``path_fields`` are resolved to absolute paths inside the workspace; anything
     outside raises :class:`WorkspaceError`. With ``allow_external`` the entry's
     ``external_paths`` are made absolute (relative ones from the workspace root) but not
-    confined, and their symlinks are kept.
+    confined, and their symlinks are kept. ``confine_sources=False`` (the CLI: the person
+    at the keyboard names the path) leaves the entry's ``path_fields`` (a family's source
+    folder) unconfined too; the MCP server and replay always confine them.
     """
     data = arguments.model_dump() if isinstance(arguments, BaseModel) else dict(arguments)
     fields = tool.input_model.model_fields
@@ -389,7 +396,10 @@ def prepare_request(
         elif name in tool.entry.path_fields and isinstance(value, str):
             candidate = Path(os.path.expanduser(value))
             if _looks_like_path(value) or (workspace.root / candidate).exists() or candidate.is_absolute():
-                data[name] = str(_confine(workspace, name, value))
+                if confine_sources:
+                    data[name] = str(_confine(workspace, name, value))
+                else:
+                    data[name] = os.path.abspath(workspace.root / candidate)
     return tool.input_model.model_validate(data)
 
 
@@ -583,6 +593,7 @@ def invoke(
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
     allow_external: bool = False,
+    confine_sources: bool = True,
 ) -> BaseModel:
     """Run step ``name`` inside ``workspace`` and return its result model.
 
@@ -591,7 +602,8 @@ def invoke(
     (``session`` or the active one), appends the call to it. Once ``cancel`` is set the
     step's commit refuses to write (:class:`~skill.codemod.workspace.CallCancelledError`).
     Engine errors propagate unchanged (after being recorded). ``allow_external``: the
-    caller vouches for the entry's ``external_paths`` (see :func:`prepare_request`).
+    caller vouches for the entry's ``external_paths``; ``confine_sources=False``: for its
+    ``path_fields`` too (see :func:`prepare_request`).
     """
     from skill import session as session_module  # session imports this module
 
@@ -606,7 +618,7 @@ def invoke(
     journal.recover(ws)
     recorded_arguments = session_module.portable_arguments(arguments, ws)
     try:
-        request = prepare_request(tool, arguments, ws, allow_external=allow_external)
+        request = prepare_request(tool, arguments, ws, allow_external=allow_external, confine_sources=confine_sources)
     except ValidationError as e:
         problems = [(".".join(str(p) for p in err["loc"]) or "(arguments)", err["msg"]) for err in e.errors()]
         raise InvalidArgumentsError(tool.name, problems) from e

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         stages=stages,
         trust_remote_code=args.trust_remote_code,
     )
-    result = invoke("port_model", request)
+    result = invoke("port_model", request, confine_sources=False)
     if not args.json and result.failed_step == "analyze":
         # Refused before anything was written: the reason is the whole story.
         sys.stderr.write(f"archon-port: error: {result.error}\n")

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     request = AnalyzeInput(source=args.source, trust_remote_code=args.trust_remote_code)
     try:
-        report = invoke("analyze_hf_model", request)
+        report = invoke("analyze_hf_model", request, confine_sources=False)
     except AnalysisError as exc:
         sys.stderr.write(f"archon-port analyze: {exc}\n")
         return 2

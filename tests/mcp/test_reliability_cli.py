@@ -77,16 +77,24 @@ def test_serve_refusals_are_one_line(workspace: Path, tmp_path: Path, capsys):
     assert "corrupt.jsonl" in _one_error_line(capsys)
 
 
-def test_analyze_of_a_folder_outside_the_workspace_is_one_line_without_a_missing_flag(
+def test_the_cli_analyzes_a_folder_outside_the_workspace_and_a_bad_one_is_one_line(
     workspace: Path, tmp_path: Path, monkeypatch, capsys
 ):
+    """The person at the keyboard may name any local path (only the MCP server and replay
+    confine sources to the workspace); a folder that is no checkpoint is one error line,
+    advising no flag the CLI lacks."""
     outside = tmp_path / "outside_model"
     outside.mkdir()
     (outside / "config.json").write_text('{"model_type": "llama"}')
     monkeypatch.chdir(workspace)
-    assert cli_main(["analyze", str(outside)]) == 2
-    err = _one_error_line(capsys)
-    assert "outside the workspace" in err and "--workspace" not in err
+    assert cli_main(["analyze", str(outside)]) == 0
+    assert "llama" in capsys.readouterr().out
+    empty = tmp_path / "not_a_checkpoint"
+    empty.mkdir()
+    assert cli_main(["analyze", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("archon-port analyze: "), err
+    assert "config.json" in err and "--workspace" not in err
 
 
 def test_a_non_loopback_bind_needs_allow_remote_and_warns(workspace: Path, capsys, caplog):
