@@ -570,9 +570,13 @@ def _attention_features(profile: PortPlan) -> str:
 
 
 def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
-    for name in names:
-        if name not in EDITS_BY_NAME:
-            raise ValueError(f"unknown model edit {name!r}; known: {sorted(EDITS_BY_NAME)}")
+    """Apply the named edits in the canonical order of :data:`MODEL_EDITS` (whatever order
+    they are named in), so two edits on one place always nest the same way."""
+    unknown = [name for name in names if name not in EDITS_BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown model edit(s) {unknown}; known: {sorted(EDITS_BY_NAME)}")
+    order = list(EDITS_BY_NAME)
+    for name in sorted(dict.fromkeys(names), key=order.index):
         text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
     if profile.block != "pre_norm" or _block_wiring(profile)[1]:
