@@ -106,9 +106,9 @@ _TOKEN_ID_SUFFIX = "_token_id"
 _NONE_FILL: dict[str, int] = {
     "head_dim": TINY_HEAD_DIM,
     "num_key_value_heads": TINY_HEADS,
-    **{name: TINY_EXPERTS for name in _EXPERT_COUNT},
-    **{name: TINY_TOP_K for name in _TOP_K},
-    **{name: 1 for name in _SHARED_EXPERTS},
+    **dict.fromkeys(_EXPERT_COUNT, TINY_EXPERTS),
+    **dict.fromkeys(_TOP_K, TINY_TOP_K),
+    **dict.fromkeys(_SHARED_EXPERTS, 1),
 }
 _WIDTH_SUFFIXES = ("_size", "_dim", "_rank", "_width")
 

@@ -328,7 +328,8 @@ def _confine(workspace: Workspace, field: str, value: str | os.PathLike) -> Path
         for link in _links_leaving(workspace, target):
             raise WorkspaceError(
                 f"{field}={os.fspath(value)!r}: {link.relative_to(workspace.root)} is a symbolic link to "
-                f"{link.resolve()}, outside the workspace {workspace.root}; refused. Copy the file in instead of linking it."
+                f"{link.resolve()}, outside the workspace {workspace.root}; refused. "
+                "Copy the file in instead of linking it."
             )
     return target
 

@@ -95,7 +95,7 @@ def _deep_model(
     try:
         deep = tiny_config(config, num_hidden_layers=n_layers)
         return build_tiny_model(deep, seed=0, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - a constructor may reject odd depths; the tiny stack is the fallback
+    except Exception as exc:
         logger.debug("full-depth model of %s failed: %s", config.model_type, exc)
         return None
 
@@ -132,7 +132,7 @@ def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> b
     try:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - any failure means transformers itself cannot build it
+    except Exception:
         return False
     return True
 

@@ -238,7 +238,7 @@ def _moved_model(
             setattr(config, name, new_value)
             model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
             out = probes.logits(model, tokens)
-        except Exception as exc:  # noqa: BLE001 - a strict config or constructor may refuse the value; try the next
+        except Exception as exc:
             logger.debug("moving %s to %r failed: %s", name, new_value, exc)
             continue
         if out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5):
@@ -412,7 +412,7 @@ def _is_gate_projection(ctx: Context, role: str, proj: mt.Projection) -> bool:
     # Layer 0's own head count, where layers differ (a per-layer heads list).
     own = getattr(ctx.anatomy.attention, "num_heads", None)
     counts = {heads} | ({own} if isinstance(own, int) else set())
-    widths = {n for n in counts} | {n * hd for n in counts}
+    widths = set(counts) | {n * hd for n in counts}
     return proj.in_features == ctx.tiny.hidden_size and proj.out_features in widths
 
 
@@ -760,7 +760,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
     ffn = None
     if moe_layer is not None:
-        for name, child in moe_layer.named_children():
+        for child in moe_layer.children():
             if mt.experts_module(child) is not None and not mt.is_norm(child):
                 ffn = child
                 break

@@ -151,7 +151,7 @@ def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
     final_norm = None
     layers_parent_path = path.rsplit(".", 1)[0] if "." in path else ""
     parent = model.get_submodule(layers_parent_path) if layers_parent_path else model
-    for name, child in parent.named_children():
+    for child in parent.children():
         if is_norm(child):
             final_norm = child  # the last norm after the stack
     return LayerAnatomy(

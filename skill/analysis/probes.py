@@ -234,7 +234,7 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     finally:
         handle.remove()
         with torch.no_grad():
-            for m, w in zip(others, saved):
+            for m, w in zip(others, saved, strict=True):
                 m.weight.copy_(w)
     if "x" not in captured:
         return None
@@ -328,11 +328,11 @@ __all__ = [
     "matching_field",
     "norm_is_centred",
     "perturbed_values",
+    "probe_block_norms",
     "probe_embedding_scale",
     "probe_is_causal",
     "probe_logit_multiplier",
     "probe_norm_kind",
-    "probe_block_norms",
     "probe_norm_placement",
     "probe_qk_norm_kind",
     "probe_rotary_layers",

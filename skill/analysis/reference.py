@@ -94,9 +94,7 @@ def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(
-        checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None
-    )
+    reference = reference_for(checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None)
     return reference, deltas_from(reference, checklist)
 
 
@@ -116,8 +114,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         sc.logit_multiplier_source is None or sc.logit_multiplier_source.relation != "1/x"
     ):
         limits.append(f"logit factor {sc.logit_multiplier:.4g} that is no config field's reciprocal")
-    if att.custom_scaling and att.mla is None and (
-        att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5")
+    if (
+        att.custom_scaling
+        and att.mla is None
+        and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
     if moe is not None:

@@ -14,7 +14,6 @@ building it at once.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil

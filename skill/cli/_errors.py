@@ -8,8 +8,8 @@ from functools import wraps
 
 from pydantic import ValidationError
 
-from skill.errors import step_error_message
 from skill.codemod.workspace import ConcurrentEditError
+from skill.errors import step_error_message
 from skill.tools import ToolBusyError
 
 

@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(read them first) for the analysis and every stage",
     )
     parser.add_argument(
-        "--stages", default="1,2,3,4,5,6", help="comma-separated stages to run after writing (default: all; '' for none)"
+        "--stages",
+        default="1,2,3,4,5,6",
+        help="comma-separated stages to run after writing (default: all; '' for none)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)

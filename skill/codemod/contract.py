@@ -23,9 +23,7 @@ RESIDUAL = "x"
 
 
 def _calls_attention(node: cst.CSTNode) -> bool:
-    return bool(
-        m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention"))))
-    )
+    return bool(m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention")))))
 
 
 def _branch_of(value: cst.BaseExpression) -> tuple[Branch, cst.BaseExpression] | None:

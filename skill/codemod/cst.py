@@ -81,6 +81,7 @@ def has_statement(source: str, statement: str) -> bool:
 
 def _same_import_group(stmt: cst.SimpleStatementLine, new: cst.BaseStatement) -> bool:
     """``from archon_models.X import spec as X_spec`` lines form one group."""
+
     def shape(node: cst.BaseStatement) -> tuple[str, str] | None:
         if not (isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1):
             return None
@@ -154,7 +155,11 @@ def _string_value(node: cst.BaseExpression) -> str | None:
 
 
 def _literal(value: str | None) -> cst.BaseExpression:
-    return cst.Name("None") if value is None else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
+    return (
+        cst.Name("None")
+        if value is None
+        else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
+    )
 
 
 def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:
@@ -284,7 +289,7 @@ def _relayout_commas(
         inner = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
     last = _clean_comma(old[-1].comma) if old else cst.MaybeSentinel.DEFAULT
     out = []
-    for i, (element, origin) in enumerate(zip(elements, origins)):
+    for i, (element, origin) in enumerate(zip(elements, origins, strict=True)):
         is_last = i == len(elements) - 1
         if is_last:
             comma = element.comma if origin == last_index else last
@@ -364,12 +369,19 @@ def insert_before_class(source: str, anchor: str, new_source: str) -> str:
     module = _parse(source)
     new_module = _parse(new_source)
     existing = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
-    new_stmts = [s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)]
+    new_stmts = [
+        s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)
+    ]
     if not new_stmts:
         return source
     body = list(module.body)
     index = body.index(_find_class(module, anchor))
-    spaced = [s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()]) if isinstance(s, (cst.ClassDef, cst.FunctionDef)) else s for s in new_stmts]
+    spaced = [
+        s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+        if isinstance(s, (cst.ClassDef, cst.FunctionDef))
+        else s
+        for s in new_stmts
+    ]
     body[index:index] = spaced
     return module.with_changes(body=body).code
 
@@ -492,7 +504,9 @@ def set_class_fields(
         if name is not None and name in fields:
             seen.add(name)
             new_stmt = cst.parse_statement(f"{name}: {fields[name]}\n")
-            new_stmt = new_stmt.with_changes(leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace)
+            new_stmt = new_stmt.with_changes(
+                leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace
+            )
             if _stmt_key(new_stmt) != _stmt_key(stmt):
                 stmt = new_stmt
                 changed = True
@@ -583,8 +597,15 @@ def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *
                     return updated_node.with_changes(args=args)
             if args and isinstance(args[-1].comma, cst.MaybeSentinel):
                 args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            args.append(cst.Arg(value=value, keyword=cst.Name(kwarg), equal=cst.AssignEqual(
-                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))))
+            args.append(
+                cst.Arg(
+                    value=value,
+                    keyword=cst.Name(kwarg),
+                    equal=cst.AssignEqual(
+                        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+                    ),
+                )
+            )
             return updated_node.with_changes(args=args)
 
     new = _parse(source).visit(_Edit())
@@ -712,7 +733,9 @@ def _assigns_target(node: cst.CSTNode, target: str) -> bool:
     return found[0]
 
 
-def replace_statement_assigning(source: str, class_name: str | None, func_name: str, target: str, new_source: str) -> str:
+def replace_statement_assigning(
+    source: str, class_name: str | None, func_name: str, target: str, new_source: str
+) -> str:
     """Replace the top-level statement of a function body that assigns ``target``
     (a plain assignment or an ``if`` choosing between assignments) by ``new_source``."""
     module = _parse(source)
@@ -723,7 +746,9 @@ def replace_statement_assigning(source: str, class_name: str | None, func_name: 
         if _assigns_target(stmt, target):
             if [_stmt_key(s) for s in replacement] == [_stmt_key(stmt)]:
                 return source
-            replacement[0] = replacement[0].with_changes(leading_lines=[*stmt.leading_lines, *replacement[0].leading_lines])
+            replacement[0] = replacement[0].with_changes(
+                leading_lines=[*stmt.leading_lines, *replacement[0].leading_lines]
+            )
             body[i : i + 1] = replacement
             new_func = func.with_changes(body=func.body.with_changes(body=body))
             return module.deep_replace(func, new_func).code

@@ -183,8 +183,7 @@ def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, labe
             rec.check(
                 name,
                 False,
-                f"expected config.{attr} = {expected!r}, got {value!r}; fix from_hf_config "
-                f"in {args_class.__module__}",
+                f"expected config.{attr} = {expected!r}, got {value!r}; fix from_hf_config in {args_class.__module__}",
             )
             continue
         rec.add(_follow_check(name, args_class, config, path, attr, raw, normalize))
@@ -206,7 +205,7 @@ def _follow_check(
         try:
             _set_path(changed, attr, new_value)
             moved = _read_path(args_class.from_hf_config(changed), path)
-        except Exception as exc:  # noqa: BLE001 - a config validator may reject the value
+        except Exception as exc:
             rejected.append(f"{new_value!r} ({type(exc).__name__})")
             continue
         if not _same(moved, normalize(new_value)):
@@ -237,9 +236,7 @@ def _check_caller_fields(rec: StageRecorder, config: PretrainedConfig) -> None:
     )
 
 
-def run_args_stage(
-    case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True
-) -> StageResult:
+def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
     """Stage 1 on the case's tiny config and on the config class's defaults."""
     del workdir  # stage 1 touches no files
 

@@ -122,7 +122,7 @@ def _worker_main(
         # Plain pickle, not the Connection's ForkingPickler: that one hands tensors over
         # as shared-memory handles, which die with the worker.
         conn.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as exc:
         message = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         conn.send_bytes(pickle.dumps(("error", message)))
     finally:
@@ -240,7 +240,7 @@ def _has_moe(model: nn.Module) -> bool:
 
 def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
     """Each parallelism, with ``None`` if it applies to ``model`` or the reason it does not."""
-    reasons: dict[str, str | None] = {name: None for name in PARALLELISMS}
+    reasons: dict[str, str | None] = dict.fromkeys(PARALLELISMS)
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
@@ -492,7 +492,7 @@ def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -
         start = time.perf_counter()
         try:
             _CHECKS[name](rec, setup, rank)
-        except Exception as exc:  # noqa: BLE001 - one broken parallelism must not hide the others
+        except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             rec.check(f"raised ({name}=2)", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
             logger.exception("rank %d: %s check raised", rank, name)

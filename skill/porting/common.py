@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from skill.codemod import ModelNames, StagedTree, Workspace, transaction, validate_model_name
 
-
 # Left by edit_args / edit_model (allow_unsupported=True) where a hand edit goes, followed by
 # the feature's name; check_package fails while one is left.
 HAND_EDIT_MARKER = "# archon-port: hand edit needed:"

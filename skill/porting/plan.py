@@ -183,7 +183,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,
         embedding_scale=embedding,
-        embedding_scale_field=sc.embedding_scale_source.field if embedding == "multiplier" and sc.embedding_scale_source else None,
+        embedding_scale_field=sc.embedding_scale_source.field
+        if embedding == "multiplier" and sc.embedding_scale_source
+        else None,
         residual_multiplier_field=sc.residual_multiplier_field,
         logit_divisor_field=logit_divisor,
         rope_type=pos.rope_type or "default",

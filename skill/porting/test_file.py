@@ -96,7 +96,9 @@ def test_file_source(
     comments = []
     overrides = {}
     if profile.sliding_window:
-        comments.append("# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.")
+        comments.append(
+            "# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised."
+        )
     # Two KV heads for four query heads, so grouped-query attention is exercised.
     overrides["num_key_value_heads"] = 2
     comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
@@ -117,7 +119,7 @@ def test_file_source(
     multipliers = [f for f in profile.multipliers if f not in overrides]
     if multipliers:
         # Defaults of 1.0 would let a dropped multiplier pass; distinct values catch a swap too.
-        for name, value in zip(multipliers, NON_TRIVIAL_SCALARS):
+        for name, value in zip(multipliers, NON_TRIVIAL_SCALARS, strict=False):
             overrides[name] = value
         comments.append("# Multipliers away from 1.0 (and from each other), so each one is exercised.")
     entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
@@ -166,7 +168,9 @@ def _cases_node(tree: ast.Module) -> ast.Assign:
             and isinstance(node.value, ast.List)
         ):
             return node
-    raise CasesError("the test file has no `CASES = [...]` list; restore it (delete the file and run_test_stage rewrites it).")
+    raise CasesError(
+        "the test file has no `CASES = [...]` list; restore it (delete the file and run_test_stage rewrites it)."
+    )
 
 
 def read_cases(text: str) -> list[dict[str, Any]]:
@@ -178,7 +182,9 @@ def read_cases(text: str) -> list[dict[str, Any]]:
         try:
             cases.append({kw.arg: ast.literal_eval(kw.value) for kw in element.keywords if kw.arg})
         except ValueError as e:
-            raise CasesError(f"a ModelCase in CASES has a non-literal argument ({e}); the engine cannot extend it.") from e
+            raise CasesError(
+                f"a ModelCase in CASES has a non-literal argument ({e}); the engine cannot extend it."
+            ) from e
     return cases
 
 

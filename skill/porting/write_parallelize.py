@@ -8,7 +8,15 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
+from skill.porting.common import (
+    PackageLayout,
+    SourceRequest,
+    StepResult,
+    require_file,
+    require_package,
+    staged,
+    write_if_changed,
+)
 from skill.porting.plan import PortPlan, plan_for
 
 logger = logging.getLogger(__name__)
@@ -43,8 +51,10 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         if profile.moe
         else ""
     )
-    order = "TP, EP, CP, activation checkpointing, compile, FSDP" if profile.moe else (
-        "TP, CP, activation checkpointing, compile, FSDP"
+    order = (
+        "TP, EP, CP, activation checkpointing, compile, FSDP"
+        if profile.moe
+        else ("TP, CP, activation checkpointing, compile, FSDP")
     )
     return (
         f"How a {camel} model is laid out over devices: {order}.\n\n"

@@ -33,9 +33,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         cases: list[ModelCase] = getattr(metafunc.module, "CASES", [])
         if not cases:
-            raise pytest.UsageError(
-                f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES"
-            )
+            raise pytest.UsageError(f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES")
         metafunc.parametrize("case", cases, ids=[c.id for c in cases])
 
 
@@ -67,9 +65,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.section("archon stage results")
     header = ("max|dlogits|", "max|dgrad|", "max|diff|")
     terminalreporter.write_line(
-        f"{'case':<16} {'stage':<16} {'result':<7} "
-        + " ".join(f"{h:>12}" for h in header)
-        + f" {'seconds':>8}"
+        f"{'case':<16} {'stage':<16} {'result':<7} " + " ".join(f"{h:>12}" for h in header) + f" {'seconds':>8}"
     )
     for row in sorted(rows, key=lambda r: (r.case_id, r.stage)):
         terminalreporter.write_line(
