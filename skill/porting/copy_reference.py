@@ -7,7 +7,7 @@ import logging
 from pydantic import Field, field_validator
 
 from skill.analysis.reference import REFERENCES as _REFERENCE_TYPES
-from skill.codemod import ModelNames, StagedTree, validate_model_name
+from skill.codemod import ModelNames, StagedTree, format_python, validate_model_name
 from skill.codemod.cst import rename_identifiers, set_docstring
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 
@@ -75,7 +75,8 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
         result[init] = set_docstring(
             result[init], None, f"The {new.camel} Archon package: model, args and state-dict adapter of the family."
         )
-    return result
+    # Renamed identifiers change line lengths: the copy is formatted as it will be written.
+    return {path: format_python(text, path) for path, text in result.items()}
 
 
 def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> CopyReferenceResult:

@@ -381,7 +381,7 @@ def _split_fused(self, hf_key: str, template: str, indices: list[str], value: An
             f"HF checkpoint key {{hf_key!r}} has {{value.shape[0]}} rows; the Archon parameters "
             f"{{parts}} it holds have {{rows}}. The checkpoint does not match this config."
         )
-    return dict(zip(parts, torch.split(value, rows, dim=0)))
+    return dict(zip(parts, torch.split(value, rows, dim=0), strict=True))
 """
 
 _CONCAT = """

@@ -370,7 +370,10 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         if hasattr(config, flag) and not getattr(config, flag):
             lines += [
                 f'    if getattr(hf_config, "{flag}", False):',
-                f'        raise ValueError("{flag}=True ({feature}) is not supported by {camel} in Archon.")',
+                "        raise ValueError(",
+                f'            "{flag}=True ({feature}) "',
+                f'            "is not supported by {camel} in Archon."',
+                "        )",
             ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
         condition = (

@@ -360,7 +360,10 @@ def _activation(text: str, ctx: EditContext) -> str:
         if gated
         else "``w1`` is HF's up projection (c_fc, fc1), ``w2`` its down projection (c_proj, fc2)."
     )
-    return set_docstring(text, "FeedForward", f"{shape} with the {_activation_name(ctx.profile)} activation; {roles}")
+    sentence = f"{shape} with the {_activation_name(ctx.profile)} activation; {roles}"
+    lines = textwrap.wrap(sentence, width=88, break_on_hyphens=False)
+    doc = lines[0] if len(lines) == 1 else "\n    ".join(lines) + "\n    "
+    return set_docstring(text, "FeedForward", doc)
 
 
 def _plain_mlp(text: str, ctx: EditContext) -> str:

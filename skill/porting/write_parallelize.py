@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import textwrap
 
 from pydantic import Field
 
@@ -56,19 +57,16 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         if profile.moe
         else ("TP, CP, activation checkpointing, compile, FSDP")
     )
-    return (
-        f"How a {camel} model is laid out over devices: {order}.\n\n"
-        + (
-            f"{camel} attention normalises the full q/k projections, so ``wq``/``wk`` keep DTensor outputs\n"
-            "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as\n"
-            "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
-            if profile.qk_norm == "full"
-            else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the\n"
-            "attention (``use_local_output=True``). "
-        )
-        + f"{bias_text}\n"
-        + (f"\n{moe}" if moe else "")
-    ).replace(" \n", "\n")
+    attention = (
+        f"{camel} attention normalises the full q/k projections, so ``wq``/``wk`` keep DTensor outputs "
+        "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as "
+        "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
+        if profile.qk_norm == "full"
+        else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the "
+        "attention (``use_local_output=True``). "
+    )
+    paragraph = "\n".join(textwrap.wrap(attention + bias_text, width=92, break_on_hyphens=False))
+    return f"How a {camel} model is laid out over devices: {order}.\n\n{paragraph}\n" + (f"\n{moe}" if moe else "")
 
 
 QK_NORM_IF = """if has_qk_norm:
