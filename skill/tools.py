@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -223,14 +223,17 @@ def resolve_entry(entry: ToolEntry) -> Tool:
             f"tool {entry.name!r}: {entry.target} must take exactly one required parameter "
             f"(its pydantic input model), found {[p.name for p in params]}"
         )
-    input_model = hints.get(params[0].name)
-    result_model = hints.get("return")
-    for role, model in (("input", input_model), ("return", result_model)):
+
+    def model_class(role: str, model: object) -> type[BaseModel]:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise ToolRegistryError(
                 f"tool {entry.name!r}: the {role} annotation of {entry.target} must be a pydantic "
                 f"BaseModel subclass, found {model!r}"
             )
+        return model
+
+    input_model = model_class("input", hints.get(params[0].name))
+    result_model = model_class("return", hints.get("return"))
     for field in (entry.package_field, *entry.path_fields):
         if field is not None and field not in input_model.model_fields:
             raise ToolRegistryError(
@@ -241,6 +244,20 @@ def resolve_entry(entry: ToolEntry) -> Tool:
     if not description:
         raise ToolRegistryError(f"tool {entry.name!r}: {entry.target} needs a docstring (the tool description)")
     return Tool(entry, function, input_model, result_model, description)
+
+
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+def invoke_as(
+    result_type: type[ResultT], name: str, arguments: Mapping[str, Any] | BaseModel, **options: Any
+) -> ResultT:
+    """:func:`invoke`, typed: the result of step ``name`` as ``result_type`` (the step's
+    return annotation; a ``TypeError`` if the registry maps ``name`` elsewhere)."""
+    result = invoke(name, arguments, **options)
+    if not isinstance(result, result_type):
+        raise TypeError(f"tool {name!r} returned {type(result).__name__}, not {result_type.__name__}")
+    return result
 
 
 _registry_lock = threading.Lock()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from skill.analysis import detect, probes
 from skill.analysis import modules as mt
@@ -82,7 +82,7 @@ def _layer_prefix(keys: list[str], n_layers: int) -> str:
 
 
 def _deep_model(
-    config: PretrainedConfig, tiny: PretrainedConfig, model: nn.Module, trust_remote_code: bool
+    config: PretrainedConfig, tiny: PretrainedConfig, model: PreTrainedModel, trust_remote_code: bool
 ) -> nn.Module | None:
     """Tiny widths at full depth, seeded on the CPU: which layers are MoE, which skip RoPE,
     which differ from layer 0. At 64 wide, a few hundred layers build and run in well under
@@ -140,7 +140,7 @@ def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> b
 def _inspect(
     config: PretrainedConfig,
     tiny: PretrainedConfig,
-    model: nn.Module,
+    model: PreTrainedModel,
     resolved: ResolvedSource,
     trust_remote_code: bool,
 ) -> _Analysis:

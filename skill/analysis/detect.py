@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from skill.analysis import modules as mt
 from skill.analysis import probes
@@ -171,7 +171,14 @@ def _attention_scaling_of(model: nn.Module, n_layers: int) -> float | None:
 
 
 def _moved(old: float | None, new: float | None) -> bool:
-    return old is not None and new is not None and not math.isclose(old, new, rel_tol=1e-4)
+    return _moved_pair(old, new) is not None
+
+
+def _moved_pair(old: float | None, new: float | None) -> tuple[float, float] | None:
+    """``(old, new)`` when both were measured and they differ, else ``None``."""
+    if old is None or new is None or math.isclose(old, new, rel_tol=1e-4):
+        return None
+    return old, new
 
 
 def config_scalars(ctx: Context) -> dict[str, ScalarField]:
@@ -210,12 +217,12 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
             role = "clip_qkv"
         elif "rout" in lowered:
             role = "routed_scaling"
-        elif _moved(base_scaling, scaling):
-            role, relation = "attention_scaling", probes.relation_of(value, new_value, base_scaling, scaling)
-        elif _moved(base_embedding, embedding):
-            role, relation = "embedding", probes.relation_of(value, new_value, base_embedding, embedding)
-        elif _moved(base_logit, logit):
-            role, relation = "logit", probes.relation_of(value, new_value, base_logit, logit)
+        elif shift := _moved_pair(base_scaling, scaling):
+            role, relation = "attention_scaling", probes.relation_of(value, new_value, *shift)
+        elif shift := _moved_pair(base_embedding, embedding):
+            role, relation = "embedding", probes.relation_of(value, new_value, *shift)
+        elif shift := _moved_pair(base_logit, logit):
+            role, relation = "logit", probes.relation_of(value, new_value, *shift)
         elif "residual" in lowered:
             role = "residual"
         found[name] = ScalarField(name, role, relation)
@@ -230,7 +237,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
 
 def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
-) -> tuple[nn.Module, Any] | None:
+) -> tuple[PreTrainedModel, Any] | None:
     """A seeded tiny model with one field moved, when that changes the logits."""
     for new_value in probes.perturbed_values(value):
         config = copy.deepcopy(ctx.tiny)
@@ -482,6 +489,7 @@ def _measured_kv_heads(ctx: Context, roles: dict[str, mt.Projection], heads: int
     measured = int(measured)
     if measured == ctx.tiny_kv_heads():
         return kv
+    full: int | None
     if measured == 1:
         full = 1
     elif measured == tiny_heads:
@@ -1053,7 +1061,8 @@ def _layer_parts(ctx: Context, layer: nn.Module) -> tuple[dict[str, str], dict[s
     The FFN is the child named like layer 0's FFN or holding routed experts; a dense
     layer and an MoE layer differ there by design (the MoE layer pattern says which).
     """
-    ffn, rest = {}, {}
+    ffn: dict[str, str] = {}
+    rest: dict[str, str] = {}
     for name, child in layer.named_children():
         is_ffn = name == ctx.anatomy.ffn_name or mt.layer_has_experts(child)
         (ffn if is_ffn else rest).update(_module_signature(child, name))

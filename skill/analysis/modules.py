@@ -13,9 +13,13 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +134,7 @@ def is_attention(module: nn.Module) -> bool:
     return bool(_ATTENTION.search(type(module).__name__)) and not is_norm(module)
 
 
-def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
+def anatomy(model: PreTrainedModel, n_layers: int) -> LayerAnatomy:
     """Name the parts of layer 0 and the model's embedding, final norm and head."""
     path, layers = find_layers(model, n_layers)
     layer = layers[0]

@@ -213,7 +213,8 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     embedding and any factor on it reach the layer.
     """
     embedding = anatomy.embedding
-    if embedding is None or not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+    weight = getattr(embedding, "weight", None)
+    if embedding is None or not isinstance(weight, torch.Tensor):
         return None
     tokens = tokens_for(config, 5)
     captured: dict[str, torch.Tensor] = {}
@@ -238,7 +239,7 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
                 m.weight.copy_(w)
     if "x" not in captured:
         return None
-    rows = embedding.weight[tokens].detach()
+    rows = weight[tokens].detach()
     x = captured["x"]
     if x.shape != rows.shape:
         return None

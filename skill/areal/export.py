@@ -277,5 +277,5 @@ class AReaLChecker:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        if self._log is not subprocess.DEVNULL:
+        if not isinstance(self._log, int):  # a log file, not subprocess.DEVNULL
             self._log.close()

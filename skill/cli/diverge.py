@@ -27,10 +27,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.locate_divergence import LocateDivergenceRequest
-    from skill.tools import invoke
+    from skill.porting.locate_divergence import LocateDivergenceRequest, LocateDivergenceResult
+    from skill.tools import invoke_as
 
-    result = invoke(
+    result = invoke_as(
+        LocateDivergenceResult,
         "locate_divergence",
         LocateDivergenceRequest(model_name=args.model, model_type=args.model_type, config_overrides=overrides_of(args)),
     )

@@ -28,10 +28,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.run_test_stage import RunTestStageRequest
-    from skill.tools import invoke
+    from skill.porting.run_test_stage import RunTestStageRequest, RunTestStageResult
+    from skill.tools import invoke_as
 
-    result = invoke(
+    result = invoke_as(
+        RunTestStageResult,
         "run_test_stage",
         RunTestStageRequest(
             model_name=args.model, stage=args.stage, model_type=args.model_type, config_overrides=overrides_of(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -82,13 +83,15 @@ def run_checkpoint_stage(
                 f"{len(shards)} shards: {shards}",
             )
 
-            reloaded, info = AutoModelForCausalLM.from_pretrained(
+            # output_loading_info=True makes it a (model, info) pair; transformers types the model only.
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 str(out),
                 output_loading_info=True,
                 dtype=torch.float32,
                 attn_implementation="eager",
                 trust_remote_code=case.trust_remote_code,
             )
+            reloaded, info = loaded
             reloaded.eval()
             for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
                 found = sorted(str(item) for item in info.get(kind, []))

@@ -217,7 +217,8 @@ def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_cod
     model = AutoModelForCausalLM.from_pretrained(
         str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
     )
-    return model.to(device).eval()
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
+    return model.eval()
 
 
 def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -176,9 +177,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     ):
         if wanted:
             fields.append(
-                ArgField(
-                    name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)
-                )
+                ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
             )
     if profile.moe:
         from archon_models.moe import MoEArgs
@@ -227,7 +226,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ]
     for name in profile.multipliers:
         fields.append(
-            ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n))
+            ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
         )
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),

@@ -119,8 +119,9 @@ def _case_for(root: Path, model_name: str, model_type: str | None):
     test_file = root / PackageLayout.for_name(model_name).test_file
     if test_file.is_file():
         spec = importlib.util.spec_from_file_location(f"_archon_port_cases_{model_name}", test_file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {test_file} as a module")
         module = importlib.util.module_from_spec(spec)
-        assert spec.loader is not None
         spec.loader.exec_module(module)
         for case in getattr(module, "CASES", []):
             if model_type is None or case.model_type == model_type:
@@ -264,7 +265,8 @@ def run_locally(
     matches = {a: h for a, h in matches.items() if h in hf_modules}
 
     generator = torch.Generator().manual_seed(case.seed)
-    tokens = torch.randint(0, archon.args.vocab_size, (1, num_tokens), generator=generator)
+    args: Any = archon.args  # the family's ModelArgs; vocab_size is not a BaseModelArgs field
+    tokens = torch.randint(0, args.vocab_size, (1, num_tokens), generator=generator)
     positions = torch.arange(num_tokens).unsqueeze(0)
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32)
 

@@ -165,7 +165,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None),  # type: ignore[arg-type]
+        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None),
         unsupported=list(report.unsupported),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,

@@ -195,12 +195,12 @@ def _trace_one(package: str, args: Any, probe: str, ep: bool) -> tuple[list[Unma
         return module
 
     original = parallelize_module_.__dict__.get("parallelize_module")
-    parallelize_module_.parallelize_module = record
+    vars(parallelize_module_)["parallelize_module"] = record
     try:
         parallelize_fn(model, _ProbeDims(ep_enabled=ep), enable_compile=False)
     finally:
         if original is not None:
-            parallelize_module_.parallelize_module = original
+            vars(parallelize_module_)["parallelize_module"] = original
     # One entry per (key, level): a layer key missing from every block is reported once.
     missing: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     matched: set[str] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+from collections.abc import Callable
 
 from pydantic import Field
 
@@ -75,20 +76,22 @@ QK_NORM_IF = """if has_qk_norm:
 """
 
 
-def _set_function_docstring(text: str, function: str, edit) -> str:
+def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]) -> str:
     """Rewrite a module-level function's docstring through ``edit`` (str -> str)."""
     import libcst as cst
-    import libcst.matchers as m
+
+    from skill.codemod.cst import replaced_code, statements
 
     module = cst.parse_module(text)
     for stmt in module.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == function:
-            first = stmt.body.body[0]
-            if m.matches(first, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
-                old = first.body[0].value
+            first = statements(stmt.body)[0]
+            docstring = first.body[0] if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 else None
+            if isinstance(docstring, cst.Expr) and isinstance(docstring.value, cst.SimpleString):
+                old = docstring.value
                 new_value = edit(old.value)
                 if new_value != old.value:
-                    return module.deep_replace(old, old.with_changes(value=new_value)).code
+                    return replaced_code(module, old, old.with_changes(value=new_value))
     return text
 
 
