@@ -14,6 +14,7 @@ first paragraph tells an agent what the step does and when to use it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import importlib
 import inspect
@@ -26,7 +27,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -244,6 +245,44 @@ def resolve_entry(entry: ToolEntry) -> Tool:
     if not description:
         raise ToolRegistryError(f"tool {entry.name!r}: {entry.target} needs a docstring (the tool description)")
     return Tool(entry, function, input_model, result_model, description)
+
+
+class ResultSink(Protocol):
+    """What a recorder's ``record_call`` yields: the step's result is handed back through it."""
+
+    def set_result(self, result: BaseModel) -> None: ...
+
+
+class CallRecorder(Protocol):
+    """Where :func:`invoke` records a call: :class:`skill.session.SessionRecorder`, which
+    builds on this module (so this module names the interface, not the class)."""
+
+    @property
+    def workspace(self) -> Workspace: ...
+
+    def record_call(
+        self, tool: Tool, arguments: Mapping[str, Any] | BaseModel
+    ) -> contextlib.AbstractContextManager[ResultSink]: ...
+
+
+_active_recorder: contextvars.ContextVar[CallRecorder | None] = contextvars.ContextVar(
+    "archon_port_session", default=None
+)
+
+
+def active_recorder() -> CallRecorder | None:
+    """The recorder :func:`invoke` records into when the call names none."""
+    return _active_recorder.get()
+
+
+@contextlib.contextmanager
+def recording_into(recorder: CallRecorder) -> Iterator[None]:
+    """Make ``recorder`` the active one for the calls inside the block."""
+    token = _active_recorder.set(recorder)
+    try:
+        yield
+    finally:
+        _active_recorder.reset(token)
 
 
 ResultT = TypeVar("ResultT", bound=BaseModel)
@@ -574,7 +613,7 @@ def invoke(
     arguments: Mapping[str, Any] | BaseModel,
     *,
     workspace: str | os.PathLike | Workspace | None = None,
-    session: Any | None = None,
+    session: CallRecorder | None = None,
     progress: Callable[[str], None] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
@@ -587,18 +626,15 @@ def invoke(
     step's commit refuses to write (:class:`~skill.codemod.workspace.CallCancelledError`).
     Engine errors propagate unchanged (after being recorded).
     """
-    from skill import session as session_module  # session imports this module
-
     tool = get_tool(name)
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
-    recorder = session if session is not None else session_module.active_session()
+    recorder = session if session is not None else active_recorder()
     if recorder is not None and recorder.workspace.root != ws.root:
         raise WorkspaceError(
             f"the recording session belongs to workspace {recorder.workspace.root}, not {ws.root}; "
             "record each workspace in its own session"
         )
     journal.recover(ws)
-    recorded_arguments = session_module.portable_arguments(arguments, ws)
     try:
         request = prepare_request(tool, arguments, ws)
     except ValidationError as e:
@@ -621,7 +657,7 @@ def invoke(
         stack.enter_context(cancellable(cancel))
         if recorder is None:
             return tool.function(request)
-        with recorder.record_call(tool, recorded_arguments) as call:
+        with recorder.record_call(tool, arguments) as call:
             result = tool.function(request)
             call.set_result(result)
         return result

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from skill.analysis.measure import build_checklist
 from skill.features import (
     FEATURE_TITLES,
     Checklist,
@@ -32,8 +33,6 @@ REFERENCES: dict[str, tuple[str, ...]] = {"qwen2": ("qwen2",), "qwen3": ("qwen3"
 @functools.cache
 def reference_values(model_type: str) -> dict[Feature, str]:
     """Feature values of a reference model type, measured by the analyser itself."""
-    from skill.analysis.analyze import build_checklist  # deferred: analyze imports this module
-
     return feature_values(build_checklist(model_type))
 
 

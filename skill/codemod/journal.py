@@ -206,11 +206,7 @@ def _roll_back(workspace: Workspace, txdir: Path) -> None:
 
 
 def _txn_root(workspace: Workspace) -> Path:
-    from skill.codemod.workspace import (
-        STATE_DIR,  # the workspace module imports this one
-    )
-
-    return workspace.root / STATE_DIR / "txn"
+    return workspace.state_root / "txn"
 
 
 def recover_locked(workspace: Workspace) -> list[str]:
