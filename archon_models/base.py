@@ -109,8 +109,7 @@ class BaseStateDictAdapter(ABC):
                 weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise ValueError(
-                    f"{index_file} is not a safetensors index (expected a JSON object with "
-                    f"'weight_map'): {e}"
+                    f"{index_file} is not a safetensors index (expected a JSON object with 'weight_map'): {e}"
                 ) from e
         mapping: dict[str, int] = {}
         for key, filename in weight_map.items():

@@ -162,9 +162,7 @@ class ExpertTensorParallel(ExpertParallel):
     def _sub_meshes(device_mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         names = device_mesh.mesh_dim_names
         if device_mesh.ndim != 2 or names is None:
-            raise ValueError(
-                f"ExpertTensorParallel needs a 2D mesh with named dims [ep, tp], got {device_mesh}"
-            )
+            raise ValueError(f"ExpertTensorParallel needs a 2D mesh with named dims [ep, tp], got {device_mesh}")
         return device_mesh[names[0]], device_mesh[names[1]]
 
     def _partition_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:

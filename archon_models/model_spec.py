@@ -78,8 +78,7 @@ def get_model_spec(model_type: str) -> ModelSpec:
     except KeyError:
         available = ", ".join(sorted(_MODEL_SPECS)) or "none"
         raise KeyError(
-            f"No Archon ModelSpec registered for model_type {model_type!r}. "
-            f"Available: {available}."
+            f"No Archon ModelSpec registered for model_type {model_type!r}. Available: {available}."
         ) from None
 
 

@@ -53,9 +53,7 @@ class MoEConversionState:
 def _template_regex(template: str, placeholders: int, what: str) -> re.Pattern[str]:
     """A regex capturing each ``{}`` of a key template as digits."""
     if template.count("{}") != placeholders:
-        raise ValueError(
-            f"{what} template {template!r} must contain exactly {placeholders} '{{}}' placeholder(s)"
-        )
+        raise ValueError(f"{what} template {template!r} must contain exactly {placeholders} '{{}}' placeholder(s)")
     return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)") + r"\Z")
 
 
@@ -74,9 +72,7 @@ class MoEWeightConverter:
         self.expert_key_map = dict(expert_key_map or {})
         self.num_experts = num_experts
         self.state = MoEConversionState()
-        self._archon_patterns = [
-            (_template_regex(a, 1, "Archon expert"), a, h) for a, h in self.expert_key_map.items()
-        ]
+        self._archon_patterns = [(_template_regex(a, 1, "Archon expert"), a, h) for a, h in self.expert_key_map.items()]
         self._hf_patterns = [(_template_regex(h, 2, "HF expert"), a, h) for a, h in self.expert_key_map.items()]
 
     # ------------------------------------------------------------------ template API
@@ -103,9 +99,7 @@ class MoEWeightConverter:
             if weight.dim() != 3:
                 raise ValueError(f"{archon_key}: expected a 3D expert weight, got shape {tuple(weight.shape)}")
             if self.num_experts is not None and weight.shape[0] != self.num_experts:
-                raise ValueError(
-                    f"{archon_key}: holds {weight.shape[0]} experts, the model has {self.num_experts}"
-                )
+                raise ValueError(f"{archon_key}: holds {weight.shape[0]} experts, the model has {self.num_experts}")
             return {
                 hf_template.format(layer_id, expert_id): expert_weight
                 for expert_id, expert_weight in enumerate(torch.unbind(weight, dim=0))
@@ -166,9 +160,7 @@ class MoEWeightConverter:
                 return match.group(1), int(match.group(2)), archon_template
         return None
 
-    def _expected_expert_ids(
-        self, archon_key: str, experts: Mapping[int, Any], state: MoEConversionState
-    ) -> range:
+    def _expected_expert_ids(self, archon_key: str, experts: Mapping[int, Any], state: MoEConversionState) -> range:
         if any(isinstance(v, DTensor) for v in experts.values()):
             if archon_key not in state.local_experts_indices:
                 raise KeyError(
@@ -190,7 +182,9 @@ class MoEWeightConverter:
     ) -> torch.Tensor:
         shapes = {tuple(v.shape) for v in experts.values()}
         if len(shapes) != 1:
-            detail = ", ".join(f"{hf_template.format(layer_id, e)}: {tuple(v.shape)}" for e, v in sorted(experts.items()))
+            detail = ", ".join(
+                f"{hf_template.format(layer_id, e)}: {tuple(v.shape)}" for e, v in sorted(experts.items())
+            )
             raise ValueError(f"experts of {archon_template.format(layer_id)} differ in shape: {detail}")
         first = next(iter(experts.values()))
         if isinstance(first, DTensor):
@@ -237,7 +231,7 @@ class MoEWeightConverter:
         if names is None:
             raise ValueError("expert weights must live on a device mesh with named dimensions")
         sharding: list[tuple[str, Any]] = []
-        for name, placement in zip(names, dtensor_placements):
+        for name, placement in zip(names, dtensor_placements, strict=True):
             if isinstance(placement, (Shard, _StridedShard)):
                 if placement.dim == dim:
                     sharding.append((name, placement))
@@ -332,9 +326,7 @@ class MoEWeightConverter:
         start, end = state.local_experts_indices[archon_key]
         if len(experts) < end - start:
             return None
-        local = torch.stack(
-            [w.to_local() if isinstance(w, DTensor) else w for _, w in sorted(experts.items())], dim=0
-        )
+        local = torch.stack([w.to_local() if isinstance(w, DTensor) else w for _, w in sorted(experts.items())], dim=0)
         del expert_weights_by_layer[layer_id][archon_abstract_key]
         if not expert_weights_by_layer[layer_id]:
             del expert_weights_by_layer[layer_id]

@@ -103,7 +103,7 @@ def port_one(family: str, stages: list[int], workspace: Path) -> FamilyRow:
         from skill.porting.port_model import PortModelRequest, run_port
 
         result = run_port(PortModelRequest(source=family, stages=stages, workspace=workspace))
-    except Exception as exc:  # noqa: BLE001 - reporting every crash is the point of the sweep
+    except Exception as exc:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({Path(frame.filename).name}:{frame.lineno})"
         return FamilyRow(
@@ -187,7 +187,10 @@ def run_family(repo: Path, commit: str, family: str, stages: list[int], timeout_
             proc = subprocess.run(command, cwd=clone, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return FamilyRow(
-                family=family, outcome="crashed", detail=f"ran past {timeout_s:.0f}s", seconds=time.perf_counter() - start
+                family=family,
+                outcome="crashed",
+                detail=f"ran past {timeout_s:.0f}s",
+                seconds=time.perf_counter() - start,
             )
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -210,7 +213,7 @@ def accepted_families() -> list[str]:
             analyze_hf_model(AnalyzeInput(source=model_type))
         except AnalysisError:
             continue
-        except Exception:  # noqa: BLE001 - an analyser crash is analyze_all's to report; the sweep still tries it
+        except Exception:
             logger.warning("the analyser crashed on %s; sweeping it anyway", model_type, exc_info=True)
         accepted.append(model_type)
     return accepted
@@ -220,10 +223,12 @@ def format_table(rows: list[FamilyRow]) -> str:
     header = ("family", "reference", "reached", "result", "seconds")
     cells = [(r.family, r.reference or "-", r.reached or "-", r.result[:140], f"{r.seconds:.1f}") for r in rows]
     widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-    lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths))]
+    lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(f"{c:<{w}}" for c, w in zip(cell, widths)) for cell in cells]
-    counts = {outcome: sum(r.outcome == outcome for r in rows) for outcome in ("ported", "refused", "failed", "crashed")}
+    lines += ["  ".join(f"{c:<{w}}" for c, w in zip(cell, widths, strict=True)) for cell in cells]
+    counts = {
+        outcome: sum(r.outcome == outcome for r in rows) for outcome in ("ported", "refused", "failed", "crashed")
+    }
     lines.append("")
     lines.append(f"{len(rows)} families: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
     return "\n".join(lines)
@@ -269,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ordered = [rows[f] for f in families]
     sys.stdout.write(format_table(ordered) + "\n")
     if args.json_path:
-        payload = {"commit": commit, "stages": args.stages, "rows": [r.model_dump() | {"result": r.result} for r in ordered]}
+        payload = {
+            "commit": commit,
+            "stages": args.stages,
+            "rows": [r.model_dump() | {"result": r.result} for r in ordered],
+        }
         args.json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     return 1 if any(r.outcome == "crashed" for r in ordered) else 0
 

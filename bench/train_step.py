@@ -59,7 +59,8 @@ class Documents:
         return sum(len(d) for d in self.docs)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """``tokens``, ``positions`` ``[1, T]``, ``cu_seqlens``, ``max_seqlen``, and next-token labels (-100 at doc ends)."""
+        """``tokens``, ``positions`` ``[1, T]``, ``cu_seqlens``, ``max_seqlen``, and next-token
+        labels (-100 at doc ends)."""
         tokens = torch.cat(self.docs)[None]
         positions = torch.cat([torch.arange(len(d)) for d in self.docs])[None]
         lengths = torch.tensor([len(d) for d in self.docs])
@@ -68,7 +69,8 @@ class Documents:
         return tokens, positions, cu_seqlens, int(lengths.max()), labels
 
     def padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``input_ids``, ``attention_mask`` ``[n_docs, max_len]`` (right padding) and labels (-100 on padding/doc ends)."""
+        """``input_ids``, ``attention_mask`` ``[n_docs, max_len]`` (right padding) and labels
+        (-100 on padding/doc ends)."""
         max_len = max(len(d) for d in self.docs)
         input_ids = torch.full((len(self.docs), max_len), pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
@@ -181,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in Qwen3Model(Qwen3ModelArgs.from_hf_config(bench_config())).parameters())
     logger.info(
         "Qwen3 %.1fM params, fp32, %d threads; %d documents, %d tokens (lengths %s); padded batch %dx%d = %d slots",
-        n_params / 1e6, opts.threads, len(lengths), docs.n_tokens, lengths, len(lengths), max(lengths),
+        n_params / 1e6,
+        opts.threads,
+        len(lengths),
+        docs.n_tokens,
+        lengths,
+        len(lengths),
+        max(lengths),
         len(lengths) * max(lengths),
     )
     results = [run_isolated("hf", opts), run_isolated("archon", opts)]
@@ -199,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"Archon / HF tokens/s: {ratio:.2f}x  (median of {opts.iters} steps after {opts.warmup} warm-up)")
     sys.stdout.write("\n".join(lines) + "\n")
     if abs(rows[0][4] - rows[1][4]) > 1e-3:
-        logger.warning("losses differ (%.6f vs %.6f): the two runs did not compute the same thing", rows[0][4], rows[1][4])
+        logger.warning(
+            "losses differ (%.6f vs %.6f): the two runs did not compute the same thing", rows[0][4], rows[1][4]
+        )
     return 0
 
 

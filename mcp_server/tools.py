@@ -82,7 +82,7 @@ def input_schema(tool: Tool) -> dict[str, Any]:
     return schema
 
 
-def annotations(tool: Tool) -> ToolAnnotations:
+def tool_annotations(tool: Tool) -> ToolAnnotations:
     entry = tool.entry
     return ToolAnnotations(
         title=entry.title,
@@ -203,5 +203,5 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
         fn_metadata=FuncMetadata(arg_model=_AnyArguments, output_model=tool.result_model),
         is_async=True,
         context_kwarg="ctx",
-        annotations=annotations(tool),
+        annotations=tool_annotations(tool),
     )

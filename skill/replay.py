@@ -23,7 +23,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -185,10 +185,12 @@ def copy_repository(source: Path, destination: Path) -> Path:
     return destination
 
 
-def _restore_base(root: Path, records: list) -> None:
+def _restore_base(root: Path, records: Sequence[object]) -> None:
     """Put back, in the copy, the content each touched file had when the session started."""
-    base: dict[str, tuple[FileContent | None, object]] = {}
+    base: dict[str, tuple[FileContent | None, CallRecord | EditRecord | CloseRecord]] = {}
     for record in records:
+        if not isinstance(record, (CallRecord, EditRecord, CloseRecord)):
+            continue  # the session header holds no file content
         for rel, content in getattr(record, "base", {}).items():
             base.setdefault(rel, (content, record))
     for rel, (content, record) in base.items():
@@ -210,8 +212,9 @@ def _compare_files(expected: dict[str, str | None], actual: dict[str, str | None
             return f"{rel}: the recording changed it (to {expected[rel]}), the replay did not"
         if rel not in expected:
             return f"{rel}: the replay changed it (to {actual[rel]}), the recording did not"
-        if expected[rel] != actual[rel]:
-            state = "deleted" if actual[rel] is None else f"sha256 {actual[rel][:12]}"
+        got = actual[rel]
+        if expected[rel] != got:
+            state = "deleted" if got is None else f"sha256 {got[:12]}"
             return f"{rel}: expected sha256 {str(expected[rel])[:12]}, got {state}"
     return None
 
@@ -283,6 +286,11 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                         )
                         break
                 calls += 1
+                if recorder.last_call is None:  # the replaying session recorded nothing
+                    mismatch = ReplayMismatch(
+                        seq=record.seq, tool=record.tool, kind="outcome", detail="the call was not recorded"
+                    )
+                    break
                 mismatch = _check_call(record, recorder.last_call)
                 if mismatch:
                     break

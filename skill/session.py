@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import contextvars
 import difflib
 import hashlib
 import json
@@ -43,7 +42,7 @@ from pydantic_core import to_jsonable_python
 
 from skill import __version__
 from skill.codemod.workspace import STATE_DIR, Workspace, confine
-from skill.tools import Tool, state_dir
+from skill.tools import Tool, active_recorder, recording_into, state_dir
 
 logger = logging.getLogger(__name__)
 
@@ -661,13 +660,16 @@ class SessionRecorder:
         logger.info("session %s: captured edits outside the tools in %s", self.session_id, ", ".join(changed))
 
     @contextlib.contextmanager
-    def record_call(self, tool: Tool, arguments: dict[str, Any]) -> Iterator[CallHandle]:
+    def record_call(self, tool: Tool, arguments: Mapping[str, Any] | BaseModel) -> Iterator[CallHandle]:
         """Record one call of ``tool``: its result (via the handle) or its exception, and its file changes.
+
+        ``arguments`` are recorded portable (:func:`portable_arguments`).
 
         Edits made outside the tools since the last call are captured first, so a replay
         applies them before this call. A call that may change files holds the recorder's
         lock until its changes are recorded; a read-only one runs alongside others.
         """
+        recorded_arguments = portable_arguments(arguments, self.workspace)
         handle = CallHandle()
         changes_files = not tool.entry.read_only
         with contextlib.ExitStack() as stack:
@@ -687,7 +689,7 @@ class SessionRecorder:
                 record = CallRecord(
                     seq=0,
                     tool=tool.name,
-                    arguments=arguments,
+                    arguments=recorded_arguments,
                     ok=error is None,
                     engine_version=engine_version(),
                     duration_s=round(time.perf_counter() - start, 4),
@@ -727,12 +729,10 @@ class SessionRecorder:
         return record
 
 
-_active: contextvars.ContextVar[SessionRecorder | None] = contextvars.ContextVar("archon_port_session", default=None)
-
-
 def active_session() -> SessionRecorder | None:
     """The session :func:`skill.tools.invoke` records into when none is passed."""
-    return _active.get()
+    recorder = active_recorder()
+    return recorder if isinstance(recorder, SessionRecorder) else None
 
 
 @contextlib.contextmanager
@@ -745,10 +745,9 @@ def recording(
     it with ``archon-port replay --close`` or :meth:`SessionRecorder.close`.
     """
     recorder = SessionRecorder(path, workspace)
-    token = _active.set(recorder)
     try:
-        yield recorder
+        with recording_into(recorder):
+            yield recorder
     finally:
-        _active.reset(token)
         if close:
             recorder.close()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
@@ -106,9 +106,9 @@ _TOKEN_ID_SUFFIX = "_token_id"
 _NONE_FILL: dict[str, int] = {
     "head_dim": TINY_HEAD_DIM,
     "num_key_value_heads": TINY_HEADS,
-    **{name: TINY_EXPERTS for name in _EXPERT_COUNT},
-    **{name: TINY_TOP_K for name in _TOP_K},
-    **{name: 1 for name in _SHARED_EXPERTS},
+    **dict.fromkeys(_EXPERT_COUNT, TINY_EXPERTS),
+    **dict.fromkeys(_TOP_K, TINY_TOP_K),
+    **dict.fromkeys(_SHARED_EXPERTS, 1),
 }
 _WIDTH_SUFFIXES = ("_size", "_dim", "_rank", "_width")
 
@@ -421,7 +421,7 @@ def build_tiny_model(
     seed: int = 0,
     attn_implementation: str = "eager",
     trust_remote_code: bool = False,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A seeded causal-LM instance of ``config`` (pass a tiny config) in fp32, in eval mode.
 
     ``eager`` attention is the default because it is the reference path every family
@@ -438,7 +438,8 @@ def build_tiny_model(
             f"cannot instantiate {type(config).__name__} as a causal LM: {exc}; "
             "check the config (tiny_config overrides) or the model_type"
         ) from exc
-    return model.eval()
+    model.eval()
+    return model
 
 
 def read_safetensors_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
@@ -452,7 +453,7 @@ def read_safetensors_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
 
 
 def saved_checkpoint_keys(
-    config_or_model: PretrainedConfig | torch.nn.Module, seed: int = 0, trust_remote_code: bool = False
+    config_or_model: PretrainedConfig | PreTrainedModel, seed: int = 0, trust_remote_code: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """The keys and shapes ``save_pretrained`` writes for a tiny instance, sorted by key.
 

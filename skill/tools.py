@@ -14,6 +14,7 @@ first paragraph tells an agent what the step does and when to use it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import importlib
 import inspect
@@ -26,7 +27,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -238,14 +239,17 @@ def resolve_entry(entry: ToolEntry) -> Tool:
             f"tool {entry.name!r}: {entry.target} must take exactly one required parameter "
             f"(its pydantic input model), found {[p.name for p in params]}"
         )
-    input_model = hints.get(params[0].name)
-    result_model = hints.get("return")
-    for role, model in (("input", input_model), ("return", result_model)):
+
+    def model_class(role: str, model: object) -> type[BaseModel]:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise ToolRegistryError(
                 f"tool {entry.name!r}: the {role} annotation of {entry.target} must be a pydantic "
                 f"BaseModel subclass, found {model!r}"
             )
+        return model
+
+    input_model = model_class("input", hints.get(params[0].name))
+    result_model = model_class("return", hints.get("return"))
     for field in (entry.package_field, *entry.path_fields, *entry.external_paths):
         if field is not None and field not in input_model.model_fields:
             raise ToolRegistryError(
@@ -256,6 +260,58 @@ def resolve_entry(entry: ToolEntry) -> Tool:
     if not description:
         raise ToolRegistryError(f"tool {entry.name!r}: {entry.target} needs a docstring (the tool description)")
     return Tool(entry, function, input_model, result_model, description)
+
+
+class ResultSink(Protocol):
+    """What a recorder's ``record_call`` yields: the step's result is handed back through it."""
+
+    def set_result(self, result: BaseModel) -> None: ...
+
+
+class CallRecorder(Protocol):
+    """Where :func:`invoke` records a call: :class:`skill.session.SessionRecorder`, which
+    builds on this module (so this module names the interface, not the class)."""
+
+    @property
+    def workspace(self) -> Workspace: ...
+
+    def record_call(
+        self, tool: Tool, arguments: Mapping[str, Any] | BaseModel
+    ) -> contextlib.AbstractContextManager[ResultSink]: ...
+
+
+_active_recorder: contextvars.ContextVar[CallRecorder | None] = contextvars.ContextVar(
+    "archon_port_session", default=None
+)
+
+
+def active_recorder() -> CallRecorder | None:
+    """The recorder :func:`invoke` records into when the call names none."""
+    return _active_recorder.get()
+
+
+@contextlib.contextmanager
+def recording_into(recorder: CallRecorder) -> Iterator[None]:
+    """Make ``recorder`` the active one for the calls inside the block."""
+    token = _active_recorder.set(recorder)
+    try:
+        yield
+    finally:
+        _active_recorder.reset(token)
+
+
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+def invoke_as(
+    result_type: type[ResultT], name: str, arguments: Mapping[str, Any] | BaseModel, **options: Any
+) -> ResultT:
+    """:func:`invoke`, typed: the result of step ``name`` as ``result_type`` (the step's
+    return annotation; a ``TypeError`` if the registry maps ``name`` elsewhere)."""
+    result = invoke(name, arguments, **options)
+    if not isinstance(result, result_type):
+        raise TypeError(f"tool {name!r} returned {type(result).__name__}, not {result_type.__name__}")
+    return result
 
 
 _registry_lock = threading.Lock()
@@ -343,7 +399,8 @@ def _confine(workspace: Workspace, field: str, value: str | os.PathLike) -> Path
         for link in _links_leaving(workspace, target):
             raise WorkspaceError(
                 f"{field}={os.fspath(value)!r}: {link.relative_to(workspace.root)} is a symbolic link to "
-                f"{link.resolve()}, outside the workspace {workspace.root}; refused. Copy the file in instead of linking it."
+                f"{link.resolve()}, outside the workspace {workspace.root}; refused. "
+                "Copy the file in instead of linking it."
             )
     return target
 
@@ -588,7 +645,7 @@ def invoke(
     arguments: Mapping[str, Any] | BaseModel,
     *,
     workspace: str | os.PathLike | Workspace | None = None,
-    session: Any | None = None,
+    session: CallRecorder | None = None,
     progress: Callable[[str], None] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
@@ -605,18 +662,15 @@ def invoke(
     caller vouches for the entry's ``external_paths``; ``confine_sources=False``: for its
     ``path_fields`` too (see :func:`prepare_request`).
     """
-    from skill import session as session_module  # session imports this module
-
     tool = get_tool(name)
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
-    recorder = session if session is not None else session_module.active_session()
+    recorder = session if session is not None else active_recorder()
     if recorder is not None and recorder.workspace.root != ws.root:
         raise WorkspaceError(
             f"the recording session belongs to workspace {recorder.workspace.root}, not {ws.root}; "
             "record each workspace in its own session"
         )
     journal.recover(ws)
-    recorded_arguments = session_module.portable_arguments(arguments, ws)
     try:
         request = prepare_request(tool, arguments, ws, allow_external=allow_external, confine_sources=confine_sources)
     except ValidationError as e:
@@ -639,7 +693,7 @@ def invoke(
         stack.enter_context(cancellable(cancel))
         if recorder is None:
             return tool.function(request)
-        with recorder.record_call(tool, recorded_arguments) as call:
+        with recorder.record_call(tool, arguments) as call:
             result = tool.function(request)
             call.set_result(result)
         return result

@@ -29,8 +29,7 @@ def create_block_causal_mask_2d(
     """
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
-            f"cu_seqlens must be 1-D with at least two entries [0, ..., total], got shape "
-            f"{tuple(cu_seqlens.shape)}."
+            f"cu_seqlens must be 1-D with at least two entries [0, ..., total], got shape {tuple(cu_seqlens.shape)}."
         )
     positions = torch.arange(seq_len, device=device)
     boundaries = cu_seqlens.to(device=device, dtype=positions.dtype)
@@ -70,10 +69,6 @@ class SDPAWrapper(nn.Module):
         mask = create_block_causal_mask_2d(cu_seqlens, q.shape[2], q.device, q.dtype)
         enable_gqa = q.shape[1] != k.shape[1]
         if self.sdpa_backends is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-            )
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         with sdpa_kernel(self.sdpa_backends, set_priority=True):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-            )
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -33,9 +33,7 @@ def _segments(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
     """Document ``[start, end)`` spans; tokens past ``cu_seqlens[-1]`` form one more span."""
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if bounds[-1] > total:
-        raise ValueError(
-            f"cu_seqlens ends at {bounds[-1]} but the packed sequence has only {total} tokens."
-        )
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed sequence has only {total} tokens.")
     if bounds[-1] < total:
         bounds.append(total)
     return [(s, e) for s, e in pairwise(bounds) if e > s]
@@ -64,7 +62,7 @@ def _sdpa_per_document(
         )
     enable_gqa = q.shape[1] != k.shape[1]
     outputs = []
-    for (qs, qe), (ks, ke) in zip(q_spans, k_spans):
+    for (qs, qe), (ks, ke) in zip(q_spans, k_spans, strict=True):
         q_len, k_len = qe - qs, ke - ks
         mask = None
         causal = is_causal
@@ -115,9 +113,7 @@ def varlen_attn(
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
         )
     if query.shape[1] % key.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})."
-        )
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]}).")
     if _use_flash(query):
         return _torch_varlen_attn(
             query,

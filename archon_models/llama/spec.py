@@ -2,12 +2,12 @@
 # Regenerate with: archon-port add llama --overwrite
 """Registers Llama with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
-from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 from archon_models.llama.infra.parallelize import parallelize_llama
 from archon_models.llama.model.args import LlamaModelArgs
 from archon_models.llama.model.model import LlamaModel
 from archon_models.llama.model.state_dict_adapter import LlamaStateDictAdapter
+from archon_models.model_spec import ModelSpec, register_model_spec
+from archon_models.pipeline_parallel import pipeline_llm
 
 LLAMA_SPEC = ModelSpec(
     name="llama",

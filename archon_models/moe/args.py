@@ -64,13 +64,9 @@ class MoEArgs:
         if self.num_experts < 1:
             raise ValueError(f"MoEArgs.num_experts must be >= 1, got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"MoEArgs.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}"
-            )
+            raise ValueError(f"MoEArgs.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.score_func not in ("softmax", "sigmoid"):
-            raise ValueError(
-                f"MoEArgs.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}"
-            )
+            raise ValueError(f"MoEArgs.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MoEArgs:

@@ -22,9 +22,7 @@ def _run_experts_for_loop(
     """
     counts = [int(n) for n in num_tokens_per_expert.tolist()]
     if sum(counts) != x.shape[0]:
-        raise ValueError(
-            f"experts got {x.shape[0]} rows but num_tokens_per_expert sums to {sum(counts)}"
-        )
+        raise ValueError(f"experts got {x.shape[0]} rows but num_tokens_per_expert sums to {sum(counts)}")
     outputs = []
     for expert, x_expert in enumerate(torch.split(x, counts, dim=0)):
         h = F.silu(x_expert @ w1[expert].t()) * (x_expert @ w3[expert].t())
@@ -57,9 +55,7 @@ def _grouped_mm_available() -> bool:
 
 def _is_expert_sharded(weight: torch.Tensor) -> bool:
     """True when expert parallelism sharded this weight on the expert dimension."""
-    return isinstance(weight, DTensor) and any(
-        isinstance(p, Shard) and p.dim == 0 for p in weight.placements
-    )
+    return isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements)
 
 
 class GroupedExperts(nn.Module):

@@ -33,9 +33,7 @@ class RouterGatingLinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, None
 
 
-def router_gating_linear(
-    input: torch.Tensor, weight: torch.Tensor, router_dtype: torch.dtype | None
-) -> torch.Tensor:
+def router_gating_linear(input: torch.Tensor, weight: torch.Tensor, router_dtype: torch.dtype | None) -> torch.Tensor:
     """``input @ weight.T``, in ``router_dtype`` when given."""
     if router_dtype is None:
         return F.linear(input, weight)
@@ -91,8 +89,7 @@ class TokenChoiceTopKRouter(nn.Module):
                 )
             if num_experts // num_expert_groups < 2:
                 raise ValueError(
-                    f"node-limited routing needs >= 2 experts per group, got "
-                    f"{num_experts // num_expert_groups}"
+                    f"node-limited routing needs >= 2 experts per group, got {num_experts // num_expert_groups}"
                 )
         self.gate = RouterGateLinear(dim, num_experts, router_dtype=router_dtype)
         self.num_experts = num_experts
@@ -126,10 +123,7 @@ class TokenChoiceTopKRouter(nn.Module):
         # Score in fp32 at least: softmax/sigmoid in bf16 destabilise routing.
         logits = self.gate(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.score_func == "softmax":
-            scores = F.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
+        scores = F.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
 
         scores_for_choice = scores if expert_bias is None else scores + expert_bias
         if self.num_expert_groups is not None:

@@ -53,10 +53,8 @@ def generate_permute_indices(
 
     in_starts = (torch.cumsum(counts, 0) - counts).view(num_ranks, experts_per_rank)
     per_expert = per_rank.sum(0)
-    if alignment > 1:
-        padded = (per_expert.clamp_min(alignment) + alignment - 1) // alignment * alignment
-    else:
-        padded = per_expert
+    # Each expert's segment rounded up to a multiple of ``alignment`` (at least one block).
+    padded = (per_expert.clamp_min(alignment) + alignment - 1) // alignment * alignment if alignment > 1 else per_expert
     expert_out_starts = torch.cumsum(padded, 0) - padded
 
     # Segments in expert-major order: (expert 0, rank 0), (expert 0, rank 1), ...

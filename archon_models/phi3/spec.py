@@ -3,11 +3,11 @@
 """Registers Phi3 with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 from archon_models.phi3.infra.parallelize import parallelize_phi3
 from archon_models.phi3.model.args import Phi3ModelArgs
 from archon_models.phi3.model.model import Phi3Model
 from archon_models.phi3.model.state_dict_adapter import Phi3StateDictAdapter
+from archon_models.pipeline_parallel import pipeline_llm
 
 PHI3_SPEC = ModelSpec(
     name="phi3",

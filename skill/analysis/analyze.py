@@ -8,199 +8,22 @@ Nothing is written except a temporary directory that is removed before returning
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import re
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
-import torch
-from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
-
-from skill.analysis import detect, probes
-from skill.analysis import modules as mt
 from skill.analysis.config_fields import config_fields
-from skill.analysis.inputs import AnalysisError, ResolvedSource, check_decoder_only, resolve_source, variant_types
+from skill.analysis.inputs import AnalysisError, check_decoder_only, resolve_source, variant_types
+from skill.analysis.measure import Analysis, analyse, layer_prefix, one_thread
 from skill.analysis.reference import nearest_reference, unsupported_names
 from skill.analysis.report import AnalyzeInput, ArchitectureReport, CheckpointKeys, KeyShape
-from skill.analysis.source_scan import scan_model_source
-from skill.features import Checklist
 from skill.tiny_model import (
-    TinyModelError,
-    build_tiny_model,
     read_safetensors_shapes,
-    saved_checkpoint_keys,
-    tiny_config,
 )
 
 logger = logging.getLogger(__name__)
 
-# Deeper stacks than this are not instantiated (even on the meta device) to list MoE
-# and no-RoPE layers; the tiny stack's pattern is reported instead.
-MAX_DEEP_LAYERS = 256
 
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the tiny probes on one intra-op thread.
-
-    Tiny matrices gain nothing from threads, and on a busy machine the thread pool's
-    spinning makes each forward ten times slower.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@dataclass
-class _Analysis:
-    resolved: ResolvedSource
-    checklist: Checklist
-    context: detect.Context
-
-
-def _layer_prefix(keys: list[str], n_layers: int) -> str:
-    """The key prefix of layer 0: the path whose numeric segment runs over every layer."""
-    indices: dict[str, set[int]] = {}
-    for key in keys:
-        match = re.match(r"^(.*?\.)(\d+)\.", key)
-        if match:
-            indices.setdefault(match.group(1), set()).add(int(match.group(2)))
-    for prefix, seen in sorted(indices.items(), key=lambda item: (-len(item[1]), item[0])):
-        if seen == set(range(n_layers)):
-            return f"{prefix}0."
-    for prefix, seen in indices.items():
-        if 0 in seen:
-            return f"{prefix}0."
-    return ""
-
-
-def _deep_model(
-    config: PretrainedConfig, tiny: PretrainedConfig, model: nn.Module, trust_remote_code: bool
-) -> nn.Module | None:
-    """Tiny widths at full depth, seeded on the CPU: which layers are MoE, which skip RoPE,
-    which differ from layer 0. At 64 wide, a few hundred layers build and run in well under
-    a second."""
-    n_layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(n_layers, int) or n_layers > MAX_DEEP_LAYERS:
-        return None
-    if n_layers == tiny.num_hidden_layers:
-        return model  # the tiny stack is already full depth
-    try:
-        deep = tiny_config(config, num_hidden_layers=n_layers)
-        return build_tiny_model(deep, seed=0, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - a constructor may reject odd depths; the tiny stack is the fallback
-        logger.debug("full-depth model of %s failed: %s", config.model_type, exc)
-        return None
-
-
-def _analyse(resolved: ResolvedSource, trust_remote_code: bool) -> _Analysis:
-    config = resolved.config
-    check_decoder_only(config)
-    try:
-        tiny = tiny_config(config)
-        model = build_tiny_model(tiny, seed=0, trust_remote_code=trust_remote_code)
-    except TinyModelError as exc:
-        if not _builds_at_full_size(config, trust_remote_code):
-            raise AnalysisError(
-                f"transformers cannot instantiate {config.model_type!r} from this config even at full size "
-                f"({exc.__cause__ or exc}); analyse a published checkpoint's config.json of the family instead"
-            ) from exc
-        raise AnalysisError(
-            f"{config.model_type!r}: a tiny instance cannot be built ({exc}); "
-            "check the config's sizes, or report the family to the archon-port maintainers"
-        ) from exc
-    try:
-        return _inspect(config, tiny, model, resolved, trust_remote_code)
-    except AnalysisError:
-        raise
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
-        raise AnalysisError(
-            f"{config.model_type!r}: probing the tiny instance failed ({type(exc).__name__}: {exc}); "
-            "the family needs a hand analysis, or a tiny_config override that fits its constraints"
-        ) from exc
-
-
-def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> bool:
-    """Whether transformers can build the unshrunk config (on the meta device, no memory)."""
-    try:
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - any failure means transformers itself cannot build it
-        return False
-    return True
-
-
-def _inspect(
-    config: PretrainedConfig,
-    tiny: PretrainedConfig,
-    model: nn.Module,
-    resolved: ResolvedSource,
-    trust_remote_code: bool,
-) -> _Analysis:
-    try:
-        anatomy = mt.anatomy(model, tiny.num_hidden_layers)
-    except LookupError as exc:
-        raise AnalysisError(
-            f"{config.model_type!r} has no stack of decoder layers ({exc}); it is not a decoder-only transformer"
-        ) from exc
-    mixers = mt.non_attention_mixers(anatomy.layers)
-    if mixers or anatomy.attention is None:
-        what = ", ".join(mixers) if mixers else "no attention module in layer 0"
-        raise AnalysisError(
-            f"{config.model_type!r} is a hybrid, state-space or recurrent model ({what}); Archon ports "
-            "softmax-attention decoders. Pick an attention-only family"
-        )
-    if not probes.probe_is_causal(model, tiny):
-        raise AnalysisError(
-            f"{config.model_type!r} attends to later tokens with this config (bidirectional, an encoder); Archon "
-            "ports causal decoders. Use a decoder config of the family (e.g. is_decoder=True) or another family"
-        )
-    keys = saved_checkpoint_keys(model)
-    prefix = _layer_prefix(list(keys), tiny.num_hidden_layers)
-    ctx = detect.Context(
-        config=config,
-        tiny=tiny,
-        model=model,
-        anatomy=anatomy,
-        source=scan_model_source(model),
-        saved_keys=keys,
-        layer_prefix=prefix,
-        deep_model=_deep_model(config, tiny, model, trust_remote_code),
-        trust_remote_code=trust_remote_code,
-    )
-    attention = detect.attention_features(ctx)
-    ffn = detect.ffn_features(ctx)
-    moe = detect.moe_features(ctx)
-    positions = detect.position_features(ctx)
-    norm = detect.norm_features(ctx)
-    scalars = detect.scalar_features(ctx)
-    ctx.other.extend(detect.per_layer_differences(ctx))
-    checklist = Checklist(
-        attention=attention,
-        ffn=ffn,
-        moe=moe,
-        positions=positions,
-        norm=norm,
-        scalars=scalars,
-        other=sorted(set(ctx.other)),
-    )
-    return _Analysis(resolved, checklist, ctx)
-
-
-@functools.lru_cache(maxsize=8)
-def build_checklist(model_type: str) -> Checklist:
-    """The checklist of a model_type's default config (used for the references)."""
-    return _analyse(resolve_source(model_type), trust_remote_code=False).checklist
-
-
-def _checkpoint(analysis: _Analysis) -> CheckpointKeys:
+def _checkpoint(analysis: Analysis) -> CheckpointKeys:
     ctx = analysis.context
     prefix = ctx.layer_prefix
     stack = prefix.removesuffix("0.")
@@ -210,7 +33,7 @@ def _checkpoint(analysis: _Analysis) -> CheckpointKeys:
     folder = analysis.resolved.folder
     if folder is not None and any(folder.glob("*.safetensors")):
         shapes = read_safetensors_shapes(folder)
-        file_prefix = _layer_prefix(list(shapes), int(ctx.config.num_hidden_layers))
+        file_prefix = layer_prefix(list(shapes), int(ctx.config.num_hidden_layers))
         file_stack = file_prefix[:-2]
         from_files = [
             KeyShape(key=k, shape=list(s))
@@ -269,8 +92,8 @@ def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
     """
     started = time.perf_counter()
     resolved = resolve_source(request.source, request.trust_remote_code)
-    with _one_thread():
-        analysis = _analyse(resolved, request.trust_remote_code)
+    with one_thread():
+        analysis = analyse(resolved, request.trust_remote_code)
         reference, deltas = nearest_reference(analysis.checklist)
     config = resolved.config
     return ArchitectureReport(

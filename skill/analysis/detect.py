@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from skill.analysis import modules as mt
 from skill.analysis import probes
@@ -171,7 +171,14 @@ def _attention_scaling_of(model: nn.Module, n_layers: int) -> float | None:
 
 
 def _moved(old: float | None, new: float | None) -> bool:
-    return old is not None and new is not None and not math.isclose(old, new, rel_tol=1e-4)
+    return _moved_pair(old, new) is not None
+
+
+def _moved_pair(old: float | None, new: float | None) -> tuple[float, float] | None:
+    """``(old, new)`` when both were measured and they differ, else ``None``."""
+    if old is None or new is None or math.isclose(old, new, rel_tol=1e-4):
+        return None
+    return old, new
 
 
 def config_scalars(ctx: Context) -> dict[str, ScalarField]:
@@ -210,12 +217,12 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
             role = "clip_qkv"
         elif "rout" in lowered:
             role = "routed_scaling"
-        elif _moved(base_scaling, scaling):
-            role, relation = "attention_scaling", probes.relation_of(value, new_value, base_scaling, scaling)
-        elif _moved(base_embedding, embedding):
-            role, relation = "embedding", probes.relation_of(value, new_value, base_embedding, embedding)
-        elif _moved(base_logit, logit):
-            role, relation = "logit", probes.relation_of(value, new_value, base_logit, logit)
+        elif shift := _moved_pair(base_scaling, scaling):
+            role, relation = "attention_scaling", probes.relation_of(value, new_value, *shift)
+        elif shift := _moved_pair(base_embedding, embedding):
+            role, relation = "embedding", probes.relation_of(value, new_value, *shift)
+        elif shift := _moved_pair(base_logit, logit):
+            role, relation = "logit", probes.relation_of(value, new_value, *shift)
         elif "residual" in lowered:
             role = "residual"
         found[name] = ScalarField(name, role, relation)
@@ -230,7 +237,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
 
 def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
-) -> tuple[nn.Module, Any] | None:
+) -> tuple[PreTrainedModel, Any] | None:
     """A seeded tiny model with one field moved, when that changes the logits."""
     for new_value in probes.perturbed_values(value):
         config = copy.deepcopy(ctx.tiny)
@@ -238,7 +245,7 @@ def _moved_model(
             setattr(config, name, new_value)
             model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
             out = probes.logits(model, tokens)
-        except Exception as exc:  # noqa: BLE001 - a strict config or constructor may refuse the value; try the next
+        except Exception as exc:
             logger.debug("moving %s to %r failed: %s", name, new_value, exc)
             continue
         if out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5):
@@ -412,7 +419,7 @@ def _is_gate_projection(ctx: Context, role: str, proj: mt.Projection) -> bool:
     # Layer 0's own head count, where layers differ (a per-layer heads list).
     own = getattr(ctx.anatomy.attention, "num_heads", None)
     counts = {heads} | ({own} if isinstance(own, int) else set())
-    widths = {n for n in counts} | {n * hd for n in counts}
+    widths = set(counts) | {n * hd for n in counts}
     return proj.in_features == ctx.tiny.hidden_size and proj.out_features in widths
 
 
@@ -482,6 +489,7 @@ def _measured_kv_heads(ctx: Context, roles: dict[str, mt.Projection], heads: int
     measured = int(measured)
     if measured == ctx.tiny_kv_heads():
         return kv
+    full: int | None
     if measured == 1:
         full = 1
     elif measured == tiny_heads:
@@ -760,7 +768,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
     ffn = None
     if moe_layer is not None:
-        for name, child in moe_layer.named_children():
+        for child in moe_layer.children():
             if mt.experts_module(child) is not None and not mt.is_norm(child):
                 ffn = child
                 break
@@ -1053,7 +1061,8 @@ def _layer_parts(ctx: Context, layer: nn.Module) -> tuple[dict[str, str], dict[s
     The FFN is the child named like layer 0's FFN or holding routed experts; a dense
     layer and an MoE layer differ there by design (the MoE layer pattern says which).
     """
-    ffn, rest = {}, {}
+    ffn: dict[str, str] = {}
+    rest: dict[str, str] = {}
     for name, child in layer.named_children():
         is_ffn = name == ctx.anatomy.ffn_name or mt.layer_has_experts(child)
         (ffn if is_ffn else rest).update(_module_signature(child, name))

@@ -169,7 +169,8 @@ def check_decoder_only(config: PretrainedConfig) -> None:
             else "analyse its language-model config on its own"
         )
         raise AnalysisError(
-            f"{model_type!r} is multimodal (sub-configs: {', '.join(sub_configs)}); Archon ports text decoders; {advice}"
+            f"{model_type!r} is multimodal (sub-configs: {', '.join(sub_configs)}); "
+            f"Archon ports text decoders; {advice}"
         )
     # Other sub-configs (attention or FFN settings grouped in their own object) belong to
     # the one decoder stack and are analysed with it.

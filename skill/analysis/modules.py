@@ -13,9 +13,13 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +134,7 @@ def is_attention(module: nn.Module) -> bool:
     return bool(_ATTENTION.search(type(module).__name__)) and not is_norm(module)
 
 
-def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
+def anatomy(model: PreTrainedModel, n_layers: int) -> LayerAnatomy:
     """Name the parts of layer 0 and the model's embedding, final norm and head."""
     path, layers = find_layers(model, n_layers)
     layer = layers[0]
@@ -151,7 +155,7 @@ def anatomy(model: nn.Module, n_layers: int) -> LayerAnatomy:
     final_norm = None
     layers_parent_path = path.rsplit(".", 1)[0] if "." in path else ""
     parent = model.get_submodule(layers_parent_path) if layers_parent_path else model
-    for name, child in parent.named_children():
+    for child in parent.children():
         if is_norm(child):
             final_norm = child  # the last norm after the stack
     return LayerAnatomy(

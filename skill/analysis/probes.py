@@ -213,7 +213,8 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     embedding and any factor on it reach the layer.
     """
     embedding = anatomy.embedding
-    if embedding is None or not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+    weight = getattr(embedding, "weight", None)
+    if embedding is None or not isinstance(weight, torch.Tensor):
         return None
     tokens = tokens_for(config, 5)
     captured: dict[str, torch.Tensor] = {}
@@ -234,11 +235,11 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     finally:
         handle.remove()
         with torch.no_grad():
-            for m, w in zip(others, saved):
+            for m, w in zip(others, saved, strict=True):
                 m.weight.copy_(w)
     if "x" not in captured:
         return None
-    rows = embedding.weight[tokens].detach()
+    rows = weight[tokens].detach()
     x = captured["x"]
     if x.shape != rows.shape:
         return None
@@ -328,11 +329,11 @@ __all__ = [
     "matching_field",
     "norm_is_centred",
     "perturbed_values",
+    "probe_block_norms",
     "probe_embedding_scale",
     "probe_is_causal",
     "probe_logit_multiplier",
     "probe_norm_kind",
-    "probe_block_norms",
     "probe_norm_placement",
     "probe_qk_norm_kind",
     "probe_rotary_layers",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from skill.analysis.measure import build_checklist
 from skill.features import (
     FEATURE_TITLES,
     Checklist,
@@ -32,8 +33,6 @@ REFERENCES: dict[str, tuple[str, ...]] = {"qwen2": ("qwen2",), "qwen3": ("qwen3"
 @functools.cache
 def reference_values(model_type: str) -> dict[Feature, str]:
     """Feature values of a reference model type, measured by the analyser itself."""
-    from skill.analysis.analyze import build_checklist  # deferred: analyze imports this module
-
     return feature_values(build_checklist(model_type))
 
 
@@ -94,9 +93,7 @@ def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(
-        checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None
-    )
+    reference = reference_for(checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None)
     return reference, deltas_from(reference, checklist)
 
 
@@ -116,8 +113,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         sc.logit_multiplier_source is None or sc.logit_multiplier_source.relation != "1/x"
     ):
         limits.append(f"logit factor {sc.logit_multiplier:.4g} that is no config field's reciprocal")
-    if att.custom_scaling and att.mla is None and (
-        att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5")
+    if (
+        att.custom_scaling
+        and att.mla is None
+        and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
     if moe is not None:

@@ -40,7 +40,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from skill.harness.case import ModelCase
-from skill.harness.compare import compare_tensor_dicts, compare_tensors
+from skill.harness.compare import compare_tensor_dicts
 from skill.harness.inputs import make_packed_inputs
 from skill.harness.models import (
     ArchonModel,
@@ -78,9 +78,7 @@ class AReaLCheckResult(BaseModel):
 
 def _engine_build(spec: Any, hf_config: Any, attn_type: str, is_critic: bool = False) -> tuple[Any, Any]:
     """``ArchonEngine``'s model creation and materialisation, on CPU."""
-    args = spec.model_args_class.from_hf_config(
-        hf_config, is_critic=is_critic, attn_type=attn_type, router_dtype=None
-    )
+    args = spec.model_args_class.from_hf_config(hf_config, is_critic=is_critic, attn_type=attn_type, router_dtype=None)
     with torch.device("meta"):
         model = spec.model_class(args)
     model.to_empty(device="cpu")
@@ -114,7 +112,7 @@ def _check_engine_kwargs(rec: StageRecorder, spec: Any, hf_config: Any) -> None:
         args = spec.model_args_class.from_hf_config(
             hf_config, is_critic=False, attn_type="sdpa", router_dtype=torch.float32, an_option_areal_adds_later=1
         )
-    except Exception as exc:  # noqa: BLE001 - the failure is the check's result
+    except Exception as exc:
         rec.check("from_hf_config takes the engine's keyword arguments", False, f"{type(exc).__name__}: {exc}")
         return
     rec.check("from_hf_config takes the engine's keyword arguments", True, "attn_type, router_dtype, an unknown one")
@@ -229,7 +227,7 @@ def run_areal_checks(request: AReaLCheckRequest, workdir: str | Path | None = No
             _check_critic(rec, spec, hf_config, checkpoint)
             if request.distributed:
                 _check_distributed(rec, spec, loaded.model, case)
-    except Exception as exc:  # noqa: BLE001 - reported as a failed check with its origin
+    except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
         rec.check("raised", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
         logger.exception("AReaL checks of %s raised", request.model_type)

@@ -20,6 +20,7 @@ AReaL on a machine without CUDA; the flash kernel itself is AReaL's and PyTorch'
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -31,7 +32,7 @@ _registered = False
 _histc_library: torch.library.Library | None = None
 
 
-def _histc_cpu(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+def _histc_cpu(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
     values = input.reshape(-1).double()
     low, high = float(min), float(max)
     if low == high and values.numel():
@@ -53,7 +54,7 @@ def register_cpu_histc() -> None:
 
 def _documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     bounds = cu_seqlens.tolist()
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _attend(

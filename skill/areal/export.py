@@ -142,7 +142,10 @@ def stage_export(
     """
     source_dir = project / ARCHON_PREFIX / model_name
     if not (source_dir / "spec.py").is_file():
-        raise ExportError(f"{model_name}: no package archon_models/{model_name}/ with a spec.py in {project}; run `archon-port add {model_name}` first")
+        raise ExportError(
+            f"{model_name}: no package archon_models/{model_name}/ with a spec.py in {project}; "
+            f"run `archon-port add {model_name}` first"
+        )
     if model_name in AREAL_BUILTIN_PACKAGES and not replace_builtin:
         raise ExportError(f"{model_name}: AReaL ships its own {model_name} package; an export never replaces it")
     types = sorted(_served_types((source_dir / "spec.py").read_text()))
@@ -167,7 +170,8 @@ def stage_export(
     existing = tree.list_files(target)
     if existing and not overwrite and {k: tree.read_text(k) for k in existing} != new_files:
         raise ExportError(
-            f"{model_name}: {target}/ exists in that AReaL and differs from this package; pass --overwrite to replace it"
+            f"{model_name}: {target}/ exists in that AReaL and differs from this package; "
+            "pass --overwrite to replace it"
         )
     for rel in existing:
         if rel not in new_files:
@@ -197,7 +201,9 @@ def run_checks_in(
 ) -> list[AReaLCheckResult]:
     """The AReaL tier for ``model_types``, in ``python`` with ``areal_root`` first on the path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     cmd = [str(python), "-m", "skill.areal.checks", "run", *model_types]
     if not distributed:
         cmd.append("--no-distributed")
@@ -228,7 +234,10 @@ def export_to_areal(request: ExportRequest) -> ExportResult:
     tree = StagedTree(Workspace(root, marker=ARCHON_DIR))
     types = stage_export(tree, project, request.model_name, request.overwrite)
     changes = tree.changes()
-    diff = "".join(_unified(rel, tree.workspace.resolve(rel).read_text() if tree.workspace.resolve(rel).is_file() else None, new) for rel, new in sorted(changes.items()))
+    diff = "".join(
+        _unified(rel, tree.workspace.resolve(rel).read_text() if tree.workspace.resolve(rel).is_file() else None, new)
+        for rel, new in sorted(changes.items())
+    )
     result = ExportResult(
         areal_root=str(root),
         package_dir=str(root / ARCHON_DIR / request.model_name),
@@ -256,7 +265,9 @@ class AReaLChecker:
 
     def __init__(self, python: Path, areal_root: Path, log_path: Path | None = None):
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
         self._log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(
             [str(python), "-m", "skill.areal.checks", "serve"],
@@ -288,5 +299,5 @@ class AReaLChecker:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        if self._log is not subprocess.DEVNULL:
+        if not isinstance(self._log, int):  # a log file, not subprocess.DEVNULL
             self._log.close()

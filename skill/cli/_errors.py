@@ -8,12 +8,12 @@ from functools import wraps
 
 from pydantic import ValidationError
 
-from skill.errors import step_error_message
 from skill.codemod.workspace import ConcurrentEditError
+from skill.errors import step_error_message
 from skill.tools import ToolBusyError
 
 
-def _message(error: Exception) -> str:
+def _message(error: BaseException) -> str:
     if isinstance(error, ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in error.errors())
     return step_error_message(error)

@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(read them first) for the analysis and every stage",
     )
     parser.add_argument(
-        "--stages", default="1,2,3,4,5,6", help="comma-separated stages to run after writing (default: all; '' for none)"
+        "--stages",
+        default="1,2,3,4,5,6",
+        help="comma-separated stages to run after writing (default: all; '' for none)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
@@ -38,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.port_model import PortModelRequest
-    from skill.tools import invoke
+    from skill.porting.port_model import PortModelRequest, PortModelResult
+    from skill.tools import invoke_as
 
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     request = PortModelRequest(
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         stages=stages,
         trust_remote_code=args.trust_remote_code,
     )
-    result = invoke("port_model", request, confine_sources=False)
+    result = invoke_as(PortModelResult, "port_model", request, confine_sources=False)
     if not args.json and result.failed_step == "analyze":
         # Refused before anything was written: the reason is the whole story.
         sys.stderr.write(f"archon-port: error: {result.error}\n")

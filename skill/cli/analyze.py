@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-    lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths)) + "  " + header[-1]]
+    lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths, strict=False)) + "  " + header[-1]]
     lines.append("-" * (sum(widths) + 2 * len(widths) + len(header[-1])))
     for row in rows:
-        lines.append("  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + "  " + row[-1])
+        lines.append("  ".join(f"{c:<{w}}" for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     return lines
 
 

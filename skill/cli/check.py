@@ -25,11 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.check_package import CheckPackageRequest
-    from skill.tools import invoke
+    from skill.porting.check_package import CheckPackageRequest, CheckPackageResult
+    from skill.tools import invoke_as
 
     request = CheckPackageRequest(model_name=args.model, source=args.source, model_types=args.model_types or [])
-    result = invoke("check_package", request)
+    result = invoke_as(CheckPackageResult, "check_package", request)
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:

@@ -27,10 +27,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.locate_divergence import LocateDivergenceRequest
-    from skill.tools import invoke
+    from skill.porting.locate_divergence import LocateDivergenceRequest, LocateDivergenceResult
+    from skill.tools import invoke_as
 
-    result = invoke("locate_divergence", LocateDivergenceRequest(model_name=args.model, model_type=args.model_type, config_overrides=overrides_of(args)))
+    result = invoke_as(
+        LocateDivergenceResult,
+        "locate_divergence",
+        LocateDivergenceRequest(model_name=args.model, model_type=args.model_type, config_overrides=overrides_of(args)),
+    )
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         return 1 if result.diverged else 0
@@ -39,9 +43,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{mark} {diff.archon_module:<32} {diff.hf_module:<40} {diff.max_abs_diff:.2e}\n")
     if result.first_divergence is not None:
         d = result.first_divergence
-        sys.stdout.write(
-            f"first divergence: {d.archon_module} (HF {d.hf_module}), max abs diff {d.max_abs_diff:.3e}\n"
-        )
+        sys.stdout.write(f"first divergence: {d.archon_module} (HF {d.hf_module}), max abs diff {d.max_abs_diff:.3e}\n")
     sys.stdout.write(
         f"logits max abs diff {result.logits_max_abs_diff:.3e}: {'DIVERGED' if result.diverged else 'match'}\n"
     )

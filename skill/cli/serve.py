@@ -55,7 +55,6 @@ def check_bind(host: str, port: int, allow_remote: bool) -> None:
     )
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options, shared by ``archon-port serve`` and ``python -m mcp_server``."""
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on PORT instead of stdio")
@@ -122,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
     workspace = Workspace(args.workspace)
     if args.session and not args.no_record:
         open_records(args.session)  # a corrupt or closed session is refused before serving
-    server = build_server(
-        workspace, session=args.session, record=not args.no_record, lock_timeout=args.lock_timeout
-    )
+    server = build_server(workspace, session=args.session, record=not args.no_record, lock_timeout=args.lock_timeout)
     if args.http is None:
         logger.info("serving over stdio")
         server.run("stdio")

@@ -28,10 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.run_test_stage import RunTestStageRequest
-    from skill.tools import invoke
+    from skill.porting.run_test_stage import RunTestStageRequest, RunTestStageResult
+    from skill.tools import invoke_as
 
-    result = invoke("run_test_stage", RunTestStageRequest(model_name=args.model, stage=args.stage, model_type=args.model_type, config_overrides=overrides_of(args)))
+    result = invoke_as(
+        RunTestStageResult,
+        "run_test_stage",
+        RunTestStageRequest(
+            model_name=args.model, stage=args.stage, model_type=args.model_type, config_overrides=overrides_of(args)
+        ),
+    )
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         return 0 if result.passed else 1
@@ -39,9 +45,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{test.test}: {test.outcome} ({test.seconds:.2f}s)\n")
         for check in test.checks:
             diff = f" max abs diff {check.max_abs_diff:.2e}" if check.max_abs_diff is not None else ""
-            sys.stdout.write(f"  {'ok' if check.passed else 'FAILED'}  {check.name}{diff}  {check.detail if not check.passed else ''}\n")
+            verdict, detail = ("ok", "") if check.passed else ("FAILED", check.detail)
+            sys.stdout.write(f"  {verdict}  {check.name}{diff}  {detail}\n")
     if not result.passed and result.output_tail:
         sys.stdout.write(result.output_tail + "\n")
     case = f" (case {result.case_id})" if result.case_id else ""
-    sys.stdout.write(f"stage {result.stage} of {args.model}{case}: {'passed' if result.passed else 'FAILED'} in {result.seconds:.1f}s\n")
+    verdict = "passed" if result.passed else "FAILED"
+    sys.stdout.write(f"stage {result.stage} of {args.model}{case}: {verdict} in {result.seconds:.1f}s\n")
     return 0 if result.passed else 1

@@ -16,16 +16,14 @@ from typing import Literal
 import libcst as cst
 import libcst.matchers as m
 
-from skill.codemod.cst import CodemodError, _find_function, _parse
+from skill.codemod.cst import CodemodError, _find_function, _parse, leading_lines, replaced_code, statements
 
 Branch = Literal["attention", "ffn"]
 RESIDUAL = "x"
 
 
 def _calls_attention(node: cst.CSTNode) -> bool:
-    return bool(
-        m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention"))))
-    )
+    return bool(m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention")))))
 
 
 def _branch_of(value: cst.BaseExpression) -> tuple[Branch, cst.BaseExpression] | None:
@@ -71,7 +69,7 @@ def _edit_branch(source: str, branch: Branch, edit) -> str:
     new_forward = forward.visit(transformer)
     if transformer.hits == 0:
         raise CodemodError(f"TransformerBlock.forward has no residual add 'x + ...' for the {branch} branch")
-    return module.deep_replace(forward, new_forward).code
+    return replaced_code(module, forward, new_forward)
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -139,7 +137,7 @@ def replace_call(source: str, class_name: str, func_name: str, callee: str, temp
                 return cst.parse_expression(template.replace("{}", _code(updated_node.args[0].value)))
             return updated_node
 
-    return module.deep_replace(func, func.visit(_Swap())).code
+    return replaced_code(module, func, func.visit(_Swap()))
 
 
 def add_marker(source: str, class_name: str | None, func_name: str, comment: str) -> str:
@@ -149,13 +147,13 @@ def add_marker(source: str, class_name: str | None, func_name: str, comment: str
         return source
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
-    body = list(func.body.body)
+    body = statements(func.body)
     index = 0
     if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
         index = 1  # after the docstring
     if index >= len(body):
         raise CodemodError(f"{func_name!r} has no statement to mark")
     first = body[index]
-    marked = first.with_changes(leading_lines=[*first.leading_lines, cst.EmptyLine(comment=cst.Comment(line))])
+    marked = first.with_changes(leading_lines=[*leading_lines(first), cst.EmptyLine(comment=cst.Comment(line))])
     body[index] = marked
-    return module.deep_replace(func, func.with_changes(body=func.body.with_changes(body=body))).code
+    return replaced_code(module, func, func.with_changes(body=func.body.with_changes(body=body)))

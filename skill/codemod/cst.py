@@ -8,6 +8,7 @@ edits elsewhere in the file survive.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import libcst as cst
 import libcst.matchers as m
@@ -67,7 +68,7 @@ def _stmt_key(stmt: cst.CSTNode) -> str:
     return module.code_for_node(stmt)
 
 
-def _is_import_line(stmt: cst.CSTNode) -> bool:
+def _is_import_line(stmt: cst.CSTNode) -> TypeGuard[cst.SimpleStatementLine]:
     return isinstance(stmt, cst.SimpleStatementLine) and all(
         isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
     )
@@ -81,6 +82,7 @@ def has_statement(source: str, statement: str) -> bool:
 
 def _same_import_group(stmt: cst.SimpleStatementLine, new: cst.BaseStatement) -> bool:
     """``from archon_models.X import spec as X_spec`` lines form one group."""
+
     def shape(node: cst.BaseStatement) -> tuple[str, str] | None:
         if not (isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1):
             return None
@@ -144,6 +146,47 @@ def _target_code(node: cst.CSTNode) -> str:
     return cst.Module(body=[]).code_for_node(node)
 
 
+def leading_lines(stmt: cst.CSTNode) -> Sequence[cst.EmptyLine]:
+    """The blank and comment lines above a statement (none for a node that has no such lines)."""
+    if isinstance(stmt, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        return stmt.leading_lines
+    return ()
+
+
+def _docstring_code(stmt: cst.CSTNode) -> str | None:
+    """The code of the string literal when ``stmt`` is a docstring statement."""
+    if (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    ):
+        return _target_code(stmt.body[0].value)
+    return None
+
+
+def statements(suite: cst.BaseSuite) -> list[cst.BaseStatement]:
+    """The statements of an indented block (a class or function body written on one line,
+    ``class A: pass``, has none the edits could match)."""
+    if not isinstance(suite, cst.IndentedBlock):
+        raise CodemodError(f"expected an indented block, found {_target_code(suite).strip()!r}")
+    return list(suite.body)
+
+
+def replaced_code(
+    module: cst.Module, old: cst.CSTNode, new: cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel[Any]
+) -> str:
+    """The code of ``module`` with ``old`` replaced by ``new`` (a node inside the module,
+    so the result is a module again). ``new`` may come from ``node.visit(transformer)``,
+    typed as possibly removing the node; the transformers here never do."""
+    if not isinstance(new, cst.CSTNode):
+        raise CodemodError(f"internal error: a transform removed {_target_code(old).strip()[:60]!r}")
+    result = module.deep_replace(old, new)
+    if not isinstance(result, cst.Module):  # only when old is the module itself
+        raise CodemodError("internal error: a replacement inside a module did not return a module")
+    return result.code
+
+
 def _string_value(node: cst.BaseExpression) -> str | None:
     if isinstance(node, cst.SimpleString):
         return node.evaluated_value if isinstance(node.evaluated_value, str) else None
@@ -154,7 +197,11 @@ def _string_value(node: cst.BaseExpression) -> str | None:
 
 
 def _literal(value: str | None) -> cst.BaseExpression:
-    return cst.Name("None") if value is None else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
+    return (
+        cst.Name("None")
+        if value is None
+        else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
+    )
 
 
 def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:
@@ -260,7 +307,7 @@ def edit_dict_literal(
         return source
     elements = _relayout_commas(original, elements, origins)
     new_dict = original.with_changes(elements=elements)
-    return module.deep_replace(original, new_dict).code
+    return replaced_code(module, original, new_dict)
 
 
 def _clean_comma(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
@@ -284,7 +331,7 @@ def _relayout_commas(
         inner = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
     last = _clean_comma(old[-1].comma) if old else cst.MaybeSentinel.DEFAULT
     out = []
-    for i, (element, origin) in enumerate(zip(elements, origins)):
+    for i, (element, origin) in enumerate(zip(elements, origins, strict=True)):
         is_last = i == len(elements) - 1
         if is_last:
             comma = element.comma if origin == last_index else last
@@ -311,7 +358,9 @@ def has_class(source: str, class_name: str) -> bool:
 
 
 def _find_function(module: cst.Module, class_name: str | None, func_name: str) -> cst.FunctionDef:
-    scope: Sequence[cst.CSTNode] = module.body if class_name is None else _find_class(module, class_name).body.body
+    scope: Sequence[cst.CSTNode] = (
+        module.body if class_name is None else statements(_find_class(module, class_name).body)
+    )
     for stmt in scope:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == func_name:
             return stmt
@@ -332,7 +381,7 @@ def replace_function(source: str, class_name: str | None, func_name: str, new_so
     new = new.with_changes(leading_lines=old.leading_lines)
     if _target_code(new.with_changes(leading_lines=[])) == _target_code(old.with_changes(leading_lines=[])):
         return source
-    return module.deep_replace(old, new).code
+    return replaced_code(module, old, new)
 
 
 def _parse_def(new_source: str, *, in_class: bool) -> cst.BaseStatement:
@@ -343,7 +392,7 @@ def _parse_def(new_source: str, *, in_class: bool) -> cst.BaseStatement:
     indented = "".join(("    " + line) if line.strip() else line for line in new_source.splitlines(keepends=True))
     wrapper = cst.parse_statement("class _Wrapper:\n" + indented)
     assert isinstance(wrapper, cst.ClassDef)
-    return wrapper.body.body[0]
+    return statements(wrapper.body)[0]
 
 
 def replace_class(source: str, class_name: str, new_source: str, *, new_name: str | None = None) -> str:
@@ -356,7 +405,7 @@ def replace_class(source: str, class_name: str, new_source: str, *, new_name: st
     new = new.with_changes(leading_lines=old.leading_lines)
     if _target_code(new) == _target_code(old):
         return source
-    return module.deep_replace(old, new).code
+    return replaced_code(module, old, new)
 
 
 def insert_before_class(source: str, anchor: str, new_source: str) -> str:
@@ -364,12 +413,19 @@ def insert_before_class(source: str, anchor: str, new_source: str) -> str:
     module = _parse(source)
     new_module = _parse(new_source)
     existing = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
-    new_stmts = [s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)]
+    new_stmts = [
+        s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)
+    ]
     if not new_stmts:
         return source
     body = list(module.body)
     index = body.index(_find_class(module, anchor))
-    spaced = [s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()]) if isinstance(s, (cst.ClassDef, cst.FunctionDef)) else s for s in new_stmts]
+    spaced = [
+        s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+        if isinstance(s, (cst.ClassDef, cst.FunctionDef))
+        else s
+        for s in new_stmts
+    ]
     body[index:index] = spaced
     return module.with_changes(body=body).code
 
@@ -398,18 +454,20 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
     class _Swap(cst.CSTTransformer):
         hits = 0
 
-        def leave_IndentedBlock(self, original_node, updated_node):
-            body = []
+        def leave_IndentedBlock(
+            self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+        ) -> cst.IndentedBlock:
+            body: list[cst.BaseStatement] = []
             carried: Sequence[cst.EmptyLine] | None = None
             for stmt in updated_node.body:
                 if _stmt_key(stmt) == wanted:
                     self.hits += 1
                     if not replacement:
-                        carried = stmt.leading_lines  # a blank line before a removed statement stays
+                        carried = leading_lines(stmt)  # a blank line before a removed statement stays
                         continue
                     body.extend(
-                        r.with_changes(leading_lines=[*stmt.leading_lines, *r.leading_lines])
-                        if i == 0 and hasattr(r, "leading_lines")
+                        r.with_changes(leading_lines=[*leading_lines(stmt), *r.leading_lines])
+                        if i == 0 and isinstance(r, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
                         else r
                         for i, r in enumerate(replacement)
                     )
@@ -423,17 +481,17 @@ def replace_in_function(source: str, class_name: str | None, func_name: str, old
     swap = _Swap()
     new_func = func.visit(swap)
     if swap.hits == 0:
-        keys = [_stmt_key(s) for s in func.body.body]
+        keys = [_stmt_key(s) for s in statements(func.body)]
         if not replacement_keys or all(k in _all_stmt_keys(func) for k in replacement_keys):
             return source  # already applied
         raise CodemodError(f"statement {old.strip()!r} not found in {func_name!r}; found: {keys}")
-    return module.deep_replace(func, new_func).code
+    return replaced_code(module, func, new_func)
 
 
 def _parse_statements(source: str) -> list[cst.BaseStatement]:
     """Statements of ``source`` with a leading comment kept on the first one (a bare parse
     would move it into the module header and lose it)."""
-    body = list(cst.parse_module("pass\n" + source).body)
+    body: list[cst.BaseStatement] = list(cst.parse_module("pass\n" + source).body)
     return body[1:]
 
 
@@ -458,7 +516,7 @@ def class_field_names(source: str, class_name: str) -> list[str]:
     """Annotated field names of a (dataclass) class, in order."""
     cls = _find_class(_parse(source), class_name)
     names = []
-    for stmt in cls.body.body:
+    for stmt in statements(cls.body):
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
                 if isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
@@ -479,7 +537,7 @@ def set_class_fields(
     remove = set(remove)
     module = _parse(source)
     cls = _find_class(module, class_name)
-    body = list(cls.body.body)
+    body = statements(cls.body)
     seen: set[str] = set()
     last_field = -1
     changed = False
@@ -489,10 +547,12 @@ def set_class_fields(
         if name is not None and name in remove:
             changed = True
             continue
-        if name is not None and name in fields:
+        if name is not None and name in fields and isinstance(stmt, cst.SimpleStatementLine):
             seen.add(name)
             new_stmt = cst.parse_statement(f"{name}: {fields[name]}\n")
-            new_stmt = new_stmt.with_changes(leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace)
+            new_stmt = new_stmt.with_changes(
+                leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace
+            )
             if _stmt_key(new_stmt) != _stmt_key(stmt):
                 stmt = new_stmt
                 changed = True
@@ -507,7 +567,7 @@ def set_class_fields(
     if not changed:
         return source
     new_cls = cls.with_changes(body=cls.body.with_changes(body=new_body))
-    return module.deep_replace(cls, new_cls).code
+    return replaced_code(module, cls, new_cls)
 
 
 def _field_name(stmt: cst.CSTNode) -> str | None:
@@ -583,8 +643,15 @@ def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *
                     return updated_node.with_changes(args=args)
             if args and isinstance(args[-1].comma, cst.MaybeSentinel):
                 args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            args.append(cst.Arg(value=value, keyword=cst.Name(kwarg), equal=cst.AssignEqual(
-                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))))
+            args.append(
+                cst.Arg(
+                    value=value,
+                    keyword=cst.Name(kwarg),
+                    equal=cst.AssignEqual(
+                        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+                    ),
+                )
+            )
             return updated_node.with_changes(args=args)
 
     new = _parse(source).visit(_Edit())
@@ -635,24 +702,25 @@ def set_docstring(source: str, class_name: str | None, text: str) -> str:
     literal = '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
     doc_stmt = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(literal))])
     docstring_pattern = m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])
+    body: list[cst.BaseStatement]
     if class_name is None:
         body = list(module.body)
-        if body and m.matches(body[0], docstring_pattern):
-            if _target_code(body[0].body[0].value) == literal:
+        if body and isinstance(body[0], cst.SimpleStatementLine) and m.matches(body[0], docstring_pattern):
+            if _docstring_code(body[0]) == literal:
                 return source
             body[0] = body[0].with_changes(body=doc_stmt.body)
         else:
             body.insert(0, doc_stmt)
         return module.with_changes(body=body).code
     cls = _find_class(module, class_name)
-    body = list(cls.body.body)
-    if body and m.matches(body[0], docstring_pattern):
-        if _target_code(body[0].body[0].value) == literal:
+    body = statements(cls.body)
+    if body and isinstance(body[0], cst.SimpleStatementLine) and m.matches(body[0], docstring_pattern):
+        if _docstring_code(body[0]) == literal:
             return source
         body[0] = body[0].with_changes(body=doc_stmt.body)
     else:
         body.insert(0, doc_stmt)
-    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
 
 
 def remove_from_all(source: str, names: Iterable[str]) -> str:
@@ -671,7 +739,7 @@ def remove_from_all(source: str, names: Iterable[str]) -> str:
                     if kept:
                         kept[-1] = kept[-1].with_changes(comma=value.elements[-1].comma)
                     new_value = value.with_changes(elements=kept)
-                    return module.deep_replace(value, new_value).code
+                    return replaced_code(module, value, new_value)
     return source
 
 
@@ -712,21 +780,25 @@ def _assigns_target(node: cst.CSTNode, target: str) -> bool:
     return found[0]
 
 
-def replace_statement_assigning(source: str, class_name: str | None, func_name: str, target: str, new_source: str) -> str:
+def replace_statement_assigning(
+    source: str, class_name: str | None, func_name: str, target: str, new_source: str
+) -> str:
     """Replace the top-level statement of a function body that assigns ``target``
     (a plain assignment or an ``if`` choosing between assignments) by ``new_source``."""
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
-    body = list(func.body.body)
+    body = statements(func.body)
     replacement = _parse_statements(new_source)
     for i, stmt in enumerate(body):
         if _assigns_target(stmt, target):
             if [_stmt_key(s) for s in replacement] == [_stmt_key(stmt)]:
                 return source
-            replacement[0] = replacement[0].with_changes(leading_lines=[*stmt.leading_lines, *replacement[0].leading_lines])
+            replacement[0] = replacement[0].with_changes(
+                leading_lines=[*leading_lines(stmt), *leading_lines(replacement[0])]
+            )
             body[i : i + 1] = replacement
             new_func = func.with_changes(body=func.body.with_changes(body=body))
-            return module.deep_replace(func, new_func).code
+            return replaced_code(module, func, new_func)
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
 
 
@@ -755,15 +827,14 @@ def prune_unused_imports(source: str) -> str:
         if carried is not None and hasattr(stmt, "leading_lines") and not stmt.leading_lines:
             stmt = stmt.with_changes(leading_lines=carried)
         carried = None
+        imp = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
         if (
             isinstance(stmt, cst.SimpleStatementLine)
-            and len(stmt.body) == 1
-            and isinstance(stmt.body[0], cst.ImportFrom)
-            and not isinstance(stmt.body[0].names, cst.ImportStar)
-            and _target_code(stmt.body[0].module) != "__future__"
+            and isinstance(imp, cst.ImportFrom)
+            and not isinstance(imp.names, cst.ImportStar)
+            and (imp.module is None or _target_code(imp.module) != "__future__")
         ):
-            imp = stmt.body[0]
-            kept = [a for a in imp.names if (a.asname.name.value if a.asname else _target_code(a.name)) in used]
+            kept = [a for a in imp.names if _target_code(a.asname.name if a.asname else a.name) in used]
             if len(kept) != len(imp.names):
                 changed = True
                 if not kept:
@@ -796,7 +867,7 @@ def add_parameter(source: str, class_name: str | None, func_name: str, param_sou
         params[-1] = params[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     params.append(param)
     new_func = func.with_changes(params=func.params.with_changes(params=params))
-    return module.deep_replace(func, new_func).code
+    return replaced_code(module, func, new_func)
 
 
 def remove_function(source: str, func_name: str) -> str:
@@ -823,7 +894,7 @@ def insert_after_statement_assigning(
     ``target``; a no-op when the first new statement is already there."""
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
-    body = list(func.body.body)
+    body = statements(func.body)
     new_stmts = _parse_statements(new_source)
     keys = {_stmt_key(s) for s in body}
     if _stmt_key(new_stmts[0]) in keys:
@@ -832,7 +903,7 @@ def insert_after_statement_assigning(
         if _assigns_target(stmt, target):
             body[i + 1 : i + 1] = new_stmts
             new_func = func.with_changes(body=func.body.with_changes(body=body))
-            return module.deep_replace(func, new_func).code
+            return replaced_code(module, func, new_func)
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
 
 
@@ -849,18 +920,18 @@ def insert_class_statement_after(source: str, class_name: str, target: str, new_
         (_target_code(n.target) for n in getattr(new, "body", []) if isinstance(n, cst.AnnAssign)),
         None,
     ) or next((_target_code(n.targets[0].target) for n in getattr(new, "body", []) if isinstance(n, cst.Assign)), None)
-    body = list(cls.body.body)
+    body = statements(cls.body)
     if new_target is not None:
         for i, stmt in enumerate(body):
             if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, new_target):
                 if _stmt_key(stmt) == _stmt_key(new):
                     return source
                 body[i] = new.with_changes(leading_lines=stmt.leading_lines)
-                return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+                return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
     for i, stmt in enumerate(body):
         if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, target):
             body[i + 1 : i + 1] = [new]
-            return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+            return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
     raise CodemodError(f"no class-level statement assigning {target} in class {class_name!r}")
 
 
@@ -869,13 +940,13 @@ def upsert_method(source: str, class_name: str, func_name: str, new_source: str,
     (at the end of the class when ``after`` is None or absent)."""
     module = _parse(source)
     cls = _find_class(module, class_name)
-    if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in cls.body.body):
+    if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in statements(cls.body)):
         return replace_function(source, class_name, func_name, new_source)
     new = _parse_def(new_source, in_class=True).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    body = list(cls.body.body)
+    body = statements(cls.body)
     index = len(body)
     for i, stmt in enumerate(body):
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == after:
             index = i + 1
     body[index:index] = [new]
-    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))

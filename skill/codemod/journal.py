@@ -111,11 +111,11 @@ def plan(workspace: Workspace, changes: Mapping[str, bytes | None]) -> list[tupl
     current = registry_path.read_bytes() if registry_path.is_file() else None
     steps: list[tuple[str, bytes | None]] = []
     if current is not None:
-        imported = {_imported_by(line) for line in current.decode("utf-8").splitlines()} - {None}
+        imported = {p for line in current.decode("utf-8").splitlines() if (p := _imported_by(line)) is not None}
         counts: dict[str, int] = {}
         for rel in changes:
             package = _package_of(rel)
-            if package in imported:
+            if package is not None and package in imported:
                 counts[package] = counts.get(package, 0) + 1
         unsafe = {package for package, count in counts.items() if count > 1}
         interim = _without_imports(current.decode("utf-8"), unsafe).encode("utf-8")
@@ -206,11 +206,7 @@ def _roll_back(workspace: Workspace, txdir: Path) -> None:
 
 
 def _txn_root(workspace: Workspace) -> Path:
-    from skill.codemod.workspace import (
-        STATE_DIR,  # the workspace module imports this one
-    )
-
-    return workspace.root / STATE_DIR / "txn"
+    return workspace.state_root / "txn"
 
 
 def recover_locked(workspace: Workspace) -> list[str]:

@@ -62,8 +62,7 @@ def validate_model_name(name: str) -> str:
         raise ValueError(f"Model name {name!r} is a Python keyword; pick another, e.g. {name + '_model'!r}.")
     if name in RESERVED_NAMES:
         raise ValueError(
-            f"Model name {name!r} is a shared module of archon_models; pick another, "
-            f"e.g. {name + '_model'!r}."
+            f"Model name {name!r} is a shared module of archon_models; pick another, e.g. {name + '_model'!r}."
         )
     return name
 

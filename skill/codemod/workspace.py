@@ -90,6 +90,11 @@ class Workspace:
         """The absolute path of ``rel``; raises ``WorkspaceError`` if it leaves the root."""
         return confine(self.root, rel)
 
+    @property
+    def state_root(self) -> Path:
+        """``<root>/.archon-port``, where the engine keeps its state (not created here)."""
+        return self.root / STATE_DIR
+
     def state_dir(self, *parts: str) -> Path:
         """``<root>/.archon-port/<parts>``, created; refused when a link leads it outside.
 

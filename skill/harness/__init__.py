@@ -41,9 +41,9 @@ def get_stage(stage: int) -> StageFn:
 
 
 __all__ = [
+    "STAGES",
     "CheckResult",
     "ModelCase",
-    "STAGES",
     "StageFailure",
     "StageResult",
     "get_stage",

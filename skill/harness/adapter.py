@@ -30,9 +30,7 @@ OUTPUT_KEY = "output.weight"
 EMBEDDING_KEY = "tok_embeddings.weight"
 
 
-def _archon_side(
-    hf_config: PretrainedConfig, seed: int
-) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor]]:
+def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor]]:
     archon = build_archon_model(hf_config)
     state = distinct_state_dict(archon.model, seed)
     if getattr(hf_config, "tie_word_embeddings", False) and OUTPUT_KEY in state:
@@ -108,9 +106,7 @@ def check_single_conversion(
         for hf_key, piece in adapter.convert_single_to_hf(name, tensor):
             slices.setdefault(hf_key, []).append(piece)
     single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=0) for k, v in slices.items()}
-    rec.add(
-        compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True)
-    )
+    rec.add(compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True))
 
     wrong: list[str] = []
     tried = 0
@@ -124,9 +120,7 @@ def check_single_conversion(
     rec.check(
         "convert_single_to_hf strips ._checkpoint_wrapped_module and ._orig_mod",
         tried > 0 and not wrong,
-        f"{len(wrong)} wrapped names converted differently: {wrong[:3]}"
-        if wrong
-        else f"{tried} wrapped names",
+        f"{len(wrong)} wrapped names converted differently: {wrong[:3]}" if wrong else f"{tried} wrapped names",
     )
 
 
@@ -159,9 +153,7 @@ def check_expert_split(
 
 def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
     """Tied embeddings: to_hf writes no output projection, from_hf refills it."""
-    tied_case = case.model_copy(
-        update={"config_overrides": {**case.config_overrides, "tie_word_embeddings": True}}
-    )
+    tied_case = case.model_copy(update={"config_overrides": {**case.config_overrides, "tie_word_embeddings": True}})
     hf_config = build_hf_config(tied_case)
     if not getattr(hf_config, "tie_word_embeddings", False):
         rec.check("tied embeddings", True, f"{type(hf_config).__name__} cannot tie embeddings")
@@ -177,31 +169,21 @@ def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
     rec.check(
         "tied: from_hf fills the output projection from the embedding",
         same,
-        ""
-        if same
-        else f"{OUTPUT_KEY} {'differs from' if OUTPUT_KEY in loaded else 'missing next to'} {EMBEDDING_KEY}",
+        "" if same else f"{OUTPUT_KEY} {'differs from' if OUTPUT_KEY in loaded else 'missing next to'} {EMBEDDING_KEY}",
     )
 
 
-def _raises_naming(
-    adapter: BaseStateDictAdapter, state: dict[str, torch.Tensor], names: list[str]
-) -> str | None:
+def _raises_naming(adapter: BaseStateDictAdapter, state: dict[str, torch.Tensor], names: list[str]) -> str | None:
     """None when ``from_hf(state)`` raises an error that names one of ``names``; else why not."""
     try:
         adapter.from_hf(state)
-    except Exception as exc:  # noqa: BLE001 - any error type is fine, its message is checked
+    except Exception as exc:
         message = str(exc)
-        return (
-            None
-            if any(n and n in message for n in names)
-            else f"raised without naming {names[0]}: {message[:120]}"
-        )
+        return None if any(n and n in message for n in names) else f"raised without naming {names[0]}: {message[:120]}"
     return "did not raise"
 
 
-def check_bad_keys(
-    rec: StageRecorder, adapter: BaseStateDictAdapter, hf_state: dict[str, torch.Tensor]
-) -> None:
+def check_bad_keys(rec: StageRecorder, adapter: BaseStateDictAdapter, hf_state: dict[str, torch.Tensor]) -> None:
     """An unknown key or a missing key makes from_hf raise an error that names it."""
     layer_key = next(k for k in sorted(hf_state) if ".0." in k)
     unknown_keys = [
@@ -235,9 +217,7 @@ def check_bad_keys(
     )
 
 
-def run_adapter_stage(
-    case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True
-) -> StageResult:
+def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
     """Stage 2: roundtrips, single-tensor conversion, wrapper prefixes, MoE split, tying, bad keys."""
 
     def body(rec: StageRecorder) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -49,7 +50,7 @@ def write_sharded_checkpoint(
     save_torch_state_dict(tensors, directory, max_shard_size=max_shard_size)
     index_file = directory / SAFETENSORS_INDEX
     if not index_file.is_file():
-        return {key: "model.safetensors" for key in hf_state}
+        return dict.fromkeys(hf_state, "model.safetensors")
     return json.loads(index_file.read_text())["weight_map"]
 
 
@@ -82,13 +83,15 @@ def run_checkpoint_stage(
                 f"{len(shards)} shards: {shards}",
             )
 
-            reloaded, info = AutoModelForCausalLM.from_pretrained(
+            # output_loading_info=True makes it a (model, info) pair; transformers types the model only.
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 str(out),
                 output_loading_info=True,
                 dtype=torch.float32,
                 attn_implementation="eager",
                 trust_remote_code=case.trust_remote_code,
             )
+            reloaded, info = loaded
             reloaded.eval()
             for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
                 found = sorted(str(item) for item in info.get(kind, []))
@@ -107,9 +110,7 @@ def run_checkpoint_stage(
             adapter = archon.spec.state_dict_adapter_class(pair.hf_config, str(out))
             mapping = adapter.fqn_to_index_mapping or {}
             expected_mapping = {key: _shard_number(name) for key, name in weight_map.items()}
-            wrong = sorted(
-                k for k in set(mapping) | set(expected_mapping) if mapping.get(k) != expected_mapping.get(k)
-            )
+            wrong = sorted(k for k in set(mapping) | set(expected_mapping) if mapping.get(k) != expected_mapping.get(k))
             rec.check(
                 "hf_assets_path: fqn_to_index_mapping reads the shard of every key",
                 bool(mapping) and not wrong,

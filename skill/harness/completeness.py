@@ -106,9 +106,7 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     )
 
     wrong = sorted(
-        f"{k}: Archon {_describe(contributions[k])} vs checkpoint {disk[k]}"
-        for k in produced
-        if produced[k] != disk[k]
+        f"{k}: Archon {_describe(contributions[k])} vs checkpoint {disk[k]}" for k in produced if produced[k] != disk[k]
     )
     rec.check(
         "shapes equal",
@@ -123,9 +121,7 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     rec.check(
         "to_hf of the meta state dict gives exactly the checkpoint's keys",
         not missing and not extra and all(full[k] == disk[k] for k in full if k in disk),
-        f"missing {missing[:5]}, not in the checkpoint {extra[:5]}"
-        if missing or extra
-        else f"{len(full)} keys",
+        f"missing {missing[:5]}, not in the checkpoint {extra[:5]}" if missing or extra else f"{len(full)} keys",
     )
 
 

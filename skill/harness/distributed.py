@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ def _worker_main(
         # Plain pickle, not the Connection's ForkingPickler: that one hands tensors over
         # as shared-memory handles, which die with the worker.
         conn.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as exc:
         message = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         conn.send_bytes(pickle.dumps(("error", message)))
     finally:
@@ -184,8 +184,8 @@ def launch(
                     )
                 break
             ready = mp.connection.wait([conns[r] for r in pending], timeout=min(remaining, 1.0))
-            for conn in ready:
-                rank = conns.index(conn)
+            for rank in [r for r in sorted(pending) if conns[r] in ready]:
+                conn = conns[rank]
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
@@ -203,15 +203,15 @@ def launch(
                         deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                     errors.append(payload)
     finally:
-        for proc in procs:
+        for worker in procs:
             if errors:
-                proc.terminate()
-            proc.join(timeout=10.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in conns:
-            conn.close()
+                worker.terminate()
+            worker.join(timeout=10.0)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        for parent in conns:
+            parent.close()
     if errors:
         raise WorkerFailure("distributed workers failed:\n" + "\n".join(errors))
     return results
@@ -235,18 +235,19 @@ class _Setup:
 
 
 def _has_moe(model: nn.Module) -> bool:
-    return any(getattr(block, "moe_enabled", False) for block in model.layers.values())
+    layers = cast(nn.ModuleDict, model.layers)
+    return any(getattr(block, "moe_enabled", False) for block in layers.values())
 
 
 def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
     """Each parallelism, with ``None`` if it applies to ``model`` or the reason it does not."""
-    reasons: dict[str, str | None] = {name: None for name in PARALLELISMS}
+    reasons: dict[str, str | None] = dict.fromkeys(PARALLELISMS)
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
         reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
     try:
-        validate_cp_constraints(model.model_args, WORLD_SIZE, 1)
+        validate_cp_constraints(_model_args(model), WORLD_SIZE, 1)
     except ValueError as exc:
         reasons["cp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
     return reasons
@@ -348,11 +349,17 @@ def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     _check_tp_critic(rec, setup, dims)
 
 
+def _model_args(model: nn.Module) -> Any:
+    """The args dataclass every Archon model keeps as ``model_args`` (nn.Module's attribute
+    typing knows only tensors and submodules)."""
+    return model.model_args
+
+
 def _critic(model: nn.Module) -> nn.Module:
     """The same network with a seeded ``score`` head (a PPO value model) in place of ``output``."""
-    args = dataclasses.replace(model.model_args, is_critic=True)
+    args = dataclasses.replace(_model_args(model), is_critic=True)
     torch.manual_seed(0)
-    critic = type(model)(args)
+    critic: Any = type(model)(args)
     # As the engine does after building: buffers that are computed, not loaded (the RoPE
     # cache; AReaL's MoE registers its load-balancing buffers only here).
     critic.init_buffers(buffer_device="cpu")
@@ -367,7 +374,9 @@ def _check_tp_critic(rec: StageRecorder, setup: _Setup, dims: ArchonParallelDims
     """TP of a critic: values and every gradient of a regression loss."""
     batch = setup.batches[0]
     critic = _critic(setup.model)
-    targets = torch.randn(1, batch.num_tokens, critic.model_args.num_labels, generator=torch.Generator().manual_seed(1))
+    targets = torch.randn(
+        1, batch.num_tokens, _model_args(critic).num_labels, generator=torch.Generator().manual_seed(1)
+    )
 
     def loss_of(values: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(values, targets)
@@ -431,7 +440,7 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
         stages, "1F1B", n_microbatches=len(microbatches), pp_degree=dims.pp, loss_fn=loss_fn
     )
     tokens = torch.cat([b.tokens for b in microbatches])
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "positions": torch.cat([b.positions for b in microbatches]),
         "cu_seqlens": microbatches[0].cu_seqlens,
         "max_seqlen": microbatches[0].max_seqlen,
@@ -492,7 +501,7 @@ def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -
         start = time.perf_counter()
         try:
             _CHECKS[name](rec, setup, rank)
-        except Exception as exc:  # noqa: BLE001 - one broken parallelism must not hide the others
+        except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             rec.check(f"raised ({name}=2)", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
             logger.exception("rank %d: %s check raised", rank, name)
@@ -558,7 +567,7 @@ def run_stage5(
                 raise ValueError(f"stage 5 for {case.id}: not applicable: {bad}")
             chosen = requested
         doc_lens = _padded_doc_lens(case.doc_lens, 2 * WORLD_SIZE)
-        vocab = model.model_args.vocab_size
+        vocab = _model_args(model).vocab_size
         batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + rank) for rank in range(WORLD_SIZE)]
         spec = pair.archon.spec
         if parallelize_fn is not None:

@@ -94,8 +94,6 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, doc_lens: Sequen
     for doc_logits, doc_tokens in zip(
         torch.split(logits, list(doc_lens), dim=1), torch.split(tokens, list(doc_lens), dim=1), strict=True
     ):
-        losses.append(
-            torch.nn.functional.cross_entropy(doc_logits[0, :-1].float(), doc_tokens[0, 1:], reduction="sum")
-        )
+        losses.append(torch.nn.functional.cross_entropy(doc_logits[0, :-1].float(), doc_tokens[0, 1:], reduction="sum"))
     count = sum(n - 1 for n in doc_lens)
     return torch.stack(losses).sum() / count

@@ -56,9 +56,7 @@ def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -
     return model
 
 
-def save_hf_checkpoint(
-    model: PreTrainedModel, directory: str | Path, max_shard_size: int | str | None = None
-) -> Path:
+def save_hf_checkpoint(model: PreTrainedModel, directory: str | Path, max_shard_size: int | str | None = None) -> Path:
     """``save_pretrained`` into ``directory`` (safetensors; sharded when ``max_shard_size`` is set)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -91,9 +89,7 @@ def read_hf_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of every ``*.safetensors`` file in ``directory``, by key."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors files in {directory}; save the model with save_pretrained first"
-        )
+        raise FileNotFoundError(f"no *.safetensors files in {directory}; save the model with save_pretrained first")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
@@ -143,9 +139,7 @@ def build_archon_model(
     args = spec.model_args_class.from_hf_config(hf_config, attn_type=attn_type)
     with torch.device(device):
         model = spec.model_class(args)
-    adapter = spec.state_dict_adapter_class(
-        hf_config, None if hf_assets_path is None else str(hf_assets_path)
-    )
+    adapter = spec.state_dict_adapter_class(hf_config, None if hf_assets_path is None else str(hf_assets_path))
     return ArchonModel(spec=spec, args=args, model=model, adapter=adapter)
 
 

@@ -90,9 +90,7 @@ def hf_reference(model: PreTrainedModel, inputs: PackedInputs, grads_dir: Path) 
     loss.backward()
     grads = hf_gradients_as_saved(model, grads_dir)
     model.zero_grad(set_to_none=True)
-    return Reference(
-        single_logits=single.detach(), packed_logits=packed.detach(), loss=loss.detach(), grads=grads
-    )
+    return Reference(single_logits=single.detach(), packed_logits=packed.detach(), loss=loss.detach(), grads=grads)
 
 
 def archon_outputs(archon: ArchonModel, inputs: PackedInputs) -> Reference:
@@ -120,9 +118,7 @@ def archon_outputs(archon: ArchonModel, inputs: PackedInputs) -> Reference:
 
 def check_fp32(rec: StageRecorder, ref: Reference, got: Reference, inputs: PackedInputs, label: str) -> None:
     rec.add(
-        compare_tensors(
-            f"logits, one sequence of {inputs.num_tokens} [{label}]", got.single_logits, ref.single_logits
-        )
+        compare_tensors(f"logits, one sequence of {inputs.num_tokens} [{label}]", got.single_logits, ref.single_logits)
     )
     rec.add(
         compare_tensors(
@@ -232,7 +228,8 @@ def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_cod
     model = AutoModelForCausalLM.from_pretrained(
         str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
     )
-    return model.to(device).eval()
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
+    return model.eval()
 
 
 def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:
@@ -251,20 +248,12 @@ def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) ->
     truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
     hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
     got = archon_outputs(_archon_in(hf_config, checkpoint, torch.bfloat16, device), inputs)
+    rec.add(_within_bf16_error("bf16 logits, one sequence", got.single_logits, hf.single_logits, truth.single_logits))
     rec.add(
-        _within_bf16_error(
-            "bf16 logits, one sequence", got.single_logits, hf.single_logits, truth.single_logits
-        )
-    )
-    rec.add(
-        _within_bf16_error(
-            "bf16 logits, packed documents", got.packed_logits, hf.packed_logits, truth.packed_logits
-        )
+        _within_bf16_error("bf16 logits, packed documents", got.packed_logits, hf.packed_logits, truth.packed_logits)
     )
     missing = sorted(set(truth.grads) - set(got.grads))
-    rec.check(
-        "bf16 gradients for every checkpoint key", not missing, f"missing {missing[:5]}" if missing else ""
-    )
+    rec.check("bf16 gradients for every checkpoint key", not missing, f"missing {missing[:5]}" if missing else "")
     common = sorted(set(truth.grads) & set(got.grads))
     outside = [
         check
@@ -293,9 +282,7 @@ def run_parity_stage(
     if dtype == torch.bfloat16 and not device.startswith("cuda"):
         raise ValueError("the bf16 parity variant runs on CUDA only; pass device='cuda' on a GPU machine")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(
-            "device='cuda' but torch.cuda.is_available() is False; skip this variant without a GPU"
-        )
+        raise RuntimeError("device='cuda' but torch.cuda.is_available() is False; skip this variant without a GPU")
 
     def body(rec: StageRecorder) -> None:
         with tempfile.TemporaryDirectory(prefix="archon-stage4-", dir=workdir) as tmp:

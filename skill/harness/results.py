@@ -69,9 +69,7 @@ class StageResult(BaseModel):
 
     def max_abs_diff_of(self, prefix: str) -> float | None:
         """The largest diff among checks whose name starts with ``prefix`` (e.g. ``"logits"``)."""
-        diffs = [
-            c.max_abs_diff for c in self.checks if c.name.startswith(prefix) and c.max_abs_diff is not None
-        ]
+        diffs = [c.max_abs_diff for c in self.checks if c.name.startswith(prefix) and c.max_abs_diff is not None]
         return max(diffs) if diffs else None
 
     def report(self) -> str:
@@ -112,9 +110,7 @@ class StageRecorder:
         self.checks.append(check)
         return check
 
-    def check(
-        self, name: str, passed: bool, detail: str = "", max_abs_diff: float | None = None
-    ) -> CheckResult:
+    def check(self, name: str, passed: bool, detail: str = "", max_abs_diff: float | None = None) -> CheckResult:
         if max_abs_diff is not None and math.isnan(max_abs_diff):
             passed = False
         return self.add(CheckResult(name=name, passed=passed, detail=detail, max_abs_diff=max_abs_diff))
@@ -146,7 +142,7 @@ def run_stage(
     error: BaseException | None = None
     try:
         body(recorder)
-    except Exception as exc:  # noqa: BLE001 - reported as a failed check, then re-raised
+    except Exception as exc:
         error = exc
         where = traceback.extract_tb(exc.__traceback__)[-1]
         recorder.check(

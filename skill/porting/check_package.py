@@ -89,7 +89,9 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
         checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
     if keys:
         unmapped = [k for k in keys if k not in hf_map and k not in fused_map and k != "lm_head.weight"]
-        checks.append(_check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys"))
+        checks.append(
+            _check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys")
+        )
     drops = [k for k in RUNTIME_BUFFERS if hf_map.get(k, "missing") is not None]
     checks.append(
         _check("runtime_buffers_dropped", not drops, f"no None entry for {drops}" if drops else "inv_freq dropped")
@@ -106,7 +108,11 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
         checks.append(_check_tp_plan_modules(tree, request.model_name, [source, *model_types], layout))
     init_text = tree.read_text(ARCHON_INIT) or ""
     line_ok = _has_import(init_text, layout.names.package)
-    checks.append(_check("import_line", line_ok, "" if line_ok else f"add `{import_line_for(layout.names.package)}` to {ARCHON_INIT}"))
+    checks.append(
+        _check(
+            "import_line", line_ok, "" if line_ok else f"add `{import_line_for(layout.names.package)}` to {ARCHON_INIT}"
+        )
+    )
     missing_types = sorted(set(model_types) - set(spec_types))
     checks.append(
         _check(
@@ -118,9 +124,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     prints = [f"{rel}:{line}" for rel, text in sources.items() if text for line in _print_calls(text)]
     checks.append(_check("logging_not_print", not prints, f"print() at {prints}" if prints else ""))
     checks.append(_check_hand_edits(sources, layout))
-    return CheckPackageResult(
-        package_dir=layout.package_dir, passed=all(c.passed for c in checks), checks=checks
-    )
+    return CheckPackageResult(package_dir=layout.package_dir, passed=all(c.passed for c in checks), checks=checks)
 
 
 def _check(name: str, passed: bool, detail: str = "") -> PackageCheck:
@@ -173,7 +177,10 @@ def _has_import(init_text: str, package: str) -> bool:
     except SyntaxError:
         return False
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module in (f"archon_models.{package}", f"archon_models.{package}.spec"):
+        if isinstance(node, ast.ImportFrom) and node.module in (
+            f"archon_models.{package}",
+            f"archon_models.{package}.spec",
+        ):
             return True
     return False
 

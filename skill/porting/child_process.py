@@ -75,7 +75,7 @@ def run_child(
             process_group=0,
             # Runs between fork and exec; it makes one prctl call and touches no lock, so the
             # usual hazard of preexec_fn in a threaded parent does not apply.
-            preexec_fn=_die_with_parent_hook(),  # noqa: PLW1509
+            preexec_fn=_die_with_parent_hook(),
         )
         try:
             while process.poll() is None:

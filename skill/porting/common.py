@@ -8,8 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from skill.codemod import ModelNames, StagedTree, Workspace, transaction, validate_model_name
-
+from skill.codemod import ModelNames, StagedTree, Workspace, format_python, transaction, validate_model_name
 
 # Left by edit_args / edit_model (allow_unsupported=True) where a hand edit goes, followed by
 # the feature's name; check_package fails while one is left.
@@ -153,7 +152,11 @@ def require_file(tree: StagedTree, path: str, hint: str) -> str:
 
 
 def write_if_changed(tree: StagedTree, path: str, text: str, changed: list[str]) -> None:
-    """Stage ``text`` at ``path`` and note the path when it differs from the staged state."""
+    """Stage ``text`` at ``path`` (a Python file formatted as ``ruff format`` would, so
+    generated code passes the same gates as hand-written code) and note the path when it
+    differs from the staged state."""
+    if path.endswith(".py"):
+        text = format_python(text, path)
     if tree.read_text(path) != text:
         tree.write_text(path, text)
         if path not in changed:

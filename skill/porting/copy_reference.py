@@ -7,8 +7,8 @@ import logging
 from pydantic import Field, field_validator
 
 from skill.analysis.reference import REFERENCES as _REFERENCE_TYPES
-from skill.codemod import ModelNames, StagedTree, validate_model_name
-from skill.codemod.cst import set_docstring, rename_identifiers
+from skill.codemod import ModelNames, StagedTree, format_python, validate_model_name
+from skill.codemod.cst import rename_identifiers, set_docstring
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
     files = [f for f in tree.list_files(source_dir) if f.endswith(".py")]
     if not files:
         raise FileNotFoundError(
-            f"reference package {source_dir}/ not found or empty; references are "
-            f"{', '.join(REFERENCES)}"
+            f"reference package {source_dir}/ not found or empty; references are {', '.join(REFERENCES)}"
         )
     old, new = ModelNames.from_name(reference), ModelNames.from_name(model_name)
     pairs = old.rename_pairs(new)
@@ -76,7 +75,8 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
         result[init] = set_docstring(
             result[init], None, f"The {new.camel} Archon package: model, args and state-dict adapter of the family."
         )
-    return result
+    # Renamed identifiers change line lengths: the copy is formatted as it will be written.
+    return {path: format_python(text, path) for path, text in result.items()}
 
 
 def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> CopyReferenceResult:
@@ -90,7 +90,9 @@ def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> Cop
     if existing and not request.overwrite:
         if existing_py == new_files and len(existing) == len(existing_py):
             logger.info("%s already holds the renamed %s reference", layout.package_dir, request.reference)
-            return CopyReferenceResult(package_dir=layout.package_dir, reference=request.reference, files=sorted(new_files))
+            return CopyReferenceResult(
+                package_dir=layout.package_dir, reference=request.reference, files=sorted(new_files)
+            )
         raise FileExistsError(
             f"{layout.package_dir}/ already exists and differs from a fresh copy of {request.reference}; "
             "pass overwrite=True (CLI: --overwrite) to replace it, or pick another model name."
@@ -104,5 +106,8 @@ def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> Cop
         write_if_changed(tree, path, text, changed)
     logger.info("copied %s -> %s (%d files)", request.reference, layout.package_dir, len(new_files))
     return CopyReferenceResult(
-        package_dir=layout.package_dir, reference=request.reference, files=sorted(new_files), changed_files=sorted(changed)
+        package_dir=layout.package_dir,
+        reference=request.reference,
+        files=sorted(new_files),
+        changed_files=sorted(changed),
     )

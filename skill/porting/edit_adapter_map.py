@@ -18,7 +18,15 @@ from skill.codemod.cst import (
     replace_in_function,
     upsert_method,
 )
-from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_file, require_package, staged, write_if_changed
+from skill.porting.common import (
+    PackageLayout,
+    PackageRequest,
+    StepResult,
+    require_file,
+    require_package,
+    staged,
+    write_if_changed,
+)
 from skill.porting.hf_source import checkpoint_keys, generalise_key, generalised_keys, load_config
 from skill.tiny_model import tiny_config
 
@@ -225,8 +233,7 @@ def derive_from_hf_map(
 class EditAdapterMapRequest(PackageRequest):
     source: str | None = Field(
         default=None,
-        description="model_type or config path whose checkpoint keys to derive the map from; "
-        "omit to edit entries only",
+        description="model_type or config path whose checkpoint keys to derive the map from; omit to edit entries only",
     )
     add: dict[str, str | None] = Field(
         default_factory=dict, description="entries to add or change: HF key -> Archon key (None drops the key)"
@@ -374,7 +381,7 @@ def _split_fused(self, hf_key: str, template: str, indices: list[str], value: An
             f"HF checkpoint key {{hf_key!r}} has {{value.shape[0]}} rows; the Archon parameters "
             f"{{parts}} it holds have {{rows}}. The checkpoint does not match this config."
         )
-    return dict(zip(parts, torch.split(value, rows, dim=0)))
+    return dict(zip(parts, torch.split(value, rows, dim=0), strict=True))
 """
 
 _CONCAT = """
@@ -414,8 +421,7 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
         text,
         cls,
         "from_hf_map",
-        "# Checkpoint keys that stack several Archon parameters along dim 0, in this order.\n"
-        + _fused_literal(fused),
+        "# Checkpoint keys that stack several Archon parameters along dim 0, in this order.\n" + _fused_literal(fused),
     )
     try:
         text = insert_after_statement_assigning(text, cls, "__init__", "self.to_hf_map", _FUSED_INIT.strip() + "\n")
@@ -426,7 +432,13 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
         raise CodemodError(
             f"fused on-disk keys {sorted(fused)} need the reference adapter's plain rename loops: {e}"
         ) from e
-    text = upsert_method(text, cls, "_archon_rows", _ROWS.format(model_class=layout.model_class).strip() + "\n", after="_expected_archon_keys")
+    text = upsert_method(
+        text,
+        cls,
+        "_archon_rows",
+        _ROWS.format(model_class=layout.model_class).strip() + "\n",
+        after="_expected_archon_keys",
+    )
     text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
     text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
     return text

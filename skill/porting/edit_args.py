@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -19,16 +20,25 @@ from skill.codemod.cst import (
     remove_function,
     remove_statements,
     replace_function,
+    replace_in_function,
     set_class_fields,
     set_docstring,
     set_module_assign,
     upsert_function,
 )
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
-from skill.porting.snippets import snippet
+from skill.porting.common import (
+    PackageLayout,
+    SourceRequest,
+    StepResult,
+    require_file,
+    require_package,
+    staged,
+    write_if_changed,
+)
+from skill.porting.hf_source import load_config
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
-from skill.porting.hf_source import load_config
+from skill.porting.snippets import snippet
 from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -94,7 +104,9 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     eos_default = _eos(config, 0)
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
-        ArgField("n_layers", "int", config.num_hidden_layers, "hf_config.num_hidden_layers", lambda c: c.num_hidden_layers),
+        ArgField(
+            "n_layers", "int", config.num_hidden_layers, "hf_config.num_hidden_layers", lambda c: c.num_hidden_layers
+        ),
         ArgField("n_heads", "int", config.num_attention_heads, "n_heads", lambda c: c.num_attention_heads),
         ArgField(
             "n_kv_heads",
@@ -107,7 +119,9 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
         ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
         ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
-        ArgField("rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta),
+        ArgField(
+            "rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta
+        ),
         ArgField(
             "max_seq_len",
             "int",
@@ -141,7 +155,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         )
     if profile.sliding_window:
         fields.append(
-            ArgField("sliding_window", "int", int(config.sliding_window), "hf_config.sliding_window", lambda c: c.sliding_window)
+            ArgField(
+                "sliding_window",
+                "int",
+                int(config.sliding_window),
+                "hf_config.sliding_window",
+                lambda c: c.sliding_window,
+            )
         )
     if profile.sliding_layer_types:
         fields.append(
@@ -158,7 +178,9 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ("final_logit_softcapping", profile.final_softcap),
     ):
         if wanted:
-            fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
+            fields.append(
+                ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
+            )
     if profile.moe:
         from archon_models.moe import MoEArgs
 
@@ -209,7 +231,9 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 ),
             ]
     for name in profile.multipliers:
-        fields.append(ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", lambda c, n=name: getattr(c, n)))
+        fields.append(
+            ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
+        )
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
         ArgField(
@@ -242,14 +266,14 @@ def _moe_args_field(plan: PortPlan, config: Any, expected: Callable[[Any], Any])
         if f.init and getattr(default, f.name) != getattr(base, f.name)
     }
     call = "MoEArgs(" + ", ".join(f"{k}={_literal(v)}" for k, v in changed.items()) + ")"
-    return ArgField("moe_args", "MoEArgs", None, "moe_args", expected, default_source=f"field(default_factory=lambda: {call})")
+    return ArgField(
+        "moe_args", "MoEArgs", None, "moe_args", expected, default_source=f"field(default_factory=lambda: {call})"
+    )
 
 
 def _partial_factor(config: Any) -> float:
     rope = getattr(config, "rope_parameters", None) or {}
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-
-
 
 
 def _rope_scaling_of(config: Any) -> dict[str, float] | None:
@@ -261,8 +285,6 @@ def _rope_scaling_of(config: Any) -> dict[str, float] | None:
 
 def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 
 
 def _literal(value: Any) -> str:
@@ -312,9 +334,14 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
     lines += [
         f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
         f'    if act != "{profile.activation}":',
-        f'        raise ValueError(f"{camel} in Archon implements the {profile.activation} activation; {act_field}={{act!r}} is not supported.")',
+        "        raise ValueError(",
+        f'            f"{camel} in Archon implements the {profile.activation} activation; "',
+        f'            f"{act_field}={{act!r}} is not supported."',
+        "        )",
         '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
-        '    rope_type = rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
+        "    rope_type = (",
+        '        rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
+        "    )",
     ]
     if profile.rope_type == "default":
         lines += [
@@ -329,11 +356,11 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
             f'    if rope_type not in ("default", "{profile.rope_type}"):',
             "        raise ValueError(",
             f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
-            f'            "only the default and {profile.rope_type} RoPE are. Port the variant with `archon-port add`."',
+            f'            "only the default and {profile.rope_type} RoPE are. "',
+            '            "Port the variant with `archon-port add`."',
             "        )",
         ]
-    lines += [
-    ]
+    lines += []
     for flag, feature in STRUCTURAL_FLAGS.items():
         if hasattr(config, flag):
             value = bool(getattr(profile, feature))
@@ -348,7 +375,10 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         if hasattr(config, flag) and not getattr(config, flag):
             lines += [
                 f'    if getattr(hf_config, "{flag}", False):',
-                f'        raise ValueError("{flag}=True ({feature}) is not supported by {camel} in Archon.")',
+                "        raise ValueError(",
+                f'            "{flag}=True ({feature}) "',
+                f'            "is not supported by {camel} in Archon."',
+                "        )",
             ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
         condition = (
@@ -358,7 +388,10 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         )
         lines += [
             f"    if {condition}:",
-            f'        raise ValueError("sliding-window attention is not supported by {camel} in Archon, which attends over whole documents.")',
+            "        raise ValueError(",
+            f'            "sliding-window attention is not supported by {camel} in Archon, "',
+            '            "which attends over whole documents."',
+            "        )",
         ]
     lines += [
         '    dropout = getattr(hf_config, "attention_dropout", 0.0)',
@@ -373,6 +406,8 @@ SHARED_EXPERT_SETUP = """# One always-active shared expert, scaled by sigmoid(sh
 moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
 moe_args.use_shared_expert_gate = True
 """
+
+
 def router_setup(plan: PortPlan) -> str:
     """Statements after ``MoEArgs.from_hf_config`` (which scores with softmax, as AReaL's
     does) that give the router the family's scoring: the config's field, or a sigmoid the
@@ -383,7 +418,10 @@ def router_setup(plan: PortPlan) -> str:
             f"moe_args.score_func = hf_config.{plan.router_scoring_field}\n"
         )
     if plan.router_scoring == "sigmoid":
-        return '# The router scores each expert with its own sigmoid; no config field says so.\nmoe_args.score_func = "sigmoid"\n'
+        return (
+            "# The router scores each expert with its own sigmoid; no config field says so.\n"
+            'moe_args.score_func = "sigmoid"\n'
+        )
     return ""
 
 
@@ -398,12 +436,12 @@ def from_hf_config_source(
 ) -> str:
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
-        "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``), ``num_labels``\n"
+        'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
         "    (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
         "    the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,\n"
         "    as AReaL's own ``from_hf_config`` ignores it."
         if moe
-        else "Keyword arguments: ``attn_type`` (``\"varlen\"`` or ``\"sdpa\"``) and\n"
+        else 'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and\n'
         "    ``num_labels`` (outputs of a critic's ``score`` head, default 1). Others that\n"
         "    AReaL's engine passes (``router_dtype``) are ignored, as AReaL's own\n"
         "    ``from_hf_config`` ignores them: a dense model has no router."
@@ -420,7 +458,9 @@ def from_hf_config_source(
         moe_setup += SHARED_EXPERT_SETUP
     if router:
         moe_setup = moe_setup.replace(
-            "moe_args = MoEArgs.from_hf_config(hf_config)\n", "moe_args = MoEArgs.from_hf_config(hf_config)\n" + router, 1
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n",
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n" + router,
+            1,
         )
     setup = "".join(f"    {line}\n" if line else "\n" for line in moe_setup.splitlines()) if moe else ""
     return f'''@classmethod
@@ -496,10 +536,14 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         layout.args_class,
         f"{camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``.",
     )
-    text = set_docstring(text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``.")
+    text = set_docstring(
+        text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``."
+    )
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
-    text = upsert_function(text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class)
+    text = upsert_function(
+        text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class
+    )
     if profile.partial_rotary:
         helper = snippet("args", "_partial_rotary_factor")
         text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
@@ -530,7 +574,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             layout.args_class,
             "__post_init__",
             'if self.attn_type not in ("varlen", "sdpa"):\n'
-            '    raise ValueError(f"attn_type must be \'varlen\' or \'sdpa\', got {self.attn_type!r}.")',
+            "    raise ValueError(f\"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.\")",
             "",
         )
     if profile.all_layers_moe:
@@ -550,7 +594,9 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     checks = verify_args_source(text, layout.args_class, fields, request.source, request.trust_remote_code)
     failed = [c for c in checks if not c.passed]
     if failed:
-        detail = "; ".join(f"{c.field} on the {c.config} config: expected {c.expected!r}, got {c.actual!r}" for c in failed)
+        detail = "; ".join(
+            f"{c.field} on the {c.config} config: expected {c.expected!r}, got {c.actual!r}" for c in failed
+        )
         raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
     changed: list[str] = []
     write_if_changed(tree, layout.args, text, changed)
@@ -577,5 +623,7 @@ def verify_args_source(
         for f in fields:
             expected = f.expected(config)
             actual = getattr(args, f.name)
-            checks.append(FieldCheck(config=label, field=f.name, expected=expected, actual=actual, passed=expected == actual))
+            checks.append(
+                FieldCheck(config=label, field=f.name, expected=expected, actual=actual, passed=expected == actual)
+            )
     return checks

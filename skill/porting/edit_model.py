@@ -8,7 +8,16 @@ from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
-from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
+from skill.porting.common import (
+    HAND_EDIT_MARKER,
+    PackageLayout,
+    SourceRequest,
+    StepResult,
+    require_file,
+    require_package,
+    staged,
+    write_if_changed,
+)
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 

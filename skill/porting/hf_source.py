@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-import json
 import re
-from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from skill.tiny_model import saved_checkpoint_keys, tiny_config
 

@@ -59,12 +59,14 @@ class ModuleDiff(BaseModel):
 
 
 class LocateDivergenceRequest(PackageRequest):
-    model_type: str | None = Field(default=None, description="HF model_type (default: the first case of the package's test file, else model_name)")
+    model_type: str | None = Field(
+        default=None, description="HF model_type (default: the first case of the package's test file, else model_name)"
+    )
     num_tokens: int = Field(default=13, ge=2, le=512, description="length of the one document run through both models")
     config_overrides: dict[str, JsonValue] = Field(
         default_factory=dict,
         description="config attributes set on the tiny HF config both sides are built from, on top of the test "
-        "case's (e.g. {\"clip_qkv\": 8.0} to exercise a feature the default hides)",
+        'case\'s (e.g. {"clip_qkv": 8.0} to exercise a feature the default hides)',
     )
 
 
@@ -91,7 +93,14 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
     layout = PackageLayout.for_name(request.model_name)
     if not (workspace.root / layout.package_dir).is_dir():
         raise FileNotFoundError(f"{layout.package_dir}/ does not exist; port the family first (archon-port add).")
-    command = [sys.executable, "-m", "skill.porting.locate_divergence", request.model_name, "--num-tokens", str(request.num_tokens)]
+    command = [
+        sys.executable,
+        "-m",
+        "skill.porting.locate_divergence",
+        request.model_name,
+        "--num-tokens",
+        str(request.num_tokens),
+    ]
     if request.model_type:
         command += ["--model-type", request.model_type]
     if request.config_overrides:
@@ -110,8 +119,9 @@ def _case_for(root: Path, model_name: str, model_type: str | None):
     test_file = root / PackageLayout.for_name(model_name).test_file
     if test_file.is_file():
         spec = importlib.util.spec_from_file_location(f"_archon_port_cases_{model_name}", test_file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {test_file} as a module")
         module = importlib.util.module_from_spec(spec)
-        assert spec.loader is not None
         spec.loader.exec_module(module)
         for case in getattr(module, "CASES", []):
             if model_type is None or case.model_type == model_type:
@@ -132,7 +142,7 @@ def _first_tensor(value: Any):
 def _common_prefix(paths: list[str]) -> str:
     parts = [p.split(".") for p in paths]
     prefix: list[str] = []
-    for items in zip(*parts):
+    for items in zip(*parts, strict=False):
         if len(set(items)) != 1:
             break
         prefix.append(items[0])
@@ -255,7 +265,8 @@ def run_locally(
     matches = {a: h for a, h in matches.items() if h in hf_modules}
 
     generator = torch.Generator().manual_seed(case.seed)
-    tokens = torch.randint(0, archon.args.vocab_size, (1, num_tokens), generator=generator)
+    args: Any = archon.args  # the family's ModelArgs; vocab_size is not a BaseModelArgs field
+    tokens = torch.randint(0, args.vocab_size, (1, num_tokens), generator=generator)
     positions = torch.arange(num_tokens).unsqueeze(0)
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32)
 
@@ -298,7 +309,9 @@ def run_locally(
     logits_diff = float((logits.float() - hf_logits.float()).abs().max())
     logits_ok = bool(torch.allclose(logits, hf_logits, rtol=RTOL, atol=ATOL))
     first = None if logits_ok else _first_lasting(compared)
-    unmatched = sorted(n for n, m in model.named_modules() if n and n not in matches and list(m.parameters(recurse=False)))
+    unmatched = sorted(
+        n for n, m in model.named_modules() if n and n not in matches and list(m.parameters(recurse=False))
+    )
     return LocateDivergenceResult(
         model_name=model_name,
         model_type=case.model_type,

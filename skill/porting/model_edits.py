@@ -18,14 +18,15 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
 from skill.codemod.cst import (
     add_parameter,
     insert_after_statement_assigning,
     insert_before_class,
     prune_unused_imports,
     remove_class,
-    remove_function,
     remove_from_all,
+    remove_function,
     replace_class,
     replace_in_function,
     replace_name,
@@ -33,7 +34,6 @@ from skill.codemod.cst import (
     set_call_kwarg,
     set_docstring,
 )
-from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
 from skill.porting.plan import ACTIVATIONS, PortPlan
 from skill.porting.snippets import snippet
 
@@ -101,7 +101,7 @@ def _eager_attention(text: str, ctx: EditContext) -> str:
             "__init__",
             "self.attention = Attention(model_args)",
             "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
-            "sliding = model_args.layer_types[layer_id] == \"sliding_attention\"\n"
+            'sliding = model_args.layer_types[layer_id] == "sliding_attention"\n'
             "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n",
         )
     return text
@@ -120,10 +120,22 @@ def _add_block_norms(text: str, names: tuple[str, ...]) -> str:
     for name in names:
         if f"self.{name} =" in text:
             continue
-        text = insert_after_statement_assigning(
-            text, "TransformerBlock", "__init__", "self.ffn_norm", f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
-        ) if "self.ffn_norm =" in text else insert_after_statement_assigning(
-            text, "TransformerBlock", "__init__", "self.attention", f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+        text = (
+            insert_after_statement_assigning(
+                text,
+                "TransformerBlock",
+                "__init__",
+                "self.ffn_norm",
+                f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
+            )
+            if "self.ffn_norm =" in text
+            else insert_after_statement_assigning(
+                text,
+                "TransformerBlock",
+                "__init__",
+                "self.attention",
+                f"self.{name} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
+            )
         )
         text = _append_to_function(text, "TransformerBlock", "init_weights", f"self.{name}.reset_parameters()")
     return text
@@ -133,7 +145,11 @@ def _append_to_function(text: str, class_name: str, func: str, statement: str) -
     """Append ``statement`` after the function's last ``*.reset_parameters()`` call."""
     if statement in text:
         return text
-    for anchor in ("self.post_attention_norm.reset_parameters()", "self.ffn_norm.reset_parameters()", "self.attention_norm.reset_parameters()"):
+    for anchor in (
+        "self.post_attention_norm.reset_parameters()",
+        "self.ffn_norm.reset_parameters()",
+        "self.attention_norm.reset_parameters()",
+    ):
         if anchor in text and anchor != statement:
             return replace_in_function(text, class_name, func, anchor, f"{anchor}\n{statement}\n")
     raise ValueError(f"{class_name}.{func} resets no norm to add {statement!r} after")
@@ -261,15 +277,27 @@ def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
 
 def _post_norm(text: str, ctx: EditContext) -> str:
     """Norms after each sub-layer instead of before it: ``x + norm(f(x))``."""
-    text = replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "x") if "self.attention_norm(x)" in text else text
+    text = (
+        replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "x")
+        if "self.attention_norm(x)" in text
+        else text
+    )
     text = replace_in_residual_branch(text, "ffn", "self.ffn_norm(x)", "x") if "self.ffn_norm(x)" in text else text
     for old, new in (("attention_norm", "post_attention_norm"), ("ffn_norm", "post_ffn_norm")):
         if f"self.{old} =" in text:
             text = replace_statement_assigning(
-                text, "TransformerBlock", "__init__", f"self.{old}", f"self.{new} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n"
+                text,
+                "TransformerBlock",
+                "__init__",
+                f"self.{old}",
+                f"self.{new} = RMSNorm(model_args.dim, eps=model_args.norm_eps)\n",
             )
             text = replace_in_function(
-                text, "TransformerBlock", "init_weights", f"self.{old}.reset_parameters()", f"self.{new}.reset_parameters()\n"
+                text,
+                "TransformerBlock",
+                "init_weights",
+                f"self.{old}.reset_parameters()",
+                f"self.{new}.reset_parameters()\n",
             )
     return _post_branches(text)
 
@@ -291,11 +319,13 @@ def _rope_cache(text: str, ctx: EditContext) -> str:
         ctx.model_class,
         "_precompute_rope_cache",
         ROPE_CACHE_CALL,
-        f"args = self.model_args\n{comment}return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{scaling})\n",
+        f"args = self.model_args\n{comment}"
+        f"return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{scaling})\n",
     )
 
 
 # --- norms ------------------------------------------------------------------------------
+
 
 def _norm_offset(text: str, ctx: EditContext) -> str:
     return replace_class(text, "RMSNorm", snippet("norms", "OffsetRMSNorm", rename="RMSNorm"))
@@ -324,15 +354,16 @@ def _activation(text: str, ctx: EditContext) -> str:
     """The feed-forward's activation, whatever MLP shape the other edits chose."""
     text = replace_call(text, "FeedForward", "forward", "F.silu", _activation_call(ctx.profile, "{}"))
     gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
-    shape = (
-        "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
-    )
+    shape = "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
     roles = (
         "``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj."
         if gated
         else "``w1`` is HF's up projection (c_fc, fc1), ``w2`` its down projection (c_proj, fc2)."
     )
-    return set_docstring(text, "FeedForward", f"{shape} with the {_activation_name(ctx.profile)} activation; {roles}")
+    sentence = f"{shape} with the {_activation_name(ctx.profile)} activation; {roles}"
+    lines = textwrap.wrap(sentence, width=88, break_on_hyphens=False)
+    doc = lines[0] if len(lines) == 1 else "\n    ".join(lines) + "\n    "
+    return set_docstring(text, "FeedForward", doc)
 
 
 def _plain_mlp(text: str, ctx: EditContext) -> str:
@@ -390,7 +421,9 @@ def _residual_multiplier(text: str, ctx: EditContext) -> str:
             text, "TransformerBlock", "__init__", "self.attention", f"self.residual_multiplier = model_args.{field}\n"
         )
     for branch in ("attention", "ffn"):
-        text = wrap_residual_branch(text, branch, "{} * self.residual_multiplier", applied_if="self.residual_multiplier")
+        text = wrap_residual_branch(
+            text, branch, "{} * self.residual_multiplier", applied_if="self.residual_multiplier"
+        )
     return text
 
 
@@ -418,11 +451,25 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
         "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)\n",
     )
     for func in ("forward", "init_weights"):
-        text = replace_in_function(text, "TransformerBlock", func, "mlp = self.moe if self.moe_enabled else self.feed_forward", "")
+        text = replace_in_function(
+            text, "TransformerBlock", func, "mlp = self.moe if self.moe_enabled else self.feed_forward", ""
+        )
     # Whatever the norm edits made of the feed-forward branch, its callee is now the MoE.
     text = replace_call(text, "TransformerBlock", "forward", "mlp", "self.moe({})")
-    text = replace_in_function(text, "TransformerBlock", "init_weights", "mlp.init_weights(self.weight_init_std)", "self.moe.init_weights(self.weight_init_std)")
-    text = replace_in_function(text, "TransformerBlock", "init_buffers", "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)", "self.moe.init_buffers(buffer_device)")
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "init_weights",
+        "mlp.init_weights(self.weight_init_std)",
+        "self.moe.init_weights(self.weight_init_std)",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "init_buffers",
+        "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)",
+        "self.moe.init_buffers(buffer_device)",
+    )
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
     return text
@@ -439,8 +486,18 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _remove_qk_norm,
         needed=lambda text: "self.q_norm" in text,
     ),
-    ModelEdit("full_width_qk_norm", "RMSNorm over the full q/k projections", lambda p: p.qk_norm == "full", _full_width_qk_norm),
-    ModelEdit("projection_bias", "q/k/v and output projection biases as the checkpoint has them", lambda p: True, _projection_bias),
+    ModelEdit(
+        "full_width_qk_norm",
+        "RMSNorm over the full q/k projections",
+        lambda p: p.qk_norm == "full",
+        _full_width_qk_norm,
+    ),
+    ModelEdit(
+        "projection_bias",
+        "q/k/v and output projection biases as the checkpoint has them",
+        lambda p: True,
+        _projection_bias,
+    ),
     ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
@@ -453,7 +510,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.attn_softcap or p.sliding_layer_types,
         _eager_attention,
     ),
-    ModelEdit("attention_scale", "attention scores scaled by a config field", lambda p: p.attn_scale is not None, _attention_scale),
+    ModelEdit(
+        "attention_scale",
+        "attention scores scaled by a config field",
+        lambda p: p.attn_scale is not None,
+        _attention_scale,
+    ),
     ModelEdit(
         "rope_cache",
         "RoPE cache over the rotary part of each head and/or with scaled frequencies",
@@ -461,17 +523,59 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _rope_cache,
     ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
-    ModelEdit("sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm),
-    ModelEdit("residual_multiplier", "sub-layer outputs scaled before the residual add", lambda p: p.residual_multiplier_field is not None, _residual_multiplier),
-    ModelEdit("all_layers_moe", "every layer MoE: no dense switch", lambda p: p.all_layers_moe, _all_layers_moe, needed=lambda text: "self.moe_enabled = model_args" in text),
+    ModelEdit(
+        "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
+    ),
+    ModelEdit(
+        "residual_multiplier",
+        "sub-layer outputs scaled before the residual add",
+        lambda p: p.residual_multiplier_field is not None,
+        _residual_multiplier,
+    ),
+    ModelEdit(
+        "all_layers_moe",
+        "every layer MoE: no dense switch",
+        lambda p: p.all_layers_moe,
+        _all_layers_moe,
+        needed=lambda text: "self.moe_enabled = model_args" in text,
+    ),
     ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
     ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
-    ModelEdit("plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp),
-    ModelEdit("activation", "feed-forward activation other than SiLU", lambda p: p.activation != "silu" and not p.all_layers_moe, _activation, needed=lambda text: "class FeedForward" in text),
-    ModelEdit("mlp_bias", "biases on the feed-forward projections", lambda p: p.mlp_bias and not p.all_layers_moe, _mlp_bias, needed=lambda text: "class FeedForward" in text),
-    ModelEdit("embedding_sqrt_dim", "embeddings scaled by sqrt(dim)", lambda p: p.embedding_scale == "sqrt_dim", _embedding_sqrt_dim),
-    ModelEdit("embedding_multiplier", "embeddings scaled by a config multiplier", lambda p: p.embedding_scale == "multiplier", _embedding_multiplier),
-    ModelEdit("logits_scaling", "logits divided by a config factor", lambda p: p.logit_divisor_field is not None, _logits_scaling),
+    ModelEdit(
+        "plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp
+    ),
+    ModelEdit(
+        "activation",
+        "feed-forward activation other than SiLU",
+        lambda p: p.activation != "silu" and not p.all_layers_moe,
+        _activation,
+        needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
+        "mlp_bias",
+        "biases on the feed-forward projections",
+        lambda p: p.mlp_bias and not p.all_layers_moe,
+        _mlp_bias,
+        needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
+        "embedding_sqrt_dim",
+        "embeddings scaled by sqrt(dim)",
+        lambda p: p.embedding_scale == "sqrt_dim",
+        _embedding_sqrt_dim,
+    ),
+    ModelEdit(
+        "embedding_multiplier",
+        "embeddings scaled by a config multiplier",
+        lambda p: p.embedding_scale == "multiplier",
+        _embedding_multiplier,
+    ),
+    ModelEdit(
+        "logits_scaling",
+        "logits divided by a config factor",
+        lambda p: p.logit_divisor_field is not None,
+        _logits_scaling,
+    ),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )
 
@@ -547,7 +651,9 @@ ATTENTION_DOC = """Grouped-query self-attention with Ulysses sequence parallelis
 def _attention_features(profile: PortPlan) -> str:
     sentences = []
     if profile.qkv_bias:
-        sentences.append("The q/k/v projections have biases" + (", and so does the output projection." if profile.o_bias else "."))
+        sentences.append(
+            "The q/k/v projections have biases" + (", and so does the output projection." if profile.o_bias else ".")
+        )
     elif profile.o_bias:
         sentences.append("The output projection has a bias.")
     if profile.sliding_layer_types:

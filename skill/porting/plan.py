@@ -167,7 +167,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None),  # type: ignore[arg-type]
+        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None),
         unsupported=list(report.unsupported),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,
@@ -185,7 +185,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,
         embedding_scale=embedding,
-        embedding_scale_field=sc.embedding_scale_source.field if embedding == "multiplier" and sc.embedding_scale_source else None,
+        embedding_scale_field=sc.embedding_scale_source.field
+        if embedding == "multiplier" and sc.embedding_scale_source
+        else None,
         residual_multiplier_field=sc.residual_multiplier_field,
         logit_divisor_field=logit_divisor,
         rope_type=pos.rope_type or "default",

@@ -11,13 +11,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from skill.codemod import StagedTree, Workspace, validate_model_name
+from skill.errors import step_error_message
 from skill.porting.check_package import CheckPackageRequest, run_checks
 from skill.porting.common import PackageLayout
 from skill.porting.copy_reference import REFERENCES, CopyReferenceRequest, apply_copy_reference, refuse_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
-from skill.errors import step_error_message
 from skill.porting.plan import plan_for, refuse_unsupported
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec, registered_types
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
@@ -40,7 +40,9 @@ class PortModelRequest(BaseModel):
         description="the source is a folder with auto_map: run its configuration_*.py / modeling_*.py for the "
         "analysis and every stage (read them first); refused otherwise",
     )
-    stages: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6], description="test stages to run after writing")
+    stages: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5, 6], description="test stages to run after writing"
+    )
     workspace: Path | None = Field(default=None, description="project root holding archon_models/")
 
     @field_validator("model_name")
@@ -92,7 +94,9 @@ class _Runner:
         try:
             value = fn()
         except Exception as e:
-            self._record(StepReport(step=name, ok=False, seconds=time.perf_counter() - start, detail=f"{type(e).__name__}: {e}"))
+            self._record(
+                StepReport(step=name, ok=False, seconds=time.perf_counter() - start, detail=f"{type(e).__name__}: {e}")
+            )
             raise
         self._record(StepReport(step=name, ok=True, seconds=time.perf_counter() - start, detail=detail(value)))
         return value
@@ -299,8 +303,10 @@ def run_all_stages(root: Path, model_name: str, stages: list[int]) -> list[RunTe
     for stage in stages:
         tests = [t for t in combined.tests if t.test.startswith(f"test_stage{stage}_")]
         diffs = [c.max_abs_diff for t in tests for c in t.checks if c.max_abs_diff is not None]
-        passed = bool(tests) and all(t.outcome in ("passed", "skipped") for t in tests) and any(
-            t.outcome == "passed" for t in tests
+        passed = (
+            bool(tests)
+            and all(t.outcome in ("passed", "skipped") for t in tests)
+            and any(t.outcome == "passed" for t in tests)
         )
         per_stage.append(
             combined.model_copy(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from skill.analysis.reference import reference_for
 from skill.porting.plan import PortPlan
 
 

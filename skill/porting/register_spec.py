@@ -7,7 +7,7 @@ import logging
 
 from pydantic import Field, field_validator
 
-from skill.codemod import StagedTree
+from skill.codemod import StagedTree, format_python
 from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 
@@ -147,7 +147,8 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
         raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
     if ensure_import_line(init_text, line) != init_text:
         # A function of the registry's content: re-applied on top of another call's import line.
-        tree.update_text(ARCHON_INIT, lambda text: ensure_import_line(text, line))
+        # Formatted (imports sorted as ruff sorts them) like every file the engine writes.
+        tree.update_text(ARCHON_INIT, lambda text: format_python(ensure_import_line(text, line), ARCHON_INIT))
         changed.append(ARCHON_INIT)
     if request.source is not None:
         from skill.porting.plan import plan_for

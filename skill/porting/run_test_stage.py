@@ -13,12 +13,12 @@ from pathlib import Path
 from pydantic import BaseModel, Field, JsonValue, field_validator
 
 import skill
-from skill.codemod import StagedTree, Workspace
+from skill.codemod import StagedTree
 from skill.porting.child_process import run_child, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.hf_source import load_config
-from skill.porting.plan import plan_for
 from skill.porting.model_edits import describe
+from skill.porting.plan import plan_for
 from skill.porting.test_file import add_override_case, test_file_source
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class RunTestStageRequest(PackageRequest):
     config_overrides: dict[str, JsonValue] = Field(
         default_factory=dict,
         description="config attributes set on the tiny HF config of both sides, to prove a feature a default "
-        "hides (e.g. {\"clip_qkv\": 8.0}); added to the test file as an extra case (once) and only that case runs",
+        'hides (e.g. {"clip_qkv": 8.0}); added to the test file as an extra case (once) and only that case runs',
     )
     timeout_s: float = Field(default=600.0, gt=0)
 
@@ -71,7 +71,9 @@ class RunTestStageRequest(PackageRequest):
 class RunTestStageResult(StepResult):
     stage: int
     test_file: str
-    case_id: str | None = Field(default=None, description="the one case that ran (the overrides' case), else every case ran")
+    case_id: str | None = Field(
+        default=None, description="the one case that ran (the overrides' case), else every case ran"
+    )
     passed: bool
     tests: list[StageTest]
     max_abs_diff: float | None = Field(
@@ -139,8 +141,20 @@ def run_stage_subprocess(
     with scratch_dir("archon-port-stage") as tmp:
         report = tmp / "report.xml"
         command = [
-            sys.executable, "-m", "pytest", str(test_path), "-m", marker, "-q", "-p", "no:cacheprovider",
-            "-o", "addopts=", f"--junitxml={report}", "-o", "junit_family=xunit2",
+            sys.executable,
+            "-m",
+            "pytest",
+            str(test_path),
+            "-m",
+            marker,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            f"--junitxml={report}",
+            "-o",
+            "junit_family=xunit2",
         ]
         if case_id is not None:
             command += ["-k", f"[{case_id}]"]
@@ -190,6 +204,12 @@ def _parse_junit(report: Path) -> list[StageTest]:
                 data = json.loads(prop.get("value") or "{}")
                 checks = [StageCheck.model_validate(c) for c in data.get("checks", [])]
         tests.append(
-            StageTest(test=case.get("name", ""), outcome=outcome, seconds=float(case.get("time", 0.0)), checks=checks, message=message)
+            StageTest(
+                test=case.get("name", ""),
+                outcome=outcome,
+                seconds=float(case.get("time", 0.0)),
+                checks=checks,
+                message=message,
+            )
         )
     return tests

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from pydantic import Field
-
 from skill.codemod import StagedTree
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
 from skill.errors import HAND_PORT_POINTER
+from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.plan import PortPlan, plan_for
 from skill.porting.snippets import snippet
 
@@ -63,10 +61,12 @@ def composed_source(camel: str, rope_type: str, partial: bool, interleaved: bool
         imported.append("reshape_for_broadcast")
     listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
     doc = (
-        f'"""{camel} RoPE: ' + "; ".join(what) + ".\n\n"
+        f'"""{camel} RoPE: '
+        + "; ".join(what)
+        + ".\n\n"
         + (
             "The frequencies (and, for some variants, a factor on cos/sin) follow transformers'\n"
-            f"``ROPE_INIT_FUNCTIONS[\"{rope_type}\"]`` operation by operation.\n"
+            f'``ROPE_INIT_FUNCTIONS["{rope_type}"]`` operation by operation.\n'
             if scaled
             else ""
         )

@@ -94,9 +94,11 @@ def test_file_source(
     remote_source: str | None = None,
 ) -> str:
     comments = []
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if profile.sliding_window:
-        comments.append("# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.")
+        comments.append(
+            "# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised."
+        )
     # Two KV heads for four query heads, so grouped-query attention is exercised.
     overrides["num_key_value_heads"] = 2
     comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
@@ -117,7 +119,7 @@ def test_file_source(
     multipliers = [f for f in profile.multipliers if f not in overrides]
     if multipliers:
         # Defaults of 1.0 would let a dropped multiplier pass; distinct values catch a swap too.
-        for name, value in zip(multipliers, NON_TRIVIAL_SCALARS):
+        for name, value in zip(multipliers, NON_TRIVIAL_SCALARS, strict=False):
             overrides[name] = value
         comments.append("# Multipliers away from 1.0 (and from each other), so each one is exercised.")
     entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
@@ -158,27 +160,33 @@ class CasesError(ValueError):
     """The test file has no ``CASES = [ModelCase(...), ...]`` literal the engine can extend."""
 
 
-def _cases_node(tree: ast.Module) -> ast.Assign:
+def _cases_node(tree: ast.Module) -> tuple[ast.Assign, ast.List]:
+    """The ``CASES = [...]`` statement and its list."""
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == "CASES" for t in node.targets)
             and isinstance(node.value, ast.List)
         ):
-            return node
-    raise CasesError("the test file has no `CASES = [...]` list; restore it (delete the file and run_test_stage rewrites it).")
+            return node, node.value
+    raise CasesError(
+        "the test file has no `CASES = [...]` list; restore it (delete the file and run_test_stage rewrites it)."
+    )
 
 
 def read_cases(text: str) -> list[dict[str, Any]]:
     """The keyword arguments of every ``ModelCase(...)`` in ``CASES`` (literal values only)."""
     cases: list[dict[str, Any]] = []
-    for element in _cases_node(ast.parse(text)).value.elts:
+    _, cases_list = _cases_node(ast.parse(text))
+    for element in cases_list.elts:
         if not (isinstance(element, ast.Call) and getattr(element.func, "id", None) == "ModelCase"):
             raise CasesError(f"CASES holds {ast.unparse(element)!r}, not a ModelCase(...) call the engine can read.")
         try:
             cases.append({kw.arg: ast.literal_eval(kw.value) for kw in element.keywords if kw.arg})
         except ValueError as e:
-            raise CasesError(f"a ModelCase in CASES has a non-literal argument ({e}); the engine cannot extend it.") from e
+            raise CasesError(
+                f"a ModelCase in CASES has a non-literal argument ({e}); the engine cannot extend it."
+            ) from e
     return cases
 
 
@@ -224,7 +232,7 @@ def add_override_case(text: str, model_type: str | None, overrides: dict[str, An
     while unique in taken:
         unique, n = f"{name}-{n}", n + 1
     new_case = {"model_type": base["model_type"], "config_overrides": merged, "name": unique}
-    node = _cases_node(ast.parse(text))
+    node, cases_list = _cases_node(ast.parse(text))
     lines = text.splitlines(keepends=True)
     first, last = node.lineno - 1, node.end_lineno or node.lineno
     closing = lines[last - 1]
@@ -235,7 +243,7 @@ def add_override_case(text: str, model_type: str | None, overrides: dict[str, An
             elements[-1] = elements[-1].rstrip("\n") + ",\n"
         block = [lines[first], *elements, _render_case(new_case), closing]
     else:
-        segments = [ast.get_source_segment(text, e) or ast.unparse(e) for e in node.value.elts]
+        segments = [ast.get_source_segment(text, e) or ast.unparse(e) for e in cases_list.elts]
         block = ["CASES = [\n", *(f"    {seg},\n" for seg in segments), _render_case(new_case), "]\n"]
     has_comment = any(line.startswith(OVERRIDE_COMMENT) for line in lines[:first])
     head = lines[:first] + ([] if has_comment else [OVERRIDE_COMMENT + "\n"])

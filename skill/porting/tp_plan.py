@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import subprocess
@@ -47,7 +46,9 @@ class UnmatchedPlanEntry(BaseModel):
     """One plan key that resolves to no module of the module it was applied to."""
 
     key: str = Field(description="the plan key, e.g. 'attention.q_norm'")
-    level: str = Field(description="'layer' (applied to each TransformerBlock), 'model' (the top level), or the module path")
+    level: str = Field(
+        description="'layer' (applied to each TransformerBlock), 'model' (the top level), or the module path"
+    )
     applied_to: str = Field(description="the module(s) the plan was applied to, e.g. 'layers.0-1' or '(model)'")
     probe: str = Field(description="the model the plan was traced on (config and parallelism)")
     children: list[str] = Field(description="what that module has at the atom that did not match")
@@ -66,7 +67,9 @@ class PlanTraceError(RuntimeError):
     """The package could not be imported, built on the meta device or parallelised."""
 
 
-def trace_tp_plan(tree: StagedTree, model_name: str, sources: list[str], timeout_s: float = PLAN_TIMEOUT_S) -> PlanTrace:
+def trace_tp_plan(
+    tree: StagedTree, model_name: str, sources: list[str], timeout_s: float = PLAN_TIMEOUT_S
+) -> PlanTrace:
     """Trace ``model_name``'s TP plan on models built from its args defaults and from each of
     ``sources`` (model_types or config paths); raise :class:`PlanTraceError` when it cannot run."""
     with tempfile.TemporaryDirectory(prefix="archon-port-plan-") as tmp:
@@ -192,12 +195,12 @@ def _trace_one(package: str, args: Any, probe: str, ep: bool) -> tuple[list[Unma
         return module
 
     original = parallelize_module_.__dict__.get("parallelize_module")
-    parallelize_module_.parallelize_module = record
+    vars(parallelize_module_)["parallelize_module"] = record
     try:
         parallelize_fn(model, _ProbeDims(ep_enabled=ep), enable_compile=False)
     finally:
         if original is not None:
-            parallelize_module_.parallelize_module = original
+            vars(parallelize_module_)["parallelize_module"] = original
     # One entry per (key, level): a layer key missing from every block is reported once.
     missing: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     matched: set[str] = set()
@@ -210,7 +213,7 @@ def _trace_one(package: str, args: Any, probe: str, ep: bool) -> tuple[list[Unma
             if problem is None:
                 matched.add(f"{level}:{key}")
                 continue
-            places, children = missing.setdefault((key, level), ([], problem[1]))
+            places, _ = missing.setdefault((key, level), ([], problem[1]))
             places.append(where)
     entries = [
         UnmatchedPlanEntry(

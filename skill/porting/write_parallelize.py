@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import logging
+import textwrap
+from collections.abc import Callable
 
 from pydantic import Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
-from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_file, require_package, staged, write_if_changed
+from skill.porting.common import (
+    PackageLayout,
+    SourceRequest,
+    StepResult,
+    require_file,
+    require_package,
+    staged,
+    write_if_changed,
+)
 from skill.porting.plan import PortPlan, plan_for
 
 logger = logging.getLogger(__name__)
@@ -43,22 +53,21 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         if profile.moe
         else ""
     )
-    order = "TP, EP, CP, activation checkpointing, compile, FSDP" if profile.moe else (
-        "TP, CP, activation checkpointing, compile, FSDP"
+    order = (
+        "TP, EP, CP, activation checkpointing, compile, FSDP"
+        if profile.moe
+        else ("TP, CP, activation checkpointing, compile, FSDP")
     )
-    return (
-        f"How a {camel} model is laid out over devices: {order}.\n\n"
-        + (
-            f"{camel} attention normalises the full q/k projections, so ``wq``/``wk`` keep DTensor outputs\n"
-            "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as\n"
-            "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
-            if profile.qk_norm == "full"
-            else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the\n"
-            "attention (``use_local_output=True``). "
-        )
-        + f"{bias_text}\n"
-        + (f"\n{moe}" if moe else "")
-    ).replace(" \n", "\n")
+    attention = (
+        f"{camel} attention normalises the full q/k projections, so ``wq``/``wk`` keep DTensor outputs "
+        "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as "
+        "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
+        if profile.qk_norm == "full"
+        else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the "
+        "attention (``use_local_output=True``). "
+    )
+    paragraph = "\n".join(textwrap.wrap(attention + bias_text, width=92, break_on_hyphens=False))
+    return f"How a {camel} model is laid out over devices: {order}.\n\n{paragraph}\n" + (f"\n{moe}" if moe else "")
 
 
 QK_NORM_IF = """if has_qk_norm:
@@ -67,20 +76,22 @@ QK_NORM_IF = """if has_qk_norm:
 """
 
 
-def _set_function_docstring(text: str, function: str, edit) -> str:
+def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]) -> str:
     """Rewrite a module-level function's docstring through ``edit`` (str -> str)."""
     import libcst as cst
-    import libcst.matchers as m
+
+    from skill.codemod.cst import replaced_code, statements
 
     module = cst.parse_module(text)
     for stmt in module.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == function:
-            first = stmt.body.body[0]
-            if m.matches(first, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
-                old = first.body[0].value
+            first = statements(stmt.body)[0]
+            docstring = first.body[0] if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 else None
+            if isinstance(docstring, cst.Expr) and isinstance(docstring.value, cst.SimpleString):
+                old = docstring.value
                 new_value = edit(old.value)
                 if new_value != old.value:
-                    return module.deep_replace(old, old.with_changes(value=new_value)).code
+                    return replaced_code(module, old, old.with_changes(value=new_value))
     return text
 
 

@@ -82,9 +82,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.section("archon stage results")
     header = ("max|dlogits|", "max|dgrad|", "max|diff|")
     terminalreporter.write_line(
-        f"{'case':<16} {'stage':<16} {'result':<7} "
-        + " ".join(f"{h:>12}" for h in header)
-        + f" {'seconds':>8}"
+        f"{'case':<16} {'stage':<16} {'result':<7} " + " ".join(f"{h:>12}" for h in header) + f" {'seconds':>8}"
     )
     for row in sorted(rows, key=lambda r: (r.case_id, r.stage)):
         terminalreporter.write_line(

@@ -62,7 +62,7 @@ def test_backend_matches_naive_reference_forward_and_backward(backend, n_kv_head
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
 
     torch.testing.assert_close(out, ref.float())
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, want.float())
 
@@ -115,7 +115,7 @@ def test_varlen_attn_token_major_api_with_kv_prefix_is_bottom_right_causal():
     scale = 1 / math.sqrt(HEAD_DIM)
     kk, vv = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
     q0, q1 = 0, 0
-    for lq, lk in zip(q_lens, k_lens):
+    for lq, lk in zip(q_lens, k_lens, strict=True):
         for i in range(lq):
             visible = lk - lq + i + 1
             scores = torch.einsum("hd,khd->hk", query[q0 + i], kk[q1 : q1 + visible]) * scale

@@ -141,7 +141,7 @@ def test_grouped_experts_cpu_path_matches_naive_per_expert_compute() -> None:
     out.backward(grad)
     ref.backward(grad)
     torch.testing.assert_close(x.grad, x_ref.grad)
-    for mine, theirs in zip((experts.w1, experts.w2, experts.w3), (w1, w2, w3)):
+    for mine, theirs in zip((experts.w1, experts.w2, experts.w3), (w1, w2, w3), strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
@@ -272,19 +272,23 @@ def test_moe_shared_experts_and_score_before_experts() -> None:
 
     top_scores, selected, _ = moe.router(x.view(-1, DIM))
     w = (moe.experts.w1, moe.experts.w2, moe.experts.w3)
-    routed = torch.stack([
-        sum(top_scores[t, k] * _naive_swiglu(*w, x[0, t], int(selected[t, k])) for k in range(TOP_K))
-        for t in range(TOKENS)
-    ])
+    routed = torch.stack(
+        [
+            sum(top_scores[t, k] * _naive_swiglu(*w, x[0, t], int(selected[t, k])) for k in range(TOP_K))
+            for t in range(TOKENS)
+        ]
+    )
     expected = routed + moe.shared_experts(x[0])
     torch.testing.assert_close(moe(x)[0], expected)
 
     before = MoE(dataclasses.replace(args, score_before_experts=True), DIM, HIDDEN)
     before.load_state_dict(moe.state_dict())
-    routed_before = torch.stack([
-        sum(_naive_swiglu(*w, top_scores[t, k] * x[0, t], int(selected[t, k])) for k in range(TOP_K))
-        for t in range(TOKENS)
-    ])
+    routed_before = torch.stack(
+        [
+            sum(_naive_swiglu(*w, top_scores[t, k] * x[0, t], int(selected[t, k])) for k in range(TOP_K))
+            for t in range(TOKENS)
+        ]
+    )
     torch.testing.assert_close(before(x)[0], routed_before + moe.shared_experts(x[0]))
     assert int(moe.tokens_per_expert.sum()) == TOKENS * TOP_K
 
@@ -298,10 +302,21 @@ def test_load_balance_buffers() -> None:
 # ---------------------------------------------------------------------------- converter
 
 EXPERT_KEYS = {
-    "qwen3_moe": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.down_proj.weight", "mlp.experts.{}.up_proj.weight"),
-    "qwen2_moe": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.down_proj.weight", "mlp.experts.{}.up_proj.weight"),
-    "mixtral": ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w2.weight",
-                "block_sparse_moe.experts.{}.w3.weight"),
+    "qwen3_moe": (
+        "mlp.experts.{}.gate_proj.weight",
+        "mlp.experts.{}.down_proj.weight",
+        "mlp.experts.{}.up_proj.weight",
+    ),
+    "qwen2_moe": (
+        "mlp.experts.{}.gate_proj.weight",
+        "mlp.experts.{}.down_proj.weight",
+        "mlp.experts.{}.up_proj.weight",
+    ),
+    "mixtral": (
+        "block_sparse_moe.experts.{}.w1.weight",
+        "block_sparse_moe.experts.{}.w2.weight",
+        "block_sparse_moe.experts.{}.w3.weight",
+    ),
 }
 
 
@@ -326,13 +341,19 @@ def test_converter_roundtrips_saved_checkpoint_keys(model_type: str, tmp_path) -
     converter = _converter(model_type, MoEArgs.from_hf_config(config).num_experts)
 
     experts, rest = converter.merge_from_hf(on_disk)
-    assert sorted(experts) == [f"layers.{l}.moe.experts.w{i}" for l in range(config.num_hidden_layers) for i in (1, 2, 3)]
+    assert sorted(experts) == [
+        f"layers.{layer}.moe.experts.w{i}" for layer in range(config.num_hidden_layers) for i in (1, 2, 3)
+    ]
     assert not any(".experts." in key for key in rest)
     hidden = experts["layers.0.moe.experts.w1"].shape[1]
     for layer in range(config.num_hidden_layers):
         in_memory = model.model.layers[layer].mlp.experts
-        torch.testing.assert_close(experts[f"layers.{layer}.moe.experts.w1"], in_memory.gate_up_proj[:, :hidden], rtol=0, atol=0)
-        torch.testing.assert_close(experts[f"layers.{layer}.moe.experts.w3"], in_memory.gate_up_proj[:, hidden:], rtol=0, atol=0)
+        torch.testing.assert_close(
+            experts[f"layers.{layer}.moe.experts.w1"], in_memory.gate_up_proj[:, :hidden], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            experts[f"layers.{layer}.moe.experts.w3"], in_memory.gate_up_proj[:, hidden:], rtol=0, atol=0
+        )
         torch.testing.assert_close(experts[f"layers.{layer}.moe.experts.w2"], in_memory.down_proj, rtol=0, atol=0)
 
     back = dict(rest)

@@ -134,7 +134,11 @@ def _worker(rank: int, world_size: int, data: dict[str, Any]) -> dict[str, Any]:
         mesh_2d = init_device_mesh("cpu", shape, mesh_dim_names=("ep", "tp"))
         ExpertTensorParallel()._apply(experts, mesh_2d)
         ep_rank = mesh_2d["ep"].get_local_rank()
-        rows, counts, g = (data["rows_per_rank"][ep_rank], data["counts_per_rank"][ep_rank], data["g_rows_per_rank"][ep_rank])
+        rows, counts, g = (
+            data["rows_per_rank"][ep_rank],
+            data["counts_per_rank"][ep_rank],
+            data["g_rows_per_rank"][ep_rank],
+        )
         results[f"etp{shape}"] = _run(experts, rows, grad=g, extra=(counts,))
     return _numpy_tree(results)
 
@@ -148,7 +152,7 @@ def _sorted_rows(n_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def distributed() -> tuple[dict[str, Any], list[dict[str, Any]]]:
     torch.manual_seed(2)
-    rows_per_rank, counts_per_rank = zip(*(_sorted_rows(10 + 3 * r, seed=r) for r in range(RANKS)))
+    rows_per_rank, counts_per_rank = zip(*(_sorted_rows(10 + 3 * r, seed=r) for r in range(RANKS)), strict=True)
     rows, counts = _sorted_rows(14, seed=7)
     data = {
         "x_per_rank": [torch.randn(1, TOKENS, DIM) for _ in range(RANKS)],
@@ -197,7 +201,9 @@ def test_reorderer_sequence_parallel_with_ep_gives_partial_sums(distributed) -> 
     ref = _run(_moe(shared=False), data["x_shared"], grad=data["g_shared"])
     torch.testing.assert_close(sum(r["ep_sp"]["out"] for r in results), ref["out"])
     torch.testing.assert_close(sum(r["ep_sp"]["x_grad"] for r in results), ref["x_grad"])
-    torch.testing.assert_close(sum(r["ep_sp"]["grads"]["router.gate.weight"] for r in results), ref["grads"]["router.gate.weight"])
+    torch.testing.assert_close(
+        sum(r["ep_sp"]["grads"]["router.gate.weight"] for r in results), ref["grads"]["router.gate.weight"]
+    )
     for rank, result in enumerate(r["ep_sp"] for r in results):
         for name in ("experts.w1", "experts.w2", "experts.w3"):
             torch.testing.assert_close(result["grads"][name], _expert_shard(ref["grads"][name], rank, 0))

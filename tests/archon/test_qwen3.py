@@ -53,9 +53,7 @@ def test_stage4_parity(case, prove, tmp_path):
 
 
 @pytest.mark.stage4
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="bf16 parity needs a CUDA GPU; it is never faked on CPU"
-)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 parity needs a CUDA GPU; it is never faked on CPU")
 def test_stage4_parity_bf16_cuda(case, prove, tmp_path):
     prove(run_parity_stage, case, workdir=tmp_path, device="cuda", dtype=torch.bfloat16)
 

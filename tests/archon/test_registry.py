@@ -107,9 +107,7 @@ def test_index_parsing_maps_every_key_to_its_shard(tmp_path):
         "model.layers.0.self_attn.q_proj.weight": "model-00002-of-00003.safetensors",
         "lm_head.weight": "model-00003-of-00003.safetensors",
     }
-    (tmp_path / SAFETENSORS_INDEX).write_text(
-        json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
-    )
+    (tmp_path / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
     adapter = _adapter_class("qwen2")(build_hf_config(ModelCase(model_type="qwen2")), str(tmp_path))
     assert adapter.fqn_to_index_mapping == {
         "model.embed_tokens.weight": 1,
@@ -181,9 +179,7 @@ def test_adapter_rejects_an_unknown_key_naming_it(saved):
         adapter.from_hf({**state, bogus: torch.zeros(2)})
 
 
-@pytest.mark.parametrize(
-    "key", ["model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"]
-)
+@pytest.mark.parametrize("key", ["model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"])
 def test_adapter_rejects_a_missing_key_naming_it(saved, key):
     adapter, state = saved
     assert key in state

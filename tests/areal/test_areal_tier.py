@@ -35,5 +35,13 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
     assert not failures, "\n".join(f"{c.name}: {c.detail}" for c in failures)
     # The checks that must be there: both attention types, the roundtrip, the critic, TP and FSDP.
     names = " | ".join(c.name for c in result.checks)
-    for required in ("[AReaL, sdpa]", "[AReaL, varlen]", "to_hf reproduces", "_orig_mod", "critic", "(tp=2)", "(fsdp=2)"):
+    for required in (
+        "[AReaL, sdpa]",
+        "[AReaL, varlen]",
+        "to_hf reproduces",
+        "_orig_mod",
+        "critic",
+        "(tp=2)",
+        "(fsdp=2)",
+    ):
         assert required in names, f"missing check {required!r}"

@@ -24,7 +24,9 @@ REGISTRY_LINE = "from archon_models.newpkg import spec as newpkg_spec  # noqa: F
 def make_workspace(root: str) -> None:
     """A minimal project: a registry importing ``oldpkg`` at version 1."""
     files = {
-        "archon_models/__init__.py": '"""registry"""\n\nfrom archon_models.oldpkg import spec as oldpkg_spec  # noqa: F401\n',
+        "archon_models/__init__.py": (
+            '"""registry"""\n\nfrom archon_models.oldpkg import spec as oldpkg_spec  # noqa: F401\n'
+        ),
         "archon_models/oldpkg/__init__.py": "",
         "archon_models/oldpkg/spec.py": (
             "from archon_models.oldpkg.layers import LAYERS_VERSION\n"

@@ -39,7 +39,10 @@ BAD_SESSIONS = {
     "garbage": "\x00\xff not json at all\n",
     "truncated": "TRUNCATED",
     "unknown_format": '{"kind": "session", "format": 99, "session_id": "x", "engine_version": "x", "created": "x"}\n',
-    "not_a_record": '{"kind": "session", "format": 1, "session_id": "x", "engine_version": "x", "created": "x"}\n{"kind": "mystery"}\n',
+    "not_a_record": (
+        '{"kind": "session", "format": 1, "session_id": "x", "engine_version": "x", "created": "x"}\n'
+        '{"kind": "mystery"}\n'
+    ),
 }
 
 
@@ -56,7 +59,9 @@ def test_replay_of_a_bad_session_file_is_one_line(tmp_path: Path, kind: str, cap
     _one_error_line(capsys)
 
 
-@pytest.mark.parametrize("command", [["check", "{n}"], ["stage", "{n}", "1"], ["add", "llama", "--name", "{n}", "--stages", ""]])
+@pytest.mark.parametrize(
+    "command", [["check", "{n}"], ["stage", "{n}", "1"], ["add", "llama", "--name", "{n}", "--stages", ""]]
+)
 def test_a_name_too_long_for_the_file_system_is_one_line(workspace: Path, monkeypatch, capsys, command):
     monkeypatch.chdir(workspace)
     name = "a" * 260

@@ -86,7 +86,9 @@ def test_a_registry_edit_staged_before_another_commit_is_rebased(workspace: Path
     trees = {}
     for name in order:
         trees[name] = StagedTree(Workspace(workspace))
-        apply_register_spec(trees[name], RegisterSpecRequest(model_name=name, model_types=[f"{name}_lm"], workspace=workspace))
+        apply_register_spec(
+            trees[name], RegisterSpecRequest(model_name=name, model_types=[f"{name}_lm"], workspace=workspace)
+        )
     for name in order:
         trees[name].commit()
     registry = (workspace / ARCHON_INIT).read_text()

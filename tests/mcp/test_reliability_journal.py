@@ -3,6 +3,7 @@ next tool call rolls the tree back to the state before the commit (or it had fin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -83,10 +84,8 @@ def test_kill_at_every_file_operation_of_a_commit(tmp_path):
         imported = _imports(root)
         assert imported.returncode == 0, f"k={kill_at}: import archon_models failed:\n{imported.stderr}"
         # The next tool call (any, even one that fails) finishes the job.
-        try:
+        with contextlib.suppress(FileNotFoundError):
             tools.invoke("register_spec", {"model_name": "absent"}, workspace=root)
-        except FileNotFoundError:
-            pass
         state = _tree(root)
         assert state in (before, after), f"k={kill_at}: the tree is neither the state before nor after the commit"
         assert _dirs(root) == (before_dirs if state == before else after_dirs), f"k={kill_at}: leftover directories"

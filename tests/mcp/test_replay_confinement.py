@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_session(path: Path, *records) -> Path:
-    header = SessionHeader(session_id="crafted", engine_version=sessions.engine_version(), created="2026-01-01T00:00:00Z")
+    header = SessionHeader(
+        session_id="crafted", engine_version=sessions.engine_version(), created="2026-01-01T00:00:00Z"
+    )
     path.write_text("".join(r.model_dump_json() + "\n" for r in (header, *records)), encoding="utf-8")
     return path
 
@@ -60,8 +62,12 @@ CRAFTED = {
     "binary_dotdot": lambda v: _edit(binary={_escapes(v, 12): FileContent(b64="cHduZWQK")}),
     "binary_absolute": lambda v: _edit(binary={str(v): FileContent(b64="cHduZWQK")}),
     "call_base_absolute": lambda v: CallRecord(
-        seq=1, tool="toy_read_note", arguments={"model_name": "x", "note": "README.md"}, ok=True,
-        engine_version="x", base={str(v): FileContent(text="pwned\n")},
+        seq=1,
+        tool="toy_read_note",
+        arguments={"model_name": "x", "note": "README.md"},
+        ok=True,
+        engine_version="x",
+        base={str(v): FileContent(text="pwned\n")},
     ),
 }
 
@@ -82,14 +88,17 @@ def test_a_symlink_in_the_copied_repository_does_not_lead_a_patch_outside(tmp_pa
     (source / "archon_models" / "link").symlink_to(victim.parent, target_is_directory=True)
     patch = unified_diff("archon_models/link/victim.txt", b"precious\n", b"pwned\n")
     session = _write_session(tmp_path / "crafted.jsonl", _edit(patch=patch))
-    with pytest.raises(UnsafeSessionError, match="edit #1: .*outside the workspace"):
+    with pytest.raises(UnsafeSessionError, match=r"edit #1: .*outside the workspace"):
         replay_session(ReplayInput(session=session, source=source))
     assert victim.read_text() == "precious\n"
 
 
 def test_remote_code_runs_only_when_the_replayer_allows_it(tmp_path: Path):
     call = CallRecord(
-        seq=1, tool="analyze_hf_model", arguments={"source": "ckpt", "trust_remote_code": True}, ok=True,
+        seq=1,
+        tool="analyze_hf_model",
+        arguments={"source": "ckpt", "trust_remote_code": True},
+        ok=True,
         engine_version="x",
     )
     session = _write_session(tmp_path / "remote.jsonl", call)
@@ -105,7 +114,11 @@ def test_the_cli_refuses_with_one_line_and_exit_2(tmp_path: Path, victim: Path):
     session = _write_session(tmp_path / "crafted.jsonl", CRAFTED["patch_header_dotdot"](victim))
     proc = subprocess.run(
         [sys.executable, "-m", "skill.cli", "replay", str(session)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "edit #1" in proc.stderr, proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_bad_sources_name_the_problem_and_the_fix(source: str, message: str) -> 
 
 
 def test_folder_without_config(tmp_path: Path) -> None:
-    with pytest.raises(AnalysisError, match="has no config.json"):
+    with pytest.raises(AnalysisError, match=re.escape("has no config.json")):
         analyze_hf_model(AnalyzeInput(source=str(tmp_path)))
 
 

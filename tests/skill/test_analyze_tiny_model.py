@@ -73,7 +73,7 @@ def test_config_object_keeps_its_non_default_features() -> None:
 def test_build_is_seeded_and_small() -> None:
     config = tiny_config("qwen2")
     first, second = build_tiny_model(config, seed=3), build_tiny_model(config, seed=3)
-    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
     assert parameter_count(first) < 500_000
     assert not first.training

@@ -88,9 +88,7 @@ def _camel(name: str) -> str:
 def make_checkpoint(tmp_path: Path, name: str) -> Path:
     """The family's folder with ``config.json`` (auto_map) and tiny noisy weights."""
     folder = tmp_path / f"{name}-checkpoint"
-    shutil.copytree(
-        FAMILIES_DIR / name, folder, ignore=shutil.ignore_patterns("__pycache__")
-    )
+    shutil.copytree(FAMILIES_DIR / name, folder, ignore=shutil.ignore_patterns("__pycache__"))
     camel = _camel(name)
     # A config.json naming only the family's code: every value comes from the config
     # class's defaults, which the tiny config then shrinks.
@@ -98,12 +96,8 @@ def make_checkpoint(tmp_path: Path, name: str) -> Path:
         "AutoConfig": f"configuration_{name}.{camel}Config",
         "AutoModelForCausalLM": f"modeling_{name}.{camel}ForCausalLM",
     }
-    (folder / "config.json").write_text(
-        json.dumps({"model_type": name, "auto_map": auto_map})
-    )
-    case = ModelCase(
-        model_type=name, source=str(folder), trust_remote_code=True, seed=7
-    )
+    (folder / "config.json").write_text(json.dumps({"model_type": name, "auto_map": auto_map}))
+    case = ModelCase(model_type=name, source=str(folder), trust_remote_code=True, seed=7)
     model = build_hf_model(case)
     model.save_pretrained(str(folder), safe_serialization=True)
     saved = json.loads((folder / "config.json").read_text())
@@ -129,9 +123,7 @@ def test_family_ports_with_zero_hand_edits(tmp_path, name):
 
     # Without trust_remote_code: refused in one line naming the fix, nothing written.
     before = _files(root)
-    refused = port_model(
-        PortModelRequest(source=str(folder), stages=[], workspace=root)
-    )
+    refused = port_model(PortModelRequest(source=str(folder), stages=[], workspace=root))
     assert not refused.passed and refused.failed_step == "analyze"
     assert refused.error is not None and "\n" not in refused.error.strip()
     assert "trust_remote_code" in refused.error, refused.error
@@ -155,12 +147,7 @@ def test_family_ports_with_zero_hand_edits(tmp_path, name):
     assert all(r.passed for r in result.stage_results)
     # Stage 4 also compared the folder's own weights, within assert_close's defaults.
     parity = next(r for r in result.stage_results if r.stage == 4)
-    own = [
-        c
-        for t in parity.tests
-        for c in t.checks
-        if "source folder's own weights" in c.name
-    ]
+    own = [c for t in parity.tests for c in t.checks if "source folder's own weights" in c.name]
     assert len(own) == 4 and all(c.passed for c in own), [c.name for c in own]
     assert result.max_abs_logit_diff is not None and result.max_abs_logit_diff < 1e-5
 

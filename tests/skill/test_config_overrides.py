@@ -62,7 +62,12 @@ def stage_workspace(tmp_path) -> Path:
     """archon_models/ and the stage tests' conftest: enough to run a package's stages."""
     shutil.copytree(REPO / "archon_models", tmp_path / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "tests" / "archon").mkdir(parents=True)
-    for rel in ("tests/__init__.py", "tests/archon/__init__.py", "tests/archon/conftest.py", "tests/archon/test_llama.py"):
+    for rel in (
+        "tests/__init__.py",
+        "tests/archon/__init__.py",
+        "tests/archon/conftest.py",
+        "tests/archon/test_llama.py",
+    ):
         shutil.copy(REPO / rel, tmp_path / rel)
     return tmp_path
 

@@ -101,7 +101,9 @@ def test_phi3_adapter_splits_on_load_and_names_the_slice_destination(phi3):
     parts = adapter._split_fused(QKV, "model.layers.{}.self_attn.qkv_proj.weight", ["0"], qkv)
     assert torch.equal(parts["layers.0.attention.wk.weight"], qkv[q : q + k])
     # Per parameter, the fused key its slice goes to; to_hf stacks the slices back.
-    assert adapter.convert_single_to_hf("layers.0.attention.wv.weight", parts["layers.0.attention.wv.weight"])[0][0] == QKV
+    assert (
+        adapter.convert_single_to_hf("layers.0.attention.wv.weight", parts["layers.0.attention.wv.weight"])[0][0] == QKV
+    )
     assert torch.equal(adapter.to_hf(parts)[QKV], qkv)
     with pytest.raises(KeyError, match="rows"):
         adapter._split_fused(QKV, "model.layers.{}.self_attn.qkv_proj.weight", ["0"], qkv[:-1])

@@ -29,9 +29,7 @@ def _own_checks(result):
 
 def test_stage4_compares_the_source_folders_weights(tmp_path):
     folder = _folder(tmp_path)
-    result = run_parity_stage(
-        ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path
-    )
+    result = run_parity_stage(ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path)
     own = _own_checks(result)
     assert result.passed
     # One sequence and packed documents, for both attention backends.
@@ -43,18 +41,12 @@ def test_stage4_without_weights_in_the_folder_compares_only_the_tiny_model(tmp_p
     folder = _folder(tmp_path)
     for file in folder.glob("*.safetensors"):
         file.unlink()
-    result = run_parity_stage(
-        ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path
-    )
+    result = run_parity_stage(ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path)
     assert result.passed and not _own_checks(result)
-    assert not _own_checks(
-        run_parity_stage(ModelCase(model_type="qwen2"), workdir=tmp_path)
-    )
+    assert not _own_checks(run_parity_stage(ModelCase(model_type="qwen2"), workdir=tmp_path))
 
 
-def test_stage4_fails_when_archon_disagrees_with_the_folders_weights(
-    tmp_path, monkeypatch
-):
+def test_stage4_fails_when_archon_disagrees_with_the_folders_weights(tmp_path, monkeypatch):
     folder = _folder(tmp_path)
     load = parity.load_archon_model
 

@@ -10,12 +10,12 @@ from skill.codemod import ModelNames, Workspace, WorkspaceError, transaction, va
 from skill.codemod import cst as c
 from skill.codemod.workspace import ConcurrentEditError, StagedTree
 
-ADAPTER = '''class A:
+ADAPTER = """class A:
     from_hf_map = {
         "a.weight": "x.weight",  # keep this comment
         "b.inv_freq": None,
     }
-'''
+"""
 
 
 def test_rename_identifiers_renames_classes_modules_constants_and_strings():
@@ -65,7 +65,10 @@ def test_ensure_import_line_is_idempotent_and_sorted_in_its_group():
 
 
 def test_class_fields_and_functions_are_replaced_in_place():
-    source = '@dataclass\nclass Args:\n    """Doc."""\n\n    dim: int = 1  # width\n    old: bool = True\n\n    def f(self):\n        return 1\n'
+    source = (
+        '@dataclass\nclass Args:\n    """Doc."""\n\n    dim: int = 1  # width\n    old: bool = True\n\n'
+        "    def f(self):\n        return 1\n"
+    )
     out = c.set_class_fields(source, "Args", {"dim": "int = 1", "extra": "float = 0.5"}, remove=["old"])
     assert "dim: int = 1  # width" in out and "extra: float = 0.5" in out and "old" not in out
     assert c.set_class_fields(out, "Args", {"dim": "int = 1", "extra": "float = 0.5"}) == out
@@ -75,12 +78,17 @@ def test_class_fields_and_functions_are_replaced_in_place():
 
 
 def test_set_call_kwarg_edits_only_the_named_target():
-    source = "class A:\n    def __init__(self):\n        self.wq = nn.Linear(1, 2, bias=bias)\n        self.wo = nn.Linear(2, 1, bias=False)\n"
+    source = (
+        "class A:\n    def __init__(self):\n        self.wq = nn.Linear(1, 2, bias=bias)\n"
+        "        self.wo = nn.Linear(2, 1, bias=False)\n"
+    )
     out = c.set_call_kwarg(source, "nn.Linear", "bias", "True", target="self.wo")
     assert "self.wq = nn.Linear(1, 2, bias=bias)" in out and "self.wo = nn.Linear(2, 1, bias=True)" in out
 
 
-@pytest.mark.parametrize("name", ["../evil", "a/b", "Mistral", "my-model", "class", "attention", "", "9lives", ".hidden"])
+@pytest.mark.parametrize(
+    "name", ["../evil", "a/b", "Mistral", "my-model", "class", "attention", "", "9lives", ".hidden"]
+)
 def test_invalid_model_names_are_refused(name):
     with pytest.raises(ValueError):
         validate_model_name(name)
@@ -117,10 +125,9 @@ def test_transaction_applies_all_writes_at_exit(workspace):
 
 
 def test_an_exception_in_the_block_writes_nothing(workspace):
-    with pytest.raises(RuntimeError):
-        with transaction(workspace) as tree:
-            tree.write_text("archon_models/new/a.py", "a\n")
-            raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError), transaction(workspace) as tree:
+        tree.write_text("archon_models/new/a.py", "a\n")
+        raise RuntimeError("step failed")
     assert not (workspace.root / "archon_models/new").exists()
 
 

@@ -76,7 +76,9 @@ def test_a_mutation_in_a_module_without_parameters_is_located(tmp_path):
     assert first.input_max_abs_diff <= 1e-5 < first.max_abs_diff  # right input, wrong output: the module itself
     # Its siblings w1 and w3 match; the difference reaches w2 through it, not from them.
     compared = {c.archon_module: c for c in result.compared}
-    assert compared["layers.0.feed_forward.w1"].within_tolerance and compared["layers.0.feed_forward.w3"].within_tolerance
+    assert (
+        compared["layers.0.feed_forward.w1"].within_tolerance and compared["layers.0.feed_forward.w3"].within_tolerance
+    )
     assert not compared["layers.0.feed_forward.w2"].within_tolerance
     # Every layer's activation module was paired with that layer's HF activation, in order.
     pairs = {c.archon_module: c.hf_module for c in result.compared if c.matched_by == "execution_order"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -58,9 +59,14 @@ def test_register_spec_is_idempotent_and_refuses_a_taken_model_type(workspace):
     assert "archon_models/__init__.py" in first.changed_files
     init = (workspace / "archon_models/__init__.py").read_text()
     assert first.import_line in init
-    assert register_spec(RegisterSpecRequest(model_name="newfam", model_types=["newfam"], workspace=workspace)).changed_files == []
+    assert (
+        register_spec(
+            RegisterSpecRequest(model_name="newfam", model_types=["newfam"], workspace=workspace)
+        ).changed_files
+        == []
+    )
     before = _snapshot(workspace)
-    with pytest.raises(ValueError, match="archon_models/llama/spec.py"):
+    with pytest.raises(ValueError, match=re.escape("archon_models/llama/spec.py")):
         register_spec(RegisterSpecRequest(model_name="newfam", model_types=["llama"], workspace=workspace))
     assert _snapshot(workspace) == before
 
@@ -68,7 +74,8 @@ def test_register_spec_is_idempotent_and_refuses_a_taken_model_type(workspace):
 def test_port_model_reproduces_the_committed_llama_and_a_rerun_changes_nothing(workspace):
     shutil.rmtree(workspace / "archon_models/llama")
     init = workspace / "archon_models/__init__.py"
-    init.write_text("".join(l for l in init.read_text().splitlines(keepends=True) if "archon_models.llama " not in l))
+    lines = init.read_text().splitlines(keepends=True)
+    init.write_text("".join(line for line in lines if "archon_models.llama " not in line))
     result = port_model(PortModelRequest(source="llama", stages=[], workspace=workspace))
     assert result.passed, result.error
     assert result.edits == ["projection_bias"]
@@ -104,7 +111,8 @@ def test_port_model_refuses_a_changed_package_without_overwrite(workspace):
 def test_ctrl_c_while_writing_leaves_no_half_package(workspace, monkeypatch):
     shutil.rmtree(workspace / "archon_models/llama")
     init = workspace / "archon_models/__init__.py"
-    init.write_text("".join(l for l in init.read_text().splitlines(keepends=True) if "archon_models.llama " not in l))
+    lines = init.read_text().splitlines(keepends=True)
+    init.write_text("".join(line for line in lines if "archon_models.llama " not in line))
     before = _snapshot(workspace)
     real_replace = os.replace
     calls = []
@@ -132,7 +140,9 @@ def test_check_package_catches_the_guides_common_mistakes(workspace):
     request = CheckPackageRequest(model_name="llama", workspace=workspace)
     assert check_package(request).passed
     adapter = workspace / "archon_models/llama/model/state_dict_adapter.py"
-    adapter.write_text(adapter.read_text().replace('        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,\n', ""))
+    adapter.write_text(
+        adapter.read_text().replace('        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,\n', "")
+    )
     model = workspace / "archon_models/llama/model/model.py"
     model.write_text(model.read_text() + "\nprint('debug')\n")
     init = workspace / "archon_models/__init__.py"
@@ -182,7 +192,9 @@ def test_check_package_fails_a_tp_plan_entry_that_matches_no_module(workspace):
 
 def test_check_package_traces_moe_variants_and_fails_a_package_that_cannot_build(workspace):
     # qwen3 serves qwen3_moe too: the MoE plan (with and without EP) is traced on a MoE config.
-    result = check_package(CheckPackageRequest(model_name="qwen3", model_types=["qwen3", "qwen3_moe"], workspace=workspace))
+    result = check_package(
+        CheckPackageRequest(model_name="qwen3", model_types=["qwen3", "qwen3_moe"], workspace=workspace)
+    )
     check = _tp_plan_modules(result)
     assert check.passed, check.detail
     assert "traced on 7 models" in check.detail

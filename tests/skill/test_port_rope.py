@@ -139,9 +139,7 @@ def _write_interleaved(root: Path) -> tuple[Path, list[str]]:
     [
         torch.arange(12).unsqueeze(0).expand(2, 12),
         # Packed documents restarting at 0, different per row.
-        torch.tensor(
-            [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 0]]
-        ),
+        torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 0]]),
         torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1)),
     ],
     ids=["arange", "packed", "random"],
@@ -166,9 +164,7 @@ def test_interleaved_rope_matches_cohere(tmp_path, positions):
     # The halves layout (qwen2's) gives something else: the test can tell them apart.
     from archon_models.qwen2.model import rope as half_rope
 
-    q_half, _ = half_rope.apply_rotary_emb(
-        xq, xk, half_rope.precompute_rope_cache(head_dim, 64, base), positions
-    )
+    q_half, _ = half_rope.apply_rotary_emb(xq, xk, half_rope.precompute_rope_cache(head_dim, 64, base), positions)
     assert not torch.allclose(q_half, q_out)
     assert rope.repeat_kv(xk, 2).shape == (2, 12, n_heads, head_dim)
 
@@ -207,9 +203,16 @@ def test_interleaved_partial_rope_matches_glm(scaled):
     from skill.porting.set_rope import composed_source
 
     head_dim, n_heads, seq, base = 16, 4, 12, 10000.0
-    rope = {"rope_type": "linear", "rope_theta": base, "factor": 2.0} if scaled else {"rope_type": "default", "rope_theta": base}
+    rope = (
+        {"rope_type": "linear", "rope_theta": base, "factor": 2.0}
+        if scaled
+        else {"rope_type": "default", "rope_theta": base}
+    )
     config = GlmConfig(
-        hidden_size=64, num_attention_heads=n_heads, head_dim=head_dim, rope_parameters={**rope, "partial_rotary_factor": 0.5}
+        hidden_size=64,
+        num_attention_heads=n_heads,
+        head_dim=head_dim,
+        rope_parameters={**rope, "partial_rotary_factor": 0.5},
     )
     path = REPO / "build" / f"_glm_rope_{scaled}.py"
     path.parent.mkdir(exist_ok=True)

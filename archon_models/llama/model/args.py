@@ -43,8 +43,7 @@ def _check_supported(hf_config: Any) -> None:
         )
     if bool(getattr(hf_config, "mlp_bias", False)) is not False:
         raise ValueError(
-            "mlp_bias=True is not supported: Llama checkpoints have no "
-            "such bias; port that variant as its own family."
+            "mlp_bias=True is not supported: Llama checkpoints have no such bias; port that variant as its own family."
         )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
@@ -82,9 +81,7 @@ class LlamaModelArgs(BaseModelArgs):
         if self.attn_type not in ("varlen", "sdpa"):
             raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> LlamaModelArgs:

@@ -111,9 +111,9 @@ def parallelize_phi3(
 
 
 def _tie_weights(model: nn.Module) -> None:
-    if getattr(model.model_args, "enable_weight_tying", False):
-        if model.output is not None and model.tok_embeddings is not None:
-            model.output.weight = model.tok_embeddings.weight
+    tied = getattr(model.model_args, "enable_weight_tying", False)
+    if tied and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight
 
 
 def _is_tied(model: nn.Module) -> bool:

@@ -37,7 +37,9 @@ def _check_supported(hf_config: Any) -> None:
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
     if getattr(hf_config, "sliding_window", None):
-        raise ValueError("sliding-window attention is not supported by Phi3 in Archon, which attends over whole documents.")
+        raise ValueError(
+            "sliding-window attention is not supported by Phi3 in Archon, which attends over whole documents."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)
@@ -74,9 +76,7 @@ class Phi3ModelArgs(BaseModelArgs):
         if self.attn_type not in ("varlen", "sdpa"):
             raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> Phi3ModelArgs:

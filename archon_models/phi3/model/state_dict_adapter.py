@@ -166,7 +166,7 @@ class Phi3StateDictAdapter(BaseStateDictAdapter):
                 f"HF checkpoint key {hf_key!r} has {value.shape[0]} rows; the Archon parameters "
                 f"{parts} it holds have {rows}. The checkpoint does not match this config."
             )
-        return dict(zip(parts, torch.split(value, rows, dim=0)))
+        return dict(zip(parts, torch.split(value, rows, dim=0), strict=True))
 
     def _concat_fused(self, hf_key: str, pieces: dict[int, Any]) -> Any:
         """The Archon parameters one fused checkpoint tensor holds, stacked along dim 0 in order."""

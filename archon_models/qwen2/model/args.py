@@ -80,9 +80,7 @@ class Qwen2ModelArgs(BaseModelArgs):
         if self.attn_type not in ("varlen", "sdpa"):
             raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> Qwen2ModelArgs:

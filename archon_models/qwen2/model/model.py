@@ -16,7 +16,7 @@ from archon_models.qwen2.model.args import Qwen2ModelArgs
 from archon_models.qwen2.model.rope import apply_rotary_emb, precompute_rope_cache, repeat_kv
 from archon_models.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
 
-__all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Qwen2Model"]
+__all__ = ["Attention", "FeedForward", "Qwen2Model", "RMSNorm", "TransformerBlock"]
 
 
 class RMSNorm(nn.Module):
@@ -109,9 +109,7 @@ class Attention(nn.Module):
                 xk, xv = repeat_kv(xk, repeats), repeat_kv(xv, repeats)
             full_len = seqlen * self._cp_size
             xq, xk, xv = (
-                gather_seq_scatter_heads(
-                    t, seq_dim=1, head_dim=2, unpadded_dim_size=full_len, group=self._cp_group
-                )
+                gather_seq_scatter_heads(t, seq_dim=1, head_dim=2, unpadded_dim_size=full_len, group=self._cp_group)
                 for t in (xq, xk, xv)
             )
             seqlen = xq.shape[1]

@@ -13,11 +13,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "precompute_rope_cache",
-    "rotate_half",
-    "reshape_for_broadcast",
     "apply_rotary_emb",
+    "precompute_rope_cache",
     "repeat_kv",
+    "reshape_for_broadcast",
+    "rotate_half",
 ]
 
 
@@ -58,9 +58,7 @@ def reshape_for_broadcast(
     """
     _, seqlen, _, head_dim = x.shape
     if rope_cache.shape[-1] != 2 * head_dim:
-        raise ValueError(
-            f"rope_cache has {rope_cache.shape[-1]} columns, expected 2 * head_dim = {2 * head_dim}."
-        )
+        raise ValueError(f"rope_cache has {rope_cache.shape[-1]} columns, expected 2 * head_dim = {2 * head_dim}.")
     if positions is None:
         return rope_cache[:seqlen].view(1, seqlen, 1, 2 * head_dim)
     if positions.shape[-1] != seqlen:
@@ -97,7 +95,5 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         return x
     bs, seqlen, n_kv_heads, head_dim = x.shape
     return (
-        x.unsqueeze(3)
-        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
-        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+        x.unsqueeze(3).expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
     )

@@ -101,9 +101,7 @@ class Qwen3ModelArgs(BaseModelArgs):
         if self.attn_type not in ("varlen", "sdpa"):
             raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
         if self.moe_args is not None and self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")
 

@@ -9,9 +9,9 @@ from archon_models.qwen2.model.rope import (
 )
 
 __all__ = [
-    "precompute_rope_cache",
-    "rotate_half",
-    "reshape_for_broadcast",
     "apply_rotary_emb",
+    "precompute_rope_cache",
     "repeat_kv",
+    "reshape_for_broadcast",
+    "rotate_half",
 ]

@@ -45,7 +45,10 @@ def snippet(module: str, name: str, *, rename: str | None = None, names: dict[st
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value == name:
             node = stmt.with_changes(leading_lines=[])
             if names:
-                node = node.visit(_ExactRenamer(names))
+                renamed = node.visit(_ExactRenamer(names))
+                if not isinstance(renamed, (cst.ClassDef, cst.FunctionDef)):
+                    raise CodemodError(f"snippets/{module}.py: renaming {name} removed it")
+                node = renamed
             if rename is not None:
                 node = node.with_changes(name=cst.Name(rename))
             return tree.code_for_node(node)

@@ -41,7 +41,8 @@ class SlidingWindowAttention(nn.Module):
         if bounds[-1] < q.shape[2]:
             bounds.append(q.shape[2])  # trailing padding attends as its own document
         outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for doc in range(len(bounds) - 1):
+            start, end = bounds[doc], bounds[doc + 1]
             if end <= start:
                 continue
             index = torch.arange(end - start, device=q.device)
@@ -93,7 +94,8 @@ class EagerAttention(nn.Module):
         if bounds[-1] < q.shape[2]:
             bounds.append(q.shape[2])  # trailing padding attends as its own document
         outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for doc in range(len(bounds) - 1):
+            start, end = bounds[doc], bounds[doc + 1]
             if end <= start:
                 continue
             keys = k[:, :, start:end].repeat_interleave(n_rep, dim=1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from archon_models.qwen2.model.rope import apply_rotary_emb as _apply_full_rotary_emb

@@ -55,9 +55,7 @@ class CapscaleConfig(PretrainedConfig):
         self.embedding_multiplier = embedding_multiplier
         self.final_logit_softcapping = final_logit_softcapping
         self.rope_parameters = (
-            rope_parameters
-            if rope_parameters is not None
-            else {"rope_type": "default", "rope_theta": 10000.0}
+            rope_parameters if rope_parameters is not None else {"rope_type": "default", "rope_theta": 10000.0}
         )
         super().__init__(
             pad_token_id=pad_token_id,

@@ -54,9 +54,7 @@ class CapscaleRotaryEmbedding(nn.Module):
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (
-            emb.sin() * self.attention_scaling
-        ).to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x):
@@ -75,9 +73,7 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(
-        batch, num_key_value_heads, n_rep, slen, head_dim
-    )
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -122,25 +118,11 @@ class CapscaleAttention(nn.Module):
             bias=config.attention_bias,
         )
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, **kwargs
-    ):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         bsz, q_len, _ = hidden_states.shape
-        query = (
-            self.q_proj(hidden_states)
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
-        key = (
-            self.k_proj(hidden_states)
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
-        value = (
-            self.v_proj(hidden_states)
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
+        query = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         key = repeat_kv(key, self.num_key_value_groups)
@@ -152,9 +134,7 @@ class CapscaleAttention(nn.Module):
             weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
             out = torch.matmul(weights, value)
         else:
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, scale=self.scaling
-            )
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
         out = out.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.o_proj(out)
 
@@ -176,21 +156,13 @@ class CapscaleDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = CapscaleAttention(config, layer_idx)
         self.mlp = CapscaleMLP(config, config.intermediate_size)
-        self.input_layernorm = CapscaleRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
-        self.post_attention_layernorm = CapscaleRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
+        self.input_layernorm = CapscaleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = CapscaleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, **kwargs
-    ):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = residual + self.self_attn(
-            hidden_states, position_embeddings, attention_mask
-        )
+        hidden_states = residual + self.self_attn(hidden_states, position_embeddings, attention_mask)
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         return residual + self.mlp(hidden_states)
@@ -207,12 +179,8 @@ class CapscaleModel(CapscalePreTrainedModel):
     def __init__(self, config: CapscaleConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, self.padding_idx
-        )
-        self.layers = nn.ModuleList(
-            [CapscaleDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([CapscaleDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = CapscaleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = CapscaleRotaryEmbedding(config)
         self.post_init()
@@ -232,14 +200,8 @@ class CapscaleModel(CapscalePreTrainedModel):
         inputs_embeds = inputs_embeds * self.config.embedding_multiplier
         bsz, seq_len, _ = inputs_embeds.shape
         if position_ids is None:
-            position_ids = (
-                torch.arange(seq_len, device=inputs_embeds.device)
-                .unsqueeze(0)
-                .expand(bsz, -1)
-            )
-        mask = causal_mask(
-            attention_mask, bsz, seq_len, inputs_embeds.dtype, inputs_embeds.device
-        )
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device).unsqueeze(0).expand(bsz, -1)
+        mask = causal_mask(attention_mask, bsz, seq_len, inputs_embeds.dtype, inputs_embeds.device)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -248,9 +210,7 @@ class CapscaleModel(CapscalePreTrainedModel):
 
 
 class CapscaleForCausalLM(CapscalePreTrainedModel, GenerationMixin):
-    _tied_weights_keys: ClassVar[dict[str, str]] = {
-        "lm_head.weight": "model.embed_tokens.weight"
-    }
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: CapscaleConfig):
         super().__init__(config)
@@ -280,9 +240,7 @@ class CapscaleForCausalLM(CapscalePreTrainedModel, GenerationMixin):
             logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size
-            )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 

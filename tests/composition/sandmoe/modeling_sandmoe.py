@@ -56,9 +56,7 @@ class SandmoeRotaryEmbedding(nn.Module):
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (
-            emb.sin() * self.attention_scaling
-        ).to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x):
@@ -77,9 +75,7 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(
-        batch, num_key_value_heads, n_rep, slen, head_dim
-    )
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -124,32 +120,14 @@ class SandmoeAttention(nn.Module):
             bias=config.attention_bias,
         )
         # Full-width QK norm: over all heads of the projection at once.
-        self.q_norm = SandmoeRMSNorm(
-            self.num_heads * self.head_dim, eps=config.rms_norm_eps
-        )
-        self.k_norm = SandmoeRMSNorm(
-            self.num_key_value_heads * self.head_dim, eps=config.rms_norm_eps
-        )
+        self.q_norm = SandmoeRMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = SandmoeRMSNorm(self.num_key_value_heads * self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, **kwargs
-    ):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         bsz, q_len, _ = hidden_states.shape
-        query = (
-            self.q_norm(self.q_proj(hidden_states))
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
-        key = (
-            self.k_norm(self.k_proj(hidden_states))
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
-        value = (
-            self.v_proj(hidden_states)
-            .view(bsz, q_len, -1, self.head_dim)
-            .transpose(1, 2)
-        )
+        query = self.q_norm(self.q_proj(hidden_states)).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden_states)).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         key = repeat_kv(key, self.num_key_value_groups)
@@ -161,9 +139,7 @@ class SandmoeAttention(nn.Module):
             weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
             out = torch.matmul(weights, value)
         else:
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, scale=self.scaling
-            )
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
         out = out.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.o_proj(out)
 
@@ -188,10 +164,7 @@ class SandmoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            [
-                SandmoeMLP(config, config.moe_intermediate_size)
-                for _ in range(self.num_experts)
-            ]
+            [SandmoeMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts)]
         )
 
     def forward(self, hidden_states):
@@ -201,19 +174,14 @@ class SandmoeSparseMoeBlock(nn.Module):
         routing_weights = F.softmax(router_logits, dim=-1, dtype=torch.float)
         routing_weights, selected = torch.topk(routing_weights, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            routing_weights = routing_weights / routing_weights.sum(
-                dim=-1, keepdim=True
-            )
+            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
         routing_weights = routing_weights.to(flat.dtype)
         out = torch.zeros_like(flat)
         for expert_idx in range(self.num_experts):
             token_idx, slot = torch.where(selected == expert_idx)
             if token_idx.numel() == 0:
                 continue
-            expert_out = (
-                self.experts[expert_idx](flat[token_idx])
-                * routing_weights[token_idx, slot, None]
-            )
+            expert_out = self.experts[expert_idx](flat[token_idx]) * routing_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, expert_out)
         return out.view(bsz, seq_len, hidden)
 
@@ -223,28 +191,16 @@ class SandmoeDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SandmoeAttention(config, layer_idx)
         self.mlp = SandmoeSparseMoeBlock(config)
-        self.input_layernorm = SandmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
-        self.post_attention_layernorm = SandmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
-        self.pre_feedforward_layernorm = SandmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
-        self.post_feedforward_layernorm = SandmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )
+        self.input_layernorm = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, **kwargs
-    ):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(
-            hidden_states, position_embeddings, attention_mask
-        )
+        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = residual + hidden_states * self.residual_multiplier
 
@@ -266,12 +222,8 @@ class SandmoeModel(SandmoePreTrainedModel):
     def __init__(self, config: SandmoeConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, self.padding_idx
-        )
-        self.layers = nn.ModuleList(
-            [SandmoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([SandmoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = SandmoeRotaryEmbedding(config)
         self.post_init()
@@ -290,14 +242,8 @@ class SandmoeModel(SandmoePreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         bsz, seq_len, _ = inputs_embeds.shape
         if position_ids is None:
-            position_ids = (
-                torch.arange(seq_len, device=inputs_embeds.device)
-                .unsqueeze(0)
-                .expand(bsz, -1)
-            )
-        mask = causal_mask(
-            attention_mask, bsz, seq_len, inputs_embeds.dtype, inputs_embeds.device
-        )
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device).unsqueeze(0).expand(bsz, -1)
+        mask = causal_mask(attention_mask, bsz, seq_len, inputs_embeds.dtype, inputs_embeds.device)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -306,9 +252,7 @@ class SandmoeModel(SandmoePreTrainedModel):
 
 
 class SandmoeForCausalLM(SandmoePreTrainedModel, GenerationMixin):
-    _tied_weights_keys: ClassVar[dict[str, str]] = {
-        "lm_head.weight": "model.embed_tokens.weight"
-    }
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: SandmoeConfig):
         super().__init__(config)
@@ -335,9 +279,7 @@ class SandmoeForCausalLM(SandmoePreTrainedModel, GenerationMixin):
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size
-            )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 

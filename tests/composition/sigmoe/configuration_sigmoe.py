@@ -60,9 +60,7 @@ class SigmoeConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.scoring_func = scoring_func
         self.rope_parameters = (
-            rope_parameters
-            if rope_parameters is not None
-            else {"rope_type": "default", "rope_theta": 10000.0}
+            rope_parameters if rope_parameters is not None else {"rope_type": "default", "rope_theta": 10000.0}
         )
         super().__init__(
             pad_token_id=pad_token_id,

@@ -1,0 +1,70 @@
+"""The formatter every generated Python file goes through: ``ruff format``.
+
+A ported package must read as code written by hand for its family, and pass the same
+gates as the hand-written code (``.ci/lint``: ``ruff check`` and ``ruff format --check``).
+The engine therefore formats what it writes, with this project's ruff settings, so the
+committed packages are exactly what the engine produces.
+
+The settings are passed on the command line with ``--isolated``, so the result does not
+depend on the working directory or on a configuration file of the workspace being written
+to; ``tests/skill/test_format.py`` keeps them equal to ``[tool.ruff]`` in pyproject.toml.
+The edits (libcst) match statements by their code, not their layout, and re-read files
+between steps, so they apply to formatted text as they do to the reference's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# Equal to [tool.ruff] in pyproject.toml (checked by tests/skill/test_format.py).
+LINE_LENGTH = 120
+TARGET_VERSION = "py311"
+KNOWN_FIRST_PARTY = ("archon_models", "skill", "mcp_server")
+
+
+class FormatError(RuntimeError):
+    """ruff is missing or refused the text (which then is not valid Python)."""
+
+
+def _ruff(args: list[str], text: str, filename: str) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "ruff",
+        *args,
+        "--isolated",
+        "--line-length",
+        str(LINE_LENGTH),
+        "--target-version",
+        TARGET_VERSION,
+        "--stdin-filename",
+        filename,
+        "-",
+    ]
+    try:
+        proc = subprocess.run(command, input=text, capture_output=True, text=True, check=False, timeout=60)
+    except FileNotFoundError as exc:  # no interpreter at sys.executable: nothing else to try
+        raise FormatError(f"cannot run {sys.executable} -m ruff: {exc}") from exc
+    if proc.returncode != 0:
+        if "No module named ruff" in proc.stderr:
+            raise FormatError(
+                "ruff is not installed in this interpreter; the engine formats every file it generates "
+                "with it. Install it: pip install 'archon-port[test]' (or pip install ruff==0.17.6)."
+            )
+        detail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise FormatError(f"ruff {args[0]} failed on {filename}: {' '.join(detail[:3]) or f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+def format_python(text: str, filename: str = "generated.py") -> str:
+    """``text`` as ``ruff check --select I,F401 --fix`` then ``ruff format`` would leave it
+    with this project's settings. Deterministic; raises :class:`FormatError` when ruff is
+    missing or the text is not valid Python.
+
+    Only import hygiene is fixed automatically: imports sorted, and imports an edit left
+    unused (a reference's ``F`` once its MLP is replaced) removed. Every other lint finding
+    in generated code is a bug in a reference, a snippet or an edit, fixed there."""
+    known = ["--config", "lint.isort.known-first-party = [" + ", ".join(f'"{n}"' for n in KNOWN_FIRST_PARTY) + "]"]
+    sorted_text = _ruff(["check", "--select", "I,F401", "--fix", "--exit-zero", "--quiet", *known], text, filename)
+    return _ruff(["format"], sorted_text, filename)
