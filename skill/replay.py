@@ -151,7 +151,10 @@ class ReplayReport(BaseModel):
         if self.ok:
             also = ""
             if other:
-                also = f" (recorded with transformers {self.recorded_transformers}, replayed on {self.replay_transformers})"
+                also = (
+                    f" (recorded with transformers {self.recorded_transformers}, "
+                    f"replayed on {self.replay_transformers})"
+                )
             return f"replay OK: {self.session}: {ran} matched in {self.duration_s:.1f} s{also}"
         m = self.mismatch
         assert m is not None

@@ -209,7 +209,9 @@ def run_checks_in(
         cmd.append("--no-distributed")
     logger.info("running the AReaL checks: %s", " ".join(cmd))
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=str(areal_root))
-    results = [AReaLCheckResult.model_validate(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [
+        AReaLCheckResult.model_validate(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("{")
+    ]
     if len(results) != len(model_types):
         raise AReaLChecksDidNotRun(
             f"the AReaL checks in {python} ended (exit {proc.returncode}) without a result for every "

@@ -47,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.areal.export import ExportRequest
-    from skill.tools import invoke
+    from skill.areal.export import ExportRequest, ExportResult
+    from skill.tools import invoke_as
 
     request = ExportRequest(
         model_name=args.model,
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         python=args.python,
     )
     # The person at the shell names the AReaL tree; it lies outside this project by design.
-    result = invoke("export_to_areal", request, allow_external=True)
+    result = invoke_as(ExportResult, "export_to_areal", request, allow_external=True)
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     elif args.dry_run:
@@ -86,10 +86,10 @@ def format_result(result) -> str:
     ]
     header = ("model_type", "check", "result", "max abs diff")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
-    lines += ["", "  ".join(f"{h:<{w}}" for h, w in zip(header, widths)) + "  " + header[3]]
+    lines += ["", "  ".join(f"{h:<{w}}" for h, w in zip(header, widths, strict=False)) + "  " + header[3]]
     lines.append("-" * (sum(widths) + 6 + len(header[3])))
     for row in rows:
-        lines.append("  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) + "  " + row[3])
+        lines.append("  ".join(f"{c:<{w}}" for c, w in zip(row, widths, strict=False)) + "  " + row[3])
     lines.append("")
     for r in result.checks:
         logit, grad = _diff(r.max_logit_diff), _diff(r.max_grad_diff)

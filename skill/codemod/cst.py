@@ -884,7 +884,7 @@ def remove_method(source: str, class_name: str, func_name: str) -> str:
     body = [s for s in cls.body.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
     if len(body) == len(cls.body.body):
         return source
-    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))).code
+    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
 
 
 def insert_after_statement_assigning(

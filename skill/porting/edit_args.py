@@ -14,10 +14,9 @@ from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
-    remove_method,
-    replace_in_function,
     class_field_names,
     remove_function,
+    remove_method,
     remove_statements,
     replace_function,
     replace_in_function,
@@ -585,7 +584,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             layout.args_class,
             "__post_init__",
             "if self.moe_args is not None and self.decoder_sparse_step < 1:\n"
-            '    raise ValueError(f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")',
+            "    raise ValueError("
+            'f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")',
             "",
         )
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.

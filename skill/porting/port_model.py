@@ -201,13 +201,41 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
                 lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
                 lambda r: f"{reference} -> {r.package_dir}",
             ),
-            ("edit_args", lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile), lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks"),
-            ("edit_model", lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile), lambda r: ", ".join(r.edits)),
-            ("set_rope", lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile), lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type),
-            ("edit_adapter_map", lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)), lambda r: f"{len(r.from_hf_map)} entries"),
-            ("write_parallelize", lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile), lambda r: f"{len(r.layer_plan)} plan entries"),
-            ("write_tests", lambda: ensure_test_file(tree, name, model_type, source, trust), lambda r: layout.test_file),
-            ("register_spec", lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)), lambda r: ", ".join(r.model_types)),
+            (
+                "edit_args",
+                lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile),
+                lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks",
+            ),
+            (
+                "edit_model",
+                lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile),
+                lambda r: ", ".join(r.edits),
+            ),
+            (
+                "set_rope",
+                lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile),
+                lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type,
+            ),
+            (
+                "edit_adapter_map",
+                lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)),
+                lambda r: f"{len(r.from_hf_map)} entries",
+            ),
+            (
+                "write_parallelize",
+                lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile),
+                lambda r: f"{len(r.layer_plan)} plan entries",
+            ),
+            (
+                "write_tests",
+                lambda: ensure_test_file(tree, name, model_type, source, trust),
+                lambda r: layout.test_file,
+            ),
+            (
+                "register_spec",
+                lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)),
+                lambda r: ", ".join(r.model_types),
+            ),
         ]
         try:
             for step_name, fn, detail in steps:
@@ -217,7 +245,8 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             check = runner.run(
                 "check_package",
                 lambda: run_checks(
-                    tree, CheckPackageRequest(source=source, model_types=[model_type], trust_remote_code=trust, **common)
+                    tree,
+                    CheckPackageRequest(source=source, model_types=[model_type], trust_remote_code=trust, **common),
                 ),
                 lambda r: f"{sum(c.passed for c in r.checks)}/{len(r.checks)} checks",
             )
@@ -229,9 +258,12 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             if existed and changes and not request.overwrite:
                 raise FileExistsError(
                     f"{layout.package_dir}/ exists and differs from what the engine generates "
-                    f"({', '.join(sorted(changes))}); pass overwrite=True (--overwrite) to replace it. Nothing was written."
+                    f"({', '.join(sorted(changes))}); pass overwrite=True (--overwrite) to replace it. "
+                    "Nothing was written."
                 )
-            changed = runner.run("write", tree.commit, lambda paths: f"{len(paths)} files changed" if paths else "unchanged")
+            changed = runner.run(
+                "write", tree.commit, lambda paths: f"{len(paths)} files changed" if paths else "unchanged"
+            )
         except Exception as e:
             failed = next((s.step for s in reversed(runner.steps) if not s.ok), "write")
             return result(False, failed, f"{type(e).__name__}: {e}")

@@ -14,7 +14,8 @@ by ``add``, which refuses it: its package holds hand edits, made in the session 
 under ``tests/mcp/sessions/<model_name>.jsonl``, so the second line says so and names the
 replay that rebuilds the package (in the kept copy) from the tools' calls and the hand edit::
 
-    # Hand edits for: layers without RoPE. Regenerate by replaying its recorded session: archon-port replay --keep tests/mcp/sessions/smollm3.jsonl
+    # Hand edits for: layers without RoPE. Regenerate by replaying its recorded session:
+    #   archon-port replay --keep tests/mcp/sessions/smollm3.jsonl
 
 The edits are the ones the family's plan selects on the reference's pristine
 ``model.py`` (the same list ``add`` reports), so the header is a function of the
@@ -85,8 +86,7 @@ def strip_header(text: str) -> str:
     lines = text.splitlines(keepends=True)
     in_header = False
     while lines and (
-        lines[0].startswith((GENERATED, REGENERATE, HAND_EDITED))
-        or (in_header and lines[0].startswith(CONTINUATION))
+        lines[0].startswith((GENERATED, REGENERATE, HAND_EDITED)) or (in_header and lines[0].startswith(CONTINUATION))
     ):
         in_header = True
         lines.pop(0)

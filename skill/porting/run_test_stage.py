@@ -32,7 +32,7 @@ RESULT_PROPERTY = "archon_stage_result"
 # A max abs diff between fp32 results is rounding noise that differs between CPUs and
 # thread counts, so a session replays a stage's checks (each passed against its tolerance),
 # not these numbers: they are left out of the recorded result (volatile).
-_DIFF_IS_VOLATILE = {"volatile": True}
+_DIFF_IS_VOLATILE: dict[str, JsonValue] = {"volatile": True}
 
 
 class StageCheck(BaseModel):

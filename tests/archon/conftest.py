@@ -33,9 +33,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         cases: list[ModelCase] = getattr(metafunc.module, "CASES", [])
         if not cases:
-            raise pytest.UsageError(
-                f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES"
-            )
+            raise pytest.UsageError(f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES")
         metafunc.parametrize("case", [_skip_if_unknown(c) for c in cases], ids=[c.id for c in cases])
 
 

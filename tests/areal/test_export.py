@@ -84,7 +84,7 @@ def test_the_export_tool_reaches_outside_the_workspace_only_when_the_face_vouche
     ws = Workspace(PROJECT_ROOT)
     arguments = {"model_name": "llama", "areal": str(tmp_path), "python": "/usr/bin/python3"}
     # A replayed session file gets no trust: the AReaL tree must lie in the scratch copy.
-    with pytest.raises(WorkspaceError, match="areal=.* is outside the workspace"):
+    with pytest.raises(WorkspaceError, match=r"areal=.* is outside the workspace"):
         prepare_request(tool, arguments, ws)
     request = prepare_request(tool, arguments, ws, allow_external=True)
     assert request.areal == tmp_path and request.python == Path("/usr/bin/python3")  # a venv's link stays a link
@@ -177,7 +177,7 @@ def test_exported_files_differ_from_the_package_only_in_import_lines(areal_copy:
         ours = path.read_text().splitlines()
         theirs = (target / path.relative_to(source)).read_text().splitlines()
         assert len(ours) == len(theirs), path
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=True):
             if a != b:
                 assert a.replace("archon_models", "areal.experimental.models.archon", 1) == b, (path, a, b)
         tree = ast.parse("\n".join(theirs))
@@ -190,8 +190,11 @@ def test_a_package_that_cannot_be_rewritten_writes_nothing(areal_copy: Path, tmp
     project = tmp_path / "project"
     (project / "archon_models").mkdir(parents=True)
     (project / "archon_models/__init__.py").write_text("")
-    shutil.copytree(PROJECT_ROOT / "archon_models/llama", project / "archon_models/llama",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        PROJECT_ROOT / "archon_models/llama",
+        project / "archon_models/llama",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (project / "archon_models/llama/model/legacy.py").write_text("import archon_models.base\n")
     before = _snapshot(areal_copy)
     with pytest.raises(ValueError, match=r"legacy\.py:1: `import archon_models.base`"):
@@ -210,7 +213,15 @@ def test_export_llama_into_areal_and_its_checks_pass(areal_install: AReaLInstall
     rows = table.splitlines()[2:]
     assert rows and all(row.split("  ")[0] == "llama" for row in rows)
     assert not [row for row in rows if "FAILED" in row]
-    for required in ("[AReaL, sdpa]", "[AReaL, varlen]", "to_hf reproduces", "_orig_mod", "critic", "(tp=2)", "(fsdp=2)"):
+    for required in (
+        "[AReaL, sdpa]",
+        "[AReaL, varlen]",
+        "to_hf reproduces",
+        "_orig_mod",
+        "critic",
+        "(tp=2)",
+        "(fsdp=2)",
+    ):
         assert required in table, f"missing check {required!r}"
 
 
@@ -243,7 +254,7 @@ def test_checks_that_cannot_run_are_reported_after_the_write(areal_copy: Path, c
     failure to check it is said in one place, and the exit status is 1."""
     import sys
 
-    code, out, err = _export(capsys, "llama", "--areal", str(areal_copy), "--python", sys.executable)
+    code, out, _err = _export(capsys, "llama", "--areal", str(areal_copy), "--python", sys.executable)
     assert code == 1
     assert (areal_copy / "experimental/models/archon/llama/spec.py").is_file()
     assert f"the AReaL checks could not run: the AReaL checks in {sys.executable} ended (exit 1)" in out

@@ -120,13 +120,13 @@ so the port is proven to read the list, not the interval.""",
         ),
         Replace(
             _ARGS,
-            "                f\"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).\"\n"
+            '                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."\n'
             "            )\n",
-            "                f\"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).\"\n"
+            '                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."\n'
             "            )\n"
             "        outside = [i for i in self.nope_layers if not 0 <= i < self.n_layers]\n"
             "        if outside:\n"
-            "            raise ValueError(f\"nope_layers {outside} are not layers of a {self.n_layers}-layer model.\")\n",
+            '            raise ValueError(f"nope_layers {outside} are not layers of a {self.n_layers}-layer model.")\n',
         ),
         Replace(
             _ARGS,
@@ -167,8 +167,7 @@ so the port is proven to read the list, not the interval.""",
         Replace(
             _MODEL,
             "        xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)\n",
-            "        if self.use_rope:\n"
-            "            xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)\n",
+            "        if self.use_rope:\n            xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)\n",
         ),
         Replace(
             _MODEL,

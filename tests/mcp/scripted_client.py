@@ -181,7 +181,9 @@ class PlaybookRun:
         if "variant_types" in content:  # SKILL.md: less the types another package registers
             table = json.loads((await self.client.read_resource("archon://references")).contents[0].text)
             owners = table["registered"]
-            self.values["model_types"] = [t for t in self.values["model_types"] if owners.get(t, self.name) == self.name]
+            self.values["model_types"] = [
+                t for t in self.values["model_types"] if owners.get(t, self.name) == self.name
+            ]
         return content
 
     async def run_stage(self, step: PlaybookStep, stage: int, **extra: Any) -> bool:

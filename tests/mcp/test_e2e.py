@@ -79,7 +79,9 @@ def test_the_hand_port_sessions_record_their_hand_edit():
 
     for family, hand_port in HAND_PORTS.items():
         path = SESSIONS / f"{family}.jsonl"
-        assert path in COMMITTED, f"{family}: no committed session; python -m tests.mcp.scripted_client --refresh {family}"
+        assert path in COMMITTED, (
+            f"{family}: no committed session; python -m tests.mcp.scripted_client --refresh {family}"
+        )
         records = sessions.read_session(path)
         kinds = [(r.kind, getattr(r, "tool", None)) for r in records[1:]]
         edits = [i for i, (kind, _) in enumerate(kinds) if kind == "edit"]
@@ -91,10 +93,15 @@ def test_the_hand_port_sessions_record_their_hand_edit():
         assert calls["edit_model"].result["skipped_features"] == hand_port.features
         overrides = [r for r in records if isinstance(r, sessions.CallRecord) and r.arguments.get("config_overrides")]
         assert sorted(r.arguments["stage"] for r in overrides) == [1, 2, 3, 4, 5, 6]
-        assert all(r.result["passed"] for r in records if isinstance(r, sessions.CallRecord) and r.tool == "run_test_stage")
+        assert all(
+            r.result["passed"] for r in records if isinstance(r, sessions.CallRecord) and r.tool == "run_test_stage"
+        )
         patched = sessions.patch_paths(records[-1].patch)
         assert sorted(set(patched)) == sorted({edit.path for edit in hand_port.edits})
         # The package says how it is rebuilt: by replaying this session, not by `add`.
         for file in sorted((REPO / "archon_models" / family).rglob("*.py")):
             second = file.read_text().splitlines()[1]
-            assert second.startswith("# Hand edits for: ") and f"archon-port replay --keep tests/mcp/sessions/{path.name}" in second
+            assert (
+                second.startswith("# Hand edits for: ")
+                and f"archon-port replay --keep tests/mcp/sessions/{path.name}" in second
+            )

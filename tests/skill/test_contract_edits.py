@@ -25,7 +25,9 @@ def test_residual_branch_wraps_compose_on_both_references(reference):
     (branch,) = residual_branch_code(text, "attention")
     wrapped = wrap_residual_branch(text, "attention", *WRAPS["post_norm"][:1], applied_if=WRAPS["post_norm"][1])
     wrapped = wrap_residual_branch(wrapped, "attention", WRAPS["multiplier"][0], applied_if=WRAPS["multiplier"][1])
-    assert residual_branch_code(wrapped, "attention") == [f"self.post_attention_norm({branch}) * self.residual_multiplier"]
+    assert residual_branch_code(wrapped, "attention") == [
+        f"self.post_attention_norm({branch}) * self.residual_multiplier"
+    ]
     # Idempotent: applying both again changes nothing.
     again = wrap_residual_branch(wrapped, "attention", WRAPS["post_norm"][0], applied_if=WRAPS["post_norm"][1])
     again = wrap_residual_branch(again, "attention", WRAPS["multiplier"][0], applied_if=WRAPS["multiplier"][1])
@@ -58,7 +60,9 @@ def test_sandwich_norms_residual_multiplier_and_logit_transforms_compose(referen
         ("residual_multiplier", "sandwich_norm", "final_softcap", "logits_scaling"),
         ("final_softcap", "residual_multiplier", "logits_scaling", "sandwich_norm"),
     ]
-    results = {order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order)) for order in orders}
+    results = {
+        order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order)) for order in orders
+    }
     canonical = results[tuple(names)]
     (attention,) = residual_branch_code(canonical, "attention")
     assert attention.startswith("self.post_attention_norm(self.attention(") and attention.endswith(
