@@ -62,7 +62,8 @@ def header_lines(plan: PortPlan, model_name: str, reference_model_text: str) -> 
     generated = f"{GENERATED} {__version__} from the {plan.reference} reference with edits: {listed}."
     if plan.unsupported:
         features = ", ".join(f.removeprefix("unsupported: ") for f in plan.unsupported)
-        second = f"{HAND_EDITED} {features}. Regenerate by replaying its recorded session: {replay_command(model_name)}"
+        second = f"{HAND_EDITED} {features}. Regenerate by replaying its recorded session:"
+        return "".join(_wrap(line) for line in (generated, second)) + f"{CONTINUATION}{replay_command(model_name)}\n"
     else:
         second = f"{REGENERATE} {regenerate_command(plan, model_name)}"
     return "".join(_wrap(line) for line in (generated, second))

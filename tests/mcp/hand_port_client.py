@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 from mcp import Client
 
+from skill.codemod import format_python
 from tests.mcp.scripted_client import PlaybookRun, Transcript, stdio_server
 
 logger = logging.getLogger(__name__)
@@ -76,12 +77,21 @@ class HandPort:
     config_overrides: dict[str, Any] = field(default_factory=dict)
 
     def apply(self, root: Path) -> None:
+        """Apply the edits, then format the files they touched as the project's gates ask
+        (what a person does after a hand edit; the package stays ruff-clean)."""
         for edit in self.edits:
             edit.apply(root)
+        for path in sorted({edit.path for edit in self.edits}):
+            target = root / path
+            target.write_text(format_python(target.read_text(encoding="utf-8"), path), encoding="utf-8")
 
 
 _ARGS = "archon_models/smollm3/model/args.py"
 _MODEL = "archon_models/smollm3/model/model.py"
+# The last check __post_init__ has before the hand edit adds one after it.
+_HEADS_CHECK = (
+    '            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")\n'
+)
 
 SMOLLM3 = HandPort(
     source="smollm3",
@@ -120,11 +130,8 @@ so the port is proven to read the list, not the interval.""",
         ),
         Replace(
             _ARGS,
-            '                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."\n'
-            "            )\n",
-            '                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})."\n'
-            "            )\n"
-            "        outside = [i for i in self.nope_layers if not 0 <= i < self.n_layers]\n"
+            _HEADS_CHECK,
+            _HEADS_CHECK + "        outside = [i for i in self.nope_layers if not 0 <= i < self.n_layers]\n"
             "        if outside:\n"
             '            raise ValueError(f"nope_layers {outside} are not layers of a {self.n_layers}-layer model.")\n',
         ),
