@@ -58,13 +58,15 @@ def _ruff(args: list[str], text: str, filename: str) -> str:
 
 
 def format_python(text: str, filename: str = "generated.py") -> str:
-    """``text`` as ``ruff check --select I,F401 --fix`` then ``ruff format`` would leave it
+    """``text`` as ``ruff check --select I,F401,RUF022 --fix`` then ``ruff format`` would leave it
     with this project's settings. Deterministic; raises :class:`FormatError` when ruff is
     missing or the text is not valid Python.
 
-    Only import hygiene is fixed automatically: imports sorted, and imports an edit left
-    unused (a reference's ``F`` once its MLP is replaced) removed. Every other lint finding
+    Only import hygiene and ``__all__`` order are fixed automatically: imports sorted,
+    imports an edit left unused (a reference's ``F`` once its MLP is replaced) removed, and
+    ``__all__`` sorted (a renamed model class can move past ``RMSNorm``). Every other lint finding
     in generated code is a bug in a reference, a snippet or an edit, fixed there."""
     known = ["--config", "lint.isort.known-first-party = [" + ", ".join(f'"{n}"' for n in KNOWN_FIRST_PARTY) + "]"]
-    sorted_text = _ruff(["check", "--select", "I,F401", "--fix", "--exit-zero", "--quiet", *known], text, filename)
+    fixes = ["check", "--select", "I,F401,RUF022", "--fix", "--exit-zero", "--quiet", *known]
+    sorted_text = _ruff(fixes, text, filename)
     return _ruff(["format"], sorted_text, filename)

@@ -23,4 +23,3 @@ def test_a_family_the_installed_transformers_lacks_is_skipped_naming_the_version
     assert mark.kwargs["reason"] == (
         f"model_type 'a_family_from_the_future' is unknown to the installed transformers {transformers.__version__}"
     )
-
