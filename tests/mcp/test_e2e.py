@@ -100,8 +100,6 @@ def test_the_hand_port_sessions_record_their_hand_edit():
         assert sorted(set(patched)) == sorted({edit.path for edit in hand_port.edits})
         # The package says how it is rebuilt: by replaying this session, not by `add`.
         for file in sorted((REPO / "archon_models" / family).rglob("*.py")):
-            second = file.read_text().splitlines()[1]
-            assert (
-                second.startswith("# Hand edits for: ")
-                and f"archon-port replay --keep tests/mcp/sessions/{path.name}" in second
-            )
+            header = file.read_text().splitlines()[1:3]
+            assert header[0].startswith("# Hand edits for: ")
+            assert header[1] == f"#   archon-port replay --keep tests/mcp/sessions/{path.name}"
