@@ -9,9 +9,13 @@ imports ``mcp_server`` at import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+from types import FrameType
 
 from skill.cli import add_verbose_option, configure_logging
 from skill.cli._errors import reports_bad_input
@@ -122,10 +126,31 @@ def run(args: argparse.Namespace) -> int:
     if args.session and not args.no_record:
         open_records(args.session)  # a corrupt or closed session is refused before serving
     server = build_server(workspace, session=args.session, record=not args.no_record, lock_timeout=args.lock_timeout)
-    if args.http is None:
-        logger.info("serving over stdio")
-        server.run("stdio")
-    else:
-        logger.info("serving streamable HTTP on http://%s:%d/mcp", args.host, args.http)
-        server.run("streamable-http", host=args.host, port=args.http)
+    with _interrupt_raises():
+        if args.http is None:
+            logger.info("serving over stdio")
+            server.run("stdio")
+        else:
+            logger.info("serving streamable HTTP on http://%s:%d/mcp", args.host, args.http)
+            server.run("streamable-http", host=args.host, port=args.http)
     return 0
+
+
+@contextlib.contextmanager
+def _interrupt_raises() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` wherever the server is, so the CLI always ends
+    with its one interrupt line and exit 130.
+
+    asyncio's runner would otherwise turn SIGINT into a cancellation of the server task,
+    which the server may finish as a normal shutdown (exit 0), depending on where the
+    signal lands. A handler of our own (not ``signal.default_int_handler``) is left alone
+    by the runner."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
