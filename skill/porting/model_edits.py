@@ -341,9 +341,7 @@ def _layer_norm(text: str, ctx: EditContext) -> str:
 
 
 def _activation_call(plan: PortPlan, inner: str) -> str:
-    if plan.activation == "gelu_pytorch_tanh":
-        return f'F.gelu({inner}, approximate="tanh")'
-    return f"{ACTIVATIONS[plan.activation]}({inner})"
+    return ACTIVATIONS[plan.activation].replace("{}", inner)
 
 
 def _activation_name(plan: PortPlan) -> str:

@@ -39,7 +39,7 @@ from skill.features import (
 logger = logging.getLogger(__name__)
 
 # Activations the edits can write, by the names transformers' ACT2FN uses.
-ACTIVATIONS = {"silu": "F.silu", "gelu_pytorch_tanh": 'functools.partial(F.gelu, approximate="tanh")', "gelu": "F.gelu"}
+ACTIVATIONS = {"silu": "F.silu({})", "gelu_pytorch_tanh": 'F.gelu({}, approximate="tanh")', "gelu": "F.gelu({})"}
 # The config fields the qwen3 reference's per-layer MoE rule reads (``is_moe_layer``).
 MOE_LAYER_RULE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
