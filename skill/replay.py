@@ -36,7 +36,6 @@ from skill.codemod.workspace import (
     find_project_root,
 )
 from skill.session import (
-    IGNORED_DIRS,
     IGNORED_SUFFIXES,
     CallRecord,
     CloseRecord,
@@ -48,6 +47,7 @@ from skill.session import (
     apply_patch,
     engine_version,
     first_difference,
+    is_ignored_dir,
     patch_paths,
     read_session,
     transformers_version,
@@ -179,7 +179,7 @@ class ReplayReport(BaseModel):
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
-    return {n for n in names if n in IGNORED_DIRS or n.endswith(IGNORED_SUFFIXES)}
+    return {n for n in names if is_ignored_dir(directory, n) or n.endswith(IGNORED_SUFFIXES)}
 
 
 def copy_repository(source: Path, destination: Path) -> Path:

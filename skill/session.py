@@ -310,11 +310,20 @@ def first_difference(expected: Any, actual: Any, where: str = "result") -> str |
 # --- workspace state ------------------------------------------------------------------------------
 
 
+def is_ignored_dir(parent: str, name: str) -> bool:
+    """Whether directory ``parent/name`` is outside a session's file state: a name in
+    :data:`IGNORED_DIRS`, build metadata, or a virtual environment under any name (it holds a
+    ``pyvenv.cfg``, as ``python -m venv`` writes: ``.venv-areal/``, ``.venv-tf53/``...)."""
+    if name in IGNORED_DIRS or name.endswith(".egg-info"):
+        return True
+    return os.path.isfile(os.path.join(parent, name, "pyvenv.cfg"))
+
+
 def iter_workspace_files(root: Path) -> Iterator[str]:
     """Workspace-relative POSIX paths of the files a session tracks, sorted per directory."""
     base = str(root)
     for directory, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_DIRS and not d.endswith(".egg-info"))
+        dirnames[:] = sorted(d for d in dirnames if not is_ignored_dir(directory, d))
         prefix = "" if directory == base else directory[len(base) + 1 :].replace(os.sep, "/") + "/"
         for filename in sorted(filenames):
             if not filename.endswith(IGNORED_SUFFIXES):

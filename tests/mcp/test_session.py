@@ -193,3 +193,25 @@ def test_replay_reports_a_call_that_cannot_run_any_more(workspace: Path):
     report = replay_session(ReplayInput(session=path, source=workspace))
     assert (report.mismatch.seq, report.mismatch.kind) == (1, "outcome")
     assert "did not run" in report.mismatch.detail and "unknown tool" in report.mismatch.detail
+
+
+def test_virtual_environments_are_outside_the_session_state_and_the_replay_copy(tmp_path: Path):
+    """A venv under any name (``.venv-areal/`` in CI holds ~16k files) is neither hashed into a
+    session nor copied by a replay; a folder that only looks like one is kept."""
+    from skill.replay import copy_repository
+
+    root = tmp_path / "repo"
+    (root / "archon_models").mkdir(parents=True)
+    (root / "archon_models" / "x.py").write_text("x = 1\n")
+    for venv in (".venv-areal", "envs/tf53"):
+        (root / venv / "lib").mkdir(parents=True)
+        (root / venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+        (root / venv / "lib" / "big.py").write_text("y = 2\n")
+    (root / "notes" / "lib").mkdir(parents=True)
+    (root / "notes" / "lib" / "kept.py").write_text("z = 3\n")
+
+    tracked = list(sessions.iter_workspace_files(root))
+    assert tracked == ["archon_models/x.py", "notes/lib/kept.py"]
+    copy = copy_repository(root, tmp_path / "copy")
+    copied = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
+    assert copied == tracked
