@@ -25,8 +25,9 @@ from skill.harness.parity import parity_inputs, single_sequence
 # dense layer, a shared expert, and grouped top-k (n_group=2, topk_group=1) with
 # renormalised, scaled sigmoid scores. The second case has a plain q_proj, half-rotation
 # RoPE, value heads narrower than query/key heads (padded for the kernel), one expert
-# group and no renormalisation. The third stretches the context with YaRN, whose
-# mscale/mscale_all_dim change both cos/sin and the softmax scale.
+# group, no renormalisation, no leading dense layer, and tied embeddings. The third
+# stretches the context with YaRN, whose mscale/mscale_all_dim change both cos/sin and the
+# softmax scale.
 CASES = [
     ModelCase(model_type="deepseek_v3"),
     ModelCase(
@@ -38,6 +39,8 @@ CASES = [
             "n_group": 1,
             "topk_group": 1,
             "norm_topk_prob": False,
+            "first_k_dense_replace": 0,
+            "tie_word_embeddings": True,
         },
         name="deepseek_v3-noqlora",
     ),
@@ -126,3 +129,11 @@ def test_score_correction_bias_selects_experts_like_hf(tmp_path):
     baseline, _ = _logits_with_bias(tmp_path, bias_scale=0.0)
     assert (expected - baseline).abs().max() > 1e-3, "the drawn bias did not change the routing"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_variants_are_proven_cases():
+    """Every config variant the analyser counts as served by this reference is a case above."""
+    from skill.analysis.reference import REFERENCE_VARIANTS
+
+    for variant in REFERENCE_VARIANTS["deepseek_v3"]:
+        assert any(all(case.config_overrides.get(k, object()) == v for k, v in variant) for case in CASES), variant

@@ -227,6 +227,9 @@ class TransformerBlock(nn.Module):
         if self.moe_enabled:
             assert model_args.moe_args is not None
             self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)
+            # AReaL's MoE registers its buffers only in init_buffers; the score-correction
+            # bias is checkpoint state, so it exists from construction on (meta included).
+            self.moe.init_buffers(self.moe.router.gate.weight.device)
         else:
             self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)
         # Depth-scaled init keeps the residual stream's variance bounded in deep stacks.
