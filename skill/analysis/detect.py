@@ -856,8 +856,13 @@ def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
 def rotary_interleaved(config: PretrainedConfig, source: SourceFacts | None) -> bool:
     """Whether the rotation pairs adjacent features ``(x[2i], x[2i+1])`` rather than the two
     halves: the config says so (``rope_interleave``) or the modeling source's rotary helpers
-    slice ``::2`` / ``repeat_interleave`` / go through complex numbers."""
-    return bool(getattr(config, "rope_interleave", None)) or bool(source and source.rotary_interleaved())
+    slice ``::2`` / ``repeat_interleave`` / go through complex numbers. When the modeling
+    code branches on ``config.rope_interleave`` (DeepSeek-V3 has both helpers), the field
+    alone decides."""
+    flag = getattr(config, "rope_interleave", None)
+    if flag is not None and source is not None and source.reads_config("rope_interleave"):
+        return bool(flag)
+    return bool(flag) or bool(source and source.rotary_interleaved())
 
 
 def position_features(ctx: Context) -> PositionFeatures:

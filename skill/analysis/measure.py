@@ -194,3 +194,16 @@ def _inspect(
 def build_checklist(model_type: str) -> Checklist:
     """The checklist of a model_type's default config (used for the references)."""
     return analyse(resolve_source(model_type), trust_remote_code=False).checklist
+
+
+def build_variant_checklist(model_type: str, overrides: tuple[tuple[str, object], ...]) -> Checklist:
+    """The checklist of a model_type's default config with ``overrides`` set on it.
+
+    A reference's code reads some choices from config fields (one expert group, no top-k
+    renormalisation, ...); measuring it with those fields set gives the values it also
+    produces, by the same rules as every other measurement.
+    """
+    resolved = resolve_source(model_type)
+    for name, value in overrides:
+        setattr(resolved.config, name, value)
+    return analyse(resolved, trust_remote_code=False).checklist

@@ -1,11 +1,13 @@
 """The nearest hand-written reference and the ordered feature deltas from it.
 
-The references (``qwen2``; ``qwen3`` with its ``qwen3_moe`` variant) are analysed by the
-same rules as any family, so their feature values are measured, not typed in. Which
-reference a family starts from is one structural rule (:func:`reference_for`) that the
-porting engine shares; a delta is supported when some
-reference already has the target value or an engine edit produces it
-(``skill.features.SUPPORTED_EDITS``).
+The references (``qwen2``; ``qwen3`` with its ``qwen3_moe`` variant; ``deepseek_v3`` for
+multi-head latent attention) are analysed by the same rules as any family, so their
+feature values are measured, not typed in. Which reference a family starts from is one
+structural rule (:func:`reference_for`) that the porting engine shares. From ``qwen2`` or
+``qwen3`` a delta is supported when one of those two already has the target value or an
+engine edit produces it (``skill.features.SUPPORTED_EDITS``); the edits are written
+against their module contract. From ``deepseek_v3`` a delta is supported only where the
+reference itself has the value: no edit applies to its attention or router yet.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from skill.analysis.measure import build_checklist
+from skill.analysis.measure import build_checklist, build_variant_checklist
 from skill.features import (
     FEATURE_TITLES,
     Checklist,
@@ -27,7 +29,46 @@ from skill.features import (
 logger = logging.getLogger(__name__)
 
 # Reference name -> the model types whose analysis gives its feature values (dense first).
-REFERENCES: dict[str, tuple[str, ...]] = {"qwen2": ("qwen2",), "qwen3": ("qwen3", "qwen3_moe")}
+REFERENCES: dict[str, tuple[str, ...]] = {
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3", "qwen3_moe"),
+    "deepseek_v3": ("deepseek_v3",),
+}
+# The references the engine's edits are written against (their attention and MoE contract).
+EDITABLE_REFERENCES = ("qwen2", "qwen3")
+# Config fields a reference's own code reads, set otherwise than in its default config: the
+# values measured on these variants are values the reference produces without an edit
+# (each variant is a case of the reference's stage tests, tests/archon/test_<reference>.py).
+REFERENCE_VARIANTS: dict[str, tuple[tuple[tuple[str, object], ...], ...]] = {
+    "deepseek_v3": (
+        # One expert group (no group limit), no renormalisation, MoE from layer 0, half-rotation
+        # RoPE, tied embeddings.
+        (
+            ("n_group", 1),
+            ("topk_group", 1),
+            ("norm_topk_prob", False),
+            ("first_k_dense_replace", 0),
+            ("rope_interleave", False),
+            ("tie_word_embeddings", True),
+        ),
+        # YaRN with mscale / mscale_all_dim.
+        (
+            (
+                "rope_parameters",
+                {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "mscale": 0.8,
+                    "mscale_all_dim": 1.0,
+                },
+            ),
+        ),
+    ),
+}
 
 
 @functools.cache
@@ -42,12 +83,20 @@ def _values_for(reference: str, moe: bool) -> dict[Feature, str]:
     return reference_values(chosen)
 
 
-def all_reference_values() -> dict[Feature, set[str]]:
-    """Every value any reference has, per feature (what needs no edit at all)."""
+@functools.cache
+def variant_values(reference: str, index: int) -> dict[Feature, str]:
+    """Feature values of ``REFERENCE_VARIANTS[reference][index]``, measured."""
+    return feature_values(build_variant_checklist(REFERENCES[reference][0], REFERENCE_VARIANTS[reference][index]))
+
+
+def all_reference_values(references: tuple[str, ...] = EDITABLE_REFERENCES) -> dict[Feature, set[str]]:
+    """Every value any of ``references`` has, per feature (what needs no edit at all)."""
     merged: dict[Feature, set[str]] = {}
-    for types in REFERENCES.values():
-        for model_type in types:
-            for feature, value in reference_values(model_type).items():
+    for reference in references:
+        measured = [reference_values(model_type) for model_type in REFERENCES[reference]]
+        measured += [variant_values(reference, i) for i in range(len(REFERENCE_VARIANTS.get(reference, ())))]
+        for values in measured:
+            for feature, value in values.items():
                 merged.setdefault(feature, set()).add(value)
     return merged
 
@@ -56,7 +105,8 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
     """Features whose value differs from ``reference``, in :class:`Feature` order."""
     target = feature_values(checklist)
     ref = _values_for(reference, checklist.moe is not None)
-    covered = all_reference_values()
+    editable = reference in EDITABLE_REFERENCES
+    covered = all_reference_values() if editable else all_reference_values((reference,))
     deltas = []
     for feature in Feature:
         if feature not in target:
@@ -75,25 +125,35 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
                 title=FEATURE_TITLES[feature],
                 reference=have,
                 target=want,
-                supported=is_supported(feature, want, frozenset(covered.get(feature, set()))),
+                supported=is_supported(feature, want, frozenset(covered.get(feature, set())))
+                if editable
+                else want in covered.get(feature, set()),
             )
         )
     return deltas
 
 
-def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
+def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False) -> str:
     """The one rule for which reference a family starts from (the analyser and the engine).
 
-    qwen3 carries per-head QK norm and MoE; every other family starts from qwen2. A
-    full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
-    split, and a dense family copied from qwen3 would keep its MoE machinery.
+    Multi-head latent attention (``Feature.MLA``) starts from deepseek_v3, whose attention
+    is the only one with query/KV latents and a shared RoPE key. Otherwise qwen3 carries
+    per-head QK norm and MoE; every other family starts from qwen2. A full-width QK norm
+    (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads split, and a dense
+    family copied from qwen3 would keep its MoE machinery.
     """
+    if mla:
+        return "deepseek_v3"
     return "qwen3" if per_head_qk_norm or moe else "qwen2"
 
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None)
+    reference = reference_for(
+        checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS,
+        checklist.moe is not None,
+        mla=checklist.attention.mla is not None,
+    )
     return reference, deltas_from(reference, checklist)
 
 

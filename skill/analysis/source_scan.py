@@ -42,6 +42,11 @@ class SourceFacts:
     def class_code(self, class_name: str) -> str:
         return "\n".join(d.code for d in self.classes.get(class_name, {}).values())
 
+    def reads_config(self, field_name: str) -> bool:
+        """Whether a method of the modeling file reads ``config.<field_name>``."""
+        pattern = re.compile(rf"config\.{re.escape(field_name)}\b")
+        return any(pattern.search(d.code) for methods in self.classes.values() for d in methods.values())
+
     def rotary_interleaved(self) -> bool:
         """Whether the rotary helpers pair adjacent dimensions (``x[..., ::2]``, repeat_interleave)."""
         for name, definition in self.functions.items():

@@ -66,12 +66,16 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     if not params or not disk:
         return
 
+    # Persistent buffers are checkpoint state too (a router's score-correction bias).
+    saved = dict(params)
+    saved.update((name, t) for name, t in model.state_dict(keep_vars=True).items() if name not in saved)
+
     # Checkpoint key -> the shapes of the parameters that fill it, in parameter order.
     # A normal key has one; a fused key (q/k/v, gate/up) one per stacked parameter.
     contributions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     unmapped: list[str] = []
     off_disk: list[str] = []
-    for name, param in params.items():
+    for name, param in saved.items():
         pairs = adapter.convert_single_to_hf(name, param)
         if not pairs:
             # A tied output projection is the embedding; converting it may name nothing.
@@ -91,7 +95,7 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         not unmapped and not off_disk,
         f"no HF key for {unmapped[:5]}; keys not in the checkpoint: {off_disk[:5]}"
         if unmapped or off_disk
-        else f"{len(params)} parameters",
+        else f"{len(params)} parameters, {len(saved) - len(params)} persistent buffers",
     )
 
     produced = {key: stacked_shape([shape for _, shape in parts]) for key, parts in contributions.items()}

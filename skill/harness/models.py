@@ -102,6 +102,7 @@ def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict
     Saving a copy whose parameters hold the gradients reuses transformers' own
     in-memory -> on-disk conversion, so gradients are compared under the same keys
     (and per-expert layout) as the weights, whatever the family renames or splits.
+    Persistent buffers are saved as zeros: they are not trained.
     """
     grads = {name: p.grad for name, p in model.named_parameters()}
     shadow = copy.deepcopy(model)
@@ -109,6 +110,8 @@ def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict
         for name, param in shadow.named_parameters():
             grad = grads[name]
             param.copy_(torch.zeros_like(param) if grad is None else grad)
+        for buffer in shadow.buffers():
+            buffer.zero_()  # saved state that is not trained (a router's correction bias): no gradient
     save_hf_checkpoint(shadow, directory)
     return read_hf_checkpoint(directory)
 

@@ -107,6 +107,8 @@ def archon_outputs(archon: ArchonModel, inputs: PackedInputs) -> Reference:
         name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
         for name, p in model.named_parameters()
     }
+    # Persistent buffers are checkpoint state without a gradient (as HF's side saves them).
+    grads.update((name, torch.zeros_like(b)) for name, b in model.state_dict().items() if name not in grads)
     model.zero_grad(set_to_none=True)
     return Reference(
         single_logits=single.detach(),

@@ -27,7 +27,9 @@ def refuse_reference(model_name: str) -> None:
 
 
 class CopyReferenceRequest(PackageRequest):
-    reference: str = Field(description="reference package to copy: 'qwen2' (dense) or 'qwen3' (QK norm, MoE)")
+    reference: str = Field(
+        description="reference package to copy: 'qwen2' (dense), 'qwen3' (QK norm, MoE) or 'deepseek_v3' (MLA)"
+    )
     model_types: list[str] = Field(
         default_factory=list, description="HF model_type strings the package handles (default: [model_name])"
     )
@@ -46,7 +48,7 @@ class CopyReferenceResult(StepResult):
 
 
 def copy_reference(request: CopyReferenceRequest) -> CopyReferenceResult:
-    """Copy a reference package (qwen2 or qwen3) to archon_models/<model_name>/, renaming
+    """Copy a reference package (qwen2, qwen3 or deepseek_v3) to archon_models/<model_name>/, renaming
     every identifier and module path (Qwen2Model -> MistralModel, parallelize_qwen2 ->
     parallelize_mistral, QWEN2_SPEC -> MISTRAL_SPEC). Refuses an existing, different
     package unless overwrite is set; an identical one is left as it is."""

@@ -65,7 +65,7 @@ class PortPlan(BaseModel):
     trust_remote_code: bool = False
     model_type: str
     config_class: str
-    reference: Literal["qwen2", "qwen3"]
+    reference: Literal["qwen2", "qwen3", "deepseek_v3"]
     unsupported: list[str] = Field(description="the report's unsupported features, verbatim")
     qkv_bias: bool
     o_bias: bool
@@ -167,7 +167,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None),
+        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None, mla=att.mla is not None),
         unsupported=list(report.unsupported),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,

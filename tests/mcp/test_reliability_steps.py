@@ -52,7 +52,7 @@ def test_cli_stage_on_a_missing_package_is_one_line_and_writes_no_test_file(work
     assert not (workspace / "tests" / "archon" / "test_olmo.py").exists()
 
 
-@pytest.mark.parametrize("reference", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("reference", ["qwen2", "qwen3", "deepseek_v3"])
 def test_overwrite_never_replaces_a_reference(workspace: Path, reference: str):
     before = _snapshot(workspace)
     other = "qwen3" if reference == "qwen2" else "qwen2"

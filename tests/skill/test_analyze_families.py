@@ -141,6 +141,9 @@ FACTS: dict[str, dict[str, Any]] = {
         "positions.rotary_style": "interleaved",
         "attention.custom_scaling": False,
         "attention.output_gate": False,
+        "reference": "deepseek_v3",
+        "deltas": [],
+        "unsupported": [],
     },
     # gpt-oss: per-head sinks, biases, yarn, fused 3D experts stored (E, hidden, 2*inter).
     "gpt_oss": {

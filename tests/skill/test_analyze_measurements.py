@@ -225,3 +225,48 @@ def test_falcon_multi_query() -> None:
     attention = report_for("falcon").checklist.attention
     assert attention.n_kv_heads == 1
     assert attention.gqa is True
+
+
+# ------------------------------------------------------------ multi-head latent attention
+
+
+def test_rope_interleave_field_decides_when_the_modeling_code_branches_on_it() -> None:
+    # DeepseekV3Attention: apply_rotary_pos_emb_interleave if config.rope_interleave else
+    # apply_rotary_pos_emb. Both helpers are in the file; the field decides.
+    from skill.analysis.measure import build_variant_checklist
+
+    assert report_for("deepseek_v3").checklist.positions.rotary_style == "interleaved"
+    half = build_variant_checklist("deepseek_v3", (("rope_interleave", False),))
+    assert half.positions.rotary_style == "half"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "unsupported"),
+    [
+        ("deepseek_v3", []),
+        # Glm4MoeLite: DeepSeek-V3's MLA and router with one expert group (n_group=1).
+        ("glm4_moe_lite", []),
+        # DeepseekV2Moe: softmax scores, no correction bias (edits the reference lacks).
+        (
+            "deepseek_v2",
+            ["unsupported: router scoring = softmax", "unsupported: router score-correction bias (absent)"],
+        ),
+    ],
+)
+def test_mla_families_start_from_deepseek_v3(model_type: str, unsupported: list[str]) -> None:
+    report = report_for(model_type)
+    assert report.checklist.attention.mla is not None
+    assert report.reference == "deepseek_v3"
+    assert report.unsupported == unsupported
+
+
+def test_deepseek_v3_values_do_not_cover_qwen_based_families() -> None:
+    # Sigmoid routing with a correction bias is the deepseek_v3 reference's, not an edit on
+    # qwen3: a non-MLA family with it is still refused.
+    from skill.analysis.reference import all_reference_values
+    from skill.features import Feature
+
+    assert "true" not in all_reference_values()[Feature.SCORE_CORRECTION_BIAS]
+    assert "true" in all_reference_values(("deepseek_v3",))[Feature.SCORE_CORRECTION_BIAS]
+    # Config-driven values of the reference, measured on its variants.
+    assert {"true", "false"} <= all_reference_values(("deepseek_v3",))[Feature.GROUPED_TOPK]

@@ -90,6 +90,21 @@ def test_port_model_reproduces_the_committed_llama_and_a_rerun_changes_nothing(w
     assert _snapshot(workspace) == before
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_port_model_of_a_type_a_reference_serves_writes_nothing(workspace, model_type):
+    # deepseek_v3 is the MLA reference: the analyser picks it, and add is served by it like
+    # the qwen references' own types.
+    before = _snapshot(workspace)
+    result = port_model(PortModelRequest(source=model_type, stages=[], workspace=workspace))
+    assert result.passed, result.error
+    reference = "qwen3" if model_type == "qwen3_moe" else model_type
+    assert (result.model_name, result.reference, result.unsupported) == (reference, reference, [])
+    served = [s for s in result.steps if s.step == "served"]
+    assert served and served[0].detail == f"by the {reference} reference"
+    assert result.changed_files == []
+    assert _snapshot(workspace) == before
+
+
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
     # nemotron's MLP uses relu2, an activation no edit writes.

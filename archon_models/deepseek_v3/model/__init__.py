@@ -1,0 +1,1 @@
+"""DeepSeek-V3 model definition: args, modules, RoPE and the HF state-dict adapter."""
