@@ -107,6 +107,8 @@ def archon_outputs(archon: ArchonModel, inputs: PackedInputs) -> Reference:
         name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
         for name, p in model.named_parameters()
     }
+    # Saved buffers (a router's expert_bias) get no gradient: zeros, as HF's side records them.
+    grads.update({k: torch.zeros_like(v) for k, v in model.state_dict().items() if k not in grads})
     model.zero_grad(set_to_none=True)
     return Reference(
         single_logits=single.detach(),
@@ -234,9 +236,16 @@ def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_cod
 
 def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:
     archon = load_archon_model(hf_config, checkpoint, attn_type="varlen")
+    # Loaded buffers (a router's expert_bias) keep their checkpoint values and dtype; the
+    # computed ones are recomputed below.
+    persistent = {
+        k: v.clone() for k, v in archon.model.state_dict().items() if k not in dict(archon.model.named_parameters())
+    }
     archon.model.to(device=device, dtype=dtype)
     # The RoPE cache is computed in fp32 (as HF computes cos/sin), not cast to bf16.
     archon.model.init_buffers(buffer_device=device)
+    if persistent:
+        archon.model.load_state_dict({k: v.to(device) for k, v in persistent.items()}, strict=False)
     return archon
 
 
