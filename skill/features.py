@@ -199,10 +199,35 @@ class MoEFeatures(_Frozen):
     )
     n_group: int | None = Field(None, description="grouped (node-limited) top-k: number of groups")
     topk_group: int | None = Field(None, description="grouped top-k: groups kept per token")
+    score_correction_key: str = Field(
+        "",
+        description="checkpoint key of the score-correction bias inside a layer (mlp.gate.e_score_correction_bias)",
+    )
+    score_correction_shape: list[int] = Field(default_factory=list, description="its shape on disk")
+    n_group_field: str | None = Field(None, description="config field of the number of expert groups, if any")
+    topk_group_field: str | None = Field(None, description="config field of the groups kept per token, if any")
+    group_scoring: str = Field(
+        "sum_top2",
+        description="how grouped top-k scores a group: sum_top2 (DeepSeek-V3 noaux_tc) or "
+        "max (DeepSeek-V2 group_limited_greedy)",
+    )
     shared_experts: int = 0
+    shared_experts_field: str | None = Field(None, description="config field of the shared-expert count")
+    shared_expert_width: str = Field(
+        "",
+        description="experts_multiple: the shared MLP is shared_experts times an expert's width (AReaL's "
+        "num_shared_experts); own_field: shared_expert_intermediate_size; empty when none or unmeasured",
+    )
     shared_expert_gate: bool = False
     moe_layers: list[int] = Field(default_factory=list, description="0-based layers with routed experts")
     n_layers: int = Field(0, description="layers in the full-size config, for moe_layers")
+    moe_layer_rule: str = Field(
+        "",
+        description="the config rule that reproduces moe_layers: sparse_step (decoder_sparse_step, "
+        "mlp_only_layers), first_k_dense (first_k_dense_replace), layer_types (mlp_layer_types), "
+        "start_end_interval (moe_layer_start_index/end_index/interval); empty when none does",
+    )
+    moe_layer_fields: list[str] = Field(default_factory=list, description="config fields the layer rule reads")
     expert_layout: ExpertLayout = ExpertLayout.PER_EXPERT_2D
     expert_orientation: WeightOrientation = WeightOrientation.OUT_IN
     expert_key_template: str = Field("", description="layer-0 expert key with {} for the expert index")
@@ -377,12 +402,17 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.MOE: frozenset({"true", "false"}),
     Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID}),
     Feature.NORM_TOPK_PROB: frozenset({"true", "false"}),
-    # Route scale and grouped top-k: MoEArgs has them, but no edit maps a config onto them yet.
-    Feature.ROUTED_SCALING: frozenset({"none"}),
-    Feature.GROUPED_TOPK: frozenset({"false"}),
+    # Router edits (skill/porting/edit_args.py router_setup): the config's routed scaling
+    # factor -> MoEArgs.route_scale; n_group/topk_group -> num_expert_groups /
+    # num_limited_groups (groups scored by their two best experts, as AReaL's router does);
+    # a 1-D score-correction bias -> MoE.expert_bias (selection only, AReaL's semantics).
+    Feature.ROUTED_SCALING: frozenset({"none", "constant"}),
+    Feature.GROUPED_TOPK: frozenset({"false", "true"}),
+    Feature.SCORE_CORRECTION_BIAS: frozenset({"false", "true"}),
     Feature.SHARED_EXPERTS: frozenset({"true", "false"}),
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
-    Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved"}),
+    # Layer-rule edits (edit_args.py is_moe_layer): the config rule the analysis names.
+    Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved", "leading_dense"}),
     Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
@@ -436,9 +466,34 @@ def _layer_pattern(moe: MoEFeatures) -> str:
     if moe.n_layers and len(moe.moe_layers) == moe.n_layers:
         return "all"
     dense = [i for i in range(moe.n_layers) if i not in set(moe.moe_layers)]
-    if dense == list(range(len(dense))):
-        return "leading_dense"
-    return "interleaved"
+    pattern = "leading_dense" if dense == list(range(len(dense))) else "interleaved"
+    # A port generates the rule, not the list: without a config rule there is nothing to read.
+    return pattern if moe.moe_layer_rule else f"{pattern}, no config rule"
+
+
+def _correction_bias(moe: MoEFeatures) -> str:
+    if not moe.score_correction_bias:
+        return "false"
+    if len(moe.score_correction_shape) > 1:
+        return "true, shape " + "x".join(str(n) for n in moe.score_correction_shape)
+    return "true"
+
+
+def _shared_experts(moe: MoEFeatures) -> str:
+    if moe.shared_experts <= 0:
+        return "false"
+    width = moe.shared_expert_width
+    if width == "experts_multiple" or (width == "own_field" and moe.shared_expert_gate):
+        return "true"
+    return "true, width " + (moe.shared_expert_width or "unmeasured") + ("" if moe.shared_expert_gate else ", no gate")
+
+
+def _grouped_topk(moe: MoEFeatures) -> str:
+    if moe.group_scoring == "max":
+        return "max_group_score"  # DeepSeek-V2's group_limited_greedy
+    if moe.grouped_topk or moe.n_group_field is not None:
+        return "true"
+    return "false"
 
 
 def feature_values(checklist: Checklist) -> dict[Feature, str]:
@@ -503,10 +558,10 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
             {
                 Feature.ROUTER_SCORING: moe.router_scoring.value,
                 Feature.NORM_TOPK_PROB: _flag(moe.norm_topk_prob),
-                Feature.SCORE_CORRECTION_BIAS: _flag(moe.score_correction_bias),
+                Feature.SCORE_CORRECTION_BIAS: _correction_bias(moe),
                 Feature.ROUTED_SCALING: _multiplier(moe.routed_scaling_factor, moe.routed_scaling_field),
-                Feature.GROUPED_TOPK: _flag(moe.grouped_topk),
-                Feature.SHARED_EXPERTS: _flag(moe.shared_experts > 0),
+                Feature.GROUPED_TOPK: _grouped_topk(moe),
+                Feature.SHARED_EXPERTS: _shared_experts(moe),
                 Feature.SHARED_EXPERT_GATE: _flag(moe.shared_expert_gate),
                 Feature.MOE_LAYER_PATTERN: _layer_pattern(moe),
                 Feature.EXPERT_LAYOUT: moe.expert_layout.value,

@@ -717,6 +717,65 @@ def _moe_layers(ctx: Context) -> tuple[list[int], int]:
     return [i for i, layer in enumerate(tiny_layers) if mt.layer_has_experts(layer)], len(tiny_layers)
 
 
+# Config rules that decide which layers route to experts, each with the fields it reads
+# (all of them must be in the config) and the layers it makes sparse. The analysis names
+# the rule whose prediction equals the measured moe_layers of the full-depth model.
+def _sparse_step_rule(config: PretrainedConfig, n: int) -> list[int]:
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def _first_k_dense_rule(config: PretrainedConfig, n: int) -> list[int]:
+    return [i for i in range(n) if i >= int(config.first_k_dense_replace)]
+
+
+def _layer_types_rule(config: PretrainedConfig, n: int) -> list[int]:
+    types = list(config.mlp_layer_types)
+    return [i for i in range(n) if i < len(types) and types[i] == "sparse"]
+
+
+def _start_end_interval_rule(config: PretrainedConfig, n: int) -> list[int]:
+    start, end, interval = config.moe_layer_start_index, config.moe_layer_end_index, config.moe_layer_interval
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, interval)):
+        return []
+    return [i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end]
+
+
+MOE_LAYER_RULES: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    ("first_k_dense", ("first_k_dense_replace",), _first_k_dense_rule),
+    ("layer_types", ("mlp_layer_types",), _layer_types_rule),
+    (
+        "start_end_interval",
+        ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
+        _start_end_interval_rule,
+    ),
+    ("sparse_step", ("decoder_sparse_step", "mlp_only_layers"), _sparse_step_rule),
+)
+
+
+def moe_layer_rule(config: PretrainedConfig, moe_layers: list[int], n_layers: int) -> tuple[str, list[str]]:
+    """The config rule (and the fields it reads) that reproduces the measured MoE layers.
+
+    A rule applies when the config has its fields (``sparse_step``: either of them) and its
+    prediction on the full-size config is exactly ``moe_layers``; ``("", [])`` when no rule
+    does (every layer MoE with no rule field is ``("all", [])``).
+    """
+    values = config.to_dict()
+    for name, fields, predict in MOE_LAYER_RULES:
+        present = [f for f in fields if f in values]
+        if (name == "sparse_step" and present) or len(present) == len(fields):
+            try:
+                predicted = predict(config, n_layers)
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if predicted == moe_layers:
+                return name, present
+    if len(moe_layers) == n_layers:
+        return "all", []
+    return "", []
+
+
 def _expert_layout(ctx: Context) -> tuple[ExpertLayout, WeightOrientation, str]:
     keys = [k for k in ctx.saved_keys if ".experts." in k and "shared" not in k]
     if not keys:
@@ -756,6 +815,63 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
     return False
 
 
+def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]:
+    """The checkpoint key (inside a layer, ``{}`` for nothing else) of a per-expert
+    selection bias, and its shape: a saved tensor of the MoE block with one entry per
+    expert that is neither a projection's weight nor its bias nor an expert's."""
+    if num_experts <= 0:
+        return "", []
+    # Any layer: the first layers of a family with leading dense layers have no router.
+    layer = re.compile(re.escape(ctx.layer_prefix).replace(r"0\.", r"\d+\.", 1) if ctx.layer_prefix else "^$")
+    for key, shape in sorted(ctx.saved_keys.items()):
+        match = layer.match(key)
+        if match is None or ".experts." in key or "shared" in key:
+            continue
+        if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
+            continue
+        if any(n != 1 for n in shape[:-1]):
+            continue
+        return key[match.end() :], list(shape)
+    return "", []
+
+
+def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | None, str]:
+    """The config field counting shared experts and how their MLP's width is set:
+    ``experts_multiple`` when it is that count times the routed experts' width (as
+    AReaL's ``num_shared_experts`` builds it), ``own_field`` when it is
+    ``shared_expert_intermediate_size``; measured on the tiny model's shared MLP."""
+    if ffn is None:
+        return None, ""
+    shared = next((c for n, c in ffn.named_children() if "shared" in n and "gate" not in n), None)
+    if shared is None:
+        return None, ""
+    hidden = ctx.tiny.hidden_size
+    widths = {p.out_features for p in mt.projections(shared) if p.in_features == hidden}
+    if len(widths) != 1:
+        return None, ""
+    width = widths.pop()
+    tiny = ctx.tiny.to_dict()
+    count_field = next(
+        (
+            k
+            for k, v in sorted(tiny.items())
+            if "shared" in k
+            and "expert" in k
+            and isinstance(v, int)
+            and not isinstance(v, bool)
+            and "size" not in k
+            and "dim" not in k
+        ),
+        None,
+    )
+    expert_width = tiny.get("moe_intermediate_size")
+    if count_field is not None and isinstance(expert_width, int) and width == expert_width * tiny[count_field]:
+        return count_field, "experts_multiple"
+    if tiny.get("shared_expert_intermediate_size") == width:
+        return count_field, "own_field"
+    return count_field, ""
+
+
 def moe_features(ctx: Context) -> MoEFeatures | None:
     num_experts = _expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
@@ -788,8 +904,11 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         else:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
-    correction = any("correction" in k for k in ctx.saved_keys) or (
-        ffn is not None and _has_selection_bias(ffn, _expert_count(ctx.tiny) or 0)
+    correction_key, correction_shape = _selection_bias_key(ctx, _expert_count(ctx.tiny) or 0)
+    correction = (
+        bool(correction_key)
+        or any("correction" in k for k in ctx.saved_keys)
+        or (ffn is not None and _has_selection_bias(ffn, _expert_count(ctx.tiny) or 0))
     )
     router_bias = False
     shared_gate = False
@@ -814,8 +933,14 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
             )
     if router_bias:
         ctx.other.append("router linear with a bias")
-    n_group = ctx.get("n_group") or ctx.get("num_expert_group")
+    group_field = next((f for f in ("n_group", "num_expert_group") if f in ctx.config.to_dict()), None)
+    topk_group_field = "topk_group" if group_field is not None and "topk_group" in ctx.config.to_dict() else None
+    n_group = ctx.get(group_field) if group_field else None
     topk_group = ctx.get("topk_group")
+    # DeepSeek-V2's group_limited_greedy scores a group by its best expert, V3's noaux_tc by
+    # the sum of its two best; the config's topk_method names which the forward takes.
+    group_scoring = "max" if ctx.get("topk_method") == "group_limited_greedy" else "sum_top2"
+    shared_field, shared_width = _shared_expert_width(ctx, ffn) if shared else (None, "")
     scaling = next(
         (v for v in _fields_matching(ctx.config, "rout", "scal").values() if isinstance(v, (int, float))), None
     )
@@ -823,12 +948,20 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     if routed_field is not None and isinstance(ctx.get(routed_field.name), (int, float)):
         scaling = ctx.get(routed_field.name)
     layout, orientation, template = _expert_layout(ctx)
+    rule, rule_fields = moe_layer_rule(ctx.config, moe_layers, n_layers)
+    if not rule:
+        ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
     return MoEFeatures(
         num_experts=num_experts,
         top_k=_top_k(ctx.config) or 0,
         router_scoring=scoring,
         norm_topk_prob=bool(norm_topk),
         score_correction_bias=correction,
+        score_correction_key=correction_key,
+        score_correction_shape=correction_shape,
+        n_group_field=group_field,
+        topk_group_field=topk_group_field,
+        group_scoring=group_scoring,
         routed_scaling_factor=float(scaling) if isinstance(scaling, (int, float)) and scaling != 1.0 else None,
         routed_scaling_field=routed_field.name if routed_field else None,
         n_group=int(n_group) if isinstance(n_group, int) and n_group > 1 else None,
@@ -836,9 +969,13 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int)
         else None,
         shared_experts=shared,
+        shared_experts_field=shared_field,
+        shared_expert_width=shared_width,
         shared_expert_gate=shared_gate,
         moe_layers=moe_layers,
         n_layers=n_layers,
+        moe_layer_rule=rule,
+        moe_layer_fields=rule_fields,
         expert_layout=layout,
         expert_orientation=orientation,
         expert_key_template=template,

@@ -345,7 +345,8 @@ __all__ = [
 
 
 def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, config: Any, top_k: int) -> bool | None:
-    """Whether the routing weights handed to the experts sum to one per token.
+    """Whether the routing weights handed to the experts sum to one per token (to one
+    constant: a routed scaling factor may multiply them after the renormalisation).
 
     Reads the float ``[tokens, top_k]`` argument of the routed-experts module's forward
     (the weights every transformers MoE block passes with the expert indices); a top-k
@@ -380,9 +381,10 @@ def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, confi
         handle.remove()
     if not captured:
         return None
+    # Renormalised weights sum to the same constant for every token: one, or the routed
+    # scaling factor applied after the renormalisation (whatever field names it).
     sums = captured[0].sum(-1)
-    scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
-    return bool(torch.allclose(sums, torch.full_like(sums, scale), atol=1e-4))
+    return bool(torch.allclose(sums, sums[:1].expand_as(sums), atol=1e-4) and sums[0].abs() > 1e-6)
 
 
 # --------------------------------------------------------------- rotary per layer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,26 @@ def _check_caller_fields(rec: StageRecorder, config: PretrainedConfig) -> None:
     )
 
 
+def unset_required_fields(config: PretrainedConfig) -> list[str]:
+    """Required fields of the family's args that ``config`` leaves ``None`` (a config class
+    whose defaults are no model, such as Dots1Config's expert counts)."""
+    module = sys.modules[get_spec(config.model_type).model_args_class.__module__]
+    required = getattr(module, "_REQUIRED_HF_FIELDS", ())
+    return [name for name in required if getattr(config, name, None) is None]
+
+
+def check_refuses_unset_fields(rec: StageRecorder, config: PretrainedConfig, unset: list[str]) -> None:
+    """``from_hf_config`` of a config that leaves required fields unset raises, naming them."""
+    args_class = get_spec(config.model_type).model_args_class
+    try:
+        args_class.from_hf_config(config)
+    except ValueError as e:
+        named = all(name in str(e) for name in unset)
+        rec.check("defaults: refused (required fields unset)", named, f"{unset} unset: {e}")
+        return
+    rec.check("defaults: refused (required fields unset)", False, f"{unset} unset, yet from_hf_config returned args")
+
+
 def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
     """Stage 1 on the case's tiny config and on the config class's defaults."""
     del workdir  # stage 1 touches no files
@@ -246,7 +267,12 @@ def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_
     def body(rec: StageRecorder) -> None:
         tiny = build_hf_config(case)
         check_args_against_config(rec, tiny, "tiny")
-        check_args_against_config(rec, type(tiny)(), "defaults")
+        defaults = type(tiny)()
+        unset = unset_required_fields(defaults)
+        if unset:
+            check_refuses_unset_fields(rec, defaults, unset)
+        else:
+            check_args_against_config(rec, defaults, "defaults")
         _check_caller_fields(rec, tiny)
 
     return run_stage(case, 1, body, raise_on_failure)

@@ -50,6 +50,8 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     """Parameter <-> key coverage, shapes, and explicit drops, from meta tensors only."""
     model, adapter = archon.model, archon.adapter
     params = dict(model.named_parameters(remove_duplicate=False))
+    # Saved buffers (a router's expert_bias) are checkpoint tensors like the parameters.
+    params.update({k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params})
     aliases = tied_aliases(model)
     rec.check(
         "Archon parameters found",

@@ -53,6 +53,13 @@ def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
             param.add_(noise * WEIGHT_NOISE_STD)
+        # Saved, zero-initialised bias buffers (a router's score-correction bias) too: a port
+        # that drops one, or adds it where HF does not, must change which experts are chosen.
+        saved = model.state_dict()
+        for name, buffer in model.named_buffers():
+            if name in saved and name.endswith("bias") and buffer.is_floating_point():
+                noise = torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype)
+                buffer.add_(noise * WEIGHT_NOISE_STD)
     return model
 
 
@@ -110,8 +117,10 @@ def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict
         for name, param in shadow.named_parameters():
             grad = grads[name]
             param.copy_(torch.zeros_like(param) if grad is None else grad)
+        # A saved buffer (a router's score-correction bias) gets no gradient.
         for buffer in shadow.buffers():
-            buffer.zero_()  # saved state that is not trained (a router's correction bias): no gradient
+            if buffer.is_floating_point():
+                buffer.zero_()
     save_hf_checkpoint(shadow, directory)
     return read_hf_checkpoint(directory)
 

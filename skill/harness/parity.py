@@ -236,9 +236,16 @@ def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_cod
 
 def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:
     archon = load_archon_model(hf_config, checkpoint, attn_type="varlen")
+    # Loaded buffers (a router's expert_bias) keep their checkpoint values and dtype; the
+    # computed ones are recomputed below.
+    persistent = {
+        k: v.clone() for k, v in archon.model.state_dict().items() if k not in dict(archon.model.named_parameters())
+    }
     archon.model.to(device=device, dtype=dtype)
     # The RoPE cache is computed in fp32 (as HF computes cos/sin), not cast to bf16.
     archon.model.init_buffers(buffer_device=device)
+    if persistent:
+        archon.model.load_state_dict({k: v.to(device) for k, v in persistent.items()}, strict=False)
     return archon
 
 

@@ -53,7 +53,14 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
     "mlp.shared_expert_gate": "moe.shared_expert_gate",
+    # DeepSeek-style shared experts (AReaL's num_shared_experts): one MLP, several experts wide.
+    "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
 }
+# The router's score-correction bias (its checkpoint key inside a layer is measured by the
+# analysis): AReaL's MoE buffer that shifts expert selection, never the weights.
+CORRECTION_BIAS_TARGET = "moe.expert_bias"
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.
 EXPERT_MODULES: dict[str, str] = {
@@ -170,8 +177,12 @@ def derive_from_hf_map(
     dense_layers: bool = True,
     fused: dict[str, list[str]] | None = None,
     norm_roles: dict[str, str] | None = None,
+    layer_buffers: dict[str, str] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
+
+    ``layer_buffers``: keys inside a layer that are not a weight or bias (a router's
+    score-correction bias) -> the Archon key inside the layer that holds them.
 
     ``fused`` keys (from ``detect_fused_keys``) are left out: they go to the adapter's
     ``fused_from_hf_map``. Raises ``UnmappedKeyError`` listing every other key no rule covers.
@@ -200,6 +211,9 @@ def derive_from_hf_map(
             mapping[key] = None
             continue
         inner = key[len(LAYER_PREFIX) :] if key.startswith(LAYER_PREFIX) else None
+        if inner is not None and inner in (layer_buffers or {}):
+            mapping[key] = f"layers.{{}}.{(layer_buffers or {})[inner]}"
+            continue
         match = _PARAM_SUFFIX.match(inner if inner is not None else key)
         if match is None:
             unmapped.append(key)
@@ -281,14 +295,20 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     remove = set(request.remove)
     wanted: dict[str, str | None] = dict(current)
     if request.source is not None:
+        from skill.porting.plan import plan_from_report, report_for
+
         config = load_config(request.source, request.trust_remote_code)
-        dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
+        report = report_for(request.source, request.trust_remote_code)
+        plan = plan_from_report(report, request.source, request.trust_remote_code)
+        # A family with a per-layer MoE rule may have dense layers the tiny checkpoint lacks.
+        dense_layers = plan.moe and not plan.all_layers_moe
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
         fused = detect_fused_keys(shapes, tiny_config(config))
-        from skill.porting.plan import report_for
-
-        roles = report_for(request.source, request.trust_remote_code).checklist.norm.block_norms
-        derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles)
+        roles = report.checklist.norm.block_norms
+        buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
+        derived = derive_from_hf_map(
+            list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles, layer_buffers=buffers
+        )
         text = apply_fused_adapter(text, layout, fused)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}

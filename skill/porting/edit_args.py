@@ -37,7 +37,8 @@ from skill.porting.common import (
 from skill.porting.hf_source import load_config
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
-from skill.porting.snippets import snippet
+from skill.porting.snippets import snippet, snippet_method
+from skill.porting.snippets.moe_layers import RULES as MOE_LAYER_RULES
 from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -194,10 +195,20 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 # The checkpoint holds a gated shared expert; its width is the config's.
                 moe_args.shared_expert_intermediate_size = c.shared_expert_intermediate_size
                 moe_args.use_shared_expert_gate = True
+            if profile.shared_experts_field is not None:
+                moe_args.num_shared_experts = getattr(c, profile.shared_experts_field) or 0
             if profile.router_scoring_field is not None:
                 moe_args.score_func = getattr(c, profile.router_scoring_field)
             elif profile.router_scoring == "sigmoid":
                 moe_args.score_func = "sigmoid"
+            if profile.routed_scaling_field is not None:
+                moe_args.route_scale = float(getattr(c, profile.routed_scaling_field))
+            if profile.expert_group_fields is not None:
+                groups, kept = (getattr(c, f) for f in profile.expert_group_fields)
+                if (groups or 1) > 1:
+                    moe_args.num_expert_groups, moe_args.num_limited_groups = groups, kept
+            if profile.score_correction_key is not None:
+                moe_args.load_balance_coeff = CORRECTION_BIAS_COEFF
             return moe_args
 
         fields += [
@@ -212,23 +223,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ]
         if not profile.all_layers_moe:
             # Which layers route to experts (HF's rule); a family whose every layer is MoE has no such fields.
-            fields += [
-                ArgField(
-                    "decoder_sparse_step",
-                    "int",
-                    1,
-                    'getattr(hf_config, "decoder_sparse_step", None) or 1',
-                    lambda c: getattr(c, "decoder_sparse_step", None) or 1,
-                ),
-                ArgField(
-                    "mlp_only_layers",
-                    "list[int]",
-                    None,
-                    'list(getattr(hf_config, "mlp_only_layers", None) or [])',
-                    lambda c: list(getattr(c, "mlp_only_layers", None) or []),
-                    default_source="field(default_factory=list)",
-                ),
-            ]
+            fields += moe_layer_fields(profile, config)
     for name in profile.multipliers:
         fields.append(
             ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
@@ -246,6 +241,55 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
     return fields
+
+
+def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
+    """The args fields the family's per-layer MoE rule reads (``plan.moe_layer_rule``)."""
+    rule = plan.moe_layer_rule
+    if rule == "first_k_dense":
+        return [
+            ArgField(
+                "first_k_dense_replace",
+                "int",
+                int(config.first_k_dense_replace or 0),
+                "hf_config.first_k_dense_replace or 0",
+                lambda c: c.first_k_dense_replace or 0,
+            )
+        ]
+    if rule == "layer_types":
+        return [
+            ArgField(
+                "mlp_layer_types",
+                "tuple[str, ...]",
+                tuple(config.mlp_layer_types),
+                "tuple(hf_config.mlp_layer_types)",
+                lambda c: tuple(c.mlp_layer_types),
+            )
+        ]
+    if rule == "start_end_interval":
+        return [
+            ArgField(name, "int", int(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
+            for name in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
+        ]
+    if rule == "sparse_step":
+        return [
+            ArgField(
+                "decoder_sparse_step",
+                "int",
+                1,
+                'getattr(hf_config, "decoder_sparse_step", None) or 1',
+                lambda c: getattr(c, "decoder_sparse_step", None) or 1,
+            ),
+            ArgField(
+                "mlp_only_layers",
+                "list[int]",
+                None,
+                'list(getattr(hf_config, "mlp_only_layers", None) or [])',
+                lambda c: list(getattr(c, "mlp_only_layers", None) or []),
+                default_source="field(default_factory=list)",
+            ),
+        ]
+    raise ValueError(f"{plan.model_type}: no edit writes the MoE layer rule {rule!r}")
 
 
 def _moe_args_field(plan: PortPlan, config: Any, expected: Callable[[Any], Any]) -> ArgField:
@@ -407,21 +451,57 @@ moe_args.use_shared_expert_gate = True
 """
 
 
+# ``load_balance_coeff`` of a family whose checkpoint holds a score-correction bias: any
+# positive value makes AReaL's MoE register its ``expert_bias`` buffer, the bias the router
+# adds to the scores it chooses experts by (and only to those). 1e-3 is DeepSeek-V3's bias
+# update speed, for a trainer that balances load by updating it; AReaL 1.0.4 does not.
+CORRECTION_BIAS_COEFF = 1e-3
+
+
 def router_setup(plan: PortPlan) -> str:
     """Statements after ``MoEArgs.from_hf_config`` (which scores with softmax, as AReaL's
-    does) that give the router the family's scoring: the config's field, or a sigmoid the
-    analysis measured when no field names it. Nothing for a plain softmax router."""
+    does) that give the router the family's scoring (the config's field, or a sigmoid the
+    analysis measured when no field names it), routed scaling factor, expert groups and
+    score-correction bias, each in AReaL's ``MoEArgs`` terms. Nothing for a plain softmax
+    router."""
+    lines = []
     if plan.router_scoring_field is not None:
-        return (
-            "# The router scores experts as the config says: softmax over them, or a sigmoid each.\n"
-            f"moe_args.score_func = hf_config.{plan.router_scoring_field}\n"
-        )
-    if plan.router_scoring == "sigmoid":
-        return (
-            "# The router scores each expert with its own sigmoid; no config field says so.\n"
-            'moe_args.score_func = "sigmoid"\n'
-        )
-    return ""
+        lines += [
+            "# The router scores experts as the config says: softmax over them, or a sigmoid each.",
+            f"moe_args.score_func = hf_config.{plan.router_scoring_field}",
+        ]
+    elif plan.router_scoring == "sigmoid":
+        lines += [
+            "# The router scores each expert with its own sigmoid; no config field says so.",
+            'moe_args.score_func = "sigmoid"',
+        ]
+    if plan.routed_scaling_field is not None:
+        lines += [
+            "# The (renormalised) top-k weights are multiplied by the routed scaling factor.",
+            f"moe_args.route_scale = float(hf_config.{plan.routed_scaling_field})",
+        ]
+    if plan.expert_group_fields is not None:
+        groups, kept = plan.expert_group_fields
+        lines += [
+            f"# Grouped top-k: only the best {kept} of {groups} expert groups, each scored by the",
+            "# sum of its two best experts, compete for the token (one group: plain top-k).",
+            f"if (hf_config.{groups} or 1) > 1:",
+            f"    moe_args.num_expert_groups = hf_config.{groups}",
+            f"    moe_args.num_limited_groups = hf_config.{kept}",
+        ]
+    if plan.score_correction_key is not None:
+        key = plan.score_correction_key.rsplit(".", 1)[-1]
+        lines += [
+            f"# The checkpoint's {key} shifts the scores that choose experts, not the",
+            "# weights: AReaL's expert_bias buffer, which load_balance_coeff creates.",
+            f"moe_args.load_balance_coeff = {CORRECTION_BIAS_COEFF}",
+        ]
+    if plan.shared_experts_field is not None:
+        lines += [
+            f"# {plan.shared_experts_field} always-active shared experts, each as wide as a routed one.",
+            f"moe_args.num_shared_experts = hf_config.{plan.shared_experts_field} or 0",
+        ]
+    return "".join(f"{line}\n" for line in lines)
 
 
 def from_hf_config_source(
@@ -576,18 +656,19 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             "    raise ValueError(f\"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.\")",
             "",
         )
+    if profile.moe and not profile.all_layers_moe and profile.moe_layer_rule != "sparse_step":
+        # The family's own per-layer rule replaces the reference's decoder_sparse_step rule.
+        text = replace_function(
+            text,
+            layout.args_class,
+            "is_moe_layer",
+            snippet_method("moe_layers", MOE_LAYER_RULES[profile.moe_layer_rule], "is_moe_layer"),
+        )
+        text = _drop_sparse_step_check(text, layout.args_class)
     if profile.all_layers_moe:
         # Every layer routes to experts: the per-layer rule and its check go.
         text = remove_method(text, layout.args_class, "is_moe_layer")
-        text = replace_in_function(
-            text,
-            layout.args_class,
-            "__post_init__",
-            "if self.moe_args is not None and self.decoder_sparse_step < 1:\n"
-            "    raise ValueError("
-            'f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")',
-            "",
-        )
+        text = _drop_sparse_step_check(text, layout.args_class)
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
     text = remove_function(text, "_num_experts")
     text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
@@ -604,6 +685,19 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
 
+def _drop_sparse_step_check(text: str, args_class: str) -> str:
+    """Remove the reference's ``decoder_sparse_step`` check (the family has no such field)."""
+    return replace_in_function(
+        text,
+        args_class,
+        "__post_init__",
+        "if self.moe_args is not None and self.decoder_sparse_step < 1:\n"
+        "    raise ValueError("
+        'f"decoder_sparse_step must be >= 1 for a MoE model, got {self.decoder_sparse_step}.")',
+        "",
+    )
+
+
 def verify_args_source(
     text: str, class_name: str, fields: list[ArgField], source: str, trust_remote_code: bool = False
 ) -> list[FieldCheck]:
@@ -618,7 +712,12 @@ def verify_args_source(
     args_class = getattr(module, class_name)
     checks: list[FieldCheck] = []
     base = load_config(source, trust_remote_code)
+    required = getattr(module, "_REQUIRED_HF_FIELDS", ())
     for label, config in (("default", base), ("tiny", tiny_config(base))):
+        if label == "default" and any(getattr(config, name, None) is None for name in required):
+            # The config class's defaults are no model (Dots1Config leaves its expert counts
+            # unset); from_hf_config refuses them, and stage 1 proves that it does.
+            continue
         args = args_class.from_hf_config(config)
         for f in fields:
             expected = f.expected(config)

@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Activations the edits can write, by the names transformers' ACT2FN uses.
 ACTIVATIONS = {"silu": "F.silu({})", "gelu_pytorch_tanh": 'F.gelu({}, approximate="tanh")', "gelu": "F.gelu({})"}
-# The config fields the qwen3 reference's per-layer MoE rule reads (``is_moe_layer``).
-MOE_LAYER_RULE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
 
 
@@ -92,6 +90,23 @@ class PortPlan(BaseModel):
     moe: bool
     all_layers_moe: bool
     shared_expert: bool
+    shared_experts_field: str | None = Field(
+        default=None,
+        description="config field counting shared experts each an expert wide (AReaL's num_shared_experts)",
+    )
+    moe_layer_rule: str = Field(
+        default="all", description="the config rule naming the MoE layers (the analysis' moe_layer_rule)"
+    )
+    moe_layer_fields: list[str] = Field(default_factory=list, description="config fields that rule reads")
+    routed_scaling_field: str | None = Field(
+        default=None, description="config field of the factor on the routed experts' weights (route_scale)"
+    )
+    expert_group_fields: tuple[str, str] | None = Field(
+        default=None, description="config fields of the expert groups and the groups kept (grouped top-k)"
+    )
+    score_correction_key: str | None = Field(
+        default=None, description="checkpoint key, inside a layer, of the router's score-correction bias"
+    )
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
     router_scoring: Literal["softmax", "sigmoid"] = Field(
         default="softmax", description="how the router scores experts: softmax over them, or a sigmoid each"
@@ -194,13 +209,20 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
         moe=moe is not None,
-        # Every layer routes to experts, and the config has no field of the reference's
-        # per-layer rule that a checkpoint could set otherwise.
-        all_layers_moe=moe is not None
-        and bool(n_layers)
-        and len(moe.moe_layers) == n_layers
-        and not any(f in values for f in MOE_LAYER_RULE_FIELDS),
+        # Every layer routes to experts, and the config has no field of a per-layer rule
+        # that a checkpoint could set otherwise.
+        all_layers_moe=moe is not None and bool(n_layers) and moe.moe_layer_rule == "all",
         shared_expert=moe is not None and moe.shared_expert_gate,
+        shared_experts_field=moe.shared_experts_field
+        if moe is not None and moe.shared_expert_width == "experts_multiple"
+        else None,
+        moe_layer_rule=moe.moe_layer_rule if moe is not None else "all",
+        moe_layer_fields=list(moe.moe_layer_fields) if moe is not None else [],
+        routed_scaling_field=moe.routed_scaling_field if moe is not None else None,
+        expert_group_fields=(moe.n_group_field, moe.topk_group_field)
+        if moe is not None and moe.n_group_field and moe.topk_group_field
+        else None,
+        score_correction_key=moe.score_correction_key or None if moe is not None else None,
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,

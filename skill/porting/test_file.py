@@ -122,6 +122,16 @@ def test_file_source(
         for name, value in zip(multipliers, NON_TRIVIAL_SCALARS, strict=False):
             overrides[name] = value
         comments.append("# Multipliers away from 1.0 (and from each other), so each one is exercised.")
+    if profile.routed_scaling_field is not None:
+        overrides[profile.routed_scaling_field] = 2.5
+        comments.append("# A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.")
+    if profile.expert_group_fields is not None:
+        groups, kept = profile.expert_group_fields
+        overrides[groups], overrides[kept] = 2, 1
+        comments.append("# Two expert groups of which one is kept, so grouped top-k routing is exercised.")
+    if profile.moe_layer_rule == "first_k_dense":
+        overrides["first_k_dense_replace"] = 1
+        comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")
     entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
     remote = ""
     if remote_source is not None:

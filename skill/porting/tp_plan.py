@@ -244,21 +244,43 @@ def run_locally(package: str, sources: list[str]) -> PlanTrace:
                 probes.append((label, args_class.from_hf_config(load_config(source), is_critic=critic)))
             except Exception as e:  # a config the args cannot read is config_attributes' and stage 1's to report
                 skipped.append(f"{label}: {type(e).__name__}: {e}")
+        # The tiny config the stages run: the plan must fit the model they test.
+        from skill.tiny_model import tiny_config
+
+        try:
+            probes.append(
+                (f"from_hf_config(tiny {source})", args_class.from_hf_config(tiny_config(load_config(source))))
+            )
+        except Exception as e:  # as above: stage 1 reports it
+            skipped.append(f"from_hf_config(tiny {source}): {type(e).__name__}: {e}")
     trace = PlanTrace(skipped_probes=skipped)
     seen: set[tuple[str, str]] = set()
     matched_keys: set[str] = set()
-    for label, args in probes:
+    traced = 0
+    for index, (label, args) in enumerate(probes):
         has_experts = False
         for ep in (False, True):
             if ep and not has_experts:
                 continue  # expert parallelism only changes the plan of MoE blocks
-            entries, matched, has_experts = _trace_one(package, args, label, ep)
+            try:
+                entries, matched, has_experts = _trace_one(package, args, label, ep)
+            except ValueError as e:
+                # A model the args refuse to build (a config class whose defaults are no real
+                # model, such as an odd rotary width) is skipped while another probe builds.
+                if traced or index + 1 < len(probes):
+                    skipped.append(f"{label}: {type(e).__name__}: {e}")
+                    break
+                raise
+            traced += 1
             matched_keys |= matched
             trace.probes.append(label + (" with EP" if ep else ""))
             for entry in entries:
                 if (entry.key, entry.level) not in seen:
                     seen.add((entry.key, entry.level))
                     trace.unmatched.append(entry)
+    if not traced:
+        raise ValueError("no probe of the args builds a model: " + "; ".join(skipped))
+    trace.skipped_probes = skipped
     trace.matched_keys = len(matched_keys)
     return trace
 

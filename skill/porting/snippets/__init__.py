@@ -53,3 +53,15 @@ def snippet(module: str, name: str, *, rename: str | None = None, names: dict[st
                 node = node.with_changes(name=cst.Name(rename))
             return tree.code_for_node(node)
     raise CodemodError(f"snippets/{module}.py defines no {name!r}")
+
+
+def snippet_method(module: str, class_name: str, name: str) -> str:
+    """The source of method ``name`` of top-level class ``class_name`` of
+    ``snippets/<module>.py``, dedented to column 0, no leading blank lines."""
+    tree = _module(module)
+    for stmt in tree.body:
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value == class_name:
+            for inner in stmt.body.body:
+                if isinstance(inner, cst.FunctionDef) and inner.name.value == name:
+                    return cst.Module(body=[inner.with_changes(leading_lines=[])]).code
+    raise CodemodError(f"snippets/{module}.py defines no {class_name}.{name}")
