@@ -63,6 +63,7 @@ class FFNKind(StrEnum):
 class RouterScoring(StrEnum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    SPARSEMIXER = "sparsemixer"  # PhiMoE: top-1 then top-2 of masked softmaxes (no top-k softmax)
     OTHER = "other"
 
 
@@ -72,6 +73,14 @@ class ExpertLayout(StrEnum):
     NONE = "none"
     PER_EXPERT_2D = "per_expert_2d"  # experts.{e}.gate_proj.weight, one 2D tensor per expert
     FUSED_3D = "fused_3d"  # experts.gate_up_proj, one 3D tensor for all experts
+
+
+class GateUpOrder(StrEnum):
+    """How a fused expert tensor stacks the gate (activated) and up columns."""
+
+    SEPARATE = "separate"  # gate and up in their own tensors (or a plain MLP)
+    CONCATENATED = "concatenated"  # gate rows/columns first, then up (chunk(2))
+    INTERLEAVED = "interleaved"  # gate at even, up at odd positions (gpt-oss)
 
 
 class WeightOrientation(StrEnum):
@@ -205,7 +214,18 @@ class MoEFeatures(_Frozen):
     n_layers: int = Field(0, description="layers in the full-size config, for moe_layers")
     expert_layout: ExpertLayout = ExpertLayout.PER_EXPERT_2D
     expert_orientation: WeightOrientation = WeightOrientation.OUT_IN
-    expert_key_template: str = Field("", description="layer-0 expert key with {} for the expert index")
+    expert_key_template: str = Field(
+        "", description="the experts' gate/up (or up) key, {} for the layer and (per-expert layout) the expert"
+    )
+    expert_down_key_template: str = Field("", description="the experts' down-projection key, {} as above")
+    expert_gate_up: GateUpOrder = Field(
+        GateUpOrder.SEPARATE, description="fused layout: how one tensor stacks gate and up (probed)"
+    )
+    expert_bias: bool = Field(False, description="the routed experts' projections have biases")
+    router_bias: bool = Field(False, description="the router's linear layer has a bias")
+    router_jitter_field: str | None = Field(
+        None, description="sparsemixer: config field of the threshold epsilon (router_jitter_noise)"
+    )
 
     @property
     def grouped_topk(self) -> bool:
@@ -298,6 +318,8 @@ class Feature(StrEnum):
     SHARED_EXPERT_GATE = "shared_expert_gate"
     MOE_LAYER_PATTERN = "moe_layer_pattern"
     EXPERT_LAYOUT = "expert_layout"
+    EXPERT_BIAS = "expert_bias"
+    ROUTER_BIAS = "router_bias"
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
@@ -344,6 +366,8 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.SHARED_EXPERT_GATE: "shared-expert gate",
     Feature.MOE_LAYER_PATTERN: "MoE layer pattern",
     Feature.EXPERT_LAYOUT: "expert layout on disk",
+    Feature.EXPERT_BIAS: "expert projection biases",
+    Feature.ROUTER_BIAS: "router linear bias",
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
@@ -510,6 +534,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
                 Feature.SHARED_EXPERT_GATE: _flag(moe.shared_expert_gate),
                 Feature.MOE_LAYER_PATTERN: _layer_pattern(moe),
                 Feature.EXPERT_LAYOUT: moe.expert_layout.value,
+                Feature.EXPERT_BIAS: _flag(moe.expert_bias),
+                Feature.ROUTER_BIAS: _flag(moe.router_bias),
             }
         )
     return {feature: values[feature] for feature in Feature if feature in values}
