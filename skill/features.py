@@ -407,7 +407,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.SHARED_EXPERTS: frozenset({"true", "false"}),
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
     Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved"}),
-    Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
+    Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D, ExpertLayout.FUSED_3D}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
