@@ -20,6 +20,7 @@ from archon_models.model_spec import (  # noqa: F401
 )
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
+from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401

@@ -399,7 +399,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Shared MoE module (MoEArgs): sigmoid scoring, renormalisation, route scale,
     # node-limited groups, shared experts with a gate; qwen3's decoder_sparse_step.
     Feature.MOE: frozenset({"true", "false"}),
-    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID}),
+    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID, RouterScoring.SPARSEMIXER}),
     Feature.NORM_TOPK_PROB: frozenset({"true", "false"}),
     # Route scale and grouped top-k: MoEArgs has them, but no edit maps a config onto them yet.
     Feature.ROUTED_SCALING: frozenset({"none"}),

@@ -229,6 +229,14 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                     default_source="field(default_factory=list)",
                 ),
             ]
+    if profile.router_jitter_field is not None:
+        # The sparse mixer's relative margin around each pick (not noise at evaluation time).
+        jitter = profile.router_jitter_field
+        fields.append(
+            ArgField(
+                jitter, "float", float(getattr(config, jitter)), f"hf_config.{jitter}", operator.attrgetter(jitter)
+            )
+        )
     for name in profile.multipliers:
         fields.append(
             ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))

@@ -93,8 +93,12 @@ class PortPlan(BaseModel):
     all_layers_moe: bool
     shared_expert: bool
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
-    router_scoring: Literal["softmax", "sigmoid"] = Field(
-        default="softmax", description="how the router scores experts: softmax over them, or a sigmoid each"
+    router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
+        default="softmax",
+        description="how the router scores experts: softmax over them, a sigmoid each, or sparse-mixer picks",
+    )
+    router_jitter_field: str | None = Field(
+        default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
     )
     router_scoring_field: str | None = Field(
         default=None, description="config field naming the router's scoring function, if the config has one"
@@ -151,9 +155,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     logit_divisor = logit.field if logit is not None and logit.relation == "1/x" else None
     scale = att.scaling_source if att.custom_scaling else None
     n_layers = moe.n_layers if moe is not None else 0
-    scoring: Literal["softmax", "sigmoid"] = (
-        "sigmoid" if moe is not None and moe.router_scoring is RouterScoring.SIGMOID else "softmax"
-    )
+    scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    if moe is not None and moe.router_scoring is RouterScoring.SIGMOID:
+        scoring = "sigmoid"
+    elif moe is not None and moe.router_scoring is RouterScoring.SPARSEMIXER:
+        scoring = "sparsemixer"
     scoring_field = next(
         (
             f.name
@@ -204,6 +210,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
+        router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
     )
 
