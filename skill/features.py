@@ -223,6 +223,11 @@ class MoEFeatures(_Frozen):
     )
     expert_bias: bool = Field(False, description="the routed experts' projections have biases")
     router_bias: bool = Field(False, description="the router's linear layer has a bias")
+    num_experts_field: str | None = Field(None, description="config field of the routed expert count")
+    top_k_field: str | None = Field(None, description="config field of the experts per token")
+    shared_experts_field: str | None = Field(
+        None, description="config field of the ungated shared experts' count (each as wide as a routed one)"
+    )
     router_jitter_field: str | None = Field(
         None, description="sparsemixer: config field of the threshold epsilon (router_jitter_noise)"
     )

@@ -690,20 +690,22 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
 # ------------------------------------------------------------------------ MoE
 
 
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k")
+
+
+def _positive_field(config: PretrainedConfig, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if isinstance(getattr(config, n, None), int) and getattr(config, n) > 0), None)
+
+
 def _expert_count(config: PretrainedConfig) -> int | None:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    name = _positive_field(config, _EXPERT_COUNT_FIELDS)
+    return getattr(config, name) if name else None
 
 
 def _top_k(config: PretrainedConfig) -> int | None:
-    for name in ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    name = _positive_field(config, _TOP_K_FIELDS)
+    return getattr(config, name) if name else None
 
 
 def _moe_layers(ctx: Context) -> tuple[list[int], int]:
@@ -884,6 +886,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     router_bias = False
     shared_gate = False
     shared = 0
+    shared_field: str | None = None
     if ffn is not None:
         router = mt.router_module(ffn, _expert_count(ctx.tiny) or 0)
         if router is not None and isinstance(getattr(router[1], "bias", None), torch.Tensor):
@@ -894,14 +897,13 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
             if "gate" in name and proj is not None and proj.out_features == 1:
                 shared_gate = True
         if any("gate" not in n for n, _ in shared_children):
-            shared = next(
-                (
-                    int(v)
-                    for k, v in _fields_matching(ctx.config, "shared", "expert").items()
-                    if isinstance(v, int) and not isinstance(v, bool) and "size" not in k and "dim" not in k
-                ),
-                1,
-            )
+            count_fields = [
+                (k, int(v))
+                for k, v in _fields_matching(ctx.config, "shared", "expert").items()
+                if isinstance(v, int) and not isinstance(v, bool) and "size" not in k and "dim" not in k
+            ]
+            shared = count_fields[0][1] if count_fields else 1
+            shared_field = count_fields[0][0] if count_fields else None
     n_group = ctx.get("n_group") or ctx.get("num_expert_group")
     topk_group = ctx.get("topk_group")
     scaling = next(
@@ -950,6 +952,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         expert_bias=bias,
         router_bias=router_bias,
         router_jitter_field=jitter,
+        num_experts_field=_positive_field(ctx.config, _EXPERT_COUNT_FIELDS),
+        top_k_field=_positive_field(ctx.config, _TOP_K_FIELDS),
+        shared_experts_field=shared_field if not shared_gate else None,
     )
 
 

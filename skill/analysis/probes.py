@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -581,13 +581,13 @@ def perturbed_values(value: Any) -> list[Any]:
     return [value * 1.37 if value else 0.5]
 
 
-def _layer_siblings(params: dict[str, torch.Tensor], name: str) -> list[str]:
+def _layer_siblings(params: Mapping[str, torch.Tensor], name: str) -> list[str]:
     """``name`` and the same parameter of every other layer (the first index varies)."""
     pattern = re.compile("^" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name), count=1) + "$")
     return [n for n in params if pattern.match(n)]
 
 
-def _in_memory(params: dict[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> str | None:
+def _in_memory(params: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> str | None:
     """The parameter a checkpoint key loads into: the same name, else the one tensor of that
     shape under the key's parent module (a checkpoint may name it differently, same layout)."""
     if key in params and tuple(params[key].shape) == tuple(shape):

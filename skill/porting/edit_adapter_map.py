@@ -62,6 +62,9 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
     "mlp.shared_expert_gate": "moe.shared_expert_gate",
+    "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
 }
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.

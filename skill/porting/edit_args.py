@@ -194,6 +194,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 # The checkpoint holds a gated shared expert; its width is the config's.
                 moe_args.shared_expert_intermediate_size = c.shared_expert_intermediate_size
                 moe_args.use_shared_expert_gate = True
+            if profile.expert_count_field is not None:
+                moe_args.num_experts = getattr(c, profile.expert_count_field)
+            if profile.top_k_field is not None:
+                moe_args.top_k = getattr(c, profile.top_k_field)
+            if profile.shared_experts_field is not None:
+                moe_args.num_shared_experts = getattr(c, profile.shared_experts_field)
             if profile.router_scoring_field is not None:
                 moe_args.score_func = getattr(c, profile.router_scoring_field)
             elif profile.router_scoring == "sigmoid":
@@ -320,7 +326,7 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     moe: tuple[str, ...] = ()
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
-        moe += ("num_experts_per_tok",)
+        moe += (profile.top_k_field or "num_experts_per_tok",)
     return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
 
 
@@ -418,7 +424,23 @@ moe_args.use_shared_expert_gate = True
 def router_setup(plan: PortPlan) -> str:
     """Statements after ``MoEArgs.from_hf_config`` (which scores with softmax, as AReaL's
     does) that give the router the family's scoring: the config's field, or a sigmoid the
-    analysis measured when no field names it. Nothing for a plain softmax router."""
+    analysis measured when no field names it; and the counts from the config's own fields
+    where AReaL's reads others. Nothing for a plain softmax router."""
+    counts = "".join(
+        f"moe_args.{name} = hf_config.{field}\n"
+        for name, field in (
+            ("num_experts", plan.expert_count_field),
+            ("top_k", plan.top_k_field),
+            ("num_shared_experts", plan.shared_experts_field),
+        )
+        if field is not None
+    )
+    if counts:
+        counts = "# The config names its expert counts differently from what MoEArgs.from_hf_config reads.\n" + counts
+    return counts + _scoring_setup(plan)
+
+
+def _scoring_setup(plan: PortPlan) -> str:
     if plan.router_scoring_field is not None:
         return (
             "# The router scores experts as the config says: softmax over them, or a sigmoid each.\n"

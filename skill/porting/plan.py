@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 ACTIVATIONS = {"silu": "F.silu({})", "gelu_pytorch_tanh": 'F.gelu({}, approximate="tanh")', "gelu": "F.gelu({})"}
 # The config fields the qwen3 reference's per-layer MoE rule reads (``is_moe_layer``).
 MOE_LAYER_RULE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
+# The fields AReaL 1.0.4's MoEArgs.from_hf_config reads for the expert count and top-k.
+AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
+AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
 
 
@@ -96,6 +99,15 @@ class PortPlan(BaseModel):
     router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
         default="softmax",
         description="how the router scores experts: softmax over them, a sigmoid each, or sparse-mixer picks",
+    )
+    expert_count_field: str | None = Field(
+        default=None, description="config field of the expert count, where MoEArgs.from_hf_config reads another"
+    )
+    top_k_field: str | None = Field(
+        default=None, description="config field of experts per token, where MoEArgs.from_hf_config reads another"
+    )
+    shared_experts_field: str | None = Field(
+        default=None, description="config field of the count of ungated shared experts, each a routed one's width"
     )
     router_jitter_field: str | None = Field(
         default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
@@ -210,6 +222,13 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
+        expert_count_field=moe.num_experts_field
+        if moe is not None and moe.num_experts_field not in (None, *AREAL_MOE_COUNT_FIELDS)
+        else None,
+        top_k_field=moe.top_k_field
+        if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)
+        else None,
+        shared_experts_field=moe.shared_experts_field if moe is not None else None,
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
     )
