@@ -4,11 +4,13 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
+from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
@@ -22,6 +24,7 @@ from archon_models.model_spec import (  # noqa: F401
 )
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
+from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401

@@ -63,6 +63,7 @@ class FFNKind(StrEnum):
 class RouterScoring(StrEnum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    SPARSEMIXER = "sparsemixer"  # PhiMoE: top-1 then top-2 of masked softmaxes (no top-k softmax)
     OTHER = "other"
 
 
@@ -72,6 +73,14 @@ class ExpertLayout(StrEnum):
     NONE = "none"
     PER_EXPERT_2D = "per_expert_2d"  # experts.{e}.gate_proj.weight, one 2D tensor per expert
     FUSED_3D = "fused_3d"  # experts.gate_up_proj, one 3D tensor for all experts
+
+
+class GateUpOrder(StrEnum):
+    """How a fused expert tensor stacks the gate (activated) and up columns."""
+
+    SEPARATE = "separate"  # gate and up in their own tensors (or a plain MLP)
+    CONCATENATED = "concatenated"  # gate rows/columns first, then up (chunk(2))
+    INTERLEAVED = "interleaved"  # gate at even, up at odd positions (gpt-oss)
 
 
 class WeightOrientation(StrEnum):
@@ -230,7 +239,20 @@ class MoEFeatures(_Frozen):
     moe_layer_fields: list[str] = Field(default_factory=list, description="config fields the layer rule reads")
     expert_layout: ExpertLayout = ExpertLayout.PER_EXPERT_2D
     expert_orientation: WeightOrientation = WeightOrientation.OUT_IN
-    expert_key_template: str = Field("", description="layer-0 expert key with {} for the expert index")
+    expert_key_template: str = Field(
+        "", description="the experts' gate/up (or up) key, {} for the layer and (per-expert layout) the expert"
+    )
+    expert_down_key_template: str = Field("", description="the experts' down-projection key, {} as above")
+    expert_gate_up: GateUpOrder = Field(
+        GateUpOrder.SEPARATE, description="fused layout: how one tensor stacks gate and up (probed)"
+    )
+    expert_bias: bool = Field(False, description="the routed experts' projections have biases")
+    router_bias: bool = Field(False, description="the router's linear layer has a bias")
+    num_experts_field: str | None = Field(None, description="config field of the routed expert count")
+    top_k_field: str | None = Field(None, description="config field of the experts per token")
+    router_jitter_field: str | None = Field(
+        None, description="sparsemixer: config field of the threshold epsilon (router_jitter_noise)"
+    )
 
     @property
     def grouped_topk(self) -> bool:
@@ -323,6 +345,8 @@ class Feature(StrEnum):
     SHARED_EXPERT_GATE = "shared_expert_gate"
     MOE_LAYER_PATTERN = "moe_layer_pattern"
     EXPERT_LAYOUT = "expert_layout"
+    EXPERT_BIAS = "expert_bias"
+    ROUTER_BIAS = "router_bias"
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
@@ -369,6 +393,8 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.SHARED_EXPERT_GATE: "shared-expert gate",
     Feature.MOE_LAYER_PATTERN: "MoE layer pattern",
     Feature.EXPERT_LAYOUT: "expert layout on disk",
+    Feature.EXPERT_BIAS: "expert projection biases",
+    Feature.ROUTER_BIAS: "router linear bias",
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
@@ -400,7 +426,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Shared MoE module (MoEArgs): sigmoid scoring, renormalisation, route scale,
     # node-limited groups, shared experts with a gate; qwen3's decoder_sparse_step.
     Feature.MOE: frozenset({"true", "false"}),
-    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID}),
+    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX, RouterScoring.SIGMOID, RouterScoring.SPARSEMIXER}),
     Feature.NORM_TOPK_PROB: frozenset({"true", "false"}),
     # Router edits (skill/porting/edit_args.py router_setup): the config's routed scaling
     # factor -> MoEArgs.route_scale; n_group/topk_group -> num_expert_groups /
@@ -413,7 +439,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
     # Layer-rule edits (edit_args.py is_moe_layer): the config rule the analysis names.
     Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved", "leading_dense"}),
-    Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D}),
+    Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D, ExpertLayout.FUSED_3D}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
@@ -565,6 +591,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
                 Feature.SHARED_EXPERT_GATE: _flag(moe.shared_expert_gate),
                 Feature.MOE_LAYER_PATTERN: _layer_pattern(moe),
                 Feature.EXPERT_LAYOUT: moe.expert_layout.value,
+                Feature.EXPERT_BIAS: _flag(moe.expert_bias),
+                Feature.ROUTER_BIAS: _flag(moe.router_bias),
             }
         )
     return {feature: values[feature] for feature in Feature if feature in values}

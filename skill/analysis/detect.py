@@ -29,6 +29,7 @@ from skill.features import (
     ExpertLayout,
     FFNFeatures,
     FFNKind,
+    GateUpOrder,
     MoEFeatures,
     NormFeatures,
     NormKind,
@@ -651,10 +652,12 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         return _plain_or_gated(ctx, in_layer, activation)
     if mlp is None:
         # Every layer of the tiny model is MoE: read the experts' layout from disk keys.
-        expert_keys = [k for k in ctx.saved_keys if ".experts." in k and k.startswith(ctx.layer_prefix)]
-        gated = any(("gate" in k or "w1" in k or "w3" in k) for k in expert_keys)
-        fused = any("gate_up" in k for k in expert_keys)
-        bias = any(k.endswith("bias") for k in expert_keys)
+        # Every layer of the tiny model is MoE: the routed experts' tensors on disk say
+        # whether they are gated (an in-projection twice the down projection's width).
+        tensors = expert_tensors(ctx)
+        gated = tensors is not None and tensors.gated
+        fused = tensors is not None and tensors.layout is ExpertLayout.PER_EXPERT_2D and "gate_up" in tensors.up_key
+        bias = tensors is not None and tensors.bias
         return FFNFeatures(
             kind=FFNKind.GATED if gated else FFNKind.PLAIN,
             activation=activation,
@@ -687,20 +690,22 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
 # ------------------------------------------------------------------------ MoE
 
 
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k")
+
+
+def _positive_field(config: PretrainedConfig, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if isinstance(getattr(config, n, None), int) and getattr(config, n) > 0), None)
+
+
 def _expert_count(config: PretrainedConfig) -> int | None:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    name = _positive_field(config, _EXPERT_COUNT_FIELDS)
+    return getattr(config, name) if name else None
 
 
 def _top_k(config: PretrainedConfig) -> int | None:
-    for name in ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    name = _positive_field(config, _TOP_K_FIELDS)
+    return getattr(config, name) if name else None
 
 
 def _moe_layers(ctx: Context) -> tuple[list[int], int]:
@@ -776,24 +781,109 @@ def moe_layer_rule(config: PretrainedConfig, moe_layers: list[int], n_layers: in
     return "", []
 
 
-def _expert_layout(ctx: Context) -> tuple[ExpertLayout, WeightOrientation, str]:
-    keys = [k for k in ctx.saved_keys if ".experts." in k and "shared" not in k]
-    if not keys:
-        return ExpertLayout.NONE, WeightOrientation.OUT_IN, ""
-    per_expert = [k for k in keys if re.search(r"\.experts\.\d+\.", k)]
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Where a layer's routed experts sit on disk (layer 0, ``{}`` for indices)."""
+
+    layout: ExpertLayout
+    orientation: WeightOrientation
+    up_key: str  # gate/up (fused) or the gate/up/fc1 key of one expert
+    down_key: str
+    gated: bool
+    bias: bool
+    mixed_orientation: bool = False
+
+
+def _expert_template(key: str) -> str:
+    return re.sub(r"\.experts\.\d+\.", ".experts.{}.", re.sub(r"\.\d+\.", ".{}.", key, count=1), count=1)
+
+
+def expert_tensors(ctx: Context) -> ExpertTensors | None:
+    """The routed experts' checkpoint tensors of layer 0, read off the saved keys' shapes.
+
+    Per-expert 2D keys hold an expert index; a fused layout holds one 3D tensor per
+    projection whose first dimension is the expert count (``experts.gate_up_proj``,
+    granite's ``input_linear``/``output_linear``, aria's ``fc1``/``fc2``). The in-projection
+    reads the hidden size, the down projection writes it; the experts are gated when the
+    in-projection is twice as wide as the down projection's input. Expert biases are the
+    2D ``[E, n]`` (fused) or 1D (per expert) tensors beside those weights.
+    """
+    n_experts = _expert_count(ctx.tiny) or 0
     hidden = ctx.tiny.hidden_size
+    layer = ctx.layer_prefix
+    keys = {k: s for k, s in ctx.saved_keys.items() if k.startswith(layer) and "shared" not in k}
+    per_expert = {k: s for k, s in keys.items() if re.search(r"\.experts\.\d+\.", k) and k.endswith("weight")}
     if per_expert:
-        key = next(
-            (k for k in per_expert if re.search(r"(up|gate|w1|w3|fc1)", k) and k.endswith("weight")), per_expert[0]
+        first = re.search(r"\.experts\.(\d+)\.", next(iter(per_expert))).group(1)  # type: ignore[union-attr]
+        one = {k: s for k, s in per_expert.items() if f".experts.{first}." in k and len(s) == 2}
+        ins = [k for k, s in one.items() if hidden in s and not re.search(r"(down|w2|fc2|output)", k)]
+        downs = [k for k in one if k not in ins]
+        if not ins:
+            return None
+        up = next((k for k in ins if re.search(r"(up|gate|w1|w3|fc1)", k)), ins[0])
+        orientation = WeightOrientation.OUT_IN if one[up][-1] == hidden else WeightOrientation.IN_OUT
+        bias = any(k.endswith("bias") and ".experts." in k for k in keys)
+        return ExpertTensors(
+            ExpertLayout.PER_EXPERT_2D,
+            orientation,
+            _expert_template(up),
+            _expert_template(downs[0]) if downs else "",
+            gated=len(ins) >= 2,
+            bias=bias,
         )
-        shape = ctx.saved_keys[key]
-        orientation = WeightOrientation.OUT_IN if shape[-1] == hidden else WeightOrientation.IN_OUT
-        template = re.sub(r"\.experts\.\d+\.", ".experts.{}.", re.sub(r"\.\d+\.", ".{}.", key, count=1), count=1)
-        return ExpertLayout.PER_EXPERT_2D, orientation, template
-    key = next((k for k in keys if re.search(r"(up|gate)", k)), keys[0])
-    shape = ctx.saved_keys[key]
-    orientation = WeightOrientation.OUT_IN if shape[-1] == hidden else WeightOrientation.IN_OUT
-    return ExpertLayout.FUSED_3D, orientation, re.sub(r"\.\d+\.", ".{}.", key, count=1)
+    fused = {k: s for k, s in keys.items() if len(s) == 3 and n_experts and s[0] == n_experts}
+    if len(fused) != 2:
+        return None
+    # The down projection writes the hidden size and reads what the in-projection writes.
+    (ka, sa), (kb, sb) = fused.items()
+
+    def split(shape: tuple[int, ...]) -> tuple[tuple[int, WeightOrientation], ...]:
+        """(the other width, orientation) for each way the hidden size can be this tensor's input."""
+        options = []
+        if shape[2] == hidden:
+            options.append((shape[1], WeightOrientation.OUT_IN))
+        if shape[1] == hidden:
+            options.append((shape[2], WeightOrientation.IN_OUT))
+        return tuple(options)
+
+    for up, down, up_shape, down_shape in ((ka, kb, sa, sb), (kb, ka, sb, sa)):
+        for width, up_orientation in split(up_shape):
+            # As the down projection: hidden is its output (out_in: dim 1, in_out: dim 2).
+            for down_orientation in (WeightOrientation.OUT_IN, WeightOrientation.IN_OUT):
+                out_dim, in_dim = (1, 2) if down_orientation is WeightOrientation.OUT_IN else (2, 1)
+                if down_shape[out_dim] != hidden or width not in (down_shape[in_dim], 2 * down_shape[in_dim]):
+                    continue
+                if width != 2 * down_shape[in_dim] and re.search(r"(down|output|fc2|w2)", up):
+                    continue
+                bias_keys = [
+                    k
+                    for k, s in keys.items()
+                    if (len(s) == 2 and s[0] == n_experts and k.rsplit(".", 1)[0] in (up, down, up.rsplit(".", 1)[0]))
+                    or k in (up + "_bias", down + "_bias")
+                ]
+                return ExpertTensors(
+                    ExpertLayout.FUSED_3D,
+                    up_orientation,
+                    re.sub(r"\.\d+\.", ".{}.", up, count=1),
+                    re.sub(r"\.\d+\.", ".{}.", down, count=1),
+                    gated=width == 2 * down_shape[in_dim],
+                    bias=bool(bias_keys),
+                    mixed_orientation=up_orientation is not down_orientation,
+                )
+    return None
+
+
+def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
+    """Probe which positions of a fused gate/up tensor are the activated (gate) ones."""
+    if tensors.layout is not ExpertLayout.FUSED_3D or not tensors.gated:
+        return GateUpOrder.SEPARATE
+    up_key, down_key = tensors.up_key.format(0), tensors.down_key.format(0)
+    axis = 1 if tensors.orientation is WeightOrientation.OUT_IN else 2
+    order = probes.probe_gate_up_order(
+        ctx.model, ctx.tiny, up_key, ctx.saved_keys[up_key], axis, down_key, ctx.saved_keys[down_key]
+    )
+    ctx.evidence.append(f"fused expert gate/up order from the zeroing probe: {order}")
+    return GateUpOrder(order) if order else None
 
 
 def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
@@ -893,6 +983,8 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         scoring = RouterScoring(scoring_field)
     else:
         scanned = ctx.source.router_scoring() if ctx.source else None
+        if ctx.source is not None and ctx.source.router_sparse_mixer():
+            scanned = RouterScoring.SPARSEMIXER.value
         scoring = RouterScoring(scanned) if scanned else RouterScoring.OTHER
         ctx.evidence.append(f"router scoring from the source scan: {scanned}")
     norm_topk = ctx.get("norm_topk_prob")
@@ -931,8 +1023,6 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
                 ),
                 1,
             )
-    if router_bias:
-        ctx.other.append("router linear with a bias")
     group_field = next((f for f in ("n_group", "num_expert_group") if f in ctx.config.to_dict()), None)
     topk_group_field = "topk_group" if group_field is not None and "topk_group" in ctx.config.to_dict() else None
     n_group = ctx.get(group_field) if group_field else None
@@ -947,10 +1037,25 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     routed_field = ctx.scalar_role("routed_scaling")
     if routed_field is not None and isinstance(ctx.get(routed_field.name), (int, float)):
         scaling = ctx.get(routed_field.name)
-    layout, orientation, template = _expert_layout(ctx)
     rule, rule_fields = moe_layer_rule(ctx.config, moe_layers, n_layers)
     if not rule:
         ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
+    tensors = expert_tensors(ctx)
+    if tensors is None:
+        ctx.other.append("routed experts whose checkpoint tensors the analyser cannot place")
+        layout, orientation, up, down, order, bias = ExpertLayout.NONE, WeightOrientation.OUT_IN, "", "", None, False
+    else:
+        layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
+        order, bias = _gate_up_order(ctx, tensors), tensors.bias
+        if tensors.mixed_orientation:
+            ctx.other.append("fused expert projections stored in different orientations")
+        if order is None:
+            ctx.other.append("fused expert gate/up tensor whose gate/up order no probe explains")
+    jitter = None
+    if scoring is RouterScoring.SPARSEMIXER:
+        jitter = next((k for k in _fields_matching(ctx.config, "jitter") if "router" in k), None)
+        if jitter is None:
+            ctx.other.append("sparsemixer routing with no config field for its threshold epsilon")
     return MoEFeatures(
         num_experts=num_experts,
         top_k=_top_k(ctx.config) or 0,
@@ -978,7 +1083,14 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         moe_layer_fields=rule_fields,
         expert_layout=layout,
         expert_orientation=orientation,
-        expert_key_template=template,
+        expert_key_template=up,
+        expert_down_key_template=down,
+        expert_gate_up=order or GateUpOrder.SEPARATE,
+        expert_bias=bias,
+        router_bias=router_bias,
+        router_jitter_field=jitter,
+        num_experts_field=_positive_field(ctx.config, _EXPERT_COUNT_FIELDS),
+        top_k_field=_positive_field(ctx.config, _TOP_K_FIELDS),
     )
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -580,3 +581,105 @@ def perturbed_values(value: Any) -> list[Any]:
     if isinstance(value, int):
         return [max(value + 1, round(value * 1.37))]
     return [value * 1.37 if value else 0.5]
+
+
+def _layer_siblings(params: Mapping[str, torch.Tensor], name: str) -> list[str]:
+    """``name`` and the same parameter of every other layer (the first index varies)."""
+    pattern = re.compile("^" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name), count=1) + "$")
+    return [n for n in params if pattern.match(n)]
+
+
+def _in_memory(params: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> str | None:
+    """The parameter a checkpoint key loads into: the same name, else the one tensor of that
+    shape under the key's parent module (a checkpoint may name it differently, same layout)."""
+    if key in params and tuple(params[key].shape) == tuple(shape):
+        return key
+    parent = key.rsplit(".", 2)[0]
+    matches = [n for n, p in params.items() if n.startswith(parent + ".") and tuple(p.shape) == tuple(shape)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def probe_gate_up_order(
+    model: nn.Module,
+    config: Any,
+    up_key: str,
+    up_shape: tuple[int, ...],
+    axis: int,
+    down_key: str,
+    down_shape: tuple[int, ...],
+) -> str | None:
+    """How a fused expert tensor stacks its gate (activated) and up positions along ``axis``:
+    ``"concatenated"`` (gate first, then up) or ``"interleaved"`` (gate even, up odd).
+
+    Zeroing the gate positions of every layer's tensor (and of its bias) makes the logits
+    independent of the up positions whatever the activation (``act(0) == 0``); the wrong
+    partition leaves both kinds and the logits move. Where zeroing either part works (a
+    SwiGLU, linear in up), scaling the up part by 2 and the down projection by 1/2 keeps
+    the logits only when the scaled part is up. ``None`` when nothing fits.
+    """
+    params = dict(model.named_parameters())
+    up_name, down_name = _in_memory(params, up_key, up_shape), _in_memory(params, down_key, down_shape)
+    if up_name is None or down_name is None:
+        return None
+    ups, downs = _layer_siblings(params, up_name), _layer_siblings(params, down_name)
+    biases = [n + "_bias" if n + "_bias" in params else n.rsplit(".", 1)[0] + ".bias" for n in ups]
+    biases = [b for b in biases if b in params and params[b].dim() == 2]
+    width = up_shape[axis]
+    positions = torch.arange(width)
+    partitions = {
+        "concatenated": (positions[: width // 2], positions[width // 2 :]),
+        "interleaved": (positions[0::2], positions[1::2]),
+    }
+    tokens = tokens_for(config, 12)
+    gen = _generator()
+
+    def run(zeroed: torch.Tensor | None, random: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            for name in ups:
+                p = params[name]
+                p.index_copy_(axis, random, torch.randn(p.index_select(axis, random).shape, generator=gen))
+                if zeroed is not None:
+                    p.index_fill_(axis, zeroed, 0.0)
+                if scale is not None:
+                    p.index_copy_(axis, scale, p.index_select(axis, scale) * 2)
+            for name in biases:
+                if zeroed is not None:
+                    params[name].index_fill_(1, zeroed, 0.0)
+                if scale is not None:
+                    params[name].index_copy_(1, scale, params[name].index_select(1, scale) * 2)
+            if scale is not None:
+                for name in downs:
+                    params[name].mul_(0.5)
+            return logits(model, tokens)
+
+    def seeded_downs() -> None:
+        with torch.no_grad():
+            for name in downs:
+                params[name].copy_(torch.randn(params[name].shape, generator=_generator()) * 0.5)
+
+    zero_kills: dict[str, list[str]] = {}
+    with _preserved(model):
+        seeded_downs()
+        for order, (first, second) in partitions.items():
+            for part, (zeroed, rest) in (("first", (first, second)), ("second", (second, first))):
+                a, b = run(zeroed, rest), run(zeroed, rest)
+                if torch.allclose(a, b, atol=1e-6):
+                    zero_kills.setdefault(order, []).append(part)
+    fits = [order for order, parts in zero_kills.items() if parts]
+    if len(fits) != 1:
+        return None
+    order = fits[0]
+    if zero_kills[order] == ["first"]:
+        return order  # only zeroing the first part kills the output: it is the gate
+    if zero_kills[order] != ["first", "second"]:
+        return None  # the second part is the gate: no layout of that kind is known
+    second = partitions[order][1]
+    # The same random weights twice (the generator re-seeded), the second time scaled.
+    with _preserved(model):
+        gen.manual_seed(_GEN_SEED)
+        seeded_downs()
+        plain = run(None, positions)
+        gen.manual_seed(_GEN_SEED)
+        seeded_downs()
+        scaled = run(None, positions, scale=second)
+    return order if torch.allclose(plain, scaled, atol=1e-5, rtol=1e-4) else None

@@ -98,6 +98,30 @@ class SourceFacts:
             return "softmax"
         return None
 
+    def router_sparse_mixer(self) -> bool:
+        """Whether the router selects experts one after another by masked softmaxes (sparse mixer).
+
+        A top-level function the router classes call that masks the scores twice
+        (``masked_fill``), takes two softmaxes and removes the first pick with a ``scatter``
+        of ``-inf`` before choosing the second: top-1, then top-1 of the rest.
+        """
+        called = {
+            c.rsplit(".", 1)[-1]
+            for name in self.classes
+            if _ROUTER_CLASS.search(name)
+            for d in self.classes[name].values()
+            for c in d.calls
+        }
+        for name in called & set(self.functions):
+            code = self.functions[name].code
+            if (
+                len(re.findall(r"\bsoftmax\(", code)) >= 2
+                and len(re.findall(r"\bmasked_fill\(", code)) >= 2
+                and re.search(r"\bscatter\([^)]*-inf", code, re.DOTALL)
+            ):
+                return True
+        return False
+
     def router_renormalises(self) -> bool:
         """Whether the router divides its top-k weights by their sum (unconditionally or by a flag)."""
         return bool(re.search(r"/=?\s*\(?[\w.]*\.?sum\(|/=?\s*[\w.]*denominator", self.router_code()))

@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.inputs import make_packed_inputs
+from skill.harness.keys import join_single
 from skill.harness.models import (
     ArchonModel,
     build_hf_config,
@@ -135,12 +136,13 @@ def _check_checkpoint_roundtrip(rec: StageRecorder, model: Any, adapter: Any, ch
     hf = adapter.to_hf(state)
     rec.add(compare_tensor_dicts("to_hf reproduces the checkpoint's keys and values", hf, on_disk))
     for wrapper in ("", *WRAPPERS):
-        joined: dict[str, torch.Tensor] = {}
+        slices: dict[str, list[torch.Tensor]] = {}
         for name, tensor in state.items():
             for hf_key, value in adapter.convert_single_to_hf(_wrapped(name, wrapper), tensor):
                 # A fused checkpoint tensor (qkv_proj, gate_up_proj) arrives as one slice
                 # per Archon parameter, in parameter order: joined, they are the whole.
-                joined[hf_key] = torch.cat([joined[hf_key], value]) if hf_key in joined else value
+                slices.setdefault(hf_key, []).append(value)
+        joined = {hf_key: join_single(adapter, hf_key, pieces) for hf_key, pieces in slices.items()}
         label = f" (names with {wrapper.lstrip('.')})" if wrapper else ""
         rec.add(compare_tensor_dicts(f"convert_single_to_hf per parameter equals to_hf{label}", joined, hf))
 

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from archon_models.base import BaseStateDictAdapter
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
-from skill.harness.keys import distinct_state_dict, key_indices, mapped_archon_key, wrapped_names
+from skill.harness.keys import distinct_state_dict, join_single, key_indices, mapped_archon_key, wrapped_names
 from skill.harness.models import (
     build_archon_model,
     build_hf_config,
@@ -105,7 +105,7 @@ def check_single_conversion(
             continue
         for hf_key, piece in adapter.convert_single_to_hf(name, tensor):
             slices.setdefault(hf_key, []).append(piece)
-    single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=0) for k, v in slices.items()}
+    single = {k: join_single(adapter, k, v) for k, v in slices.items()}
     rec.add(compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True))
 
     wrong: list[str] = []
@@ -132,6 +132,9 @@ def check_expert_split(
     if not stacked:
         rec.check("MoE 3D <-> 2D", True, "no 3D expert tensors (dense model)")
         return
+    if hasattr(adapter, "join_single_to_hf"):
+        check_fused_experts(rec, adapter, archon_state, stacked)
+        return
     problems: list[str] = []
     for name, tensor in stacked.items():
         pairs = adapter.convert_single_to_hf(name, tensor)
@@ -148,6 +151,39 @@ def check_expert_split(
         "MoE 3D <-> 2D: one 2D tensor per expert, in order",
         not problems,
         "; ".join(problems[:4]) if problems else f"{len(stacked)} stacked tensors",
+    )
+
+
+def check_fused_experts(
+    rec: StageRecorder,
+    adapter: BaseStateDictAdapter,
+    archon_state: dict[str, torch.Tensor],
+    stacked: dict[str, torch.Tensor],
+) -> None:
+    """A checkpoint holding every expert of a projection in one 3D tensor: expert ``e`` of
+    Archon's weights is expert ``e`` of the checkpoint's, and of nothing else. Keeping one
+    expert of every 3D weight (the others zeroed), ``to_hf`` gives that expert's slice of
+    each fused tensor, exactly, and zeros in every other slice."""
+    full = adapter.to_hf(archon_state)
+    fused = {k: v for k, v in full.items() if v.ndim == 3}
+    n_experts = next(iter(stacked.values())).shape[0]
+    problems: list[str] = []
+    if not fused or any(v.shape[0] != n_experts for v in fused.values()):
+        problems.append(f"to_hf wrote no 3D tensors of {n_experts} experts: {sorted(fused)[:3]}")
+    for expert in range(n_experts) if not problems else ():
+        kept = {
+            k: torch.zeros_like(v).index_copy(0, torch.tensor([expert]), v[expert : expert + 1]) if k in stacked else v
+            for k, v in archon_state.items()
+        }
+        one = adapter.to_hf(kept)
+        for key, tensor in fused.items():
+            others = torch.cat([one[key][:expert], one[key][expert + 1 :]])
+            if not torch.equal(one[key][expert], tensor[expert]) or bool(others.any()):
+                problems.append(f"{key}: expert {expert} lands elsewhere than slice {expert}")
+    rec.check(
+        "MoE 3D <-> fused 3D: expert e of every Archon weight is expert e of every checkpoint tensor",
+        not problems,
+        "; ".join(problems[:4]) if problems else f"{len(stacked)} Archon weights in {len(fused)} checkpoint tensors",
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from skill.harness.case import ModelCase
-from skill.harness.keys import is_explicit_drop, tied_aliases
+from skill.harness.keys import is_explicit_drop, join_single, tied_aliases
 from skill.harness.models import (
     ArchonModel,
     build_archon_model,
@@ -100,7 +100,12 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         else f"{len(params)} parameters, {len(saved) - len(params)} persistent buffers",
     )
 
-    produced = {key: stacked_shape([shape for _, shape in parts]) for key, parts in contributions.items()}
+    produced = {
+        key: stacked_shape([shape for _, shape in parts])
+        if not hasattr(adapter, "join_single_to_hf")
+        else tuple(join_single(adapter, key, [params[name] for name, _ in parts]).shape)
+        for key, parts in contributions.items()
+    }
     orphans = sorted(k for k in set(disk) - set(produced) if not is_explicit_drop(adapter, k))
     dropped = sorted(k for k in set(disk) - set(produced) if is_explicit_drop(adapter, k))
     rec.check(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,3 +74,13 @@ def distinct_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def join_single(adapter: Any, hf_key: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The checkpoint tensor ``hf_key`` from what ``convert_single_to_hf`` gave for it, one
+    piece per Archon parameter in state-dict order: the adapter's own ``join_single_to_hf``
+    where it fuses otherwise than along dim 0 (experts' gate/up), else dim-0 slices."""
+    join = getattr(adapter, "join_single_to_hf", None)
+    if join is not None:
+        return join(hf_key, pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

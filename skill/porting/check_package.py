@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from skill.codemod import StagedTree, Workspace
 from skill.codemod.cst import CodemodError, read_dict_literal
 from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, PackageRequest
-from skill.porting.edit_adapter_map import FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
+from skill.porting.edit_adapter_map import FUSED_EXPERTS_MAP, FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
 from skill.porting.tp_plan import PlanTraceError, trace_tp_plan
@@ -141,21 +141,25 @@ def _from_hf_map(adapter_text: str) -> dict[str, str | None]:
 
 
 def _fused_map(adapter_text: str) -> dict[str, list[str]]:
-    """The adapter's ``fused_from_hf_map`` literal (fused checkpoint key -> its parts), if any."""
+    """The adapter's ``fused_from_hf_map`` and ``fused_experts_from_hf_map`` literals (fused
+    checkpoint key -> its parts), merged; empty when it has neither."""
     try:
         tree = ast.parse(adapter_text)
     except SyntaxError:
         return {}
+    merged: dict[str, list[str]] = {}
+    names = (FUSED_MAP, FUSED_EXPERTS_MAP)
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign | ast.Assign):
             targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
-            if any(getattr(t, "id", None) == FUSED_MAP or getattr(t, "attr", None) == FUSED_MAP for t in targets):
+            if any(getattr(t, "id", None) in names or getattr(t, "attr", None) in names for t in targets):
                 try:
                     value = ast.literal_eval(node.value) if node.value is not None else {}
                 except ValueError:
-                    return {}
-                return value if isinstance(value, dict) else {}
-    return {}
+                    continue
+                if isinstance(value, dict):
+                    merged.update(value)
+    return merged
 
 
 def _spec_types(spec_text: str) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import textwrap
 from typing import Any
 
 from pydantic import Field
@@ -13,11 +14,16 @@ from skill.codemod.cst import (
     CodemodError,
     edit_dict_literal,
     insert_after_statement_assigning,
+    insert_before_class,
     insert_class_statement_after,
+    prune_unused_imports,
     read_dict_literal,
+    remove_method,
     replace_in_function,
+    set_docstring,
     upsert_method,
 )
+from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, WeightOrientation
 from skill.porting.common import (
     PackageLayout,
     PackageRequest,
@@ -28,6 +34,7 @@ from skill.porting.common import (
     write_if_changed,
 )
 from skill.porting.hf_source import checkpoint_keys, generalise_key, generalised_keys, load_config
+from skill.porting.snippets import snippet
 from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.c_proj": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
+    "mlp.router": "moe.router.gate",
+    "block_sparse_moe.router.layer": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
@@ -304,12 +313,19 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         dense_layers = plan.moe and not plan.all_layers_moe
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
         fused = detect_fused_keys(shapes, tiny_config(config))
-        roles = report.checklist.norm.block_norms
+        checklist = report.checklist
+        experts = fused_expert_keys(checklist.moe)
         buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
         derived = derive_from_hf_map(
-            list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles, layer_buffers=buffers
+            list(shapes),
+            dense_layers=dense_layers,
+            fused={**fused, **experts},
+            norm_roles=checklist.norm.block_norms,
+            layer_buffers=buffers,
         )
         text = apply_fused_adapter(text, layout, fused)
+        if experts and checklist.moe is not None:
+            text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -329,6 +345,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
 # --- fused on-disk layouts ------------------------------------------------------------------
 
 FUSED_MAP = "fused_from_hf_map"
+FUSED_EXPERTS_MAP = "fused_experts_from_hf_map"
 
 _FUSED_INIT = """
 # Archon part -> (fused HF key that holds it, its position along dim 0).
@@ -462,3 +479,234 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
     text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
     text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
     return text
+
+
+# --- routed experts fused on disk -------------------------------------------------------------
+
+EXPERT_PARTS = {
+    "gate_up": ["layers.{}.moe.experts.w1", "layers.{}.moe.experts.w3"],
+    "up": ["layers.{}.moe.experts.w3"],
+    "down": ["layers.{}.moe.experts.w2"],
+}
+
+
+def fused_expert_keys(moe: MoEFeatures | None) -> dict[str, list[str]]:
+    """Checkpoint keys that hold every expert of a layer's projection -> the Archon 3D
+    weights they hold (gate/up: ``w1`` then ``w3``; down: ``w2``), from the report."""
+    if moe is None or moe.expert_layout is not ExpertLayout.FUSED_3D:
+        return {}
+    up = "gate_up" if moe.expert_gate_up is not GateUpOrder.SEPARATE else "up"
+    return {moe.expert_key_template: EXPERT_PARTS[up], moe.expert_down_key_template: EXPERT_PARTS["down"]}
+
+
+_EXPERTS_INIT = """
+# Archon expert weight -> (the checkpoint tensor holding it, its position in that tensor).
+self.fused_experts_to_hf_map = {
+    part: (hf, position) for hf, parts in self.fused_experts_from_hf_map.items() for position, part in enumerate(parts)
+}
+"""
+
+_EXPERTS_HF_KEY = """
+if template in self.fused_experts_to_hf_map:
+    return self.fused_experts_to_hf_map[template][0].format(*indices)  # the tensor it is part of
+"""
+
+_EXPERTS_FROM_HF_LOOP_OLD = """
+for hf_key, value in hf_state_dict.items():
+    archon_key = self._archon_key(hf_key)
+    if archon_key is None:
+        continue
+    hf_template, indices = _abstract(hf_key)
+    if hf_template.count("{}") != 2:
+        state_dict[archon_key] = value
+        continue
+    # A per-expert 2D weight: collect it for stacking.
+    layer_id, expert_id = indices[0], int(indices[1])
+    if not self.moe_enabled or expert_id >= self.num_experts:
+        raise KeyError(
+            f"HF checkpoint key {hf_key!r} names expert {expert_id}, but the config has "
+            f"{self.num_experts} experts per layer."
+        )
+    archon_template = self.from_hf_map[hf_template]
+    experts_by_layer.setdefault(layer_id, {}).setdefault(archon_template, {})[expert_id] = value
+"""
+
+_EXPERTS_FROM_HF_LOOP_NEW = """
+for hf_key, value in hf_state_dict.items():
+    hf_template, indices = _abstract(hf_key)
+    if hf_template in self.fused_experts_from_hf_map:
+        # Every expert of one projection in one 3D tensor.
+        state_dict.update(self._experts_from_hf(hf_key, hf_template, indices, value))
+        continue
+    archon_key = self._archon_key(hf_key)
+    if archon_key is not None:
+        state_dict[archon_key] = value
+"""
+
+_EXPERTS_TO_HF_LOOP_NEW = """
+fused: dict[str, dict[int, Any]] = {}
+for name, value in archon_state_dict.items():
+    template, indices = _abstract(_strip_wrappers(name))
+    if template in self.fused_experts_to_hf_map:
+        hf_template, position = self.fused_experts_to_hf_map[template]
+        fused.setdefault(hf_template.format(*indices), {})[position] = value
+        continue
+    for hf_key, tensor in self.convert_single_to_hf(name, value):
+        hf_state_dict[hf_key] = tensor
+for hf_key, pieces in fused.items():
+    hf_state_dict[hf_key] = self._experts_to_hf(hf_key, pieces)
+"""
+
+_EXPERTS_FROM_HF = """
+def _experts_from_hf(self, hf_key: str, template: str, indices: list[str], value: Any) -> dict[str, Any]:
+    \"\"\"One checkpoint tensor holding a projection of every expert -> the Archon 3D weights in it.\"\"\"
+    if not self.moe_enabled or value.shape[0] != self.num_experts:
+        raise KeyError(
+            f"HF checkpoint key {{hf_key!r}} holds {{value.shape[0]}} experts; the config has "
+            f"{{self.num_experts if self.moe_enabled else 0}}."
+        )
+    parts = [part.format(*indices) for part in self.fused_experts_from_hf_map[template]]
+{convert_in}    if len(parts) == 1:
+        return {{parts[0]: weight}}
+    return dict(zip(parts, split_gate_up(weight), strict=True))
+"""
+
+_EXPERTS_TO_HF = """
+def _experts_to_hf(self, hf_key: str, pieces: dict[int, Any]) -> Any:
+    \"\"\"The Archon 3D weights one checkpoint tensor holds, fused as the checkpoint stores them.\"\"\"
+    template, _ = _abstract(hf_key)
+    count = len(self.fused_experts_from_hf_map[template])
+    if sorted(pieces) != list(range(count)):
+        raise KeyError(f"{{hf_key!r}} holds {{count}} Archon expert weights; only parts {{sorted(pieces)}} were given.")
+    weight = pieces[0] if count == 1 else merge_gate_up(pieces[0], pieces[1])
+{convert_out}"""
+
+_EXPERTS_JOIN = """
+def join_single_to_hf(self, hf_key: str, pieces: list[Any]) -> Any:
+    \"\"\"The checkpoint tensor ``hf_key`` from what ``convert_single_to_hf`` gave for it, one piece per
+    Archon parameter in state-dict order: an expert tensor's weights fused as ``to_hf`` fuses them.\"\"\"
+    template, _ = _abstract(hf_key)
+    if template in self.fused_experts_from_hf_map:
+        return self._experts_to_hf(hf_key, dict(enumerate(pieces)))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+"""
+
+_PER_EXPERT_INIT = (
+    (
+        "self._expert_templates = {\n"
+        "    archon: hf for hf, archon in self.from_hf_map.items() if archon is not None and hf.count('{}') == 2\n}"
+    ),
+    "self._moe_converter = MoEWeightConverter()",
+    "self._moe_state = MoEConversionState()",
+)
+
+
+def apply_fused_experts_adapter(
+    text: str, layout: PackageLayout, experts: dict[str, list[str]], moe: MoEFeatures
+) -> str:
+    """Teach a copied MoE adapter (qwen3's) checkpoints that hold every expert of a
+    projection in one 3D tensor: ``from_hf`` splits gate/up (in the probed order) and
+    transposes (in, out) experts, ``to_hf`` fuses them back; the per-expert stacking goes."""
+    cls = layout.adapter_class
+    camel = layout.names.camel
+    transposed = moe.expert_orientation is WeightOrientation.IN_OUT
+    order = moe.expert_gate_up
+    gate_up = next((k for k, parts in experts.items() if len(parts) == 2), "")
+    down = next(k for k, parts in experts.items() if parts == EXPERT_PARTS["down"])
+    stacking = {
+        GateUpOrder.CONCATENATED: "the gate rows first, then the up rows",
+        GateUpOrder.INTERLEAVED: "gate and up rows alternating, gate first",
+    }.get(order, "")
+    orientation = (
+        "each expert stored (in, out), transposed to ``nn.Linear``'s (out, in)"
+        if transposed
+        else "each expert stored as ``nn.Linear``'s (out, in)"
+    )
+    described = f"``{gate_up.replace('{}', '{L}')}`` (gate and up of every expert, {stacking}) and " if gate_up else ""
+    text = set_docstring(
+        text,
+        None,
+        "\n".join(
+            [
+                f"{camel} state dicts: Archon names <-> HuggingFace checkpoint names.",
+                "",
+                *textwrap.wrap(
+                    f"Checkpoints store all experts of a layer's projection in one 3D tensor: {described}"
+                    f"``{down.replace('{}', '{L}')}`` (down), {orientation}. Archon holds them as "
+                    "``layers.{L}.moe.experts.w1``/``w3`` ``[E, hidden, dim]`` and ``w2`` ``[E, dim, hidden]``; "
+                    f"the adapter splits{', transposes' if transposed else ''} and fuses them back, changing no value.",
+                    width=88,
+                    break_on_hyphens=False,
+                ),
+            ]
+        )
+        + "\n",
+    )
+    text = set_docstring(
+        text,
+        cls,
+        f"Renames {camel} weights between Archon and HF checkpoints; splits and fuses expert tensors.\n\n"
+        f"    ``model_config`` is a transformers config or a :class:`{camel}ModelArgs`. Every HF key\n"
+        "    must be in ``from_hf_map`` (``None`` drops it) or in ``fused_experts_from_hf_map``;\n"
+        "    anything else raises ``KeyError`` naming the key, so a checkpoint never loads with\n"
+        "    weights silently lost.\n    ",
+    )
+    text = insert_class_statement_after(
+        text,
+        cls,
+        "from_hf_map",
+        "# Checkpoint tensors holding one projection of every expert -> the Archon weights in them, in order.\n"
+        + _fused_literal(experts).replace(FUSED_MAP, FUSED_EXPERTS_MAP),
+    )
+    try:
+        for statement in _PER_EXPERT_INIT:
+            text = replace_in_function(text, cls, "__init__", statement, "")
+        text = insert_after_statement_assigning(text, cls, "__init__", "self.to_hf_map", _EXPERTS_INIT.strip() + "\n")
+        text = insert_after_statement_assigning(
+            text, cls, "_hf_key", "template, indices", _EXPERTS_HF_KEY.strip() + "\n"
+        )
+        text = replace_in_function(
+            text, cls, "from_hf", "experts_by_layer: dict[str, dict[str, dict[int, Any]]] = {}", ""
+        )
+        text = replace_in_function(
+            text, cls, "from_hf", _EXPERTS_FROM_HF_LOOP_OLD.strip(), _EXPERTS_FROM_HF_LOOP_NEW.strip()
+        )
+        text = replace_in_function(text, cls, "from_hf", "state_dict.update(self._stack_experts(experts_by_layer))", "")
+        text = replace_in_function(text, cls, "to_hf", _TO_HF_LOOP_OLD.strip(), _EXPERTS_TO_HF_LOOP_NEW.strip())
+        text = replace_in_function(text, cls, "convert_single_to_hf", "experts = self._split_experts(name, tensor)", "")
+        text = replace_in_function(text, cls, "convert_single_to_hf", "if experts is not None:\n    return experts", "")
+    except CodemodError as e:
+        raise CodemodError(f"3D expert tensors {sorted(experts)} need the qwen3 reference adapter: {e}") from e
+    text = remove_method(text, cls, "_split_experts")
+    text = remove_method(text, cls, "_stack_experts")
+    if order is not GateUpOrder.SEPARATE:
+        for role in ("split", "merge"):
+            text = insert_before_class(
+                text, cls, snippet("experts", f"{role}_{order.value}_gate_up", rename=f"{role}_gate_up")
+            )
+    convert_in = (
+        "    weight = value.transpose(1, 2)  # the checkpoint stores each expert (in, out)\n"
+        if transposed
+        else "    weight = value\n"
+    )
+    convert_out = (
+        "    return weight.transpose(1, 2).contiguous()  # each expert (in, out), as the checkpoint stores it\n"
+        if transposed
+        else "    return weight.contiguous()\n"
+    )
+    text = upsert_method(
+        text,
+        cls,
+        "_experts_from_hf",
+        _EXPERTS_FROM_HF.format(convert_in=convert_in).strip() + "\n",
+        after="_check_complete",
+    )
+    text = upsert_method(
+        text,
+        cls,
+        "_experts_to_hf",
+        _EXPERTS_TO_HF.format(convert_out=convert_out).strip() + "\n",
+        after="_experts_from_hf",
+    )
+    text = upsert_method(text, cls, "join_single_to_hf", _EXPERTS_JOIN.strip() + "\n", after="convert_single_to_hf")
+    return prune_unused_imports(text)

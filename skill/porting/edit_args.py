@@ -195,6 +195,10 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 # The checkpoint holds a gated shared expert; its width is the config's.
                 moe_args.shared_expert_intermediate_size = c.shared_expert_intermediate_size
                 moe_args.use_shared_expert_gate = True
+            if profile.expert_count_field is not None:
+                moe_args.num_experts = getattr(c, profile.expert_count_field)
+            if profile.top_k_field is not None:
+                moe_args.top_k = getattr(c, profile.top_k_field)
             if profile.shared_experts_field is not None:
                 moe_args.num_shared_experts = getattr(c, profile.shared_experts_field) or 0
             if profile.router_scoring_field is not None:
@@ -224,6 +228,14 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         if not profile.all_layers_moe:
             # Which layers route to experts (HF's rule); a family whose every layer is MoE has no such fields.
             fields += moe_layer_fields(profile, config)
+    if profile.router_jitter_field is not None:
+        # The sparse mixer's relative margin around each pick (not noise at evaluation time).
+        jitter = profile.router_jitter_field
+        fields.append(
+            ArgField(
+                jitter, "float", float(getattr(config, jitter)), f"hf_config.{jitter}", operator.attrgetter(jitter)
+            )
+        )
     for name in profile.multipliers:
         fields.append(
             ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
@@ -356,7 +368,7 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     moe: tuple[str, ...] = ()
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
-        moe += ("num_experts_per_tok",)
+        moe += (profile.top_k_field or "num_experts_per_tok",)
     return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
 
 
@@ -462,9 +474,15 @@ def router_setup(plan: PortPlan) -> str:
     """Statements after ``MoEArgs.from_hf_config`` (which scores with softmax, as AReaL's
     does) that give the router the family's scoring (the config's field, or a sigmoid the
     analysis measured when no field names it), routed scaling factor, expert groups and
-    score-correction bias, each in AReaL's ``MoEArgs`` terms. Nothing for a plain softmax
-    router."""
+    score-correction bias, each in AReaL's ``MoEArgs`` terms, and the expert counts from the
+    config's own fields where AReaL's reads others. Nothing for a plain softmax router."""
     lines = []
+    for name, field in (("num_experts", plan.expert_count_field), ("top_k", plan.top_k_field)):
+        if field is not None:
+            lines += [
+                f"# The config names {name} {field}; MoEArgs.from_hf_config reads another field.",
+                f"moe_args.{name} = hf_config.{field}",
+            ]
     if plan.router_scoring_field is not None:
         lines += [
             "# The router scores experts as the config says: softmax over them, or a sigmoid each.",

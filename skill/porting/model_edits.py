@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
 from skill.codemod.cst import (
     add_parameter,
+    ensure_import_line,
     insert_after_statement_assigning,
     insert_before_class,
     prune_unused_imports,
@@ -473,6 +474,27 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     return text
 
 
+def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
+    """The MoE's router picks two experts one after the other (sparse mixer) instead of a top-k."""
+    field = ctx.profile.router_jitter_field
+    text = insert_before_class(text, "TransformerBlock", snippet("router", "SparseMixerRouter"))
+    text = ensure_import_line(text, "from archon_models.moe import TokenChoiceTopKRouter")
+    return insert_after_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe",
+        "# Sparse-mixer routing: the best expert, then the best of the others.\n"
+        "self.moe.router = SparseMixerRouter(\n"
+        "    model_args.dim,\n"
+        "    model_args.moe_args.num_experts,\n"
+        "    model_args.moe_args.top_k,\n"
+        f"    jitter_eps=model_args.{field},\n"
+        "    router_dtype=model_args.moe_args.router_dtype,\n"
+        ")\n",
+    )
+
+
 # The canonical order: where two edits touch one place, the inner one comes first
 # (norms wrap a residual branch before the multiplier scales it; the logit divisor
 # before the soft-cap; the MLP's shape before its activation and bias).
@@ -536,6 +558,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.all_layers_moe,
         _all_layers_moe,
         needed=lambda text: "self.moe_enabled = model_args" in text,
+    ),
+    ModelEdit(
+        "sparse_mixer_router",
+        "sparse-mixer routing (two successive masked-softmax picks)",
+        lambda p: p.router_scoring == "sparsemixer",
+        _sparse_mixer_router,
     ),
     ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
     ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
@@ -618,6 +646,7 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append(
             "mixture-of-experts MLPs"
             + (" routed by per-expert sigmoid scores" if profile.router_scoring == "sigmoid" else "")
+            + (" routed by a sparse mixer" if profile.router_scoring == "sparsemixer" else "")
             + (" with a gated shared expert" if profile.shared_expert else "")
         )
     if profile.embedding_scale == "sqrt_dim":

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Activations the edits can write, by the names transformers' ACT2FN uses.
 ACTIVATIONS = {"silu": "F.silu({})", "gelu_pytorch_tanh": 'F.gelu({}, approximate="tanh")', "gelu": "F.gelu({})"}
+# The fields AReaL 1.0.4's MoEArgs.from_hf_config reads for the expert count and top-k.
+AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
+AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
 
 
@@ -108,8 +111,18 @@ class PortPlan(BaseModel):
         default=None, description="checkpoint key, inside a layer, of the router's score-correction bias"
     )
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
-    router_scoring: Literal["softmax", "sigmoid"] = Field(
-        default="softmax", description="how the router scores experts: softmax over them, or a sigmoid each"
+    router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
+        default="softmax",
+        description="how the router scores experts: softmax over them, a sigmoid each, or sparse-mixer picks",
+    )
+    expert_count_field: str | None = Field(
+        default=None, description="config field of the expert count, where MoEArgs.from_hf_config reads another"
+    )
+    top_k_field: str | None = Field(
+        default=None, description="config field of experts per token, where MoEArgs.from_hf_config reads another"
+    )
+    router_jitter_field: str | None = Field(
+        default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
     )
     router_scoring_field: str | None = Field(
         default=None, description="config field naming the router's scoring function, if the config has one"
@@ -166,9 +179,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     logit_divisor = logit.field if logit is not None and logit.relation == "1/x" else None
     scale = att.scaling_source if att.custom_scaling else None
     n_layers = moe.n_layers if moe is not None else 0
-    scoring: Literal["softmax", "sigmoid"] = (
-        "sigmoid" if moe is not None and moe.router_scoring is RouterScoring.SIGMOID else "softmax"
-    )
+    scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    if moe is not None and moe.router_scoring is RouterScoring.SIGMOID:
+        scoring = "sigmoid"
+    elif moe is not None and moe.router_scoring is RouterScoring.SPARSEMIXER:
+        scoring = "sparsemixer"
     scoring_field = next(
         (
             f.name
@@ -226,6 +241,13 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
+        expert_count_field=moe.num_experts_field
+        if moe is not None and moe.num_experts_field not in (None, *AREAL_MOE_COUNT_FIELDS)
+        else None,
+        top_k_field=moe.top_k_field
+        if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)
+        else None,
+        router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
     )
 

@@ -1,0 +1,60 @@
+"""Routers a family may need instead of the shared top-k router (softmax or sigmoid scores)."""
+
+from __future__ import annotations
+
+import torch
+
+from archon_models.moe import TokenChoiceTopKRouter
+
+
+class SparseMixerRouter(TokenChoiceTopKRouter):
+    """Sparse-mixer routing: the best expert, then the best of the others, two per token.
+
+    Each pick is the highest gate logit still in play; its weight is its softmax
+    probability among the experts whose logit trails the pick's by at most
+    ``2 * jitter_eps`` relative to ``max(|logit|, pick)`` (the rest are masked out). The
+    second pick leaves the first out. Selection is deterministic and the weights get the
+    softmax's own gradient: HF's evaluation-mode routing. (HF's training mode samples
+    each pick with Gumbel noise and replaces the gradient by a Heun third-order estimate;
+    this router does neither.)
+    """
+
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, jitter_eps: float, router_dtype: torch.dtype | None = None
+    ):
+        if top_k != 2:
+            raise ValueError(f"sparse-mixer routing picks exactly 2 experts per token, got top_k={top_k}")
+        super().__init__(dim, num_experts, top_k, score_func="softmax", router_dtype=router_dtype)
+        self.jitter_eps = jitter_eps
+
+    def _masked_outside_margin(self, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The best of ``candidates`` per token, and ``candidates`` with every logit that
+        trails it by more than the relative margin set to -inf."""
+        with torch.no_grad():
+            best, _ = candidates.max(dim=-1, keepdim=True)
+            factor = scores.abs().clamp(min=best)
+            outside = ((best - scores) / factor) > (2 * self.jitter_eps)
+        return candidates.masked_fill(outside, float("-inf"))
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x`` ``[num_tokens, dim]``: weights ``[num_tokens, 2]`` (fp32), expert
+        indices ``[num_tokens, 2]`` and tokens per expert ``[num_experts]``."""
+        if expert_bias is not None:
+            raise ValueError("sparse-mixer routing has no load-balancing bias (load_balance_coeff must be None)")
+        logits = self.gate(x)
+        scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+        first = scores.argmax(dim=-1, keepdim=True)
+        first_weight = torch.softmax(self._masked_outside_margin(scores, scores), dim=-1).gather(-1, first)
+
+        others = scores.scatter(-1, first, float("-inf"))
+        second = others.argmax(dim=-1, keepdim=True)
+        second_weight = torch.softmax(self._masked_outside_margin(scores, others), dim=-1).gather(-1, second)
+
+        selected = torch.cat([first, second], dim=-1)
+        top_scores = torch.cat([first_weight, second_weight], dim=-1)
+        # histc counts floats only on CPU; indices are exact in fp32 up to 2**24.
+        counts = torch.histc(selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected, counts.to(torch.int64)
