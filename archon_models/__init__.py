@@ -4,10 +4,15 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
+from archon_models.glm import spec as glm_spec  # noqa: F401
+from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
+from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
+from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
 from archon_models.mixtral import spec as mixtral_spec  # noqa: F401
 from archon_models.model_spec import (  # noqa: F401
