@@ -10,6 +10,7 @@ from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.glm import spec as glm_spec  # noqa: F401
 from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
+from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401

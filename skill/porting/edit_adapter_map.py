@@ -54,6 +54,10 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
     "mlp.shared_expert_gate": "moe.shared_expert_gate",
 }
+# Parameters held by a layer's module itself, not by a Linear or norm inside it.
+LAYER_PARAMETERS: dict[str, str] = {
+    "self_attn.sinks": "attention.sinks",
+}
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.
 EXPERT_MODULES: dict[str, str] = {
@@ -200,6 +204,9 @@ def derive_from_hf_map(
             mapping[key] = None
             continue
         inner = key[len(LAYER_PREFIX) :] if key.startswith(LAYER_PREFIX) else None
+        if inner in LAYER_PARAMETERS:
+            mapping[key] = f"layers.{{}}.{LAYER_PARAMETERS[inner]}"
+            continue
         match = _PARAM_SUFFIX.match(inner if inner is not None else key)
         if match is None:
             unmapped.append(key)
