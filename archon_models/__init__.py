@@ -6,13 +6,19 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
+from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
+from archon_models.glm import spec as glm_spec  # noqa: F401
+from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
+from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
+from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
+from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
 from archon_models.mixtral import spec as mixtral_spec  # noqa: F401
 from archon_models.model_spec import (  # noqa: F401

@@ -1,15 +1,18 @@
-"""Tokens/s of one training step: Archon Qwen3 on packed documents vs HF Qwen3 on a padded batch.
+"""Tokens/s of one training step: an Archon model on packed documents vs its HF model on a padded batch.
 
-Both models hold the same weights (a ~50M-parameter Qwen3, fp32, CPU) and see the same
-documents. Archon packs them into one ``[1, T]`` row with ``cu_seqlens``; HF pads them
-to ``[n_docs, max_len]`` with an attention mask, as a trainer without packing would.
+Any registered family (``--model``, default qwen3): both sides hold the same weights (the
+HF model built from the family's config class at a small-but-not-trivial size, fp32, CPU,
+saved with ``save_pretrained`` and loaded into Archon through the family's adapter) and see
+the same documents. Archon packs them into one ``[1, T]`` row with ``cu_seqlens``; HF pads
+them to ``[n_docs, max_len]`` with an attention mask, as a trainer without packing would.
 One step is forward, next-token cross-entropy over the real tokens, and backward.
 Throughput counts real (unpadded) tokens for both. Each implementation runs in its own
 spawned process so that its peak RSS is its own (spawned, not forked: a fork after
 torch has started its OpenMP threads can deadlock).
 
-    python bench/train_step.py            # defaults: 8 documents of 64..512 tokens
-    python bench/train_step.py --iters 10 --threads 2
+    python bench/train_step.py                      # qwen3; 8 documents of 64..512 tokens
+    python bench/train_step.py --model gemma2 --iters 10 --threads 2
+    python bench/train_step.py --model mistral,starcoder2 --size small   # several families, one table
 """
 
 from __future__ import annotations
@@ -20,21 +23,22 @@ import multiprocessing as mp
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
-from archon_models.qwen3 import Qwen3Model, Qwen3ModelArgs, Qwen3StateDictAdapter
+from transformers import PretrainedConfig, PreTrainedModel
 
 logger = logging.getLogger("bench.train_step")
 
-
-def bench_config() -> Qwen3Config:
-    """A ~50M-parameter Qwen3 (6 layers of 512, untied 32k vocabulary)."""
-    return Qwen3Config(
+# Model sizes (transformers' canonical field names); tiny_config keeps every other feature
+# of the family (layer types, windows, soft-caps, MoE pattern) at its tiny value.
+SIZES: dict[str, dict[str, int]] = {
+    # ~50M parameters for qwen3: 6 layers of 512, 8 heads of 64 (4 KV heads), 32k vocabulary.
+    "default": dict(
         vocab_size=32000,
         hidden_size=512,
         intermediate_size=1536,
@@ -43,11 +47,34 @@ def bench_config() -> Qwen3Config:
         num_key_value_heads=4,
         head_dim=64,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    ),
+    # A quarter of it, for sweeping every family on a small CPU.
+    "small": dict(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
+    """The family's config class at the bench size: its features kept, its widths set."""
+    from skill.tiny_model import tiny_config
+
+    sizes: dict[str, Any] = dict(SIZES[size])
+    probe = tiny_config(model_type)
+    if not hasattr(probe, "head_dim"):
+        sizes.pop("head_dim")  # the family derives it from hidden_size / heads
+    if getattr(probe, "num_key_value_heads", None) in (None, probe.num_attention_heads):
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # no GQA in the family: keep MHA
+    if isinstance(getattr(probe, "sliding_window", None), int):
+        sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
+    return tiny_config(probe, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
 
 
 @dataclass
@@ -88,49 +115,61 @@ def make_documents(n_docs: int, min_len: int, max_len: int, vocab: int, seed: in
     return Documents([torch.randint(3, vocab, (int(n),), generator=g) for n in lengths])
 
 
-def build_models(attn_type: str, seed: int) -> tuple[Qwen3ForCausalLM, Qwen3Model]:
-    """The HF model (random, seeded) and an Archon model loaded with its weights."""
-    config = bench_config()
-    torch.manual_seed(seed)
-    hf = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").float()
-    args = Qwen3ModelArgs.from_hf_config(config, attn_type=attn_type)
-    archon = Qwen3Model(args)
-    # Dense Qwen3 keeps the same parameter names in memory and on disk.
-    archon.load_state_dict(Qwen3StateDictAdapter(config).from_hf(hf.state_dict()))
-    return hf, archon
+def _hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """The HF model (random, seeded) with its fastest attention that runs here (SDPA where the
+    family supports it, else eager), in training mode."""
+    from skill.tiny_model import build_tiny_model
+
+    try:
+        model = build_tiny_model(config, seed=seed, attn_implementation="sdpa")
+    except Exception:  # a family whose attention SDPA cannot run (sinks, soft-caps) refuses it
+        model = build_tiny_model(config, seed=seed, attn_implementation="eager")
+    return model.train()
 
 
-def _step_fn(impl: str, hf: Qwen3ForCausalLM, archon: Qwen3Model, docs: Documents):
+def build_archon(config: PretrainedConfig, attn_type: str, seed: int) -> torch.nn.Module:
+    """The Archon model of ``config`` loaded, through the family's adapter, with the weights
+    ``save_pretrained`` writes for the seeded HF model."""
+    from skill.harness.models import load_archon_model, save_hf_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
+        save_hf_checkpoint(_hf_model(config, seed), tmp)
+        return load_archon_model(config, tmp, attn_type=attn_type).model.train()
+
+
+def _step_fn(impl: str, opts: argparse.Namespace, config: PretrainedConfig, docs: Documents):
     if impl == "archon":
+        model = build_archon(config, opts.attn_type, opts.seed)
         tokens, positions, cu_seqlens, max_seqlen, labels = docs.packed()
 
         def step() -> float:
-            logits = archon(tokens, positions, cu_seqlens, max_seqlen)
+            logits = model(tokens, positions, cu_seqlens, max_seqlen)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
             loss.backward()
             return loss.item()
 
-        return archon, step
+        return model, step
 
-    input_ids, mask, labels = docs.padded(bench_config().pad_token_id)
+    hf = _hf_model(config, opts.seed)
+    input_ids, mask, labels = docs.padded(config.pad_token_id)
 
-    def step() -> float:
+    def hf_step() -> float:
         logits = hf(input_ids=input_ids, attention_mask=mask).logits
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         loss.backward()
         return loss.item()
 
-    return hf, step
+    return hf, hf_step
 
 
-def _run(impl: str, opts: argparse.Namespace, queue: mp.Queue) -> None:
+def _run(impl: str, model_type: str, opts: argparse.Namespace, queue: mp.Queue) -> None:
     """Child process: build, warm up, time; report step times, loss and peak RSS."""
+    import archon_models  # noqa: F401 - registers every family
+
     torch.set_num_threads(opts.threads)
-    hf, archon = build_models(opts.attn_type, opts.seed)
-    docs = make_documents(opts.docs, opts.min_len, opts.max_len, bench_config().vocab_size, opts.seed)
-    model, step = _step_fn(impl, hf, archon, docs)
-    del hf, archon
-    model.train()
+    config = bench_config(model_type, opts.size)
+    docs = make_documents(opts.docs, opts.min_len, opts.max_len, config.vocab_size, opts.seed)
+    model, step = _step_fn(impl, opts, config, docs)
     loss = 0.0
     for _ in range(opts.warmup):
         loss = step()
@@ -142,13 +181,14 @@ def _run(impl: str, opts: argparse.Namespace, queue: mp.Queue) -> None:
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    queue.put({"impl": impl, "times": times, "loss": loss, "peak_rss_mb": peak_rss_mb})
+    n_params = sum(p.numel() for p in model.parameters())
+    queue.put({"impl": impl, "times": times, "loss": loss, "peak_rss_mb": peak_rss_mb, "params": n_params})
 
 
-def run_isolated(impl: str, opts: argparse.Namespace) -> dict:
+def run_isolated(impl: str, model_type: str, opts: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_run, args=(impl, opts, queue))
+    proc = ctx.Process(target=_run, args=(impl, model_type, opts, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -159,6 +199,8 @@ def run_isolated(impl: str, opts: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3", help="registered model_type(s), comma-separated")
+    p.add_argument("--size", choices=sorted(SIZES), default="default", help="model widths (see SIZES)")
     p.add_argument("--docs", type=int, default=8, help="documents per step")
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512)
@@ -172,19 +214,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 1 <= --min-len <= --max-len")
     if opts.docs < 1 or opts.iters < 1 or opts.warmup < 0:
         p.error("need --docs >= 1, --iters >= 1, --warmup >= 0")
+    import archon_models
+
+    unknown = [m for m in opts.model.split(",") if not archon_models.is_supported_model(m)]
+    if unknown:
+        p.error(
+            f"not registered in archon_models: {', '.join(unknown)}; known: {archon_models.get_supported_model_types()}"
+        )
     return opts
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     opts = parse_args(argv)
-    docs = make_documents(opts.docs, opts.min_len, opts.max_len, bench_config().vocab_size, opts.seed)
+    docs = make_documents(opts.docs, opts.min_len, opts.max_len, SIZES[opts.size]["vocab_size"], opts.seed)
     lengths = [len(d) for d in docs.docs]
-    n_params = sum(p.numel() for p in Qwen3Model(Qwen3ModelArgs.from_hf_config(bench_config())).parameters())
     logger.info(
-        "Qwen3 %.1fM params, fp32, %d threads; %d documents, %d tokens (lengths %s); padded batch %dx%d = %d slots",
-        n_params / 1e6,
+        "fp32, %d threads, %s size; %d documents, %d tokens (lengths %s); padded batch %dx%d = %d slots",
         opts.threads,
+        opts.size,
         len(lengths),
         docs.n_tokens,
         lengths,
@@ -192,24 +240,33 @@ def main(argv: list[str] | None = None) -> int:
         max(lengths),
         len(lengths) * max(lengths),
     )
-    results = [run_isolated("hf", opts), run_isolated("archon", opts)]
-    label = {"hf": "HF Qwen3ForCausalLM (padded, sdpa)", "archon": f"Archon Qwen3Model (packed, {opts.attn_type})"}
     rows = []
-    for r in results:
-        step_ms = statistics.median(r["times"]) * 1000
-        rows.append((label[r["impl"]], docs.n_tokens / (step_ms / 1000), step_ms, r["peak_rss_mb"], r["loss"]))
-    width = max(len(row[0]) for row in rows)
+    for model_type in opts.model.split(","):
+        hf, archon = run_isolated("hf", model_type, opts), run_isolated("archon", model_type, opts)
+        hf_tps, archon_tps = (docs.n_tokens / statistics.median(r["times"]) for r in (hf, archon))
+        rows.append((model_type, archon["params"] / 1e6, archon_tps, hf_tps, archon_tps / hf_tps, archon, hf))
+        if abs(hf["loss"] - archon["loss"]) > 1e-3:
+            logger.warning(
+                "%s: losses differ (%.6f HF vs %.6f Archon): the two runs did not compute the same thing",
+                model_type,
+                hf["loss"],
+                archon["loss"],
+            )
+    width = max(len("family"), *(len(r[0]) for r in rows))
+    header = (
+        f"{'family':<{width}}  {'params M':>8}  {'Archon tok/s':>12}  {'HF tok/s':>9}  {'ratio':>6}  "
+        f"{'Archon RSS MB':>13}  {'HF RSS MB':>9}  {'loss':>8}"
+    )
     lines = [
-        f"{'impl':<{width}}  {'tokens/s':>9}  {'step ms':>8}  {'peak RSS MB':>11}  {'loss':>8}",
-        *(f"{n:<{width}}  {tps:>9.0f}  {ms:>8.1f}  {rss:>11.0f}  {loss:>8.4f}" for n, tps, ms, rss, loss in rows),
+        header,
+        *(
+            f"{name:<{width}}  {params:>8.1f}  {a_tps:>12.0f}  {h_tps:>9.0f}  {ratio:>5.2f}x  "
+            f"{a['peak_rss_mb']:>13.0f}  {h['peak_rss_mb']:>9.0f}  {a['loss']:>8.4f}"
+            for name, params, a_tps, h_tps, ratio, a, h in rows
+        ),
+        f"Archon packed ({opts.attn_type}) vs HF padded; median of {opts.iters} steps after {opts.warmup} warm-up",
     ]
-    ratio = rows[1][1] / rows[0][1]
-    lines.append(f"Archon / HF tokens/s: {ratio:.2f}x  (median of {opts.iters} steps after {opts.warmup} warm-up)")
     sys.stdout.write("\n".join(lines) + "\n")
-    if abs(rows[0][4] - rows[1][4]) > 1e-3:
-        logger.warning(
-            "losses differ (%.6f vs %.6f): the two runs did not compute the same thing", rows[0][4], rows[1][4]
-        )
     return 0
 
 

@@ -446,6 +446,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
         {SlidingWindowKind.NONE, SlidingWindowKind.ALL_LAYERS, SlidingWindowKind.PER_LAYER_PATTERN}
     ),
     Feature.ATTN_SOFTCAP: frozenset({"true", "false"}),
+    Feature.ATTN_SINKS: frozenset({"true", "false"}),  # attention_sinks edit: one learned logit per head
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu"}),

@@ -179,6 +179,8 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
+    if att.sinks and att.logit_softcap is not None:
+        limits.append("attention sinks together with soft-capped scores (no kernel has both)")
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

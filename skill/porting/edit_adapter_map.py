@@ -70,6 +70,10 @@ LAYER_MODULES: dict[str, str] = {
 # The router's score-correction bias (its checkpoint key inside a layer is measured by the
 # analysis): AReaL's MoE buffer that shifts expert selection, never the weights.
 CORRECTION_BIAS_TARGET = "moe.expert_bias"
+# Parameters held by a layer's module itself, not by a Linear or norm inside it.
+LAYER_PARAMETERS: dict[str, str] = {
+    "self_attn.sinks": "attention.sinks",
+}
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.
 EXPERT_MODULES: dict[str, str] = {
@@ -220,8 +224,9 @@ def derive_from_hf_map(
             mapping[key] = None
             continue
         inner = key[len(LAYER_PREFIX) :] if key.startswith(LAYER_PREFIX) else None
-        if inner is not None and inner in (layer_buffers or {}):
-            mapping[key] = f"layers.{{}}.{(layer_buffers or {})[inner]}"
+        layer_targets = {**LAYER_PARAMETERS, **(layer_buffers or {})}
+        if inner is not None and inner in layer_targets:
+            mapping[key] = f"layers.{{}}.{layer_targets[inner]}"
             continue
         match = _PARAM_SUFFIX.match(inner if inner is not None else key)
         if match is None:

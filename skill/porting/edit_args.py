@@ -664,7 +664,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             router=router_setup(profile),
         ),
     )
-    if profile.sliding_window or profile.attn_softcap:
+    if profile.sliding_window or profile.attn_softcap or profile.attn_sinks:
         # The package's own attention kernel serves every attn_type AReaL's engine passes.
         text = replace_in_function(
             text,

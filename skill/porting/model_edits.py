@@ -34,6 +34,7 @@ from skill.codemod.cst import (
     replace_statement_assigning,
     set_call_kwarg,
     set_docstring,
+    upsert_method,
 )
 from skill.porting.plan import ACTIVATIONS, PortPlan
 from skill.porting.snippets import snippet
@@ -69,8 +70,47 @@ def _projection_bias(text: str, ctx: EditContext) -> str:
     return replace_in_function(text, "Attention", "__init__", "bias = model_args.attention_bias", "")
 
 
+# The helpers each attention kernel of snippets/attention.py runs its documents through.
+KERNEL_HELPERS = {
+    "SlidingWindowAttention": ("per_document", "padded_documents"),
+    "EagerAttention": ("per_document",),
+    "SinkAttention": ("per_document", "padded_documents"),
+}
+HELPER_IMPORTS = ("from collections.abc import Callable", "from itertools import pairwise", "from typing import Any")
+
+
+def _insert_kernel(text: str, kernel: str) -> str:
+    """The kernel class and the document drivers it uses, each once, before ``Attention``."""
+    for helper in KERNEL_HELPERS[kernel]:
+        if f"def {helper}(" not in text:
+            text = insert_before_class(text, "Attention", snippet("attention", helper))
+    for line in HELPER_IMPORTS:
+        text = ensure_import_line(text, line)
+    return insert_before_class(text, "Attention", snippet("attention", kernel))
+
+
+PLAIN_ATTENTION = "self.attention = Attention(model_args)"
+PER_LAYER_WINDOW = (
+    "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
+    'sliding = model_args.layer_types[layer_id] == "sliding_attention"\n'
+    "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n"
+)
+
+
+def _window_argument(text: str, ctx: EditContext) -> tuple[str, str]:
+    """The kernel's window: a per-layer ``sliding_window`` parameter of ``Attention`` (set by
+    the block from ``layer_types``), the config's window on every layer, or none."""
+    profile = ctx.profile
+    if profile.sliding_layer_types:
+        if "sliding_window: int | None = None" not in text:
+            text = add_parameter(text, "Attention", "__init__", "sliding_window: int | None = None")
+            text = replace_in_function(text, "TransformerBlock", "__init__", PLAIN_ATTENTION, PER_LAYER_WINDOW)
+        return text, "sliding_window"
+    return text, "model_args.sliding_window" if profile.sliding_window else "None"
+
+
 def _sliding_window(text: str, ctx: EditContext) -> str:
-    text = insert_before_class(text, "Attention", snippet("attention", "SlidingWindowAttention"))
+    text = _insert_kernel(text, "SlidingWindowAttention")
     text = replace_statement_assigning(
         text,
         "Attention",
@@ -83,29 +123,41 @@ def _sliding_window(text: str, ctx: EditContext) -> str:
 
 def _eager_attention(text: str, ctx: EditContext) -> str:
     profile = ctx.profile
-    text = insert_before_class(text, "Attention", snippet("attention", "EagerAttention"))
+    text = _insert_kernel(text, "EagerAttention")
     softcap = "model_args.attn_logit_softcapping" if profile.attn_softcap else "None"
-    if profile.sliding_layer_types:
-        text = add_parameter(text, "Attention", "__init__", "sliding_window: int | None = None")
-        window = "sliding_window"
-    elif profile.sliding_window:
-        window = "model_args.sliding_window"
-    else:
-        window = "None"
-    text = replace_statement_assigning(
+    text, window = _window_argument(text, ctx)
+    return replace_statement_assigning(
         text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = EagerAttention({softcap}, {window})\n"
     )
-    if profile.sliding_layer_types:
-        text = replace_in_function(
-            text,
-            "TransformerBlock",
-            "__init__",
-            "self.attention = Attention(model_args)",
-            "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
-            'sliding = model_args.layer_types[layer_id] == "sliding_attention"\n'
-            "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n",
-        )
-    return text
+
+
+def _attention_sinks(text: str, ctx: EditContext) -> str:
+    """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row."""
+    if "self.sinks =" in text:
+        return text
+    text = _insert_kernel(text, "SinkAttention")
+    text, window = _window_argument(text, ctx)
+    text = replace_statement_assigning(
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = SinkAttention({window})\n"
+    )
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# One learned logit per head joins each row's softmax and attends to nothing.\n"
+        "self.sinks = nn.Parameter(torch.zeros(self.n_heads))\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nnn.init.zeros_(self.sinks)\n",
+    )
+    text = upsert_method(text, "Attention", "local_sinks", snippet("attention", "local_sinks"), after="init_weights")
+    text = set_call_kwarg(text, "self.packed_attn", "sinks", "self.local_sinks(xq.shape[2])", target="out")
+    return ensure_import_line(text, "from torch.distributed.tensor import DTensor")
 
 
 def _attention_scale(text: str, ctx: EditContext) -> str:
@@ -521,14 +573,20 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
-        lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap,
+        lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap and not p.attn_sinks,
         _sliding_window,
     ),
     ModelEdit(
         "eager_attention",
         "explicit attention for soft-capped scores and/or a per-layer sliding window",
-        lambda p: p.attn_softcap or p.sliding_layer_types,
+        lambda p: (p.attn_softcap or p.sliding_layer_types) and not p.attn_sinks,
         _eager_attention,
+    ),
+    ModelEdit(
+        "attention_sinks",
+        "a learned sink logit per head in every softmax (with the family's window, if any)",
+        lambda p: p.attn_sinks,
+        _attention_sinks,
     ),
     ModelEdit(
         "attention_scale",
@@ -629,6 +687,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         attention.append("sliding-window attention" + (" on some layers" if profile.sliding_layer_types else ""))
     if profile.attn_softcap:
         attention.append("soft-capped attention scores")
+    if profile.attn_sinks:
+        attention.append("attention sinks")
     norm = {"rms": "RMSNorm", "rms_offset": "(1 + w) RMSNorm", "layernorm": "LayerNorm"}[profile.norm]
     mlp = (
         ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
@@ -692,6 +752,8 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append("Each token attends to the last ``sliding_window`` tokens of its own document.")
     if profile.attn_softcap:
         sentences.append("Scores are soft-capped before the softmax.")
+    if profile.attn_sinks:
+        sentences.append("A learned sink logit per head joins every softmax row and attends to nothing.")
     if profile.qk_norm == "full":
         sentences.append(
             "``q_norm``/``k_norm`` normalise the whole q and k projections (all heads at once) before RoPE."

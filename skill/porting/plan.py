@@ -81,6 +81,7 @@ class PortPlan(BaseModel):
     sliding_window: bool
     sliding_layer_types: bool
     attn_softcap: bool
+    attn_sinks: bool = Field(default=False, description="a learned sink logit per head joins each softmax row")
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     embedding_scale: Literal["none", "sqrt_dim", "multiplier"]
@@ -212,6 +213,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,
+        attn_sinks=att.sinks,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,
         embedding_scale=embedding,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import textwrap
 
 from skill.codemod import StagedTree
 from skill.errors import HAND_PORT_POINTER
@@ -13,6 +14,10 @@ from skill.porting.snippets import snippet
 logger = logging.getLogger(__name__)
 
 ROPE_NAMES = ("apply_rotary_emb", "precompute_rope_cache", "repeat_kv", "reshape_for_broadcast", "rotate_half")
+
+
+# The generated files' line length (pyproject's ruff setting).
+LINE_LIMIT = 120
 
 
 def reexport_source(camel: str) -> str:
@@ -60,10 +65,13 @@ def composed_source(camel: str, rope_type: str, partial: bool, interleaved: bool
     if interleaved and "reshape_for_broadcast" not in imported:
         imported.append("reshape_for_broadcast")
     listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
+    summary = f'"""{camel} RoPE: ' + "; ".join(what) + "."
+    if len(summary) > LINE_LIMIT:
+        # Many features: wrapped, so the generated file stays within the line length.
+        summary = "\n".join(textwrap.wrap(summary, width=92, break_on_hyphens=False))
     doc = (
-        f'"""{camel} RoPE: '
-        + "; ".join(what)
-        + ".\n\n"
+        summary
+        + "\n\n"
         + (
             "The frequencies (and, for some variants, a factor on cos/sin) follow transformers'\n"
             f'``ROPE_INIT_FUNCTIONS["{rope_type}"]`` operation by operation.\n'

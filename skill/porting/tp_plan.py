@@ -194,13 +194,20 @@ def _trace_one(package: str, args: Any, probe: str, ep: bool) -> tuple[list[Unma
         calls.append((module, parallelize_plan))
         return module
 
-    original = parallelize_module_.__dict__.get("parallelize_module")
-    vars(parallelize_module_)["parallelize_module"] = record
+    def keep_local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor  # a parameter the plan shards itself (attention sinks): nothing to trace
+
+    stand_ins = {"parallelize_module": record, "distribute_tensor": keep_local}
+    originals = {name: parallelize_module_.__dict__.get(name) for name in stand_ins}
+    vars(parallelize_module_).update(stand_ins)
     try:
         parallelize_fn(model, _ProbeDims(ep_enabled=ep), enable_compile=False)
     finally:
-        if original is not None:
-            vars(parallelize_module_)["parallelize_module"] = original
+        for name, original in originals.items():
+            if original is not None:
+                vars(parallelize_module_)[name] = original
+            else:
+                vars(parallelize_module_).pop(name, None)
     # One entry per (key, level): a layer key missing from every block is reported once.
     missing: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     matched: set[str] = set()

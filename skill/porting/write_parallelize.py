@@ -9,7 +9,13 @@ from collections.abc import Callable
 from pydantic import Field
 
 from skill.codemod import StagedTree
-from skill.codemod.cst import edit_dict_literal, read_dict_literal, replace_in_function, set_docstring
+from skill.codemod.cst import (
+    edit_dict_literal,
+    ensure_import_line,
+    read_dict_literal,
+    replace_in_function,
+    set_docstring,
+)
 from skill.porting.common import (
     PackageLayout,
     SourceRequest,
@@ -74,6 +80,11 @@ QK_NORM_IF = """if has_qk_norm:
     layer_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
     layer_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
 """
+
+
+PARALLELIZE_BLOCK = "parallelize_module(block, tp_mesh, layer_plan)"
+SINKS_COMMENT = "# Each rank attends with its own heads, so it holds their sink logits (and their gradient)."
+SHARD_SINKS = "block.attention.sinks = nn.Parameter(distribute_tensor(block.attention.sinks.data, tp_mesh, [Shard(0)]))"
 
 
 def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]) -> str:
@@ -178,6 +189,13 @@ def apply_write_parallelize(
             },
             raw_values=True,
         )
+    if profile.attn_sinks and SHARD_SINKS not in text:
+        # Each rank attends with its own heads, so it holds (and gets the gradient of) their sinks.
+        function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+        text = replace_in_function(
+            text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{SINKS_COMMENT}\n{SHARD_SINKS}\n"
+        )
+        text = ensure_import_line(text, "from torch.distributed.tensor import distribute_tensor")
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

@@ -76,3 +76,49 @@ def test_sandwich_norms_residual_multiplier_and_logit_transforms_compose(referen
     # divisor before the soft-cap): one module.
     for order, text in results.items():
         assert text == canonical, order
+
+
+@pytest.mark.parametrize("reference,model_class", [("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model")])
+def test_attention_sinks_compose_with_windows_and_block_edits(reference, model_class):
+    """The sinks edit takes the family's window (per layer here), owns the kernel (no
+    EagerAttention left behind), passes this rank's sinks to it, and nests the same way
+    whatever order the edits are named in, on either reference."""
+    plan = plan_for("llama").model_copy(
+        update={
+            "attn_sinks": True,
+            "sliding_window": True,
+            "sliding_layer_types": True,
+            "residual_multiplier_field": "residual_multiplier",
+            "block": "sandwich",
+        }
+    )
+    names = ["attention_sinks", "sandwich_norm", "residual_multiplier"]
+    texts = {
+        order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order))
+        for order in (tuple(names), tuple(reversed(names)))
+    }
+    text = texts[tuple(names)]
+    assert texts[tuple(reversed(names))] == text
+    compile(text, "model.py", "exec")
+    assert "self.sinks = nn.Parameter(torch.zeros(self.n_heads))" in text
+    assert "self.packed_attn = SinkAttention(sliding_window)" in text
+    assert "sinks=self.local_sinks(xq.shape[2])" in text
+    assert "nn.init.zeros_(self.sinks)" in text
+    assert "class EagerAttention" not in text and "class SlidingWindowAttention" not in text
+    assert text.count("def per_document(") == 1 and text.count("def padded_documents(") == 1
+    assert 'sliding = model_args.layer_types[layer_id] == "sliding_attention"' in text
+    # Applied again, nothing changes.
+    assert apply_model_edits(text, _ctx(plan, model_class), names) == text
+
+
+def test_kernel_edits_insert_only_the_drivers_their_kernel_uses():
+    """A soft-capped family's kernel runs per document on CPU and flex on CUDA: it gets no
+    padded-batch driver; a sliding-window kernel gets both drivers."""
+    softcap = plan_for("llama").model_copy(update={"attn_softcap": True})
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(softcap, "Qwen2Model"), ["eager_attention"])
+    assert "def per_document(" in text and "def padded_documents(" not in text
+    assert "self.packed_attn = EagerAttention(model_args.attn_logit_softcapping, None)" in text
+    window = plan_for("llama").model_copy(update={"sliding_window": True})
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(window, "Qwen2Model"), ["sliding_window"])
+    assert "def per_document(" in text and "def padded_documents(" in text
+    assert "self.packed_attn = SlidingWindowAttention(model_args.sliding_window)" in text

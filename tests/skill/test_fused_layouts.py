@@ -162,3 +162,15 @@ def test_stacked_shape():
     assert stacked_shape([(4, 3), (2, 3), (2, 3)]) == (8, 3)
     assert stacked_shape([(4, 3), (2, 2)]) is None
     assert stacked_shape([(4,), (2, 3)]) is None
+
+
+def test_attention_sinks_key_maps_to_the_attention_parameter():
+    """A sink logit per head lives on the attention module itself (no .weight/.bias suffix)."""
+    keys = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.sinks",
+        "model.layers.1.self_attn.sinks",
+        "model.embed_tokens.weight",
+    ]
+    mapping = derive_from_hf_map(keys)
+    assert mapping["model.layers.{}.self_attn.sinks"] == "layers.{}.attention.sinks"

@@ -1,0 +1,152 @@
+"""The packed-document attention kernels the edits copy into packages (skill/porting/snippets/attention.py).
+
+Every kernel, on every path it can take, against one plain computation over the whole
+packed row with a ``[T, T]`` document mask: the CPU path (one call per document), the
+padded-batch path CUDA takes for sinks and fp32 windows, and flex attention's block mask
+and score_mod (its forward runs on CPU, so the CUDA path's semantics are proved here).
+Sinks are also checked against transformers' own eager functions (granite_swa's
+sigmoid(lse - sink) rescaling and gpt_oss's extra softmax column).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+import torch
+
+from skill.porting.snippets.attention import (
+    EagerAttention,
+    SinkAttention,
+    SlidingWindowAttention,
+    padded_documents,
+    per_document,
+)
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+DOC_LENS = (7, 13, 4)
+SCALE = 0.3
+
+
+def _inputs(trailing: int = 0, seed: int = 0):
+    """Packed q/k/v of DOC_LENS (plus ``trailing`` padding tokens past cu_seqlens[-1])."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(DOC_LENS) + trailing
+    q = torch.randn(1, HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    sinks = torch.randn(HEADS, generator=g, dtype=torch.float64)
+    return q, k, v, cu, sinks
+
+
+def _reference(q, k, v, cu, window=None, softcap=None, sinks=None):
+    """The whole packed row at once: a [T, T] mask of same document, causal, in window."""
+    total = q.shape[2]
+    pos = torch.arange(total)
+    doc = torch.searchsorted(cu.long(), pos, right=True)
+    distance = pos[:, None] - pos[None, :]
+    allowed = (doc[:, None] == doc[None, :]) & (distance >= 0)
+    if window is not None:
+        allowed &= distance < window
+    keys = k.repeat_interleave(HEADS // KV_HEADS, 1)
+    values = v.repeat_interleave(HEADS // KV_HEADS, 1)
+    scores = q @ keys.transpose(2, 3) * SCALE
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(1, HEADS, total, 1)], -1)
+        return torch.softmax(scores, -1)[..., :-1] @ values
+    return torch.softmax(scores, -1) @ values
+
+
+VARIANTS = {
+    "window": (lambda: SlidingWindowAttention(5), {"window": 5}),
+    "softcap": (lambda: EagerAttention(0.7, None), {"softcap": 0.7}),
+    "softcap+window": (lambda: EagerAttention(0.7, 5), {"softcap": 0.7, "window": 5}),
+    "window only, eager": (lambda: EagerAttention(None, 5), {"window": 5}),
+    "sinks": (lambda: SinkAttention(None), {"sinks": True}),
+    "sinks+window": (lambda: SinkAttention(5), {"sinks": True, "window": 5}),
+}
+
+
+def _call(kernel, driver, q, k, v, cu, sinks, expects):
+    kw = {"sinks": sinks} if "sinks" in expects else {}
+    if driver == "forward":
+        return kernel(q, k, v, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS), **kw)
+    run = {"per_document": per_document, "padded_documents": padded_documents}[driver]
+    return run(kernel.attend, q, k, v, cu, scale=SCALE, **kw)
+
+
+@pytest.mark.parametrize("trailing", [0, 3], ids=["exact", "trailing-padding"])
+@pytest.mark.parametrize("driver", ["forward", "per_document", "padded_documents"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_matches_whole_row_reference(variant, driver, trailing):
+    make, expects = VARIANTS[variant]
+    q, k, v, cu, sinks = _inputs(trailing)
+    got = _call(make(), driver, q, k, v, cu, sinks, expects)
+    window, softcap = expects.get("window"), expects.get("softcap")
+    want = _reference(q, k, v, cu, window=window, softcap=softcap, sinks=sinks if "sinks" in expects else None)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_padded_batch_gradients_match_per_document(variant):
+    """The scatter into a padded batch and the gather back are differentiable and exact."""
+    make, expects = VARIANTS[variant]
+    grads = []
+    for driver in ("per_document", "padded_documents"):
+        q, k, v, cu, sinks = _inputs(trailing=2)
+        for t in (q, k, v, sinks):
+            t.requires_grad_(True)
+        out = _call(make(), driver, q, k, v, cu, sinks, expects)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append([t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v, sinks)])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("softcap", "window"), [(0.7, None), (0.7, 5), (None, 5)])
+def test_flex_path_matches_reference(softcap, window):
+    """The CUDA path's block mask (documents, causality, window) and soft-cap score_mod,
+    run forward on CPU (flex attention has no CPU backward)."""
+    q, k, v, cu, _ = _inputs(trailing=3)
+    q, k, v = (t.float() for t in (q, k, v))
+    got = EagerAttention(softcap, window).flex(q, k, v, cu, scale=SCALE)
+    want = _reference(q.double(), k.double(), v.double(), cu, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want.float())
+
+
+def _hf_module(sinks: torch.Tensor) -> types.SimpleNamespace:
+    return types.SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // KV_HEADS, training=False)
+
+
+@pytest.mark.parametrize("family", ["granite_swa", "gpt_oss"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_transformers_eager(family, window):
+    """SinkAttention on each document equals the family's own eager attention function
+    (granite_swa rescales by sigmoid(lse - sink); gpt_oss adds a softmax column)."""
+    module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    q, k, v, cu, sinks = (t.float() if t.is_floating_point() else t for t in _inputs())
+    got = SinkAttention(window)(q, k, v, sinks=sinks, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
+    bounds = cu.tolist()
+    for start, end in itertools.pairwise(bounds):
+        n = end - start
+        distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        allowed = distance >= 0
+        if window is not None:
+            allowed &= distance < window
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+        want, _ = module.eager_attention_forward(
+            _hf_module(sinks), q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask, scaling=SCALE
+        )
+        torch.testing.assert_close(got[:, :, start:end], want.transpose(1, 2))
+
+
+def test_sliding_window_counts_the_query_itself():
+    """A window of 1 sees only the token itself: the output is v (HF: distance < window)."""
+    q, k, v, cu, _ = _inputs()
+    out = SlidingWindowAttention(1)(q, k, v, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
+    torch.testing.assert_close(out, v.repeat_interleave(HEADS // KV_HEADS, 1))
