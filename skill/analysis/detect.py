@@ -792,6 +792,7 @@ class ExpertTensors:
     gated: bool
     bias: bool
     mixed_orientation: bool = False
+    layer: int = 0  # the layer the keys were read from (the first with experts)
 
 
 def _expert_template(key: str) -> str:
@@ -810,7 +811,13 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
     """
     n_experts = _expert_count(ctx.tiny) or 0
     hidden = ctx.tiny.hidden_size
-    layer = ctx.layer_prefix
+    # The first layer holding experts: leading dense layers (first_k_dense_replace) have none.
+    layer_re = re.compile(re.escape(ctx.layer_prefix).replace(r"0\.", r"(\d+)\.", 1) if ctx.layer_prefix else "^$")
+    expert_layers = sorted(
+        {int(m.group(1)) for k in ctx.saved_keys if ".experts." in k and (m := layer_re.match(k)) is not None}
+    )
+    index = expert_layers[0] if expert_layers else 0
+    layer = ctx.layer_prefix[: -len("0.")] + f"{index}." if ctx.layer_prefix else ""
     keys = {k: s for k, s in ctx.saved_keys.items() if k.startswith(layer) and "shared" not in k}
     per_expert = {k: s for k, s in keys.items() if re.search(r"\.experts\.\d+\.", k) and k.endswith("weight")}
     if per_expert:
@@ -830,6 +837,7 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
             _expert_template(downs[0]) if downs else "",
             gated=len(ins) >= 2,
             bias=bias,
+            layer=index,
         )
     fused = {k: s for k, s in keys.items() if len(s) == 3 and n_experts and s[0] == n_experts}
     if len(fused) != 2:
@@ -869,6 +877,7 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                     gated=width == 2 * down_shape[in_dim],
                     bias=bool(bias_keys),
                     mixed_orientation=up_orientation is not down_orientation,
+                    layer=index,
                 )
     return None
 
@@ -877,7 +886,7 @@ def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
     """Probe which positions of a fused gate/up tensor are the activated (gate) ones."""
     if tensors.layout is not ExpertLayout.FUSED_3D or not tensors.gated:
         return GateUpOrder.SEPARATE
-    up_key, down_key = tensors.up_key.format(0), tensors.down_key.format(0)
+    up_key, down_key = tensors.up_key.format(tensors.layer), tensors.down_key.format(tensors.layer)
     axis = 1 if tensors.orientation is WeightOrientation.OUT_IN else 2
     order = probes.probe_gate_up_order(
         ctx.model, ctx.tiny, up_key, ctx.saved_keys[up_key], axis, down_key, ctx.saved_keys[down_key]
@@ -954,7 +963,8 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
         ),
         None,
     )
-    expert_width = tiny.get("moe_intermediate_size")
+    # An expert's width: moe_intermediate_size, else intermediate_size (aria_text), as the port reads it.
+    expert_width = tiny.get("moe_intermediate_size", tiny.get("intermediate_size"))
     if count_field is not None and isinstance(expert_width, int) and width == expert_width * tiny[count_field]:
         return count_field, "experts_multiple"
     if tiny.get("shared_expert_intermediate_size") == width:
