@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
@@ -280,12 +281,25 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     current = read_dict_literal(text, target)
     remove = set(request.remove)
     wanted: dict[str, str | None] = dict(current)
-    if request.source is not None:
+    from skill.porting.plan import plan_for, report_for
+
+    if request.source is not None and plan_for(request.source, request.trust_remote_code).reference not in (
+        EDITABLE_REFERENCES
+    ):
+        # A reference no edit targets keeps its whole map (its modules serve every config
+        # variant it reads); the family's checkpoint must fit it.
+        keys = sorted({generalise_key(k) for k in checkpoint_keys(request.source, request.trust_remote_code)})
+        unmapped = [k for k in keys if k not in current]
+        if unmapped:
+            raise UnmappedKeyError(
+                f"no Archon parameter for HF checkpoint key(s) {unmapped}: the reference's from_hf_map lacks them, "
+                "and no adapter edit targets that reference."
+            )
+    elif request.source is not None:
         config = load_config(request.source, request.trust_remote_code)
         dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
         fused = detect_fused_keys(shapes, tiny_config(config))
-        from skill.porting.plan import report_for
 
         roles = report_for(request.source, request.trust_remote_code).checklist.norm.block_norms
         derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles)
