@@ -233,7 +233,20 @@ def _check_config_attrs(args_text: str, source: str, trust_remote_code: bool = F
 
 
 def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
-    """``use_local_output=False`` on wq/wk and SequenceParallel on q/k norm iff QK norm."""
+    """``use_local_output=False`` on wq/wk and SequenceParallel on q/k norm iff QK norm.
+
+    Under multi-head latent attention (``wkv_a``) ``q_norm``/``kv_norm`` normalise the
+    latents, which every TP rank holds whole: the plan replicates them.
+    """
+    if "self.wkv_a" in model_text:
+        planned = all(f'"attention.{name}": ReplicateParallel()' in parallelize_text for name in ("wkv_a", "kv_norm"))
+        return _check(
+            "tp_plan_qk_norm",
+            planned,
+            "multi-head latent attention: latents replicated"
+            if planned
+            else "multi-head latent attention, but the TP plan does not replicate wkv_a/kv_norm (ReplicateParallel())",
+        )
     has_qk_norm = "self.q_norm" in model_text
     plan_norm = '"attention.q_norm"' in parallelize_text or "'attention.q_norm'" in parallelize_text
     keeps_dtensor = "use_local_output=False" in parallelize_text

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 # The hand-written packages every port is copied from: never written over by a step.
 REFERENCES = tuple(_REFERENCE_TYPES)
+# How a reference's prose names its family, where that is not its class-name prefix.
+DISPLAY_NAMES = {"deepseek_v3": "DeepSeek-V3"}
 
 
 def refuse_reference(model_name: str) -> None:
@@ -66,6 +68,9 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
         )
     old, new = ModelNames.from_name(reference), ModelNames.from_name(model_name)
     pairs = old.rename_pairs(new)
+    if reference in DISPLAY_NAMES:
+        # Prose names the reference's family as its authors write it ("DeepSeek-V3").
+        pairs.append((DISPLAY_NAMES[reference], new.camel))
     target_dir = PackageLayout(names=new).package_dir
     result: dict[str, str] = {}
     for path in files:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
@@ -308,9 +309,21 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     current = read_dict_literal(text, target)
     remove = set(request.remove)
     wanted: dict[str, str | None] = dict(current)
-    if request.source is not None:
-        from skill.porting.plan import plan_from_report, report_for
+    from skill.porting.plan import plan_for, plan_from_report, report_for
 
+    if request.source is not None and plan_for(request.source, request.trust_remote_code).reference not in (
+        EDITABLE_REFERENCES
+    ):
+        # A reference no edit targets keeps its whole map (its modules serve every config
+        # variant it reads); the family's checkpoint must fit it.
+        keys = sorted({generalise_key(k) for k in checkpoint_keys(request.source, request.trust_remote_code)})
+        unmapped = [k for k in keys if k not in current]
+        if unmapped:
+            raise UnmappedKeyError(
+                f"no Archon parameter for HF checkpoint key(s) {unmapped}: the reference's from_hf_map lacks them, "
+                "and no adapter edit targets that reference."
+            )
+    elif request.source is not None:
         config = load_config(request.source, request.trust_remote_code)
         report = report_for(request.source, request.trust_remote_code)
         plan = plan_from_report(report, request.source, request.trust_remote_code)

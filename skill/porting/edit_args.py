@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import sys
@@ -12,8 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
+    CodemodError,
     class_field_names,
     remove_function,
     remove_method,
@@ -624,6 +627,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     check_reference_fits(profile, text)
     config = load_config(request.source, request.trust_remote_code)
     camel = layout.names.camel
+    if profile.reference not in EDITABLE_REFERENCES:
+        return _reference_mapping_args(tree, layout, text, profile, config, request)
     fields = arg_fields(profile, config)
     spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
     stale = [n for n in class_field_names(text, layout.args_class) if n not in spec]
@@ -744,3 +749,102 @@ def verify_args_source(
                 FieldCheck(config=label, field=f.name, expected=expected, actual=actual, passed=expected == actual)
             )
     return checks
+
+
+# Fields the caller of from_hf_config sets, not the config.
+CALLER_ARGS = frozenset({"attn_type", "is_critic", "num_labels"})
+
+
+def _literal_default(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _exec_args_class(text: str, class_name: str) -> Any:
+    name = f"_archon_port_args_check_{class_name}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses resolves annotations through sys.modules
+    try:
+        exec(compile(text, f"<generated {class_name}>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return getattr(module, class_name)
+
+
+# The deepseek_v3 reference's MoE layer rule (leading dense layers) and what replaces it when
+# the family lists each layer's MLP kind instead.
+_LEADING_DENSE_RULE = (
+    ("    first_k_dense_replace: int = 3\n", "    {field}: list[str] = field(default_factory=list)\n"),
+    (
+        'first_k_dense_replace=getattr(hf_config, "first_k_dense_replace", None) or 0,',
+        "{field}=list(hf_config.{field}),",
+    ),
+    (
+        "return self.moe_args is not None and layer_id >= self.first_k_dense_replace",
+        'return self.moe_args is not None and self.{field}[layer_id] == "sparse"',
+    ),
+    ("is set and ``i >= first_k_dense_replace``;", 'is set and\n    ``{field}[i] == "sparse"``;'),
+    ("from dataclasses import dataclass\n", "from dataclasses import dataclass, field\n"),
+)
+
+
+def _moe_layers_by_type(text: str, field_name: str) -> str:
+    """The reference's leading-dense rule replaced by the family's per-layer list of MLP kinds."""
+    for old, new in _LEADING_DENSE_RULE:
+        if text.count(old) != 1:
+            raise CodemodError(f"the copied args do not hold the reference's MoE layer rule ({old.strip()!r}).")
+        text = text.replace(old, new.format(field=field_name))
+    return text
+
+
+def _reference_mapping_args(
+    tree: StagedTree,
+    layout: PackageLayout,
+    text: str,
+    profile: PortPlan,
+    config: Any,
+    request: EditArgsRequest,
+) -> EditArgsResult:
+    """Args of a family copied from a reference no edit targets (deepseek_v3): its mapping as is.
+
+    The analysis found no feature the reference does not produce from the config, so the
+    copied ``from_hf_config`` (which reads every field by name and refuses what it does
+    not reproduce) is the family's. Only the defaults change, to the family's config
+    class defaults, read through that mapping; each field is then checked against the
+    mapping on the default and on the tiny config.
+    """
+    if profile.moe_layer_types_field is not None:
+        text = _moe_layers_by_type(text, profile.moe_layer_types_field)
+    args_class = _exec_args_class(text, layout.args_class)
+    defaults = args_class.from_hf_config(config)
+    own_fields = class_field_names(text, layout.args_class)
+    spec: dict[str, str] = {}
+    for f in dataclasses.fields(args_class):
+        value = getattr(defaults, f.name)
+        if f.name in CALLER_ARGS or not _literal_default(value) or f.name not in own_fields:
+            continue
+        spec[f.name] = f"{f.type} = {_literal(value)}"
+    text = set_class_fields(text, layout.args_class, spec)
+    _, _, rest = (args_class.__doc__ or "").partition("\n")
+    doc = f"{layout.names.camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``."
+    text = set_docstring(text, layout.args_class, doc + ("\n" + rest if rest.strip() else ""))
+    written = _exec_args_class(text, layout.args_class)
+    checks: list[FieldCheck] = []
+    for label, cfg in (("default", config), ("tiny", tiny_config(config))):
+        expected, actual = args_class.from_hf_config(cfg), written.from_hf_config(cfg)
+        for f in dataclasses.fields(written):
+            want, got = getattr(expected, f.name), getattr(actual, f.name)
+            shown = (want, got) if _literal_default(want) and _literal_default(got) else (repr(want), repr(got))
+            checks.append(
+                FieldCheck(config=label, field=f.name, expected=shown[0], actual=shown[1], passed=want == got)
+            )
+    default_args = written()
+    for name in spec:
+        want, got = getattr(defaults, name), getattr(default_args, name)
+        checks.append(FieldCheck(config="class default", field=name, expected=want, actual=got, passed=want == got))
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        detail = "; ".join(f"{c.field} ({c.config}): expected {c.expected!r}, got {c.actual!r}" for c in failed)
+        raise ValueError(f"the {profile.reference} args mapping does not fit {profile.config_class}: {detail}.")
+    changed: list[str] = []
+    write_if_changed(tree, layout.args, text, changed)
+    return EditArgsResult(fields=spec, checks=checks, skipped_features=[], changed_files=changed)

@@ -6,6 +6,7 @@ import logging
 
 from pydantic import Field
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
 from skill.porting.common import (
@@ -92,6 +93,12 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(plan, "edit_model")
+    if plan.reference not in EDITABLE_REFERENCES and request.edits:
+        # No edit targets this reference's modules; the analysis found nothing to change.
+        raise ValueError(
+            f"no model edit targets the {plan.reference} reference's modules; "
+            f"{', '.join(request.edits)} cannot apply to {request.model_name}."
+        )
     names = request.edits if request.edits is not None else select_edits(plan, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)
     new_text = apply_model_edits(text, ctx, names)

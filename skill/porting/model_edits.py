@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
 from skill.codemod.cst import (
     add_parameter,
@@ -667,7 +668,12 @@ EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 
 
 def select_edits(profile: PortPlan, text: str) -> list[str]:
-    """The edits the family's features call for, given the copied reference's ``model.py``."""
+    """The edits the family's features call for, given the copied reference's ``model.py``.
+
+    None for a reference no edit targets (deepseek_v3): the analysis found nothing to change.
+    """
+    if profile.reference not in EDITABLE_REFERENCES:
+        return []
     return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
 
 
@@ -676,7 +682,7 @@ BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm":
 
 def describe(profile: PortPlan, camel: str) -> str:
     """A one-line module docstring naming the family's architecture."""
-    attention = ["GQA"]
+    attention = ["multi-head latent attention"] if profile.reference == "deepseek_v3" else ["GQA"]
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
     if profile.qk_norm == "full":

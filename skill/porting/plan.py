@@ -129,6 +129,11 @@ class PortPlan(BaseModel):
         default=None, description="config field naming the router's scoring function, if the config has one"
     )
     tied: bool
+    moe_layer_types_field: str | None = Field(
+        default=None,
+        description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
+        "layers are chosen that way",
+    )
 
     @property
     def multipliers(self) -> list[str]:
@@ -251,6 +256,16 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         else None,
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
+        moe_layer_types_field=next(
+            (
+                name
+                for name, value in values.items()
+                if isinstance(value, list) and value and set(value) <= {"dense", "sparse"}
+            ),
+            None,
+        )
+        if moe is not None
+        else None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import textwrap
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.errors import HAND_PORT_POINTER
 from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
@@ -131,6 +132,11 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | N
         )
     changed: list[str] = []
     camel = layout.names.camel
+    if plan.reference not in EDITABLE_REFERENCES:
+        # The reference's own rope.py reads its variants from the config (deepseek_v3:
+        # default or yarn frequencies, interleaved or half pairing); the analysis found no
+        # other, so the copy stays.
+        return SetRopeResult(rope_type=plan.rope_type, reexported=False, changed_files=changed)
     if plan.rotary_interleaved or plan.partial_rotary or plan.rope_type != "default":
         text = composed_source(camel, plan.rope_type, plan.partial_rotary, plan.rotary_interleaved)
         reexported = False

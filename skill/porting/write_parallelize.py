@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from pydantic import Field
 
+from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     edit_dict_literal,
@@ -143,6 +144,10 @@ def apply_write_parallelize(
     require_package(tree, layout)
     text = require_file(tree, layout.parallelize, "run copy_reference first.")
     profile = profile or plan_for(request.source, request.trust_remote_code)
+    if profile.reference not in EDITABLE_REFERENCES:
+        # The reference's plan follows its modules as the config builds them; no edit
+        # changes them, so the copy stays.
+        return WriteParallelizeResult(layer_plan=sorted(read_dict_literal(text, PLAN_TARGET)), changed_files=[])
     if profile.qk_norm != "per_head" and "has_qk_norm" in text:
         # The qwen3 reference decides per block for its per-head norms; a family without
         # them keeps local outputs (a full-width norm is planned below).

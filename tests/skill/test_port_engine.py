@@ -105,6 +105,43 @@ def test_port_model_of_a_type_a_reference_serves_writes_nothing(workspace, model
     assert _snapshot(workspace) == before
 
 
+def test_port_model_reproduces_the_committed_glm4_moe_lite_from_the_mla_reference(workspace):
+    # glm4_moe_lite is copied from deepseek_v3 with no model edit; its dense/sparse MoE layer
+    # list (mlp_layer_types) replaces the reference's leading-dense rule in the args.
+    shutil.rmtree(workspace / "archon_models/glm4_moe_lite")
+    init = workspace / "archon_models/__init__.py"
+    lines = init.read_text().splitlines(keepends=True)
+    init.write_text("".join(line for line in lines if "archon_models.glm4_moe_lite " not in line))
+    result = port_model(PortModelRequest(source="glm4_moe_lite", stages=[], workspace=workspace))
+    assert result.passed, result.error
+    assert (result.reference, result.edits) == ("deepseek_v3", [])
+    for path in sorted((REPO / "archon_models/glm4_moe_lite").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        assert (workspace / rel).read_text() == path.read_text(), f"{rel} differs from the committed port"
+    args = (workspace / "archon_models/glm4_moe_lite/model/args.py").read_text()
+    assert 'self.mlp_layer_types[layer_id] == "sparse"' in args and "first_k_dense_replace" not in args
+    rope = (workspace / "archon_models/glm4_moe_lite/model/rope.py").read_text()
+    assert "def apply_interleaved_rotary_emb" in rope  # the reference's own RoPE, not a qwen2 re-export
+
+
+def test_no_model_edit_targets_the_mla_reference(workspace):
+    from skill.porting.edit_model import EditModelRequest, edit_model
+    from skill.porting.model_edits import select_edits
+    from skill.porting.plan import plan_for
+
+    plan = plan_for("glm4_moe_lite")
+    text = (REPO / "archon_models/deepseek_v3/model/model.py").read_text()
+    assert plan.reference == "deepseek_v3" and select_edits(plan, text) == []
+    before = _snapshot(workspace)
+    with pytest.raises(ValueError, match="no model edit targets the deepseek_v3 reference"):
+        edit_model(
+            EditModelRequest(
+                model_name="glm4_moe_lite", source="glm4_moe_lite", edits=["projection_bias"], workspace=workspace
+            )
+        )
+    assert _snapshot(workspace) == before
+
+
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
     # nemotron's MLP uses relu2, an activation no edit writes.

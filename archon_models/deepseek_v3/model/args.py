@@ -72,8 +72,8 @@ def _yarn_args(hf_config: Any) -> YarnArgs | None:
         return None
     if rope_type != "yarn":
         raise ValueError(
-            f"rope_parameters['rope_type']={rope_type!r} is not supported by the DeepSeek-V3 reference; "
-            "only the default RoPE and yarn are."
+            f"rope_parameters['rope_type']={rope_type!r} is not supported by this multi-head latent "
+            "attention model; only the default RoPE and yarn are."
         )
     max_seq_len = getattr(hf_config, "max_position_embeddings", None)
     original = rope.get("original_max_position_embeddings") or max_seq_len
@@ -97,7 +97,7 @@ def _check_supported(hf_config: Any) -> None:
     """Refuse configs whose math this implementation does not reproduce."""
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"DeepSeek-V3 in Archon implements SwiGLU with silu; hidden_act={act!r} is not supported.")
+        raise ValueError(f"This model implements SwiGLU with silu; hidden_act={act!r} is not supported.")
     n_heads = hf_config.num_attention_heads
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     if n_kv_heads != n_heads:
@@ -229,8 +229,8 @@ class DeepseekV3ModelArgs(BaseModelArgs):
         missing = [name for name in required if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(
-                f"{type(hf_config).__name__} lacks required field(s) {missing}; a DeepSeek-V3 config "
-                f"must set all of {list(required)}."
+                f"{type(hf_config).__name__} lacks required field(s) {missing}; the config must set all "
+                f"of {list(required)}."
             )
         _check_supported(hf_config)
 

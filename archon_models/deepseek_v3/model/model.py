@@ -209,8 +209,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """``x + attention(norm(x))``, then ``x + mlp(norm(x))`` where the MLP is dense or MoE.
 
-    Exactly one of ``feed_forward`` and ``moe`` is set; ``moe_enabled`` says which. The
-    first ``first_k_dense_replace`` layers are dense (``hidden_dim`` wide), the rest MoE.
+    Exactly one of ``feed_forward`` and ``moe`` is set; ``moe_enabled`` says which, by the
+    args' ``is_moe_layer`` (HF's rule). Dense MLPs are ``hidden_dim`` wide, experts ``moe_inter_dim``.
     """
 
     def __init__(self, layer_id: int, model_args: DeepseekV3ModelArgs):
