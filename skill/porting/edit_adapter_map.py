@@ -48,6 +48,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
+    "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
@@ -57,6 +58,9 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
     "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
+    "mlp.shared_mlp.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_mlp.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_mlp.down_proj": "moe.shared_experts.w2",
 }
 # The router's score-correction bias (its checkpoint key inside a layer is measured by the
 # analysis): AReaL's MoE buffer that shifts expert selection, never the weights.
@@ -310,6 +314,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles, layer_buffers=buffers
         )
         text = apply_fused_adapter(text, layout, fused)
+        if buffers:
+            text = expect_init_buffers(text, layout)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -462,3 +468,28 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
     text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
     text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
     return text
+
+
+_META_MODEL = """
+with torch.device("meta"):
+    model = {model_class}(self.model_args)
+"""
+
+_META_MODEL_WITH_BUFFERS = """
+with torch.device("meta"):
+    model = {model_class}(self.model_args)
+    # AReaL's MoE registers its saved expert_bias buffer in init_buffers, not in __init__.
+    model.init_buffers(buffer_device="meta")
+"""
+
+
+def expect_init_buffers(text: str, layout: PackageLayout) -> str:
+    """The adapter's expected keys include the saved buffers (``expert_bias``) that AReaL's
+    MoE registers only in ``init_buffers``: the meta model it builds calls it."""
+    return replace_in_function(
+        text,
+        layout.adapter_class,
+        "_expected_archon_keys",
+        _META_MODEL.format(model_class=layout.model_class).strip(),
+        _META_MODEL_WITH_BUFFERS.format(model_class=layout.model_class).strip(),
+    )
