@@ -249,7 +249,8 @@ def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
         )
     has_qk_norm = "self.q_norm" in model_text
     plan_norm = '"attention.q_norm"' in parallelize_text or "'attention.q_norm'" in parallelize_text
-    keeps_dtensor = "use_local_output=False" in parallelize_text
+    # Literally, or per block as the qwen3 reference decides it (``not has_qk_norm``).
+    keeps_dtensor = any(f"use_local_output={value}" in parallelize_text for value in ("False", "not has_qk_norm"))
     if has_qk_norm and not (plan_norm and keeps_dtensor):
         return _check(
             "tp_plan_qk_norm",

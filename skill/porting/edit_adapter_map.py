@@ -56,6 +56,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
+    "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.router": "moe.router.gate",
     "block_sparse_moe.router.layer": "moe.router.gate",
@@ -67,6 +68,9 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
     "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
+    "mlp.shared_mlp.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_mlp.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_mlp.down_proj": "moe.shared_experts.w2",
 }
 # The router's score-correction bias (its checkpoint key inside a layer is measured by the
 # analysis): AReaL's MoE buffer that shifts expert selection, never the weights.
@@ -344,6 +348,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         text = apply_fused_adapter(text, layout, fused)
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
+        if buffers:
+            text = expect_init_buffers(text, layout)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -728,3 +734,26 @@ def apply_fused_experts_adapter(
     )
     text = upsert_method(text, cls, "join_single_to_hf", _EXPERTS_JOIN.strip() + "\n", after="convert_single_to_hf")
     return prune_unused_imports(text)
+_META_MODEL = """
+with torch.device("meta"):
+    model = {model_class}(self.model_args)
+"""
+
+_META_MODEL_WITH_BUFFERS = """
+with torch.device("meta"):
+    model = {model_class}(self.model_args)
+    # AReaL's MoE registers its saved expert_bias buffer in init_buffers, not in __init__.
+    model.init_buffers(buffer_device="meta")
+"""
+
+
+def expect_init_buffers(text: str, layout: PackageLayout) -> str:
+    """The adapter's expected keys include the saved buffers (``expert_bias``) that AReaL's
+    MoE registers only in ``init_buffers``: the meta model it builds calls it."""
+    return replace_in_function(
+        text,
+        layout.adapter_class,
+        "_expected_archon_keys",
+        _META_MODEL.format(model_class=layout.model_class).strip(),
+        _META_MODEL_WITH_BUFFERS.format(model_class=layout.model_class).strip(),
+    )

@@ -439,11 +439,14 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 "        )",
             ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
-        condition = (
-            'getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)'
-            if hasattr(config, "use_sliding_window")
-            else 'getattr(hf_config, "sliding_window", None)'
-        )
+        if hasattr(config, "use_sliding_window"):
+            condition = 'getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)'
+        elif hasattr(config, "layer_types"):
+            # The window applies only to layers marked sliding_attention (Dots1: none by default).
+            condition = '"sliding_attention" in (getattr(hf_config, "layer_types", None) or ())'
+        else:
+            condition = 'getattr(hf_config, "sliding_window", None)'
+
         lines += [
             f"    if {condition}:",
             "        raise ValueError(",
