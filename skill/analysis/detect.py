@@ -656,6 +656,10 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         # whether they are gated (an in-projection twice the down projection's width).
         tensors = expert_tensors(ctx)
         gated = tensors is not None and tensors.gated
+        if ctx.source is not None and ctx.source.experts_clamped_glu():
+            # No activation function: the experts clamp gate and up and gate by a sigmoid.
+            activation = "clamped_swiglu"
+            ctx.evidence.append("experts' activation from the source scan: clamped SwiGLU (clamp + sigmoid gate)")
         fused = tensors is not None and tensors.layout is ExpertLayout.PER_EXPERT_2D and "gate_up" in tensors.up_key
         bias = tensors is not None and tensors.bias
         return FFNFeatures(

@@ -185,7 +185,7 @@ def engine_limits(checklist: Checklist) -> list[str]:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")
         template = moe.expert_key_template
-        if template and not any(f".layers.{{}}.{block}." in template for block in ("mlp", "block_sparse_moe")):
+        if template and not any(f".{{}}.{block}." in template for block in ("mlp", "block_sparse_moe")):
             limits.append(f"MoE experts stored under another module than mlp or block_sparse_moe ({template})")
     return limits
 

@@ -122,6 +122,13 @@ class SourceFacts:
                 return True
         return False
 
+    def experts_clamped_glu(self) -> bool:
+        """Whether an experts class clamps its gate/up activations and gates by a sigmoid
+        (``gate.clamp(max=limit) * sigmoid(alpha * gate) * (up + 1)``, gpt-oss) rather than
+        calling an activation function."""
+        code = "\n".join(self.class_code(name) for name in self.classes if "Experts" in name)
+        return bool(re.search(r"\.clamp\(", code) and re.search(r"\bsigmoid\(", code))
+
     def router_renormalises(self) -> bool:
         """Whether the router divides its top-k weights by their sum (unconditionally or by a flag)."""
         return bool(re.search(r"/=?\s*\(?[\w.]*\.?sum\(|/=?\s*[\w.]*denominator", self.router_code()))

@@ -87,7 +87,10 @@ def test_gpt_oss_names_expert_and_router_biases_unsupported() -> None:
     values = feature_values(report_for("gpt_oss").checklist)
     assert values[Feature.EXPERT_BIAS] == "true" and values[Feature.ROUTER_BIAS] == "true"
     assert "true" not in SUPPORTED_EDITS.get(Feature.EXPERT_BIAS, frozenset())
+    # GptOssExperts calls no activation function: clamp, sigmoid gate, (up + 1).
+    assert values[Feature.ACTIVATION] == "clamped_swiglu"
     unsupported = report_for("gpt_oss").unsupported
+    assert "unsupported: activation = clamped_swiglu" in unsupported
     assert "unsupported: expert projection biases" in unsupported
     assert "unsupported: router linear bias" in unsupported
 
@@ -100,12 +103,15 @@ def test_phimoe_router_is_a_sparse_mixer_with_its_margin_field() -> None:
     assert not report_for("phimoe").unsupported
 
 
-def test_sparse_mixer_is_read_from_structure_not_names() -> None:
+def test_sparse_mixer_and_clamped_experts_are_read_from_structure_not_names() -> None:
+    import transformers.models.gpt_oss.modeling_gpt_oss as gpt_oss
     import transformers.models.mixtral.modeling_mixtral as mixtral
     import transformers.models.phimoe.modeling_phimoe as phimoe
 
     assert scan_file(phimoe.__file__).router_sparse_mixer()
     assert not scan_file(mixtral.__file__).router_sparse_mixer()
+    assert scan_file(gpt_oss.__file__).experts_clamped_glu()
+    assert not any(scan_file(m.__file__).experts_clamped_glu() for m in (mixtral, phimoe))
 
 
 # ------------------------------------------------------------- the gate/up snippets vs HF formulas
