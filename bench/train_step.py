@@ -164,8 +164,11 @@ def _step_fn(impl: str, opts: argparse.Namespace, config: PretrainedConfig, docs
 
 def _run(impl: str, model_type: str, opts: argparse.Namespace, queue: mp.Queue) -> None:
     """Child process: build, warm up, time; report step times, loss and peak RSS."""
+    from transformers.utils import logging as hf_logging
+
     import archon_models  # noqa: F401 - registers every family
 
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(opts.threads)
     config = bench_config(model_type, opts.size)
     docs = make_documents(opts.docs, opts.min_len, opts.max_len, config.vocab_size, opts.seed)

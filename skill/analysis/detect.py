@@ -687,7 +687,8 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
 # ------------------------------------------------------------------------ MoE
 
 
-def _expert_count(config: PretrainedConfig) -> int | None:
+def expert_count(config: PretrainedConfig) -> int | None:
+    """The number of routed experts a config declares, if any."""
     for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -757,7 +758,7 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
 
 
 def moe_features(ctx: Context) -> MoEFeatures | None:
-    num_experts = _expert_count(ctx.config)
+    num_experts = expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
     if not has_experts and not any(".experts." in k for k in ctx.saved_keys):
         return None
@@ -789,13 +790,13 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
     correction = any("correction" in k for k in ctx.saved_keys) or (
-        ffn is not None and _has_selection_bias(ffn, _expert_count(ctx.tiny) or 0)
+        ffn is not None and _has_selection_bias(ffn, expert_count(ctx.tiny) or 0)
     )
     router_bias = False
     shared_gate = False
     shared = 0
     if ffn is not None:
-        router = mt.router_module(ffn, _expert_count(ctx.tiny) or 0)
+        router = mt.router_module(ffn, expert_count(ctx.tiny) or 0)
         if router is not None and isinstance(getattr(router[1], "bias", None), torch.Tensor):
             router_bias = True
         shared_children = [(n, c) for n, c in ffn.named_children() if "shared" in n]
