@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         hf, archon = run_isolated("hf", model_type, opts), run_isolated("archon", model_type, opts)
         hf_tps, archon_tps = (docs.n_tokens / statistics.median(r["times"]) for r in (hf, archon))
         rows.append((model_type, archon["params"] / 1e6, archon_tps, hf_tps, archon_tps / hf_tps, archon, hf))
+        logger.info("%s: Archon %.0f tok/s, HF %.0f tok/s, %.2fx", model_type, archon_tps, hf_tps, archon_tps / hf_tps)
         if abs(hf["loss"] - archon["loss"]) > 1e-3:
             logger.warning(
                 "%s: losses differ (%.6f HF vs %.6f Archon): the two runs did not compute the same thing",
