@@ -164,8 +164,11 @@ def _step_fn(impl: str, opts: argparse.Namespace, config: PretrainedConfig, docs
 
 def _run(impl: str, model_type: str, opts: argparse.Namespace, queue: mp.Queue) -> None:
     """Child process: build, warm up, time; report step times, loss and peak RSS."""
+    from transformers.utils import logging as hf_logging
+
     import archon_models  # noqa: F401 - registers every family
 
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(opts.threads)
     config = bench_config(model_type, opts.size)
     docs = make_documents(opts.docs, opts.min_len, opts.max_len, config.vocab_size, opts.seed)
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         hf, archon = run_isolated("hf", model_type, opts), run_isolated("archon", model_type, opts)
         hf_tps, archon_tps = (docs.n_tokens / statistics.median(r["times"]) for r in (hf, archon))
         rows.append((model_type, archon["params"] / 1e6, archon_tps, hf_tps, archon_tps / hf_tps, archon, hf))
+        logger.info("%s: Archon %.0f tok/s, HF %.0f tok/s, %.2fx", model_type, archon_tps, hf_tps, archon_tps / hf_tps)
         if abs(hf["loss"] - archon["loss"]) > 1e-3:
             logger.warning(
                 "%s: losses differ (%.6f HF vs %.6f Archon): the two runs did not compute the same thing",

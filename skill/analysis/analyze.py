@@ -12,6 +12,7 @@ import logging
 import time
 
 from skill.analysis.config_fields import config_fields
+from skill.analysis.detect import expert_count
 from skill.analysis.inputs import AnalysisError, check_decoder_only, resolve_source, variant_types
 from skill.analysis.measure import Analysis, analyse, layer_prefix, one_thread
 from skill.analysis.reference import nearest_reference, unsupported_names
@@ -63,7 +64,9 @@ def _checkpoint(analysis: Analysis) -> CheckpointKeys:
     )
 
 
-def _variants(model_type: str) -> list[str]:
+def _variants(model_type: str, has_moe: bool) -> list[str]:
+    """The family's other model types one package serves: decoder-only, and MoE only when
+    the measured family routes to experts itself (a dense port cannot load a MoE checkpoint)."""
     from transformers import AutoConfig
 
     kept = []
@@ -72,8 +75,11 @@ def _variants(model_type: str) -> list[str]:
             kept.append(variant)
             continue
         try:
-            check_decoder_only(AutoConfig.for_model(variant))
+            config = AutoConfig.for_model(variant)
+            check_decoder_only(config)
         except (AnalysisError, ValueError):
+            continue
+        if expert_count(config) and not has_moe:
             continue
         kept.append(variant)
     return kept
@@ -100,7 +106,7 @@ def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
         model_type=config.model_type,
         config_class=type(config).__name__,
         source_kind=resolved.kind,
-        variant_types=_variants(config.model_type),
+        variant_types=_variants(config.model_type, analysis.checklist.moe is not None),
         config_fields=config_fields(config),
         checklist=analysis.checklist,
         checkpoint=_checkpoint(analysis),

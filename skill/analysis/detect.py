@@ -702,7 +702,8 @@ def _positive_field(config: PretrainedConfig, names: tuple[str, ...]) -> str | N
     return next((n for n in names if isinstance(getattr(config, n, None), int) and getattr(config, n) > 0), None)
 
 
-def _expert_count(config: PretrainedConfig) -> int | None:
+def expert_count(config: PretrainedConfig) -> int | None:
+    """The number of routed experts a config declares, if any."""
     name = _positive_field(config, _EXPERT_COUNT_FIELDS)
     return getattr(config, name) if name else None
 
@@ -813,7 +814,7 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
     in-projection is twice as wide as the down projection's input. Expert biases are the
     2D ``[E, n]`` (fused) or 1D (per expert) tensors beside those weights.
     """
-    n_experts = _expert_count(ctx.tiny) or 0
+    n_experts = expert_count(ctx.tiny) or 0
     hidden = ctx.tiny.hidden_size
     # The first layer holding experts: leading dense layers (first_k_dense_replace) have none.
     layer_re = re.compile(re.escape(ctx.layer_prefix).replace(r"0\.", r"(\d+)\.", 1) if ctx.layer_prefix else "^$")
@@ -977,7 +978,7 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
 
 
 def moe_features(ctx: Context) -> MoEFeatures | None:
-    num_experts = _expert_count(ctx.config)
+    num_experts = expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
     if not has_experts and not any(".experts." in k for k in ctx.saved_keys):
         return None
@@ -1010,17 +1011,17 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         else:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
-    correction_key, correction_shape = _selection_bias_key(ctx, _expert_count(ctx.tiny) or 0)
+    correction_key, correction_shape = _selection_bias_key(ctx, expert_count(ctx.tiny) or 0)
     correction = (
         bool(correction_key)
         or any("correction" in k for k in ctx.saved_keys)
-        or (ffn is not None and _has_selection_bias(ffn, _expert_count(ctx.tiny) or 0))
+        or (ffn is not None and _has_selection_bias(ffn, expert_count(ctx.tiny) or 0))
     )
     router_bias = False
     shared_gate = False
     shared = 0
     if ffn is not None:
-        router = mt.router_module(ffn, _expert_count(ctx.tiny) or 0)
+        router = mt.router_module(ffn, expert_count(ctx.tiny) or 0)
         if router is not None and isinstance(getattr(router[1], "bias", None), torch.Tensor):
             router_bias = True
         shared_children = [(n, c) for n, c in ffn.named_children() if "shared" in n]

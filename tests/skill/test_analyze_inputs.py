@@ -157,3 +157,13 @@ def test_bench_table_counts_analysed_and_refused(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "analysed 1 families, 1 with no unsupported feature, refused 1, failed 0" in out
     assert "bart: 'bart' is an encoder-decoder model" in out
+
+
+def test_a_dense_family_does_not_claim_its_moe_variant():
+    """A dense port cannot load a MoE checkpoint, so glm4's package serves glm4 only (its
+    session registered glm4_moe too, unlike `add`); a MoE family keeps its dense variant."""
+    from skill.analysis.analyze import _variants
+
+    assert _variants("glm4", has_moe=False) == ["glm4"]
+    assert _variants("ernie4_5", has_moe=False) == ["ernie4_5"]
+    assert _variants("qwen3_moe", has_moe=True) == ["qwen3", "qwen3_moe"]
