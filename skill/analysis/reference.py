@@ -19,7 +19,9 @@ from skill.features import (
     Checklist,
     Feature,
     FeatureDelta,
+    NormKind,
     QKNormKind,
+    QKNormPlacement,
     feature_values,
     is_supported,
 )
@@ -84,16 +86,17 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
 def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
     """The one rule for which reference a family starts from (the analyser and the engine).
 
-    qwen3 carries per-head QK norm and MoE; every other family starts from qwen2. A
-    full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
-    split, and a dense family copied from qwen3 would keep its MoE machinery.
+    qwen3 carries MoE (and per-head QK norm); every dense family starts from qwen2, whose
+    copy gets a per-head or full-width QK norm by an edit: a dense family copied from
+    qwen3 would keep its MoE machinery. ``per_head_qk_norm`` no longer decides it.
     """
-    return "qwen3" if per_head_qk_norm or moe else "qwen2"
+    return "qwen3" if moe else "qwen2"
 
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None)
+    per_head = checklist.attention.qk_norm in (QKNormKind.PER_HEAD_RMS, QKNormKind.RMS_ONE_PLUS_W)
+    reference = reference_for(per_head, checklist.moe is not None)
     return reference, deltas_from(reference, checklist)
 
 
@@ -119,6 +122,19 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
+    # The port's per-head QK norm is the block's norm class over head_dim.
+    if att.qk_norm is QKNormKind.RMS_ONE_PLUS_W and norm.kind is not NormKind.RMS_ONE_PLUS_W:
+        limits.append(f"(1 + w) QK norm next to {norm.kind.value} block norms")
+    if att.qk_norm is QKNormKind.PER_HEAD_RMS and norm.kind is not NormKind.RMS:
+        limits.append(f"per-head RMS QK norm next to {norm.kind.value} block norms")
+    if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm not in (
+        QKNormKind.PER_HEAD_RMS,
+        QKNormKind.RMS_ONE_PLUS_W,
+    ):
+        limits.append(f"{att.qk_norm.value} QK norm after RoPE (only a per-head one moves after it)")
+    pos = checklist.positions
+    if pos.per_layer_type_rope and not att.sliding_window.layer_pattern:
+        limits.append("per-layer-type RoPE without a per-layer layer_types pattern")
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

@@ -18,9 +18,9 @@ def check_reference_fits(profile: PortPlan, args_text: str) -> None:
         raise ValueError(
             f"{profile.model_type} must be copied from the {wanted} reference, not {copied}: "
             + (
-                "it has MoE or per-head QK norm, which only qwen3 carries."
+                "it has MoE, which only qwen3 carries."
                 if wanted == "qwen3"
-                else "it is dense without per-head QK norm; qwen3's MoE and QK-norm code would stay behind."
+                else "it is dense; qwen3's MoE code would stay behind."
             )
             + f" Run copy_reference(reference={wanted!r}, overwrite=True) first."
         )

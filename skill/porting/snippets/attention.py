@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class SlidingWindowAttention(nn.Module):
@@ -112,3 +113,13 @@ class EagerAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             outputs.append(torch.matmul(probs, values))
         return torch.cat(outputs, dim=2)
+
+
+def maybe_to_local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, else ``x``.
+
+    Under tensor parallelism ``wq``/``wk`` keep DTensor outputs so that ``q_norm`` and
+    ``k_norm`` run as sequence-parallel modules over the sharded heads; everything after
+    them works on this rank's heads as plain tensors.
+    """
+    return x.to_local() if isinstance(x, DTensor) else x
