@@ -182,6 +182,13 @@ class AttentionFeatures(_Frozen):
     nope_layers: list[int] = Field(
         default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
     )
+    nope_layers_field: str | None = Field(
+        None,
+        description="config list field, one entry a layer, falsy where the layer applies no RoPE (no_rope_layers)",
+    )
+    nope_layer_type: str | None = Field(
+        None, description="the layer_types value whose layers apply no RoPE (full_attention: EXAONE-4, Cohere2)"
+    )
     clip_qkv: float | None = Field(None, description="clamp of the q/k/v projections to [-c, c] (the config's value)")
     clip_qkv_field: str | None = Field(
         None, description="config field that clamps q/k/v; set when the forward reads it, even if the default is None"
@@ -267,6 +274,9 @@ class PositionFeatures(_Frozen):
     rotary_style: RotaryStyle = RotaryStyle.HALF
     partial_rotary_factor: float = 1.0
     per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
+    rope_layer_types: list[str] = Field(
+        default_factory=list, description="the layer types rope_parameters holds parameters for, when per layer type"
+    )
 
 
 class NormFeatures(_Frozen):
@@ -418,8 +428,14 @@ FEATURE_TITLES: dict[Feature, str] = {
 SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Reference code: qwen2 has q/k/v bias, qwen3 switches it with attention_bias.
     Feature.QKV_BIAS: frozenset({"true", "false"}),
-    Feature.QK_NORM: frozenset({QKNormKind.NONE, QKNormKind.PER_HEAD_RMS, QKNormKind.FULL_WIDTH_RMS}),
-    Feature.QK_NORM_PLACEMENT: frozenset({QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE}),
+    # (1 + w) per-head QK norm: the block's (1 + w) RMSNorm class over head_dim (engine_limits
+    # refuses it next to other block norms); after RoPE: the qk_norm_after_rope edit.
+    Feature.QK_NORM: frozenset(
+        {QKNormKind.NONE, QKNormKind.PER_HEAD_RMS, QKNormKind.FULL_WIDTH_RMS, QKNormKind.RMS_ONE_PLUS_W}
+    ),
+    Feature.QK_NORM_PLACEMENT: frozenset(
+        {QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE, QKNormPlacement.AFTER_ROPE}
+    ),
     Feature.GQA: frozenset({"true", "false"}),
     Feature.EXPLICIT_HEAD_DIM: frozenset({"true", "false"}),
     Feature.WEIGHT_TYING: frozenset({"true", "false"}),
@@ -460,6 +476,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
+    # One RoPE cache per layer type (model_edits.py per_layer_rope, edit_args.py sliding_rope_*).
+    Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
+    # RoPE left out per layer as the config says (model_edits.py nope_layers).
+    Feature.NOPE_LAYERS: frozenset({"false", "per_layer_field", "layer_type"}),
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),
@@ -485,6 +505,19 @@ def _multiplier(value: float | None, source: object) -> str:
     """``"constant"`` when the family scales by a factor: a non-neutral value, or a config
     field the forward reads (a checkpoint sets it even where the default is 1.0)."""
     return "none" if value in (None, 1.0) and source is None else "constant"
+
+
+def _nope_rule(att: AttentionFeatures) -> str:
+    """``"false"``, or how the config says which layers skip RoPE: a per-layer list field
+    (``"per_layer_field"``), a layer type (``"layer_type"``), or ``"true"`` when no
+    config field the analysis found reproduces the measured layers."""
+    if not att.nope_layers:
+        return "false"
+    if att.nope_layers_field is not None:
+        return "per_layer_field"
+    if att.nope_layer_type is not None:
+        return "layer_type"
+    return "true"
 
 
 def _layer_pattern(moe: MoEFeatures) -> str:
@@ -554,7 +587,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.ATTN_SINKS: _flag(att.sinks),
         Feature.ATTN_OUTPUT_GATE: _flag(att.output_gate),
         Feature.QKV_CLIP: _flag(att.clip_qkv is not None or att.clip_qkv_field is not None),
-        Feature.NOPE_LAYERS: _flag(bool(att.nope_layers)),
+        Feature.NOPE_LAYERS: _nope_rule(att),
         Feature.FFN_KIND: ffn.kind.value,
         Feature.ACTIVATION: ffn.activation,
         Feature.FFN_BIAS: _flag(ffn.bias),

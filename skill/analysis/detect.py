@@ -307,6 +307,8 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind,
         norm_kind = probes.probe_norm_kind(norm, width)
         if norm_kind is NormKind.RMS_ONE_PLUS_W:
             kind = QKNormKind.RMS_ONE_PLUS_W
+            if width != hd:
+                ctx.other.append(f"(1 + w) QK norm over {width} features, not one head's {hd}")
         elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
             kind = QKNormKind.LAYER_NORM
         elif width == hd:
@@ -347,7 +349,10 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
         all_layers = probes.probe_window_reaches_all_layers(
             ctx.model, ctx.tiny, int(tiny_window), ctx.tiny.num_hidden_layers
         )
-    if sliding_kinds and len(set(layer_types)) > 1:
+    # A config whose RoPE parameters name a sliding_attention layer type makes any layer of
+    # that type windowed, even where its default layer_types hold none (Mellum).
+    named_sliding = isinstance(_rope_parameters(ctx.config).get("sliding_attention"), dict)
+    if (sliding_kinds and len(set(layer_types)) > 1) or (window and layer_types and named_sliding and not all_layers):
         ctx.evidence.append(f"sliding window: config {field_name}={size} and per-layer layer_types")
         return SlidingWindow(
             kind=SlidingWindowKind.PER_LAYER_PATTERN, size=size, layer_pattern=layer_types, evidence="config"
@@ -469,6 +474,48 @@ def _nope_layers(ctx: Context) -> list[int]:
     return nope
 
 
+def nope_rule(config: Any, nope: list[int]) -> tuple[str | None, str | None]:
+    """The config fact that reproduces the measured layers without RoPE: a list field with
+    one entry a layer, falsy exactly on those layers (SmolLM3's ``no_rope_layers``), or the
+    one ``layer_types`` value held exactly by those layers (EXAONE-4's full-attention
+    layers). ``(field, None)``, ``(None, layer_type)`` or ``(None, None)``."""
+    if not nope:
+        return None, None
+    n_layers = getattr(config, "num_hidden_layers", None)
+    for name, value in sorted(config.to_dict().items()):
+        if (
+            name != "layer_types"
+            and isinstance(value, list)
+            and len(value) == n_layers
+            and all(isinstance(v, (bool, int)) and v in (0, 1) for v in value)
+            and [i for i, v in enumerate(value) if not v] == nope
+        ):
+            return name, None
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) == n_layers:
+        for kind in sorted({str(t) for t in layer_types}):
+            if [i for i, t in enumerate(layer_types) if t == kind] == nope:
+                return None, kind
+    return None, None
+
+
+def _nope_with_rule(ctx: Context) -> tuple[list[int], str | None, str | None]:
+    """The layers without RoPE and the config fact that says which they are (measured on
+    the full-depth stack, so compared with the full config; else the tiny one)."""
+    nope = _nope_layers(ctx)
+    if not nope:
+        return nope, None, None
+    full = ctx.layer_stack()[2]
+    field_name, layer_type = nope_rule(ctx.config if full else ctx.tiny, nope)
+    if field_name is not None:
+        ctx.evidence.append(f"layers without RoPE: config {field_name} is 0 exactly on them")
+    elif layer_type is not None:
+        ctx.evidence.append(f"layers without RoPE: exactly the layer_types {layer_type!r} layers")
+    else:
+        ctx.evidence.append("layers without RoPE: no config field reproduces them")
+    return nope, field_name, layer_type
+
+
 def _measured_kv_heads(ctx: Context, roles: dict[str, mt.Projection], heads: int | None, kv: int | None) -> int | None:
     """KV heads as the projections are built, at full size.
 
@@ -557,6 +604,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         ]
         if extra:
             ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
+    nope, nope_field, nope_type = _nope_with_rule(ctx)
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
     return AttentionFeatures(
@@ -580,7 +628,9 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         mla=mla,
         sinks=sinks,
         output_gate=_output_gate(ctx, roles),
-        nope_layers=_nope_layers(ctx),
+        nope_layers=nope,
+        nope_layers_field=nope_field,
+        nope_layer_type=nope_type,
         clip_qkv=clip_value,
         clip_qkv_field=clip_field,
     )
@@ -1158,7 +1208,7 @@ def position_features(ctx: Context) -> PositionFeatures:
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
     per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
-    first = next(iter(rope.values())) if per_layer else rope
+    first = _per_layer_rope(ctx, rope) if per_layer else rope
     rope_type = str(first.get("rope_type", "default")) if first else "default"
     theta = first.get("rope_theta") if first else None
     if theta is None:
@@ -1180,7 +1230,29 @@ def position_features(ctx: Context) -> PositionFeatures:
         rotary_style=RotaryStyle.INTERLEAVED if interleaved else RotaryStyle.HALF,
         partial_rotary_factor=factor,
         per_layer_type_rope=per_layer,
+        rope_layer_types=sorted(rope) if per_layer else [],
     )
+
+
+PER_LAYER_ROPE_TYPES = ("full_attention", "sliding_attention")
+
+
+def _per_layer_rope(ctx: Context, rope: dict[str, Any]) -> dict[str, Any]:
+    """The parameters that stand for per-layer-type RoPE in the checklist: the scaled
+    layer type's (its ``rope_type`` is the one scaling the port implements), else the full
+    attention layers'. What one scaling function per model cannot express is named."""
+    unknown = sorted(set(rope) - set(PER_LAYER_ROPE_TYPES))
+    if unknown:
+        ctx.other.append(f"RoPE parameters for layer types {', '.join(unknown)}")
+    scaled = {k: v for k, v in rope.items() if str(v.get("rope_type", "default")) != "default"}
+    if len({str(v.get("rope_type")) for v in scaled.values()}) > 1:
+        ctx.other.append("per-layer-type RoPE with a different scaling type on each layer type")
+    factors = {float(v.get("partial_rotary_factor", 1.0) or 1.0) for v in rope.values()}
+    if len(factors) > 1:
+        ctx.other.append("per-layer-type RoPE with a different partial rotary factor on each layer type")
+    if scaled:
+        return next(iter(scaled.values()))
+    return rope.get("full_attention") or next(iter(rope.values()))
 
 
 def _rotary_dims_field(ctx: Context) -> tuple[str, int] | None:

@@ -21,7 +21,9 @@ from skill.features import (
     Checklist,
     Feature,
     FeatureDelta,
+    NormKind,
     QKNormKind,
+    QKNormPlacement,
     feature_values,
     is_supported,
 )
@@ -138,22 +140,19 @@ def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False) -> str:
 
     Multi-head latent attention (``Feature.MLA``) starts from deepseek_v3, whose attention
     is the only one with query/KV latents and a shared RoPE key. Otherwise qwen3 carries
-    per-head QK norm and MoE; every other family starts from qwen2. A full-width QK norm
-    (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads split, and a dense
-    family copied from qwen3 would keep its MoE machinery.
+    MoE (and per-head QK norm); every dense family starts from qwen2, whose copy gets a
+    per-head or full-width QK norm by an edit: a dense family copied from qwen3 would keep
+    its MoE machinery. ``per_head_qk_norm`` no longer decides it.
     """
     if mla:
         return "deepseek_v3"
-    return "qwen3" if per_head_qk_norm or moe else "qwen2"
+    return "qwen3" if moe else "qwen2"
 
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(
-        checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS,
-        checklist.moe is not None,
-        mla=checklist.attention.mla is not None,
-    )
+    per_head = checklist.attention.qk_norm in (QKNormKind.PER_HEAD_RMS, QKNormKind.RMS_ONE_PLUS_W)
+    reference = reference_for(per_head, checklist.moe is not None, mla=checklist.attention.mla is not None)
     return reference, deltas_from(reference, checklist)
 
 
@@ -181,6 +180,19 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append("attention scale that no config field explains")
     if att.sinks and att.logit_softcap is not None:
         limits.append("attention sinks together with soft-capped scores (no kernel has both)")
+    # The port's per-head QK norm is the block's norm class over head_dim.
+    if att.qk_norm is QKNormKind.RMS_ONE_PLUS_W and norm.kind is not NormKind.RMS_ONE_PLUS_W:
+        limits.append(f"(1 + w) QK norm next to {norm.kind.value} block norms")
+    if att.qk_norm is QKNormKind.PER_HEAD_RMS and norm.kind is not NormKind.RMS:
+        limits.append(f"per-head RMS QK norm next to {norm.kind.value} block norms")
+    if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm not in (
+        QKNormKind.PER_HEAD_RMS,
+        QKNormKind.RMS_ONE_PLUS_W,
+    ):
+        limits.append(f"{att.qk_norm.value} QK norm after RoPE (only a per-head one moves after it)")
+    pos = checklist.positions
+    if pos.per_layer_type_rope and not att.sliding_window.layer_pattern:
+        limits.append("per-layer-type RoPE without a per-layer layer_types pattern")
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

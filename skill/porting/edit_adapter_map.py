@@ -50,6 +50,8 @@ LAYER_MODULES: dict[str, str] = {
     "self_attn.o_proj": "attention.wo",
     "self_attn.q_norm": "attention.q_norm",
     "self_attn.k_norm": "attention.k_norm",
+    "self_attn.query_layernorm": "attention.q_norm",  # HunYuan
+    "self_attn.key_layernorm": "attention.k_norm",
     "mlp.gate_proj": "feed_forward.w1",
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
@@ -734,6 +736,8 @@ def apply_fused_experts_adapter(
     )
     text = upsert_method(text, cls, "join_single_to_hf", _EXPERTS_JOIN.strip() + "\n", after="convert_single_to_hf")
     return prune_unused_imports(text)
+
+
 _META_MODEL = """
 with torch.device("meta"):
     model = {model_class}(self.model_args)

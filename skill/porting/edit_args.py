@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import sys
@@ -122,9 +123,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
         ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
         ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
-        ArgField(
-            "rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta
-        ),
+        *_rope_theta_fields(profile, config),
         ArgField(
             "max_seq_len",
             "int",
@@ -135,17 +134,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("depth_init", "bool", True, "", lambda c: True),
     ]
     if profile.rope_type != "default":
-        scaling = _rope_scaling_of(config)
-        fields.append(
-            ArgField(
-                "rope_freq_scaling",
-                "dict[str, float] | None",
-                None,
-                "_rope_freq_scaling(hf_config)",
-                _rope_scaling_of,
-                default_source=f"field(default_factory=lambda: {_literal(scaling)})",
-            )
-        )
+        fields += _rope_scaling_fields(profile, config)
     if profile.partial_rotary:
         fields.append(
             ArgField(
@@ -166,7 +155,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 lambda c: c.sliding_window,
             )
         )
-    if profile.sliding_layer_types:
+    if profile.sliding_layer_types or profile.per_layer_rope or profile.nope_layer_type:
         fields.append(
             ArgField(
                 "layer_types",
@@ -176,6 +165,8 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 lambda c: tuple(c.layer_types),
             )
         )
+    if profile.nope_field or profile.nope_layer_type:
+        fields.append(_nope_layers_field(profile, config))
     for name, wanted in (
         ("attn_logit_softcapping", profile.attn_softcap),
         ("final_logit_softcapping", profile.final_softcap),
@@ -307,6 +298,89 @@ def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
     raise ValueError(f"{plan.model_type}: no edit writes the MoE layer rule {rule!r}")
 
 
+def _layer_theta(config: Any, layer_type: str) -> float:
+    return float(config.rope_parameters[layer_type]["rope_theta"])
+
+
+def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
+    """``rope_theta``; with per-layer-type RoPE, the full-attention layers' base, and
+    ``sliding_rope_theta`` the sliding-window layers'."""
+    if not profile.per_layer_rope:
+        return [
+            ArgField(
+                "rope_theta",
+                "float",
+                _rope_theta(config),
+                "cls._get_rope_theta(hf_config, cls.rope_theta)",
+                _rope_theta,
+            )
+        ]
+    return [
+        ArgField(
+            name,
+            "float",
+            _layer_theta(config, kind),
+            f'float(hf_config.rope_parameters["{kind}"]["rope_theta"])',
+            functools.partial(_layer_theta, layer_type=kind),
+        )
+        for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
+    ]
+
+
+def _layer_scaling_of(config: Any, layer_type: str) -> dict[str, float] | None:
+    rope = (getattr(config, "rope_parameters", None) or {}).get(layer_type) or {}
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and _numeric(v)}
+
+
+def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
+    """``rope_freq_scaling`` (``None`` for unscaled RoPE); with per-layer-type RoPE, one
+    for the full-attention layers and ``sliding_rope_freq_scaling`` for the others."""
+    if not profile.per_layer_rope:
+        return [
+            ArgField(
+                "rope_freq_scaling",
+                "dict[str, float] | None",
+                None,
+                "_rope_freq_scaling(hf_config)",
+                _rope_scaling_of,
+                default_source=f"field(default_factory=lambda: {_literal(_rope_scaling_of(config))})",
+            )
+        ]
+    return [
+        ArgField(
+            name,
+            "dict[str, float] | None",
+            None,
+            f'_layer_rope_freq_scaling(hf_config, "{kind}")',
+            functools.partial(_layer_scaling_of, layer_type=kind),
+            default_source=f"field(default_factory=lambda: {_literal(_layer_scaling_of(config, kind))})",
+        )
+        for name, kind in (("rope_freq_scaling", "full_attention"), ("sliding_rope_freq_scaling", "sliding_attention"))
+    ]
+
+
+def _nope_layers_field(profile: PortPlan, config: Any) -> ArgField:
+    """``nope_layers``: the layers that apply no RoPE, read off the config field that says so."""
+    if profile.nope_field is not None:
+        name = profile.nope_field
+
+        def nope(c: Any) -> tuple[int, ...]:
+            return tuple(i for i, rotates in enumerate(getattr(c, name)[: c.num_hidden_layers]) if not rotates)
+
+        flags = f"hf_config.{name}[: hf_config.num_hidden_layers]"
+        expression = f"tuple(i for i, rotates in enumerate({flags}) if not rotates)"
+    else:
+        kind = profile.nope_layer_type
+
+        def nope(c: Any) -> tuple[int, ...]:
+            return tuple(i for i, t in enumerate(c.layer_types) if t == kind)
+
+        expression = f'tuple(i for i, kind in enumerate(hf_config.layer_types) if kind == "{kind}")'
+    return ArgField("nope_layers", "tuple[int, ...]", nope(config), expression, nope)
+
+
 def _moe_args_field(plan: PortPlan, config: Any, expected: Callable[[Any], Any]) -> ArgField:
     """``moe_args``: optional where the family mixes dense and MoE layers; where every layer
     is MoE, required, defaulting to the config class's routing (the fields that differ
@@ -396,29 +470,8 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         f'            f"{camel} in Archon implements the {profile.activation} activation; "',
         f'            f"{act_field}={{act!r}} is not supported."',
         "        )",
-        '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
-        "    rope_type = (",
-        '        rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
-        "    )",
     ]
-    if profile.rope_type == "default":
-        lines += [
-            '    if rope_type != "default":',
-            "        raise ValueError(",
-            f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
-            '            "only the default RoPE is. Port the variant with `archon-port add`."',
-            "        )",
-        ]
-    else:
-        lines += [
-            f'    if rope_type not in ("default", "{profile.rope_type}"):',
-            "        raise ValueError(",
-            f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
-            f'            "only the default and {profile.rope_type} RoPE are. "',
-            '            "Port the variant with `archon-port add`."',
-            "        )",
-        ]
-    lines += []
+    lines += _check_layer_rope_types(profile, camel) if profile.per_layer_rope else _check_rope_type(profile, camel)
     for flag, feature in STRUCTURAL_FLAGS.items():
         if hasattr(config, flag):
             value = bool(getattr(profile, feature))
@@ -460,6 +513,50 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         '        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _check_rope_type(profile: PortPlan, camel: str) -> list[str]:
+    """Refuse a RoPE scaling type the package does not implement."""
+    lines = [
+        '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
+        "    rope_type = (",
+        '        rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
+        "    )",
+    ]
+    if profile.rope_type == "default":
+        return [
+            *lines,
+            '    if rope_type != "default":',
+            "        raise ValueError(",
+            f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
+            '            "only the default RoPE is. Port the variant with `archon-port add`."',
+            "        )",
+        ]
+    return [
+        *lines,
+        f'    if rope_type not in ("default", "{profile.rope_type}"):',
+        "        raise ValueError(",
+        f"            f\"rope_parameters['rope_type']={{rope_type!r}} is not supported by {camel} in Archon; \"",
+        f'            "only the default and {profile.rope_type} RoPE are. "',
+        '            "Port the variant with `archon-port add`."',
+        "        )",
+    ]
+
+
+def _check_layer_rope_types(profile: PortPlan, camel: str) -> list[str]:
+    """Per-layer-type RoPE: refuse a layer type whose scaling the package does not implement."""
+    allowed = '("default",)' if profile.rope_type == "default" else f'("default", "{profile.rope_type}")'
+    only = "the default RoPE is" if profile.rope_type == "default" else f"the default and {profile.rope_type} RoPE are"
+    return [
+        '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
+        '    for layer_type in ("full_attention", "sliding_attention"):',
+        '        rope_type = (rope_parameters.get(layer_type) or {}).get("rope_type", "default")',
+        f"        if rope_type not in {allowed}:",
+        "            raise ValueError(",
+        "                f\"rope_parameters[{layer_type!r}]['rope_type']={rope_type!r} is not supported by \"",
+        f'                f"{camel} in Archon; only {only}. Port the variant with `archon-port add`."',
+        "            )",
+    ]
 
 
 SHARED_EXPERT_SETUP = """# One always-active shared expert, scaled by sigmoid(shared_expert_gate(x)). AReaL's
@@ -653,9 +750,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         helper = snippet("args", "_partial_rotary_factor")
         text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.rope_type != "default":
-        text = upsert_function(
-            text, "_rope_freq_scaling", snippet("args", "_rope_freq_scaling"), before_class=layout.args_class
-        )
+        helper = "_layer_rope_freq_scaling" if profile.per_layer_rope else "_rope_freq_scaling"
+        text = upsert_function(text, helper, snippet("args", helper), before_class=layout.args_class)
         if "\nfrom dataclasses import dataclass\n" in text:
             text = text.replace("\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
     text = replace_function(

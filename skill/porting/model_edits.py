@@ -30,6 +30,7 @@ from skill.codemod.cst import (
     remove_from_all,
     remove_function,
     replace_class,
+    replace_function,
     replace_in_function,
     replace_name,
     replace_statement_assigning,
@@ -290,6 +291,41 @@ def _remove_qk_norm(text: str, ctx: EditContext) -> str:
     return remove_function(text, "maybe_to_local")
 
 
+def _per_head_qk_norm(text: str, ctx: EditContext) -> str:
+    """RMSNorm over each head's ``head_dim`` features of q and k (one weight shared by the
+    heads), before RoPE, on a copy without it (qwen2). The norm class is the block's, so a
+    (1 + w) RMSNorm family gets (1 + w) QK norms."""
+    if "self.q_norm = RMSNorm(self.head_dim" in text:
+        return text
+    text = ensure_import_line(text, "from torch.distributed.tensor import DTensor")
+    text = insert_before_class(text, "Attention", snippet("attention", "maybe_to_local"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "self.q_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)\n"
+        "self.k_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\n"
+        "self.q_norm.reset_parameters()\nself.k_norm.reset_parameters()\n",
+    )
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        "xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)",
+        "xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)\n"
+        "xq = maybe_to_local(self.q_norm(xq))\n"
+        "xk = maybe_to_local(self.k_norm(xk))\n",
+    )
+
+
 def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
     """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE.
 
@@ -375,6 +411,109 @@ def _rope_cache(text: str, ctx: EditContext) -> str:
         ROPE_CACHE_CALL,
         f"args = self.model_args\n{comment}"
         f"return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{scaling})\n",
+    )
+
+
+ROPE_CALL = "xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)"
+
+
+def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
+    """The per-head QK norm moved after RoPE: queries and keys are rotated, then normalised.
+
+    Under TP ``wq``/``wk`` keep DTensor outputs for the norms; this rank's heads are taken
+    local before the rotation, and the norms (sequence-parallel over the heads) follow it."""
+    if "xq = maybe_to_local(self.q_norm(xq))" not in text:
+        return text
+    for statement in ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))"):
+        text = replace_in_function(text, "Attention", "forward", statement, "")
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        ROPE_CALL,
+        "xq, xk = maybe_to_local(xq), maybe_to_local(xk)\n"
+        f"{ROPE_CALL}\n"
+        "# The per-head QK norm comes after RoPE.\n"
+        "xq = maybe_to_local(self.q_norm(xq))\n"
+        "xk = maybe_to_local(self.k_norm(xk))\n",
+    )
+
+
+def _nope_layers(text: str, ctx: EditContext) -> str:
+    """RoPE left out on the layers ``model_args.nope_layers`` names (read from the config)."""
+    if "self.use_rope = use_rope" in text:
+        return text
+    text = add_parameter(text, "Attention", "__init__", "use_rope: bool = True")
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.scaling",
+        "# A NoPE layer (use_rope=False) rotates neither queries nor keys.\nself.use_rope = use_rope\n",
+    )
+    text = replace_in_function(text, "Attention", "forward", ROPE_CALL, f"if self.use_rope:\n    {ROPE_CALL}\n")
+    return set_call_kwarg(
+        text, "Attention", "use_rope", "layer_id not in model_args.nope_layers", target="self.attention"
+    )
+
+
+REGISTER_ROPE = 'self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)'
+LAYER_LOOP = """for layer in self.layers.values():
+    h = layer(h, self.rope_cache, positions, cu_seqlens, max_seqlen)
+"""
+
+
+def _per_layer_rope(text: str, ctx: EditContext) -> str:
+    """Two RoPE caches, one per layer type: full-attention layers rotate with ``rope_theta``
+    (and ``rope_freq_scaling``), sliding-window layers with their own ``sliding_*`` ones;
+    each layer gets the cache of its ``layer_types`` entry."""
+    if "sliding_rope_cache" in text:
+        return text
+    plan = ctx.profile
+    width = "args.rotary_dim" if plan.partial_rotary else "args.head_dim"
+    full, sliding = ("", "")
+    if plan.rope_type != "default":
+        full, sliding = ", args.rope_freq_scaling", ", args.sliding_rope_freq_scaling"
+    text = replace_function(
+        text,
+        ctx.model_class,
+        "_precompute_rope_cache",
+        f'''def _precompute_rope_cache(self, layer_type: str = "full_attention") -> torch.Tensor:
+    """The RoPE cache of one layer type: sliding-window layers have their own parameters."""
+    args = self.model_args
+    if layer_type == "sliding_attention":
+        return precompute_rope_cache({width}, args.max_seq_len, args.sliding_rope_theta{sliding})
+    return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{full})
+''',
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "__init__",
+        REGISTER_ROPE,
+        f"{REGISTER_ROPE}\n"
+        'self.register_buffer("sliding_rope_cache", self._precompute_rope_cache("sliding_attention"), '
+        "persistent=False)\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_buffers",
+        "self.rope_cache = self._precompute_rope_cache()",
+        "self.rope_cache = self._precompute_rope_cache()\n"
+        'self.sliding_rope_cache = self._precompute_rope_cache("sliding_attention")\n',
+    )
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        LAYER_LOOP,
+        """for layer_id, layer in self.layers.items():
+    # Each layer rotates with the RoPE parameters of its layer type.
+    sliding = self.model_args.layer_types[int(layer_id)] == "sliding_attention"
+    rope_cache = self.sliding_rope_cache if sliding else self.rope_cache
+    h = layer(h, rope_cache, positions, cu_seqlens, max_seqlen)
+""",
     )
 
 
@@ -560,6 +699,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         needed=lambda text: "self.q_norm" in text,
     ),
     ModelEdit(
+        "per_head_qk_norm",
+        "per-head RMSNorm of q and k (the qwen2 reference has none)",
+        lambda p: p.qk_norm == "per_head",
+        _per_head_qk_norm,
+        needed=lambda text: "self.q_norm" not in text,
+    ),
+    ModelEdit(
         "full_width_qk_norm",
         "RMSNorm over the full q/k projections",
         lambda p: p.qk_norm == "full",
@@ -596,10 +742,28 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _attention_scale,
     ),
     ModelEdit(
+        "qk_norm_after_rope",
+        "per-head QK norm applied after RoPE",
+        lambda p: p.qk_norm_after_rope,
+        _qk_norm_after_rope,
+    ),
+    ModelEdit(
+        "nope_layers",
+        "RoPE left out on the layers the config names",
+        lambda p: p.nope_field is not None or p.nope_layer_type is not None,
+        _nope_layers,
+    ),
+    ModelEdit(
         "rope_cache",
         "RoPE cache over the rotary part of each head and/or with scaled frequencies",
-        lambda p: p.partial_rotary or p.rope_type != "default",
+        lambda p: (p.partial_rotary or p.rope_type != "default") and not p.per_layer_rope,
         _rope_cache,
+    ),
+    ModelEdit(
+        "per_layer_rope",
+        "one RoPE cache per layer type (full and sliding attention)",
+        lambda p: p.per_layer_rope,
+        _per_layer_rope,
     ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit(
@@ -708,6 +872,10 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("partial rotary embeddings")
     if profile.rotary_interleaved:
         extras.append("RoPE over adjacent feature pairs (interleaved)")
+    if profile.per_layer_rope:
+        extras.append("RoPE parameters per layer type")
+    if profile.nope_field or profile.nope_layer_type:
+        extras.append("no RoPE on the ``nope_layers``")
     if profile.moe:
         extras.append(
             "mixture-of-experts MLPs"
@@ -764,6 +932,13 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append(
             "``q_norm``/``k_norm`` normalise the whole q and k projections (all heads at once) before RoPE."
         )
+    elif profile.qk_norm == "per_head":
+        sentences.append(
+            "``q_norm``/``k_norm`` normalise each head's ``head_dim`` vector "
+            + ("after RoPE." if profile.qk_norm_after_rope else "before RoPE.")
+        )
+    if profile.nope_field or profile.nope_layer_type:
+        sentences.append("``use_rope=False`` makes a NoPE layer: queries and keys are not rotated.")
     if not sentences:
         return ""
     wrapped = textwrap.wrap(" ".join(sentences), width=88, break_on_hyphens=False)

@@ -31,6 +31,7 @@ from skill.features import (
     NormKind,
     NormPlacement,
     QKNormKind,
+    QKNormPlacement,
     RotaryStyle,
     RouterScoring,
     SlidingWindowKind,
@@ -90,6 +91,12 @@ class PortPlan(BaseModel):
     logit_divisor_field: str | None = Field(description="config field the logits are divided by")
     rope_type: str
     partial_rotary: bool
+    per_layer_rope: bool = Field(
+        default=False, description="full- and sliding-attention layers rotate with their own RoPE parameters"
+    )
+    nope_field: str | None = Field(default=None, description="config list field, 0 on the layers without RoPE")
+    nope_layer_type: str | None = Field(default=None, description="the layer type whose layers apply no RoPE")
+    qk_norm_after_rope: bool = Field(default=False, description="queries and keys normalised after RoPE")
     rotary_interleaved: bool
     moe: bool
     all_layers_moe: bool
@@ -167,6 +174,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         QKNormKind.NONE: "none",
         QKNormKind.PER_HEAD_RMS: "per_head",
         QKNormKind.FULL_WIDTH_RMS: "full",
+        # A (1 + w) per-head QK norm is the block's (1 + w) RMSNorm class over head_dim.
+        QKNormKind.RMS_ONE_PLUS_W: "per_head",
     }.get(att.qk_norm, "none")  # type: ignore[assignment]
     norm_kind: Literal["rms", "rms_offset", "layernorm"] = {
         NormKind.RMS_ONE_PLUS_W: "rms_offset",
@@ -203,7 +212,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(att.qk_norm is QKNormKind.PER_HEAD_RMS, moe is not None, mla=att.mla is not None),
+        reference=reference_for(qk_norm == "per_head", moe is not None, mla=att.mla is not None),
         unsupported=list(report.unsupported),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,
@@ -230,6 +239,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
+        per_layer_rope=pos.per_layer_type_rope,
+        nope_field=att.nope_layers_field,
+        nope_layer_type=att.nope_layer_type,
+        qk_norm_after_rope=att.qk_norm_placement is QKNormPlacement.AFTER_ROPE,
         moe=moe is not None,
         # Every layer routes to experts, and the config has no field of a per-layer rule
         # that a checkpoint could set otherwise.

@@ -7,8 +7,8 @@ from skill.porting.plan import PortPlan
 # Why a family needs its reference, by reference.
 _WHY = {
     "deepseek_v3": "it has multi-head latent attention, which only deepseek_v3 carries.",
-    "qwen3": "it has MoE or per-head QK norm, which only qwen3 carries.",
-    "qwen2": "it is dense without per-head QK norm; qwen3's MoE and QK-norm code would stay behind.",
+    "qwen3": "it has MoE, which only qwen3 carries.",
+    "qwen2": "it is dense; qwen3's MoE code would stay behind.",
 }
 
 

@@ -70,6 +70,10 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         "(``use_local_output=False``) sharded over the features, and ``q_norm``/``k_norm`` run as "
         "``SequenceParallel(sequence_dim=-1)`` over that sharded width. "
         if profile.qk_norm == "full"
+        else f"{camel} attention normalises each head's q/k, so ``wq``/``wk`` keep DTensor outputs "
+        "(``use_local_output=False``) and ``q_norm``/``k_norm`` run as ``SequenceParallel(sequence_dim=2)`` "
+        "over the sharded heads; the attention takes them local afterwards. "
+        if profile.qk_norm == "per_head"
         else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the "
         "attention (``use_local_output=True``). "
     )
@@ -163,6 +167,20 @@ def apply_write_parallelize(
             {
                 "post_attention_norm": "SequenceParallel(use_local_output=True)",
                 "post_ffn_norm": "SequenceParallel(use_local_output=True)",
+            },
+            raw_values=True,
+        )
+    if profile.qk_norm == "per_head" and "has_qk_norm" not in text:
+        # Per-head QK norm on a copy without qwen3's per-block rule: wq/wk hand DTensors
+        # whose heads are sharded to norms that run sequence-parallel over the heads dim.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "attention.wq": "ColwiseParallel(use_local_output=False)",
+                "attention.wk": "ColwiseParallel(use_local_output=False)",
+                "attention.q_norm": "SequenceParallel(sequence_dim=2)",
+                "attention.k_norm": "SequenceParallel(sequence_dim=2)",
             },
             raw_values=True,
         )

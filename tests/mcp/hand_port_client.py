@@ -20,7 +20,7 @@ The recorded sessions of these families are in ``tests/mcp/sessions/`` next to t
 re-recorded with them (``python -m tests.mcp.scripted_client --refresh [family ...]``). To
 port one into a workspace of your own and see each call::
 
-    python -m tests.mcp.hand_port_client smollm3 --workspace DIR [--session FILE]
+    python -m tests.mcp.hand_port_client FAMILY --workspace DIR [--session FILE]
 """
 
 from __future__ import annotations
@@ -86,107 +86,10 @@ class HandPort:
             target.write_text(format_python(target.read_text(encoding="utf-8"), path), encoding="utf-8")
 
 
-_ARGS = "archon_models/smollm3/model/args.py"
-_MODEL = "archon_models/smollm3/model/model.py"
-# The last check __post_init__ has before the hand edit adds one after it.
-_HEADS_CHECK = (
-    '            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")\n'
-)
-
-SMOLLM3 = HandPort(
-    source="smollm3",
-    features=["unsupported: layers without RoPE"],
-    description="""\
-SmolLM3 leaves RoPE out of every 4th layer ("NoPE" layers). HF's config holds the pattern as
-`no_rope_layers`, one entry a layer, 1 where the layer rotates q/k and 0 where it does not
-(built from `no_rope_layer_interval` when the config gives no list); `SmolLM3Attention`
-skips `apply_rotary_pos_emb` when its entry is 0. The hand edit:
-
-- args.py: a field `nope_layers: tuple[int, ...]`, the indices of the layers without RoPE
-  (default: those of `SmolLM3Config()`, 36 layers, every 4th), read in `from_hf_config` from
-  the config's `no_rope_layers` (now a required field), checked against `n_layers` in
-  `__post_init__`;
-- model.py: `Attention` takes `use_rope` (the block passes `layer_id not in
-  model_args.nope_layers`) and applies the rotary embedding only when it is set; the marker
-  is removed and the docstrings say so. Nothing else changes: a NoPE layer has the same
-  weights, so the adapter, the TP plan and the checkpoint keys stay as the tools wrote them.
-
-The tiny config (4 layers, interval 4) has RoPE in layers 0-2 and none in layer 3; the
-override case `no_rope_layers=[0, 1, 0, 1]` also puts a NoPE layer first and alternates,
-so the port is proven to read the list, not the interval.""",
-    edits=(
-        Replace(
-            _ARGS,
-            '    "rms_norm_eps",\n)',
-            '    "rms_norm_eps",\n    "no_rope_layers",\n)',
-        ),
-        Replace(
-            _ARGS,
-            "    is_critic: bool = False\n    num_labels: int = 1\n",
-            "    is_critic: bool = False\n"
-            "    num_labels: int = 1\n"
-            "    # Layers whose attention applies no RoPE (HF's ``no_rope_layers`` holds 0 for them).\n"
-            "    nope_layers: tuple[int, ...] = (3, 7, 11, 15, 19, 23, 27, 31, 35)\n",
-        ),
-        Replace(
-            _ARGS,
-            _HEADS_CHECK,
-            _HEADS_CHECK + "        outside = [i for i in self.nope_layers if not 0 <= i < self.n_layers]\n"
-            "        if outside:\n"
-            '            raise ValueError(f"nope_layers {outside} are not layers of a {self.n_layers}-layer model.")\n',
-        ),
-        Replace(
-            _ARGS,
-            '            num_labels=kwargs.get("num_labels", cls.num_labels),\n        )',
-            '            num_labels=kwargs.get("num_labels", cls.num_labels),\n'
-            "            nope_layers=tuple(\n"
-            "                i\n"
-            "                for i, use_rope in enumerate(hf_config.no_rope_layers[: hf_config.num_hidden_layers])\n"
-            "                if not use_rope\n"
-            "            ),\n"
-            "        )",
-        ),
-        Replace(
-            _MODEL,
-            '"""Smollm3: a pre-norm decoder with GQA, RoPE, RMSNorm and a SwiGLU MLP; tied embeddings, over\n'
-            "packed documents.\n",
-            '"""Smollm3: a pre-norm decoder with GQA, RoPE (left out in the ``nope_layers``), RMSNorm and a\n'
-            "SwiGLU MLP; tied embeddings, over packed documents.\n",
-        ),
-        Replace(
-            _MODEL,
-            "    sequence before attention, and back afterwards.\n"
-            '    """\n\n'
-            "    def __init__(self, model_args: Smollm3ModelArgs):\n"
-            "        super().__init__()\n",
-            "    sequence before attention, and back afterwards.\n\n"
-            "    ``use_rope=False`` makes a NoPE layer: queries and keys are not rotated.\n"
-            '    """\n\n'
-            "    def __init__(self, model_args: Smollm3ModelArgs, use_rope: bool = True):\n"
-            "        super().__init__()\n"
-            "        self.use_rope = use_rope\n",
-        ),
-        Replace(
-            _MODEL,
-            "        # archon-port: hand edit needed: layers without RoPE\n",
-            "",
-        ),
-        Replace(
-            _MODEL,
-            "        xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)\n",
-            "        if self.use_rope:\n            xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)\n",
-        ),
-        Replace(
-            _MODEL,
-            "        self.attention = Attention(model_args)\n",
-            "        self.attention = Attention(model_args, use_rope=layer_id not in model_args.nope_layers)\n",
-        ),
-    ),
-    config_overrides={"no_rope_layers": [0, 1, 0, 1]},
-)
-
-# The families whose committed session is a hand port, by package name.
-HAND_PORTS: dict[str, HandPort] = {"smollm3": SMOLLM3}
+# The families whose committed session is a hand port, by package name. smollm3 was the
+# one (layers without RoPE) until the nope_layers edit made it port with `add`; its hand
+# edit is in the git history of this file.
+HAND_PORTS: dict[str, HandPort] = {}
 
 
 async def follow_hand_port(client: Client, workspace: Path, hand_port: HandPort) -> Transcript:

@@ -48,12 +48,12 @@ FACTS: dict[str, dict[str, Any]] = {
         "unsupported": [],
     },
     # Qwen3Attention: q_norm/k_norm = Qwen3RMSNorm(head_dim) applied before apply_rotary_pos_emb.
+    # Dense: copied from qwen2, which gets the per-head QK norm by an edit.
     "qwen3": {
         "attention.qk_norm": "per_head_rms",
         "attention.qk_norm_placement": "before_rope",
         "attention.q_bias": False,
-        "reference": "qwen3",
-        "deltas": [],
+        "reference": "qwen2",
         "unsupported": [],
     },
     # Qwen3MoeSparseMoeBlock: softmax router; saved as experts.{e}.gate_proj (2D).
@@ -98,6 +98,11 @@ FACTS: dict[str, dict[str, Any]] = {
         "attention.qk_norm": "rms_one_plus_w",
         "positions.per_layer_type_rope": True,
         "attention.explicit_head_dim": True,
+        "positions.rope_layer_types": ["full_attention", "sliding_attention"],
+        # The full-attention layers' base stands for the family (1e6; sliding ones 1e4).
+        "positions.theta": 1_000_000.0,
+        "attention.qk_norm_placement": "before_rope",
+        "unsupported": [],
     },
     # Olmo2: q_norm over num_heads * head_dim; norms on the sublayer outputs (no input norm).
     "olmo2": {"attention.qk_norm": "full_width_rms", "norm.placement": "post_sublayer"},
@@ -173,7 +178,14 @@ FACTS: dict[str, dict[str, Any]] = {
         "positions.rotary_style": "interleaved",
     },
     # SmolLM3: no_rope_layer_interval=4 -> layers 3, 7, ... skip RoPE.
-    "smollm3": {"attention.nope_layers.0": 3, "attention.nope_layers.1": 7},
+    # SmolLM3Attention: use_rope = config.no_rope_layers[layer_idx] (1 rotates, 0 does not).
+    "smollm3": {
+        "attention.nope_layers.0": 3,
+        "attention.nope_layers.1": 7,
+        "attention.nope_layers_field": "no_rope_layers",
+        "attention.nope_layer_type": None,
+        "unsupported": [],
+    },
     # GLM: fused gate_up_proj, partial_rotary_factor 0.5, rotate_half on even/odd pairs.
     "glm": {
         "ffn.fused_gate_up": True,
@@ -197,7 +209,11 @@ FACTS: dict[str, dict[str, Any]] = {
         "attention.o_bias": True,
     },
     # HunYuan dense: query_layernorm/key_layernorm applied after apply_rotary_pos_emb.
-    "hunyuan_v1_dense": {"attention.qk_norm": "per_head_rms", "attention.qk_norm_placement": "after_rope"},
+    "hunyuan_v1_dense": {
+        "attention.qk_norm": "per_head_rms",
+        "attention.qk_norm_placement": "after_rope",
+        "unsupported": [],
+    },
     # Nemotron: LayerNorm1P ((1 + w), centred), relu2 plain MLP, partial_rotary_factor 0.5.
     "nemotron": {
         "norm.kind": "layer_norm_one_plus_w",
@@ -210,10 +226,24 @@ FACTS: dict[str, dict[str, Any]] = {
     # GPTBigCode: multi_query=True -> one KV head; learned positions.
     "gpt_bigcode": {"attention.gqa": True, "positions.kind": "learned"},
     # EXAONE 4: post-sublayer norms, 3:1 sliding/full pattern, per-head qk norm.
+    # Exaone4Attention rotates only `if self.sliding_window is None or self.is_sliding`: the
+    # full_attention layers of layer_types have no RoPE.
     "exaone4": {
         "norm.placement": "post_sublayer",
         "attention.sliding_window.kind": "per_layer_pattern",
         "attention.qk_norm": "per_head_rms",
+        "attention.nope_layer_type": "full_attention",
+        "attention.nope_layers_field": None,
+        "reference": "qwen2",
+        "unsupported": [],
+    },
+    # MellumConfig: layer_types default all full_attention, but rope_parameters has a
+    # sliding_attention entry and sliding_window=1024: a checkpoint's sliding layers use both.
+    "mellum": {
+        "positions.per_layer_type_rope": True,
+        "attention.sliding_window.kind": "per_layer_pattern",
+        "attention.sliding_window.size": 1024,
+        "unsupported": [],
     },
     # MPT: ALiBi, LayerNorm without bias (no_bias=True), fused Wqkv.
     "mpt": {"positions.kind": "alibi", "norm.kind": "layer_norm_no_bias", "attention.fused_qkv": True},

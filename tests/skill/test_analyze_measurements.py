@@ -28,7 +28,10 @@ def test_nope_layers_of_smollm3_by_probe() -> None:
     # no_rope_layers is int((i + 1) % no_rope_layer_interval != 0) with interval 4, 36 layers.
     report = report_for("smollm3")
     assert report.checklist.attention.nope_layers == list(range(3, 36, 4))
-    assert "unsupported: layers without RoPE" in report.unsupported
+    # The config's per-layer list says which: the port reads it (nope_layers edit).
+    assert report.checklist.attention.nope_layers_field == "no_rope_layers"
+    assert feature_values(report.checklist)[Feature.NOPE_LAYERS] == "per_layer_field"
+    assert not [line for line in report.unsupported if "RoPE" in line]
 
 
 @pytest.mark.parametrize(
@@ -51,7 +54,10 @@ def test_nope_layers_without_a_use_rope_attribute(model_type: str, expected: lis
     assert report.checklist.attention.nope_layers == expected
     assert expected == _full_attention_layers(model_type)  # the HF rule, read from the config
     assert any("position probe" in line and "full-depth" in line for line in report.evidence)
-    assert "unsupported: layers without RoPE" in report.unsupported
+    # The rule is the layer type: the port reads layer_types (nope_layers edit).
+    assert report.checklist.attention.nope_layer_type == "full_attention"
+    assert feature_values(report.checklist)[Feature.NOPE_LAYERS] == "layer_type"
+    assert "unsupported: layers without RoPE" not in report.unsupported
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "mistral"])
@@ -270,3 +276,30 @@ def test_deepseek_v3_values_do_not_cover_qwen_based_families() -> None:
     assert "true" in all_reference_values(("deepseek_v3",))[Feature.SCORE_CORRECTION_BIAS]
     # Config-driven values of the reference, measured on its variants.
     assert {"true", "false"} <= all_reference_values(("deepseek_v3",))[Feature.GROUPED_TOPK]
+
+
+def test_nope_rule_names_the_config_fact_that_reproduces_the_layers() -> None:
+    from transformers import PretrainedConfig
+
+    from skill.analysis.detect import nope_rule
+
+    flags = PretrainedConfig(num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0])
+    assert nope_rule(flags, [1, 3]) == ("no_rope_layers", None)
+    # A list whose zeros are not exactly the measured layers explains nothing.
+    assert nope_rule(flags, [3]) == (None, None)
+    types = PretrainedConfig(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, no_rope_layers=[1, 1, 1, 1]
+    )
+    assert nope_rule(types, [1, 3]) == (None, "full_attention")
+    assert nope_rule(types, [0, 1]) == (None, None)
+    assert nope_rule(types, []) == (None, None)
+
+
+def test_nope_layers_without_a_config_rule_stay_unsupported() -> None:
+    from skill.features import AttentionFeatures
+
+    measured_only = AttentionFeatures(nope_layers=[3])
+    checklist = report_for("llama").checklist.model_copy(update={"attention": measured_only})
+    value = feature_values(checklist)[Feature.NOPE_LAYERS]
+    assert value == "true"
+    assert value not in SUPPORTED_EDITS[Feature.NOPE_LAYERS]

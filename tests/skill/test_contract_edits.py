@@ -122,3 +122,75 @@ def test_kernel_edits_insert_only_the_drivers_their_kernel_uses():
     text = apply_model_edits(REFERENCES["qwen2"], _ctx(window, "Qwen2Model"), ["sliding_window"])
     assert "def per_document(" in text and "def padded_documents(" in text
     assert "self.packed_attn = SlidingWindowAttention(model_args.sliding_window)" in text
+
+
+ROPE_EDITS = ["per_head_qk_norm", "eager_attention", "qk_norm_after_rope", "nope_layers", "per_layer_rope"]
+
+
+def _rope_plan(reference: str):
+    return plan_for("llama").model_copy(
+        update={
+            "reference": reference,
+            "qk_norm": "per_head",
+            "qk_norm_after_rope": True,
+            "nope_layer_type": "full_attention",
+            "per_layer_rope": True,
+            "sliding_window": True,
+            "sliding_layer_types": True,
+            "partial_rotary": True,
+            "rope_type": "linear",
+        }
+    )
+
+
+def _forward_of(text: str, cls: str) -> str:
+    return text.split(f"class {cls}(", 1)[1].split("\n    def forward(", 1)[1].split("\n    def ", 1)[0]
+
+
+@pytest.mark.parametrize("reference,model_class", [("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model")])
+def test_rope_side_edits_compose_in_any_order(reference, model_class):
+    """Per-head QK norm after RoPE, NoPE layers, one RoPE cache per layer type and the
+    per-layer sliding window all touch the attention's rotation or the model's RoPE cache;
+    named in any order they give one module, on either reference."""
+    plan = _rope_plan(reference)
+    names = [n for n in ROPE_EDITS if not (reference == "qwen3" and n == "per_head_qk_norm")]
+    orders = [tuple(names), tuple(reversed(names)), (names[2], names[0], names[-1], *names[1:2], *names[3:-1])]
+    results = {
+        order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order)) for order in orders
+    }
+    canonical = results[tuple(names)]
+    for order, text in results.items():
+        assert text == canonical, order
+    compile(canonical, "<generated>", "exec")
+    attention = _forward_of(canonical, "Attention")
+    # The rotation is skipped on NoPE layers; the QK norms follow it, on every layer.
+    rope = attention.index("if self.use_rope:\n            xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)")
+    assert rope < attention.index("xq = maybe_to_local(self.q_norm(xq))")
+    assert attention.count("self.q_norm(") == 1 and attention.count("apply_rotary_emb(") == 1
+    assert "use_rope=layer_id not in model_args.nope_layers" in canonical
+    assert "sliding_window=model_args.sliding_window if sliding else None" in canonical
+    # Two caches over the rotary part of each head, each with its own theta and scaling.
+    assert "args.rotary_dim, args.max_seq_len, args.sliding_rope_theta, args.sliding_rope_freq_scaling" in canonical
+    assert "args.rotary_dim, args.max_seq_len, args.rope_theta, args.rope_freq_scaling" in canonical
+    model_forward = _forward_of(canonical, model_class)
+    assert "rope_cache = self.sliding_rope_cache if sliding else self.rope_cache" in model_forward
+    assert 'self.sliding_rope_cache = self._precompute_rope_cache("sliding_attention")' in canonical
+    # Applying the edits again changes nothing.
+    assert apply_model_edits(canonical, _ctx(plan, model_class), names) == canonical
+
+
+def test_per_head_qk_norm_on_qwen2_matches_the_qwen3_reference():
+    """The per-head QK norm edit writes on a qwen2 copy what the qwen3 reference holds."""
+    plan = plan_for("llama").model_copy(update={"qk_norm": "per_head"})
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "Qwen2Model"), ["per_head_qk_norm"])
+    for line in (
+        "self.q_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)",
+        "self.k_norm = RMSNorm(self.head_dim, eps=model_args.norm_eps)",
+        "xq = maybe_to_local(self.q_norm(xq))",
+        "xk = maybe_to_local(self.k_norm(xk))",
+        "self.q_norm.reset_parameters()",
+        "from torch.distributed.tensor import DTensor",
+    ):
+        assert line in text and line in REFERENCES["qwen3"], line
+    attention = _forward_of(text, "Attention")
+    assert attention.index("self.q_norm(xq)") < attention.index("apply_rotary_emb(")

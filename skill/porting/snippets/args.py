@@ -23,3 +23,17 @@ def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
         for k, v in rope_parameters.items()
         if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
+
+
+def _layer_rope_freq_scaling(hf_config: Any, layer_type: str) -> dict[str, float] | None:
+    """The RoPE frequency-scaling parameters of one layer type (``rope_parameters`` holds
+    one dict per layer type), less its type and theta; ``None`` where that type is unscaled."""
+    rope_parameters = (getattr(hf_config, "rope_parameters", None) or {}).get(layer_type) or {}
+    if rope_parameters.get("rope_type", "default") == "default":
+        return None
+    skip = ("rope_type", "rope_theta")
+    return {
+        k: float(v)
+        for k, v in rope_parameters.items()
+        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

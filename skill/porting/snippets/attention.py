@@ -290,3 +290,13 @@ def local_sinks(self, n_heads: int) -> torch.Tensor:
     sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
     start = self._cp_rank * n_heads if self._sp_enabled else 0
     return sinks[start : start + n_heads]
+
+
+def maybe_to_local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, else ``x``.
+
+    Under tensor parallelism ``wq``/``wk`` keep DTensor outputs so that ``q_norm`` and
+    ``k_norm`` run as sequence-parallel modules over the sharded heads; everything after
+    them works on this rank's heads as plain tensors.
+    """
+    return x.to_local() if isinstance(x, DTensor) else x
