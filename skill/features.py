@@ -157,6 +157,9 @@ class AttentionFeatures(_Frozen):
     n_heads: int | None = None
     n_kv_heads: int | None = None
     gqa: bool = Field(False, description="fewer KV heads than query heads (MQA included)")
+    mqa_flag: str | None = Field(
+        None, description="bool config field, set, that makes one KV head whatever the head counts say (multi_query)"
+    )
     head_dim: int | None = None
     explicit_head_dim: bool = Field(False, description="head_dim differs from hidden_size // n_heads")
     sliding_window: SlidingWindow = SlidingWindow()
@@ -185,6 +188,12 @@ class FFNFeatures(_Frozen):
     bias: bool = False
     fused_gate_up: bool = False
     intermediate_size: int | None = None
+    intermediate_size_field: str | None = Field(
+        None, description="config field of the FFN width (intermediate_size, ffn_dim, n_inner)"
+    )
+    intermediate_multiple: int | None = Field(
+        None, description="width = multiple * hidden_size when that field is None (GPT-2's n_inner: 4)"
+    )
 
 
 class MoEFeatures(_Frozen):
@@ -220,6 +229,13 @@ class PositionFeatures(_Frozen):
     rotary_style: RotaryStyle = RotaryStyle.HALF
     partial_rotary_factor: float = 1.0
     per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
+    table_key: str | None = Field(
+        None, description="checkpoint key of a learned absolute-position table (transformer.wpe.weight)"
+    )
+    table_offset: int = Field(0, description="position p reads row p + offset of the table (OPT: 2), probed")
+    table_rows_field: str | None = Field(
+        None, description="config field whose value plus the offset is the table's row count"
+    )
 
 
 class NormFeatures(_Frozen):
@@ -403,6 +419,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
+    # Learned absolute positions (model_edits.py: remove_rope, learned_positions).
+    Feature.POSITION_KIND: frozenset({PositionKind.ROPE, PositionKind.LEARNED}),
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),

@@ -530,6 +530,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
     custom, scaling_source = _custom_scaling(ctx)
     kv = _measured_kv_heads(ctx, roles, heads, kv)
+    # A set multi-query switch fixes one KV head; the config's KV-head count follows it.
+    mqa_flag = next(
+        (n for n, v in sorted(ctx.config.to_dict().items()) if v is True and "multi_query" in n and kv == 1), None
+    )
     clip_value, clip_field = _clip_qkv(ctx)
     mla = None
     if isinstance(ctx.get("kv_lora_rank"), int):
@@ -568,6 +572,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         n_heads=heads,
         n_kv_heads=kv,
         gqa=isinstance(kv, int) and isinstance(heads, int) and kv < heads,
+        mqa_flag=mqa_flag,
         head_dim=head_dim if isinstance(head_dim, int) else derived,
         explicit_head_dim=explicit,
         sliding_window=_sliding_window(ctx),
@@ -621,24 +626,37 @@ def _layer_ffn_projections(ctx: Context) -> list[mt.Projection]:
     return [p for p in mt.projections(layer, recurse=False) if p.module is not ctx.anatomy.attention]
 
 
-def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> int | None:
-    """The FFN width at full size: ``intermediate_size``, else the width field whose tiny
-    value is the up projection's width (``ffn_dim``, ``n_inner``, ...)."""
+_WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
+
+
+def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None]:
+    """The FFN width at full size and the config field that sets it: ``intermediate_size``,
+    else the width field whose tiny value is the up projection's width (``ffn_dim``,
+    ``n_inner``, ...), else a width field left ``None`` when the width is a multiple of the
+    hidden size (GPT-2's ``n_inner=None``: 4 * hidden). (size, field, multiple)."""
     declared = ctx.get("intermediate_size")
     if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared
+        return declared, "intermediate_size", None
     widths = {p.out_features for p in ups}
-    for name, value in sorted(ctx.tiny.to_dict().items()):
+    tiny_fields = sorted(ctx.tiny.to_dict().items())
+    for name, value in tiny_fields:
         if (
             isinstance(value, int)
             and not isinstance(value, bool)
             and value in widths
-            and any(w in name for w in ("intermediate", "ffn", "inner", "mlp"))
+            and any(w in name for w in _WIDTH_WORDS)
         ):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
-                return full
-    return None
+                return full, name, None
+    hidden = ctx.tiny.hidden_size
+    if len(widths) == 1 and next(iter(widths)) % hidden == 0:
+        multiple = next(iter(widths)) // hidden
+        unset = [n for n, v in tiny_fields if v is None and any(w in n for w in _WIDTH_WORDS)]
+        if len(unset) == 1 and ctx.get(unset[0]) is None:
+            ctx.evidence.append(f"FFN width: {unset[0]}=None gives {multiple} * hidden_size")
+            return multiple * int(ctx.config.hidden_size), unset[0], multiple
+    return None, None, None
 
 
 def ffn_features(ctx: Context) -> FFNFeatures:
@@ -675,12 +693,15 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
     )
     gated = len(ups) >= 2 or fused
     bias = any(p.bias for p in projs)
+    size, size_field, multiple = _intermediate_size(ctx, ups)
     return FFNFeatures(
         kind=FFNKind.GATED if gated else FFNKind.PLAIN,
         activation=activation,
         bias=bias,
         fused_gate_up=fused,
-        intermediate_size=_intermediate_size(ctx, ups),
+        intermediate_size=size,
+        intermediate_size_field=size_field,
+        intermediate_multiple=multiple,
     )
 
 
@@ -886,6 +907,12 @@ def position_features(ctx: Context) -> PositionFeatures:
         kind = PositionKind.RELATIVE_BIAS
     else:
         kind = PositionKind.NONE
+    if kind is PositionKind.LEARNED:
+        name, table = position_tables[0]
+        key, offset, rows_field = _learned_table(ctx, name, table)
+        return PositionFeatures(
+            kind=kind, rope_type=None, theta=None, table_key=key, table_offset=offset, table_rows_field=rows_field
+        )
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
     per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
@@ -912,6 +939,28 @@ def position_features(ctx: Context) -> PositionFeatures:
         partial_rotary_factor=factor,
         per_layer_type_rope=per_layer,
     )
+
+
+def _learned_table(ctx: Context, name: str, table: nn.Embedding) -> tuple[str | None, int, str | None]:
+    """A learned position table: its checkpoint key, the row offset position ``p`` reads
+    (probed: the table's output for a fresh sequence against its rows), and the config
+    field that sizes it (rows = field + offset)."""
+    key = f"{name}.weight" if f"{name}.weight" in ctx.saved_keys else None
+    offset = probes.probe_position_offset(ctx.model, table, ctx.tiny)
+    if offset is None:
+        ctx.other.append(f"learned positions that read no contiguous rows of {name} (probe)")
+        offset = 0
+    rows = table.weight.shape[0] - offset
+    fields = [
+        n
+        for n, v in sorted(ctx.tiny.to_dict().items())
+        if isinstance(v, int) and not isinstance(v, bool) and v == rows and ("position" in n or n in ("n_ctx",))
+    ]
+    if getattr(ctx.tiny, "max_position_embeddings", None) == rows:
+        fields.insert(0, "max_position_embeddings")
+    if offset:
+        ctx.evidence.append(f"learned positions: position p reads row p + {offset} of {name}")
+    return key, offset, (fields[0] if fields else None)
 
 
 def _rotary_dims_field(ctx: Context) -> tuple[str, int] | None:

@@ -251,6 +251,32 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     return mean
 
 
+def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, length: int = 6) -> int | None:
+    """The row offset of a learned position table: for a fresh sequence the table's output
+    at position ``p`` is row ``p + offset`` (0 for GPT-2, 2 for OPT); ``None`` when the
+    output is no contiguous run of rows."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_table(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            captured.setdefault("out", output.detach())
+
+    handle = table.register_forward_hook(on_table)
+    try:
+        logits(model, tokens_for(config, length))
+    finally:
+        handle.remove()
+    out = captured.get("out")
+    if out is None or out.shape[-1] != table.weight.shape[1]:
+        return None
+    rows = out.reshape(-1, out.shape[-1])[:length]
+    weight = table.weight.detach()
+    for offset in range(weight.shape[0] - rows.shape[0] + 1):
+        if torch.equal(rows, weight[offset : offset + rows.shape[0]]):
+            return offset
+    return None
+
+
 def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
     """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant."""
     head = anatomy.lm_head

@@ -19,6 +19,7 @@ from skill.features import (
     Checklist,
     Feature,
     FeatureDelta,
+    PositionKind,
     QKNormKind,
     feature_values,
     is_supported,
@@ -119,6 +120,15 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
+    pos = checklist.positions
+    if pos.kind is PositionKind.LEARNED:
+        if pos.table_key is None:
+            limits.append("learned position table saved under no key of its module")
+        if pos.table_rows_field != "max_position_embeddings":
+            limits.append(
+                f"learned position table sized by {pos.table_rows_field or 'no config field'}"
+                " (the port sizes it by max_position_embeddings)"
+            )
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

@@ -47,6 +47,11 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.down_proj": "feed_forward.w2",
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
+    # GPT-2-era names (gpt2, gpt_bigcode: attn.c_proj; OPT: out_proj, fc1/fc2 held by the layer).
+    "attn.c_proj": "attention.wo",
+    "self_attn.out_proj": "attention.wo",
+    "fc1": "feed_forward.w1",
+    "fc2": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
@@ -71,7 +76,14 @@ TOP_MODULES: dict[str, str] = {
     "model.embed_tokens": "tok_embeddings",
     "model.norm": "norm",
     "lm_head": "output",
+    # GPT-2-era names (gpt2, gpt_bigcode; OPT's decoder).
+    "transformer.wte": "tok_embeddings",
+    "transformer.ln_f": "norm",
+    "model.decoder.embed_tokens": "tok_embeddings",
+    "model.decoder.final_layer_norm": "norm",
 }
+# The Archon parameter of a learned absolute-position table (the report names its key).
+POSITION_TABLE = "pos_embeddings.weight"
 # Keys a checkpoint may hold that are recomputed at run time.
 RUNTIME_BUFFERS: dict[str, None] = {
     "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
@@ -109,7 +121,10 @@ def fused_rows(config: Any) -> dict[int, tuple[str, ...]]:
 
 
 def detect_fused_keys(
-    shapes: dict[str, tuple[int, ...]], config: Any, known_modules: set[str] | None = None
+    shapes: dict[str, tuple[int, ...]],
+    config: Any,
+    known_modules: set[str] | None = None,
+    layer_prefix: str = LAYER_PREFIX,
 ) -> dict[str, list[str]]:
     """Layer keys (``{}`` for the layer) that stack several Archon parameters -> those parameters.
 
@@ -123,9 +138,9 @@ def detect_fused_keys(
     fused: dict[str, list[str]] = {}
     for key, shape in shapes.items():
         key = generalise_key(key)
-        if not key.startswith(LAYER_PREFIX) or ".experts.{}." in key:
+        if not key.startswith(layer_prefix) or ".experts.{}." in key:
             continue
-        match = _PARAM_SUFFIX.match(key[len(LAYER_PREFIX) :])
+        match = _PARAM_SUFFIX.match(key[len(layer_prefix) :])
         if match is None or match.group("module") in known or not shape or shape[0] not in rows:
             continue
         param = match.group("param")
@@ -170,6 +185,8 @@ def derive_from_hf_map(
     dense_layers: bool = True,
     fused: dict[str, list[str]] | None = None,
     norm_roles: dict[str, str] | None = None,
+    layer_prefix: str = LAYER_PREFIX,
+    position_table_key: str | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -179,9 +196,9 @@ def derive_from_hf_map(
     fused = fused or {}
     keys = generalised_keys(hf_keys)
     layer_modules = {
-        _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :]).group("module")  # type: ignore[union-attr]
+        _PARAM_SUFFIX.match(k[len(layer_prefix) :]).group("module")  # type: ignore[union-attr]
         for k in keys
-        if k.startswith(LAYER_PREFIX) and _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :])
+        if k.startswith(layer_prefix) and _PARAM_SUFFIX.match(k[len(layer_prefix) :])
     }
     # The analysis' probed roles name the block norms; the checkpoint's names are the
     # fallback for a caller without a report.
@@ -199,7 +216,10 @@ def derive_from_hf_map(
         if key in RUNTIME_BUFFERS:
             mapping[key] = None
             continue
-        inner = key[len(LAYER_PREFIX) :] if key.startswith(LAYER_PREFIX) else None
+        if key == position_table_key:
+            mapping[key] = POSITION_TABLE
+            continue
+        inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else None
         match = _PARAM_SUFFIX.match(inner if inner is not None else key)
         if match is None:
             unmapped.append(key)
@@ -228,6 +248,13 @@ def derive_from_hf_map(
     # A critic's value head (Archon models only; HF checkpoints of a critic carry it too).
     mapping.setdefault("score.weight", "score.weight")
     return dict(sorted(mapping.items()))
+
+
+def _layer_template(layer0_prefix: str) -> str:
+    """``transformer.h.0.`` (the report's layer-0 prefix) -> ``transformer.h.{}.``."""
+    if not layer0_prefix.endswith(".0."):
+        return LAYER_PREFIX
+    return layer0_prefix[: -len("0.")] + "{}."
 
 
 class EditAdapterMapRequest(PackageRequest):
@@ -284,11 +311,19 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         config = load_config(request.source, request.trust_remote_code)
         dense_layers = any(hasattr(config, f) for f in ("mlp_only_layers", "decoder_sparse_step"))
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
-        fused = detect_fused_keys(shapes, tiny_config(config))
         from skill.porting.plan import report_for
 
-        roles = report_for(request.source, request.trust_remote_code).checklist.norm.block_norms
-        derived = derive_from_hf_map(list(shapes), dense_layers=dense_layers, fused=fused, norm_roles=roles)
+        report = report_for(request.source, request.trust_remote_code)
+        prefix = _layer_template(report.checkpoint.layer_prefix)
+        fused = detect_fused_keys(shapes, tiny_config(config), layer_prefix=prefix)
+        derived = derive_from_hf_map(
+            list(shapes),
+            dense_layers=dense_layers,
+            fused=fused,
+            norm_roles=report.checklist.norm.block_norms,
+            layer_prefix=prefix,
+            position_table_key=report.checklist.positions.table_key,
+        )
         text = apply_fused_adapter(text, layout, fused)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}

@@ -93,13 +93,32 @@ def dense_width_field(profile: PortPlan, config: Any) -> str:
     every layer routes to experts and whose config names no dense width, the experts'."""
     if profile.all_layers_moe and not hasattr(config, "intermediate_size") and hasattr(config, "moe_intermediate_size"):
         return "moe_intermediate_size"
-    return "intermediate_size"
+    return profile.ffn_width_field or "intermediate_size"
+
+
+def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``hidden_dim``: the config's width field, or, where that field may be ``None``
+    (GPT-2's ``n_inner``), that many times the hidden size."""
+    dense = dense_width_field(profile, config)
+    multiple = profile.ffn_width_multiple
+    if multiple is None:
+        return ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense))
+
+    def width(c: Any) -> int:
+        return getattr(c, dense, None) or multiple * c.hidden_size
+
+    return ArgField(
+        "hidden_dim",
+        "int",
+        width(config),
+        f'getattr(hf_config, "{dense}", None) or {multiple} * hf_config.hidden_size',
+        width,
+    )
 
 
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
     eps = profile.norm_eps_field
-    dense = dense_width_field(profile, config)
     eos_default = _eos(config, 0)
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
@@ -116,7 +135,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ),
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
-        ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
+        _dense_width_arg(profile, config),
         ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
         ArgField(
             "rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta
@@ -313,7 +332,8 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += ("num_experts_per_tok",)
-    return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
+    width = () if profile.ffn_width_multiple else (dense_width_field(profile, config),)
+    return tuple(dict.fromkeys((*CORE_REQUIRED, *width, profile.norm_eps_field, *moe)))
 
 
 MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)
@@ -379,6 +399,14 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 f'            "is not supported by {camel} in Archon."',
                 "        )",
             ]
+    if profile.mqa_flag is not None:
+        lines += [
+            f'    if not getattr(hf_config, "{profile.mqa_flag}", True):',
+            "        raise ValueError(",
+            f'            "{profile.mqa_flag}=False is not supported: {camel} in Archon reads the fused q/k/v "',
+            '            "projection as [queries, one key head, one value head]; port that variant as its own family."',
+            "        )",
+        ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
         condition = (
             'getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)'
