@@ -276,6 +276,10 @@ class Checklist(_Frozen):
     positions: PositionFeatures
     norm: NormFeatures
     scalars: ScalarFeatures
+    transposed_weights: list[str] = Field(
+        default_factory=list,
+        description="layer checkpoint keys ({} for the layer) stored as [in, out] (transformers' Conv1D), probed",
+    )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 
@@ -326,6 +330,7 @@ class Feature(StrEnum):
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    PROJECTION_ORIENTATION = "projection_orientation"
     OTHER = "other"
 
 
@@ -372,6 +377,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
     Feature.OTHER: "other",
 }
 
@@ -425,6 +431,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),
     Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
+    # The adapter transposes Conv1D-stored projections (edit_adapter_map.apply_transposed_adapter).
+    Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
 }
 
 
@@ -504,6 +512,9 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.PROJECTION_ORIENTATION: (
+            WeightOrientation.IN_OUT if checklist.transposed_weights else WeightOrientation.OUT_IN
+        ).value,
         Feature.OTHER: "; ".join(checklist.other),
     }
     if pos.kind is PositionKind.ROPE:

@@ -1091,6 +1091,27 @@ def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: fl
     return {"x": full, "1/x": 1.0 / full, "x**-0.5": full**-0.5, "sqrt(x)": math.sqrt(full)}[relation]
 
 
+# ------------------------------------------------------------ weight orientation
+
+
+def transposed_weights(ctx: Context) -> list[str]:
+    """Layer checkpoint keys (``{}`` for the layer) of projections stored ``(in, out)``
+    (transformers' ``Conv1D``, probed by :func:`modules.stores_in_out`), so the adapter
+    transposes them."""
+    prefix = ctx.layer_prefix
+    if not prefix.endswith(".0."):
+        return []
+    template = prefix[: -len("0.")] + "{}."
+    keys = []
+    for proj in mt.projections(ctx.anatomy.layers[0]):
+        key = f"{prefix}{proj.name}.weight"
+        if proj.orientation == "in_out" and key in ctx.saved_keys:
+            keys.append(template + key[len(prefix) :])
+    if keys:
+        ctx.evidence.append("projections stored (in, out) (Conv1D, probed): " + ", ".join(sorted(keys)))
+    return sorted(keys)
+
+
 # ------------------------------------------------------------ per-layer differences
 
 

@@ -125,6 +125,7 @@ def detect_fused_keys(
     config: Any,
     known_modules: set[str] | None = None,
     layer_prefix: str = LAYER_PREFIX,
+    transposed: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, list[str]]:
     """Layer keys (``{}`` for the layer) that stack several Archon parameters -> those parameters.
 
@@ -140,6 +141,8 @@ def detect_fused_keys(
         key = generalise_key(key)
         if not key.startswith(layer_prefix) or ".experts.{}." in key:
             continue
+        if key in transposed:
+            shape = tuple(reversed(shape))  # stored (in, out): judged as nn.Linear's (out, in)
         match = _PARAM_SUFFIX.match(key[len(layer_prefix) :])
         if match is None or match.group("module") in known or not shape or shape[0] not in rows:
             continue
@@ -315,7 +318,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
 
         report = report_for(request.source, request.trust_remote_code)
         prefix = _layer_template(report.checkpoint.layer_prefix)
-        fused = detect_fused_keys(shapes, tiny_config(config), layer_prefix=prefix)
+        transposed = set(report.checklist.transposed_weights)
+        fused = detect_fused_keys(shapes, tiny_config(config), layer_prefix=prefix, transposed=transposed)
         derived = derive_from_hf_map(
             list(shapes),
             dense_layers=dense_layers,
@@ -325,6 +329,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             position_table_key=report.checklist.positions.table_key,
         )
         text = apply_fused_adapter(text, layout, fused)
+        text = apply_transposed_adapter(text, layout, sorted(transposed))
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -477,3 +482,65 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
     text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
     text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
     return text
+
+
+# --- projections stored (in, out) (transformers' Conv1D) --------------------------------------
+
+TRANSPOSED = "transposed_hf_keys"
+
+_FROM_HF_ORIENT = """
+# Conv1D-stored projections arrive as (in, out); Archon's nn.Linear holds (out, in).
+hf_state_dict = {key: self._oriented(key, value) for key, value in hf_state_dict.items()}
+"""
+
+_TRANSPOSE = """
+def _oriented(self, hf_key: str, value: Any) -> Any:
+    \"\"\"``value`` transposed when ``hf_key`` is stored (in, out) on disk (either direction).\"\"\"
+    if _abstract(hf_key)[0] in self.transposed_hf_keys:
+        return value.transpose(0, 1).contiguous()
+    return value
+"""
+
+
+def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) -> str:
+    """Teach a copied adapter the checkpoint keys stored ``(in, out)`` (GPT-2's ``Conv1D``):
+    ``from_hf`` transposes them before anything else (a fused one is then split like any
+    other), ``convert_single_to_hf`` (and so ``to_hf``) transposes them back, after a fused
+    key's parts are stacked. Kept apart from the fused layouts: either applies alone."""
+    if not keys:
+        return text
+    cls = layout.adapter_class
+    literal = (
+        "# Checkpoint keys stored (in, out) (transformers' Conv1D); nn.Linear holds (out, in).\n"
+        f"{TRANSPOSED}: ClassVar[frozenset[str]] = frozenset(\n    {{\n"
+        + "".join(f'        "{key}",\n' for key in keys)
+        + "    }\n)\n"
+    )
+    anchor = FUSED_MAP if FUSED_MAP in text else "from_hf_map"
+    text = insert_class_statement_after(text, cls, anchor, literal)
+    text = text.replace(
+        "splits and re-stacks fused tensors.",
+        "splits and re-stacks fused tensors, transposes Conv1D ones.",
+    ).replace("; no tensor is changed.", "; transposes Conv1D-stored tensors.")
+    try:
+        text = insert_after_statement_assigning(
+            text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n"
+        )
+        text = replace_in_function(
+            text,
+            cls,
+            "convert_single_to_hf",
+            "return [(self._hf_key(name), tensor)]",
+            "hf_key = self._hf_key(name)\nreturn [(hf_key, self._oriented(hf_key, tensor))]\n",
+        )
+        if "self._concat_fused(hf_key, pieces)" in text:
+            text = replace_in_function(
+                text,
+                cls,
+                "to_hf",
+                "hf_state_dict[hf_key] = self._concat_fused(hf_key, pieces)",
+                "hf_state_dict[hf_key] = self._oriented(hf_key, self._concat_fused(hf_key, pieces))",
+            )
+    except CodemodError as e:
+        raise CodemodError(f"Conv1D-stored keys {keys} need the reference adapter's conversion methods: {e}") from e
+    return upsert_method(text, cls, "_oriented", _TRANSPOSE.strip() + "\n", after="_hf_key")
