@@ -999,6 +999,22 @@ def _partial_rotary(ctx: Context, rotary: nn.Module | None, rope: dict[str, Any]
 # ----------------------------------------------------------------------- norm
 
 
+def _fixed_eps(ctx: Context) -> float | None:
+    """The epsilon every norm of the model holds when no config field sets it (the modeling
+    code's constant, e.g. ``nn.LayerNorm``'s default 1e-5); ``None`` if they differ."""
+    values = set()
+    for _, module in ctx.model.named_modules():
+        if mt.is_norm(module):
+            value = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+            if isinstance(value, float):
+                values.add(value)
+    if len(values) != 1:
+        return None
+    (value,) = values
+    ctx.evidence.append(f"norm epsilon {value:g}: a constant of the modeling code, no config field")
+    return value
+
+
 def norm_features(ctx: Context) -> NormFeatures:
     norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
@@ -1011,9 +1027,10 @@ def norm_features(ctx: Context) -> NormFeatures:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
         ctx.other.append("block structure the norm probe could not read")
+    eps = float(ctx.get(eps_field)) if eps_field else _fixed_eps(ctx)
     return NormFeatures(
         kind=kind,
-        eps=float(ctx.get(eps_field)) if eps_field else None,
+        eps=eps,
         eps_field=eps_field,
         placement=placement,
         block_norms=block_norms,
@@ -1033,7 +1050,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     embedding_source = _scalar_source(ctx, "embedding")
     if scale is None:
         kind, value = "none", None
-        ctx.other.append("embeddings transformed before layer 0 beyond a constant scale (e.g. an embedding norm)")
+        ctx.other.append(_embedding_transform(ctx))
     elif embedding_source is not None:
         kind = "constant"
         value = _full_size_value(ctx, (embedding_source.field, embedding_source.relation), scale)
@@ -1075,6 +1092,25 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
     )
+
+
+def _embedding_transform(ctx: Context) -> str:
+    """What transforms the embeddings before layer 0, named: the module(s) whose forward runs
+    between the token embedding and layer 0 (probed), a norm by its kind."""
+    modules = dict(ctx.model.named_modules())
+    named = []
+    for name in probes.modules_before_first_layer(ctx.model, ctx.anatomy, ctx.tiny):
+        module = modules[name]
+        if mt.is_norm(module):
+            kind = probes.probe_norm_kind(module, ctx.tiny.hidden_size)
+            named.append(f"embedding norm ({kind.value}, {name})")
+        elif (proj := mt.projection(name, module)) is not None:
+            named.append(f"embedding projection {proj.in_features} -> {proj.out_features} ({name})")
+        else:
+            named.append(f"{type(module).__name__} ({name})")
+    if not named:
+        return "embeddings transformed before layer 0 beyond a constant scale (no module found by the probe)"
+    return "embeddings transformed before layer 0: " + ", ".join(named)
 
 
 def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:

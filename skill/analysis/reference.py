@@ -104,8 +104,8 @@ def engine_limits(checklist: Checklist) -> list[str]:
     checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
     limits = []
     att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
-    if norm.eps_field is None:
-        limits.append("norm epsilon with no config field (the port reads eps from the config)")
+    if norm.eps_field is None and norm.eps is None:
+        limits.append("norm epsilon with no config field, and no one constant in the norms")
     if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:
         limits.append(f"embedding scale {sc.embedding_scale} that no config field explains")
     if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":

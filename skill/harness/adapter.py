@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from archon_models.base import BaseStateDictAdapter
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
+from skill.harness.completeness import stacking_dim
 from skill.harness.keys import distinct_state_dict, key_indices, mapped_archon_key, wrapped_names
 from skill.harness.models import (
     build_archon_model,
@@ -98,14 +99,15 @@ def check_single_conversion(
     conversion still names it, so it is left out of the comparison.
     """
     # A fused checkpoint key (q/k/v, gate/up) is named by each parameter it stacks, one
-    # slice each; the slices, in state-dict order, concatenate along dim 0 to the key.
+    # slice each; the slices, in state-dict order, concatenate to the key along dim 0
+    # (dim 1 for a key stored (in, out), GPT-2's Conv1D c_attn).
     slices: dict[str, list[torch.Tensor]] = {}
     for name, tensor in archon_state.items():
         if tied and name == OUTPUT_KEY:
             continue
         for hf_key, piece in adapter.convert_single_to_hf(name, tensor):
             slices.setdefault(hf_key, []).append(piece)
-    single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=0) for k, v in slices.items()}
+    single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=stacking_dim(adapter, k)) for k, v in slices.items()}
     rec.add(compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True))
 
     wrong: list[str] = []

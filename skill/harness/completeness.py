@@ -7,8 +7,10 @@ that found no keys fails: completeness is never proven vacuously.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,21 +31,32 @@ def _shapes(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]
     return {key: tuple(tensor.shape) for key, tensor in pairs}
 
 
-def stacked_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
-    """The shape of ``shapes`` concatenated along dim 0 (one shape: itself), or None when
-    they cannot be concatenated (different ranks or trailing dimensions)."""
+def stacked_shape(shapes: list[tuple[int, ...]], dim: int = 0) -> tuple[int, ...] | None:
+    """The shape of ``shapes`` concatenated along ``dim`` (one shape: itself), or None when
+    they cannot be concatenated (different ranks or other dimensions)."""
     if len(shapes) == 1:
         return shapes[0]
     first = shapes[0]
-    if not first or any(len(s) != len(first) or s[1:] != first[1:] for s in shapes):
+    if len(first) <= dim:
         return None
-    return (sum(s[0] for s in shapes), *first[1:])
+    rest = [s[:dim] + s[dim + 1 :] for s in shapes]
+    if any(len(s) != len(first) or r != rest[0] for s, r in zip(shapes, rest, strict=True)):
+        return None
+    return (*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1 :])
+
+
+def stacking_dim(adapter: Any, hf_key: str) -> int:
+    """The dim a fused key's parts stack along on disk: 0, or 1 for a key the adapter
+    declares stored ``(in, out)`` (``transposed_hf_keys``: GPT-2's Conv1D c_attn)."""
+    transposed = getattr(adapter, "transposed_hf_keys", None) or ()
+    template = re.sub(r"\.(\d+)(?=\.)", ".{}", hf_key)
+    return 1 if template in transposed else 0
 
 
 def _describe(parts: list[tuple[str, tuple[int, ...]]]) -> str:
     if len(parts) == 1:
         return str(parts[0][1])
-    return " + ".join(f"{name} {shape}" for name, shape in parts) + " stacked on dim 0"
+    return " + ".join(f"{name} {shape}" for name, shape in parts) + " stacked"
 
 
 def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, tuple[int, ...]]) -> None:
@@ -94,7 +107,10 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
         else f"{len(params)} parameters",
     )
 
-    produced = {key: stacked_shape([shape for _, shape in parts]) for key, parts in contributions.items()}
+    produced = {
+        key: stacked_shape([shape for _, shape in parts], stacking_dim(adapter, key))
+        for key, parts in contributions.items()
+    }
     orphans = sorted(k for k in set(disk) - set(produced) if not is_explicit_drop(adapter, k))
     dropped = sorted(k for k in set(disk) - set(produced) if is_explicit_drop(adapter, k))
     rec.check(

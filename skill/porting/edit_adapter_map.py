@@ -523,9 +523,7 @@ def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) 
         "splits and re-stacks fused tensors, transposes Conv1D ones.",
     ).replace("; no tensor is changed.", "; transposes Conv1D-stored tensors.")
     try:
-        text = insert_after_statement_assigning(
-            text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n"
-        )
+        text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n")
         text = replace_in_function(
             text,
             cls,

@@ -96,6 +96,16 @@ def dense_width_field(profile: PortPlan, config: Any) -> str:
     return profile.ffn_width_field or "intermediate_size"
 
 
+def _norm_eps_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``norm_eps``: the config's field, or the modeling code's constant where no field
+    sets it (the default then stands; ``from_hf_config`` passes nothing)."""
+    fixed = profile.norm_eps_fixed
+    if fixed is not None:
+        return ArgField("norm_eps", "float", fixed, "", lambda c: fixed)
+    eps = profile.norm_eps_field
+    return ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps))
+
+
 def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
     """``hidden_dim``: the config's width field, or, where that field may be ``None``
     (GPT-2's ``n_inner``), that many times the hidden size."""
@@ -118,7 +128,6 @@ def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
 
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
-    eps = profile.norm_eps_field
     eos_default = _eos(config, 0)
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
@@ -136,7 +145,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
         _dense_width_arg(profile, config),
-        ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
+        _norm_eps_arg(profile, config),
         ArgField(
             "rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta
         ),
@@ -333,7 +342,8 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += ("num_experts_per_tok",)
     width = () if profile.ffn_width_multiple else (dense_width_field(profile, config),)
-    return tuple(dict.fromkeys((*CORE_REQUIRED, *width, profile.norm_eps_field, *moe)))
+    eps = () if profile.norm_eps_fixed is not None else (profile.norm_eps_field,)
+    return tuple(dict.fromkeys((*CORE_REQUIRED, *width, *eps, *moe)))
 
 
 MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)

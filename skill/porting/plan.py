@@ -72,6 +72,9 @@ class PortPlan(BaseModel):
     o_bias: bool
     mlp_bias: bool
     mqa_flag: str | None = Field(default=None, description="config switch of multi-query attention, when set")
+    kv_heads_field: str | None = Field(
+        default="num_key_value_heads", description="config field of the KV-head count; None when the family has none"
+    )
     qk_norm: Literal["none", "per_head", "full"]
     norm: Literal["rms", "rms_offset", "layernorm"]
     block: Literal["pre_norm", "sandwich", "post_norm"]
@@ -83,6 +86,9 @@ class PortPlan(BaseModel):
         default=None, description="the width is this multiple of hidden_size when that field is None"
     )
     norm_eps_field: str
+    norm_eps_fixed: float | None = Field(
+        default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
+    )
     sliding_window: bool
     sliding_layer_types: bool
     attn_softcap: bool
@@ -184,6 +190,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         o_bias=att.o_bias,
         mlp_bias=ffn.bias,
         mqa_flag=att.mqa_flag,
+        kv_heads_field=next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None),
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
@@ -193,6 +200,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         ffn_width_field=ffn.intermediate_size_field,
         ffn_width_multiple=ffn.intermediate_multiple,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
+        norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,

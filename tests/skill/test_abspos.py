@@ -203,3 +203,121 @@ def test_gpt2_era_keys_map_under_the_report_layer_prefix() -> None:
     assert mapping[f"{prefix}attn.c_proj.weight"] == "layers.{}.attention.wo.weight"
     assert mapping[f"{prefix}mlp.c_proj.weight"] == "layers.{}.feed_forward.w2.weight"
     assert mapping[f"{prefix}ln_2.bias"] == "layers.{}.ffn_norm.bias"
+
+
+# ------------------------------------------------------- Conv1D-stored projections
+
+
+def test_gpt2_conv1d_projections_are_probed_as_transposed() -> None:
+    # GPT2Attention: c_attn = Conv1D(3 * embed_dim, embed_dim), c_proj = Conv1D(embed_dim, embed_dim);
+    # GPT2MLP: c_fc = Conv1D(intermediate_size, embed_dim), c_proj = Conv1D(embed_dim, intermediate_size).
+    # Conv1D.forward: torch.addmm(bias, x, weight), weight of (nx, nf) = (in, out). c_attn.c_proj is
+    # square: only the probe tells its orientation.
+    report = report_for("gpt2")
+    assert report.checklist.transposed_weights == [
+        "transformer.h.{}.attn.c_attn.weight",
+        "transformer.h.{}.attn.c_proj.weight",
+        "transformer.h.{}.mlp.c_fc.weight",
+        "transformer.h.{}.mlp.c_proj.weight",
+    ]
+    assert feature_values(report.checklist)[Feature.PROJECTION_ORIENTATION] == "in_out"
+    assert not any("[in, out]" in line for line in report.unsupported)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_bigcode", "llama"])
+def test_linear_projections_are_not_transposed(model_type: str) -> None:
+    # GPTBigCodeAttention / GPTBigCodeMLP use nn.Linear (out, in), as llama does.
+    checklist = report_for(model_type).checklist
+    assert checklist.transposed_weights == []
+    assert feature_values(checklist)[Feature.PROJECTION_ORIENTATION] == "out_in"
+
+
+def _adapter_with_transposed_keys(keys: list[str]):
+    """The committed gpt_bigcode adapter taught ``keys`` as Conv1D-stored, executed."""
+    import sys
+    import types
+
+    from skill.porting.common import PackageLayout
+    from skill.porting.edit_adapter_map import apply_transposed_adapter
+
+    layout = PackageLayout.for_name("gpt_bigcode")
+    text = (REPO / "archon_models/gpt_bigcode/model/state_dict_adapter.py").read_text()
+    edited = apply_transposed_adapter(text, layout, keys)
+    assert apply_transposed_adapter(edited, layout, keys) == edited  # idempotent
+    name = "_abspos_transposed_adapter"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        exec(compile(edited, "<adapter>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return module.GptBigcodeStateDictAdapter
+
+
+def test_transposed_adapter_roundtrip_with_a_fused_conv1d_key() -> None:
+    import torch
+
+    from archon_models.gpt_bigcode.model.args import GptBigcodeModelArgs
+    from archon_models.gpt_bigcode.model.model import GptBigcodeModel
+
+    keys = ["transformer.h.{}.attn.c_attn.weight", "transformer.h.{}.mlp.c_fc.weight"]
+    adapter_class = _adapter_with_transposed_keys(keys)
+    args = GptBigcodeModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=16, vocab_size=256, hidden_dim=256)
+    torch.manual_seed(0)
+    model = GptBigcodeModel(args)
+    adapter = adapter_class(args)
+    archon = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hf = adapter.to_hf(archon)
+    layer = "layers.1."
+    # Fused and Conv1D: [wq; wk; wv] stacked on dim 0, stored transposed (in, 3 * out).
+    stacked = torch.cat([archon[f"{layer}attention.{w}.weight"] for w in ("wq", "wk", "wv")], dim=0)
+    assert torch.equal(hf["transformer.h.1.attn.c_attn.weight"], stacked.t())
+    assert hf["transformer.h.1.attn.c_attn.weight"].shape == (64, 96)
+    assert torch.equal(hf["transformer.h.1.mlp.c_fc.weight"], archon[f"{layer}feed_forward.w1.weight"].t())
+    # Not listed: kept as nn.Linear stores it.
+    assert torch.equal(hf["transformer.h.1.mlp.c_proj.weight"], archon[f"{layer}feed_forward.w2.weight"])
+    back = adapter.from_hf(hf)
+    assert set(back) == set(archon)
+    for key, value in archon.items():
+        assert torch.equal(back[key], value), key
+    # One parameter at a time (AReaL's weight sync) gives the on-disk orientation too.
+    ((key, tensor),) = adapter.convert_single_to_hf(
+        f"{layer}feed_forward.w1.weight", archon[f"{layer}feed_forward.w1.weight"]
+    )
+    assert key == "transformer.h.1.mlp.c_fc.weight" and tensor.shape == (64, 256)
+
+
+# ------------------------------------------- norm epsilon constant, embedding transforms
+
+
+@pytest.mark.parametrize("model_type", ["opt", "xglm"])
+def test_norm_epsilon_fixed_in_the_modeling_code(model_type: str) -> None:
+    # OPTDecoderLayer / XGLMDecoderLayer: nn.LayerNorm(embed_dim) with its default eps=1e-5;
+    # neither config has an epsilon field.
+    report = report_for(model_type)
+    norm = report.checklist.norm
+    assert norm.eps_field is None
+    assert norm.eps == pytest.approx(1e-5)
+    assert not any("epsilon" in line for line in report.unsupported)
+
+
+def test_eps_constant_reaches_the_args_not_from_hf_config() -> None:
+    from skill.porting.edit_args import arg_fields, required_fields
+    from skill.porting.hf_source import load_config
+
+    plan = plan_for("opt")
+    assert plan.norm_eps_fixed == pytest.approx(1e-5)
+    config = load_config("opt")
+    (eps,) = [f for f in arg_fields(plan, config) if f.name == "norm_eps"]
+    assert (eps.default, eps.expression) == (pytest.approx(1e-5), "")
+    assert not any("eps" in name for name in required_fields(plan, config))
+
+
+def test_bloom_embedding_norm_is_named() -> None:
+    # BloomModel.forward: hidden_states = self.word_embeddings_layernorm(inputs_embeds), a
+    # LayerNorm, before the first block.
+    report = report_for("bloom")
+    assert (
+        "embeddings transformed before layer 0: embedding norm (layer_norm, transformer.word_embeddings_layernorm)"
+        in report.checklist.other
+    )
