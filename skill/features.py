@@ -255,6 +255,10 @@ class ScalarFeatures(_Frozen):
         "none", description="none, sqrt_dim, or constant (also when a config field sets it, even to 1.0)"
     )
     embedding_scale_source: ConfigScalar | None = Field(None, description="config field of a constant scale")
+    embedding_norm: NormKind | None = Field(None, description="a norm on the embeddings before layer 0 (probed)")
+    embedding_norm_module: str | None = Field(
+        None, description="its module path, whose weight/bias keys the checkpoint holds"
+    )
     residual_multiplier: float | None = Field(None, description="the default config's value when not 1.0")
     residual_multiplier_field: str | None = Field(
         None, description="config field of the residual multiplier, when the forward reads it (even at 1.0)"
@@ -326,6 +330,7 @@ class Feature(StrEnum):
     NORM_KIND = "norm_kind"
     NORM_PLACEMENT = "norm_placement"
     EMBEDDING_SCALE = "embedding_scale"
+    EMBEDDING_NORM = "embedding_norm"
     RESIDUAL_MULTIPLIER = "residual_multiplier"
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
@@ -373,6 +378,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.NORM_KIND: "norm kind",
     Feature.NORM_PLACEMENT: "norm placement",
     Feature.EMBEDDING_SCALE: "embedding scale",
+    Feature.EMBEDDING_NORM: "embedding norm",
     Feature.RESIDUAL_MULTIPLIER: "residual multiplier",
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
@@ -419,6 +425,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.NORM_KIND: frozenset({NormKind.RMS, NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM}),
     Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
+    # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).
+    Feature.EMBEDDING_NORM: frozenset({"none", NormKind.RMS, NormKind.LAYER_NORM}),
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
@@ -508,6 +516,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
+        Feature.EMBEDDING_NORM: sc.embedding_norm.value if sc.embedding_norm is not None else "none",
         Feature.RESIDUAL_MULTIPLIER: _multiplier(sc.residual_multiplier, sc.residual_multiplier_field),
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),

@@ -1048,9 +1048,12 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     """
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
     embedding_source = _scalar_source(ctx, "embedding")
+    embedding_norm: tuple[NormKind, str] | None = None
     if scale is None:
         kind, value = "none", None
-        ctx.other.append(_embedding_transform(ctx))
+        embedding_norm = _embedding_norm(ctx)
+        if embedding_norm is None:
+            ctx.other.append(_embedding_transform(ctx))
     elif embedding_source is not None:
         kind = "constant"
         value = _full_size_value(ctx, (embedding_source.field, embedding_source.relation), scale)
@@ -1083,6 +1086,8 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         embedding_scale=value,
         embedding_scale_kind=kind,
         embedding_scale_source=embedding_source,
+        embedding_norm=embedding_norm[0] if embedding_norm else None,
+        embedding_norm_module=embedding_norm[1] if embedding_norm else None,
         residual_multiplier=float(residual)
         if isinstance(residual, (int, float)) and not isinstance(residual, bool) and residual != 1.0
         else None,
@@ -1092,6 +1097,20 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
     )
+
+
+def _embedding_norm(ctx: Context) -> tuple[NormKind, str] | None:
+    """(kind, module path) when the one thing between the embedding and layer 0 is a norm
+    whose weights the checkpoint holds (Bloom's word_embeddings_layernorm)."""
+    found = probes.modules_before_first_layer(ctx.model, ctx.anatomy, ctx.tiny)
+    if len(found) != 1:
+        return None
+    (name,) = found
+    module = dict(ctx.model.named_modules())[name]
+    if not mt.is_norm(module) or f"{name}.weight" not in ctx.saved_keys:
+        return None
+    ctx.evidence.append(f"embedding norm before layer 0: {name} (probe)")
+    return probes.probe_norm_kind(module, ctx.tiny.hidden_size), name
 
 
 def _embedding_transform(ctx: Context) -> str:

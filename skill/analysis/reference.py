@@ -120,6 +120,8 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
+    if sc.embedding_norm is not None and sc.embedding_norm is not norm.kind:
+        limits.append(f"embedding norm of kind {sc.embedding_norm.value} beside {norm.kind.value} block norms")
     pos = checklist.positions
     if pos.kind is PositionKind.LEARNED:
         if pos.table_key is None:

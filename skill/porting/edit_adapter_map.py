@@ -78,6 +78,7 @@ TOP_MODULES: dict[str, str] = {
     "lm_head": "output",
     # GPT-2-era names (gpt2, gpt_bigcode; OPT's decoder).
     "transformer.wte": "tok_embeddings",
+    "transformer.word_embeddings": "tok_embeddings",
     "transformer.ln_f": "norm",
     "model.decoder.embed_tokens": "tok_embeddings",
     "model.decoder.final_layer_norm": "norm",
@@ -190,6 +191,7 @@ def derive_from_hf_map(
     norm_roles: dict[str, str] | None = None,
     layer_prefix: str = LAYER_PREFIX,
     position_table_key: str | None = None,
+    embedding_norm_module: str | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -221,6 +223,9 @@ def derive_from_hf_map(
             continue
         if key == position_table_key:
             mapping[key] = POSITION_TABLE
+            continue
+        if embedding_norm_module is not None and key.startswith(f"{embedding_norm_module}."):
+            mapping[key] = "embedding_norm." + key[len(embedding_norm_module) + 1 :]
             continue
         inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else None
         match = _PARAM_SUFFIX.match(inner if inner is not None else key)
@@ -327,6 +332,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             norm_roles=report.checklist.norm.block_norms,
             layer_prefix=prefix,
             position_table_key=report.checklist.positions.table_key,
+            embedding_norm_module=report.checklist.scalars.embedding_norm_module,
         )
         text = apply_fused_adapter(text, layout, fused)
         text = apply_transposed_adapter(text, layout, sorted(transposed))

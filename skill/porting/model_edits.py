@@ -374,6 +374,30 @@ def _learned_positions(text: str, ctx: EditContext) -> str:
     )
 
 
+def _embedding_norm(text: str, ctx: EditContext) -> str:
+    """A norm on the embeddings before layer 0 (Bloom's word_embeddings_layernorm), of the
+    block norms' class, last in the embedding stage."""
+    if "self.embedding_norm(" in text:
+        return text
+    norm_class = "RMSNorm" if "class RMSNorm" in text else "nn.LayerNorm"
+    text = insert_after_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        "# The embeddings are normalised before the first block.\n"
+        f"self.embedding_norm = {norm_class}(model_args.dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        "nn.init.normal_(self.tok_embeddings.weight)",
+        "nn.init.normal_(self.tok_embeddings.weight)\nself.embedding_norm.reset_parameters()\n",
+    )
+    return append_to_embedding_stage(text, ctx.model_class, "h = self.embedding_norm(h)\n")
+
+
 ROPE_CACHE_CALL = (
     "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)"
 )
@@ -658,6 +682,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _learned_positions,
     ),
     ModelEdit(
+        "embedding_norm",
+        "a norm on the embeddings before the first block",
+        lambda p: p.embedding_norm_module is not None,
+        _embedding_norm,
+    ),
+    ModelEdit(
         "logits_scaling",
         "logits divided by a config factor",
         lambda p: p.logit_divisor_field is not None,
@@ -712,6 +742,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         )
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")
+    if profile.embedding_norm_module is not None:
+        extras.append("normalised embeddings")
     if profile.multipliers:
         extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
     if profile.final_softcap:

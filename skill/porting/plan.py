@@ -96,6 +96,9 @@ class PortPlan(BaseModel):
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     embedding_scale: Literal["none", "sqrt_dim", "multiplier"]
     embedding_scale_field: str | None
+    embedding_norm_module: str | None = Field(
+        default=None, description="module path of a norm on the embeddings before layer 0 (its checkpoint keys)"
+    )
     residual_multiplier_field: str | None
     logit_divisor_field: str | None = Field(description="config field the logits are divided by")
     positions: Literal["rope", "learned"] = Field(
@@ -210,6 +213,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         embedding_scale_field=sc.embedding_scale_source.field
         if embedding == "multiplier" and sc.embedding_scale_source
         else None,
+        embedding_norm_module=sc.embedding_norm_module,
         residual_multiplier_field=sc.residual_multiplier_field,
         logit_divisor_field=logit_divisor,
         positions="learned" if pos.kind is PositionKind.LEARNED else "rope",

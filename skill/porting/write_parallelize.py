@@ -159,6 +159,26 @@ def _plan_position_table(text: str) -> str:
     )
 
 
+EMBEDDING_NORM_PLAN = """# The embedding norm runs on the sequence shard the token embeddings land on; its weight
+# gradients are summed over the ranks.
+root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)
+"""
+
+
+def _plan_embedding_norm(text: str) -> str:
+    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+    if 'root_plan["embedding_norm"]' in text:
+        return text
+    anchor = 'root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))'
+    return replace_in_function(
+        text,
+        None,
+        function,
+        f"if model.tok_embeddings is not None:\n    {anchor}",
+        f"if model.tok_embeddings is not None:\n    {anchor}\n{textwrap.indent(EMBEDDING_NORM_PLAN, '    ')}",
+    )
+
+
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
     """Make archon_models/<model_name>/infra/parallelize.py's TP plan match the model: plan
     entries only for modules the family has (e.g. no w3 for a two-layer MLP), local outputs
@@ -224,6 +244,8 @@ def apply_write_parallelize(
         text = _plan_without_rope(text)
     if profile.positions == "learned":
         text = _plan_position_table(text)
+    if profile.embedding_norm_module is not None:
+        text = _plan_embedding_norm(text)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

@@ -321,3 +321,43 @@ def test_bloom_embedding_norm_is_named() -> None:
         "embeddings transformed before layer 0: embedding norm (layer_norm, transformer.word_embeddings_layernorm)"
         in report.checklist.other
     )
+
+
+@pytest.mark.parametrize("reference", sorted(MODELS))
+def test_embedding_norm_after_positions_in_any_order(reference: str) -> None:
+    """The embedding norm is the last step of the embedding stage, whatever order the
+    edits are named in; with layer_norm it is an nn.LayerNorm like the block norms."""
+    plan = _learned_plan(0, embedding_norm_module="transformer.word_embeddings_layernorm", norm="layernorm")
+    names = ["remove_rope", "layer_norm", "learned_positions", "embedding_norm", "embedding_sqrt_dim"]
+    ctx = EditContext("Toy", MODEL_CLASS[reference], plan)
+    canonical = apply_model_edits(MODELS[reference], ctx, names)
+    for order in (list(reversed(names)), names[2:] + names[:2]):
+        assert apply_model_edits(MODELS[reference], ctx, order) == canonical
+    assert "self.embedding_norm = nn.LayerNorm(model_args.dim, eps=model_args.norm_eps)" in canonical
+    stage = canonical[canonical.index("if self.tok_embeddings is not None:\n            # Embeddings") :]
+    assert (
+        stage.index("dim**0.5") < stage.index("self.pos_embeddings(positions)") < stage.index("self.embedding_norm(h)")
+    )
+    assert "self.embedding_norm.reset_parameters()" in canonical
+    compile(canonical, "<edited>", "exec")
+
+
+def test_embedding_norm_keys_and_tp_plan() -> None:
+    from skill.porting.write_parallelize import _plan_embedding_norm
+
+    mapping = derive_from_hf_map(
+        [
+            "transformer.word_embeddings.weight",
+            "transformer.word_embeddings_layernorm.weight",
+            "transformer.word_embeddings_layernorm.bias",
+            "transformer.ln_f.weight",
+        ],
+        layer_prefix="transformer.h.{}.",
+        embedding_norm_module="transformer.word_embeddings_layernorm",
+    )
+    assert mapping["transformer.word_embeddings_layernorm.weight"] == "embedding_norm.weight"
+    assert mapping["transformer.word_embeddings_layernorm.bias"] == "embedding_norm.bias"
+    assert mapping["transformer.word_embeddings.weight"] == "tok_embeddings.weight"
+    plan = _plan_embedding_norm(PARALLELIZE["qwen2"])
+    assert 'root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)' in plan
+    assert _plan_embedding_norm(plan) == plan
