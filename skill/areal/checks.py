@@ -179,11 +179,17 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
     doc_lens = distributed._padded_doc_lens(case.doc_lens, 2 * distributed.WORLD_SIZE)
     vocab = model.model_args.vocab_size
     batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + r) for r in range(distributed.WORLD_SIZE)]
+    # TP where AReaL's constraints allow it (one KV head cannot be split over two ranks).
+    reasons = distributed.applicable_parallelisms(model)
+    chosen = tuple(p for p in ("tp", "fsdp") if reasons[p] is None)
+    for p in ("tp", "fsdp"):
+        if reasons[p] is not None:
+            logger.info("AReaL tier for %s: %s=2 not run: %s", case.id, p, reasons[p])
     setup = distributed._Setup(
         spec=spec,
         model=model,
         batches=batches,
-        parallelisms=("tp", "fsdp"),
+        parallelisms=chosen,
         dims_cls=ArchonParallelDims,
         ac_config_cls=ActivationCheckpointConfig,
     )

@@ -313,14 +313,22 @@ def test_eps_constant_reaches_the_args_not_from_hf_config() -> None:
     assert not any("eps" in name for name in required_fields(plan, config))
 
 
-def test_bloom_embedding_norm_is_named() -> None:
+def test_bloom_embedding_norm_is_measured() -> None:
     # BloomModel.forward: hidden_states = self.word_embeddings_layernorm(inputs_embeds), a
     # LayerNorm, before the first block.
     report = report_for("bloom")
-    assert (
-        "embeddings transformed before layer 0: embedding norm (layer_norm, transformer.word_embeddings_layernorm)"
-        in report.checklist.other
-    )
+    scalars = report.checklist.scalars
+    assert scalars.embedding_norm == "layer_norm"
+    assert scalars.embedding_norm_module == "transformer.word_embeddings_layernorm"
+    assert feature_values(report.checklist)[Feature.EMBEDDING_NORM] == "layer_norm"
+    assert not any("embedding" in line for line in report.unsupported)
+
+
+def test_other_embedding_transforms_are_named() -> None:
+    # OPTDecoder: project_in = nn.Linear(word_embed_proj_dim, hidden_size) when they differ
+    # (the tiny config shrinks word_embed_proj_dim to 32 beside hidden 64).
+    other = report_for("opt").checklist.other
+    assert "embeddings transformed before layer 0: embedding projection 32 -> 64 (model.decoder.project_in)" in other
 
 
 @pytest.mark.parametrize("reference", sorted(MODELS))
@@ -361,3 +369,20 @@ def test_embedding_norm_keys_and_tp_plan() -> None:
     plan = _plan_embedding_norm(PARALLELIZE["qwen2"])
     assert 'root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)' in plan
     assert _plan_embedding_norm(plan) == plan
+
+
+def test_stage5_skips_tp_only_for_one_kv_head() -> None:
+    """AReaL's validate_tp_constraints refuses tp=2 with one KV head: stage 5 says so rather
+    than failing; with two KV heads TP runs."""
+    import torch
+
+    from archon_models.gpt_bigcode.model.args import GptBigcodeModelArgs
+    from archon_models.gpt_bigcode.model.model import GptBigcodeModel
+    from skill.harness.distributed import applicable_parallelisms
+
+    small = {"dim": 64, "n_layers": 1, "n_heads": 4, "head_dim": 16, "vocab_size": 256, "hidden_dim": 128}
+    with torch.device("meta"):
+        mqa = GptBigcodeModel(GptBigcodeModelArgs(n_kv_heads=1, **small))
+        gqa = GptBigcodeModel(GptBigcodeModelArgs(n_kv_heads=2, **small))
+    assert "n_kv_heads (1) must be divisible by tp_size (2)" in (applicable_parallelisms(mqa)["tp"] or "")
+    assert applicable_parallelisms(gqa)["tp"] is None
