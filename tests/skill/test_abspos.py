@@ -114,8 +114,7 @@ def test_learned_positions_compose_with_an_embedding_scale_in_any_order(referenc
 def test_position_table_without_offset_and_rope_selected_only_without_rope(reference: str) -> None:
     plan = _learned_plan(0, embedding_scale="none")
     text = MODELS[reference]
-    assert select_edits(plan, text)[:1] == ["remove_rope"]
-    assert "learned_positions" in select_edits(plan, text)
+    assert {"remove_rope", "learned_positions"} <= set(select_edits(plan, text))
     edited = apply_model_edits(text, EditContext("Toy", MODEL_CLASS[reference], plan), select_edits(plan, text))
     assert "h = h + self.pos_embeddings(positions)\n" in edited
     assert "nn.Embedding(model_args.max_seq_len, model_args.dim)" in edited
