@@ -15,6 +15,7 @@ from archon_models.glm import spec as glm_spec  # noqa: F401
 from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
+from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401

@@ -166,6 +166,9 @@ class AttentionFeatures(_Frozen):
     n_heads: int | None = None
     n_kv_heads: int | None = None
     gqa: bool = Field(False, description="fewer KV heads than query heads (MQA included)")
+    mqa_flag: str | None = Field(
+        None, description="bool config field, set, that makes one KV head whatever the head counts say (multi_query)"
+    )
     head_dim: int | None = None
     explicit_head_dim: bool = Field(False, description="head_dim differs from hidden_size // n_heads")
     sliding_window: SlidingWindow = SlidingWindow()
@@ -201,6 +204,12 @@ class FFNFeatures(_Frozen):
     bias: bool = False
     fused_gate_up: bool = False
     intermediate_size: int | None = None
+    intermediate_size_field: str | None = Field(
+        None, description="config field of the FFN width (intermediate_size, ffn_dim, n_inner)"
+    )
+    intermediate_multiple: int | None = Field(
+        None, description="width = multiple * hidden_size when that field is None (GPT-2's n_inner: 4)"
+    )
 
 
 class MoEFeatures(_Frozen):
@@ -277,6 +286,13 @@ class PositionFeatures(_Frozen):
     rope_layer_types: list[str] = Field(
         default_factory=list, description="the layer types rope_parameters holds parameters for, when per layer type"
     )
+    table_key: str | None = Field(
+        None, description="checkpoint key of a learned absolute-position table (transformer.wpe.weight)"
+    )
+    table_offset: int = Field(0, description="position p reads row p + offset of the table (OPT: 2), probed")
+    table_rows_field: str | None = Field(
+        None, description="config field whose value plus the offset is the table's row count"
+    )
 
 
 class NormFeatures(_Frozen):
@@ -296,6 +312,10 @@ class ScalarFeatures(_Frozen):
         "none", description="none, sqrt_dim, or constant (also when a config field sets it, even to 1.0)"
     )
     embedding_scale_source: ConfigScalar | None = Field(None, description="config field of a constant scale")
+    embedding_norm: NormKind | None = Field(None, description="a norm on the embeddings before layer 0 (probed)")
+    embedding_norm_module: str | None = Field(
+        None, description="its module path, whose weight/bias keys the checkpoint holds"
+    )
     residual_multiplier: float | None = Field(None, description="the default config's value when not 1.0")
     residual_multiplier_field: str | None = Field(
         None, description="config field of the residual multiplier, when the forward reads it (even at 1.0)"
@@ -317,6 +337,10 @@ class Checklist(_Frozen):
     positions: PositionFeatures
     norm: NormFeatures
     scalars: ScalarFeatures
+    transposed_weights: list[str] = Field(
+        default_factory=list,
+        description="layer checkpoint keys ({} for the layer) stored as [in, out] (transformers' Conv1D), probed",
+    )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 
@@ -365,10 +389,12 @@ class Feature(StrEnum):
     NORM_KIND = "norm_kind"
     NORM_PLACEMENT = "norm_placement"
     EMBEDDING_SCALE = "embedding_scale"
+    EMBEDDING_NORM = "embedding_norm"
     RESIDUAL_MULTIPLIER = "residual_multiplier"
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    PROJECTION_ORIENTATION = "projection_orientation"
     OTHER = "other"
 
 
@@ -413,10 +439,12 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.NORM_KIND: "norm kind",
     Feature.NORM_PLACEMENT: "norm placement",
     Feature.EMBEDDING_SCALE: "embedding scale",
+    Feature.EMBEDDING_NORM: "embedding norm",
     Feature.RESIDUAL_MULTIPLIER: "residual multiplier",
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
     Feature.OTHER: "other",
 }
 
@@ -470,6 +498,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.NORM_KIND: frozenset({NormKind.RMS, NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM}),
     Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
+    # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).
+    Feature.EMBEDDING_NORM: frozenset({"none", NormKind.RMS, NormKind.LAYER_NORM}),
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
@@ -480,10 +510,14 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
     # RoPE left out per layer as the config says (model_edits.py nope_layers).
     Feature.NOPE_LAYERS: frozenset({"false", "per_layer_field", "layer_type"}),
+    # Learned absolute positions (model_edits.py: remove_rope, learned_positions).
+    Feature.POSITION_KIND: frozenset({PositionKind.ROPE, PositionKind.LEARNED}),
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),
     Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
+    # The adapter transposes Conv1D-stored projections (edit_adapter_map.apply_transposed_adapter).
+    Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
 }
 
 
@@ -597,10 +631,14 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
+        Feature.EMBEDDING_NORM: sc.embedding_norm.value if sc.embedding_norm is not None else "none",
         Feature.RESIDUAL_MULTIPLIER: _multiplier(sc.residual_multiplier, sc.residual_multiplier_field),
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.PROJECTION_ORIENTATION: (
+            WeightOrientation.IN_OUT if checklist.transposed_weights else WeightOrientation.OUT_IN
+        ).value,
         Feature.OTHER: "; ".join(checklist.other),
     }
     if pos.kind is PositionKind.ROPE:

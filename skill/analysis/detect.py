@@ -578,6 +578,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
     custom, scaling_source = _custom_scaling(ctx)
     kv = _measured_kv_heads(ctx, roles, heads, kv)
+    # A set multi-query switch fixes one KV head; the config's KV-head count follows it.
+    mqa_flag = next(
+        (n for n, v in sorted(ctx.config.to_dict().items()) if v is True and "multi_query" in n and kv == 1), None
+    )
     clip_value, clip_field = _clip_qkv(ctx)
     mla = None
     if isinstance(ctx.get("kv_lora_rank"), int):
@@ -617,6 +621,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         n_heads=heads,
         n_kv_heads=kv,
         gqa=isinstance(kv, int) and isinstance(heads, int) and kv < heads,
+        mqa_flag=mqa_flag,
         head_dim=head_dim if isinstance(head_dim, int) else derived,
         explicit_head_dim=explicit,
         sliding_window=_sliding_window(ctx),
@@ -672,24 +677,37 @@ def _layer_ffn_projections(ctx: Context) -> list[mt.Projection]:
     return [p for p in mt.projections(layer, recurse=False) if p.module is not ctx.anatomy.attention]
 
 
-def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> int | None:
-    """The FFN width at full size: ``intermediate_size``, else the width field whose tiny
-    value is the up projection's width (``ffn_dim``, ``n_inner``, ...)."""
+_WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
+
+
+def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None]:
+    """The FFN width at full size and the config field that sets it: ``intermediate_size``,
+    else the width field whose tiny value is the up projection's width (``ffn_dim``,
+    ``n_inner``, ...), else a width field left ``None`` when the width is a multiple of the
+    hidden size (GPT-2's ``n_inner=None``: 4 * hidden). (size, field, multiple)."""
     declared = ctx.get("intermediate_size")
     if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared
+        return declared, "intermediate_size", None
     widths = {p.out_features for p in ups}
-    for name, value in sorted(ctx.tiny.to_dict().items()):
+    tiny_fields = sorted(ctx.tiny.to_dict().items())
+    for name, value in tiny_fields:
         if (
             isinstance(value, int)
             and not isinstance(value, bool)
             and value in widths
-            and any(w in name for w in ("intermediate", "ffn", "inner", "mlp"))
+            and any(w in name for w in _WIDTH_WORDS)
         ):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
-                return full
-    return None
+                return full, name, None
+    hidden = ctx.tiny.hidden_size
+    if len(widths) == 1 and next(iter(widths)) % hidden == 0:
+        multiple = next(iter(widths)) // hidden
+        unset = [n for n, v in tiny_fields if v is None and any(w in n for w in _WIDTH_WORDS)]
+        if len(unset) == 1 and ctx.get(unset[0]) is None:
+            ctx.evidence.append(f"FFN width: {unset[0]}=None gives {multiple} * hidden_size")
+            return multiple * int(ctx.config.hidden_size), unset[0], multiple
+    return None, None, None
 
 
 def ffn_features(ctx: Context) -> FFNFeatures:
@@ -732,12 +750,15 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
     )
     gated = len(ups) >= 2 or fused
     bias = any(p.bias for p in projs)
+    size, size_field, multiple = _intermediate_size(ctx, ups)
     return FFNFeatures(
         kind=FFNKind.GATED if gated else FFNKind.PLAIN,
         activation=activation,
         bias=bias,
         fused_gate_up=fused,
-        intermediate_size=_intermediate_size(ctx, ups),
+        intermediate_size=size,
+        intermediate_size_field=size_field,
+        intermediate_multiple=multiple,
     )
 
 
@@ -1205,6 +1226,12 @@ def position_features(ctx: Context) -> PositionFeatures:
         kind = PositionKind.RELATIVE_BIAS
     else:
         kind = PositionKind.NONE
+    if kind is PositionKind.LEARNED:
+        name, table = position_tables[0]
+        key, offset, rows_field = _learned_table(ctx, name, table)
+        return PositionFeatures(
+            kind=kind, rope_type=None, theta=None, table_key=key, table_offset=offset, table_rows_field=rows_field
+        )
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
     per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
@@ -1255,6 +1282,28 @@ def _per_layer_rope(ctx: Context, rope: dict[str, Any]) -> dict[str, Any]:
     return rope.get("full_attention") or next(iter(rope.values()))
 
 
+def _learned_table(ctx: Context, name: str, table: nn.Embedding) -> tuple[str | None, int, str | None]:
+    """A learned position table: its checkpoint key, the row offset position ``p`` reads
+    (probed: the table's output for a fresh sequence against its rows), and the config
+    field that sizes it (rows = field + offset)."""
+    key = f"{name}.weight" if f"{name}.weight" in ctx.saved_keys else None
+    offset = probes.probe_position_offset(ctx.model, table, ctx.tiny)
+    if offset is None:
+        ctx.other.append(f"learned positions that read no contiguous rows of {name} (probe)")
+        offset = 0
+    rows = table.weight.shape[0] - offset
+    fields = [
+        n
+        for n, v in sorted(ctx.tiny.to_dict().items())
+        if isinstance(v, int) and not isinstance(v, bool) and v == rows and ("position" in n or n in ("n_ctx",))
+    ]
+    if getattr(ctx.tiny, "max_position_embeddings", None) == rows:
+        fields.insert(0, "max_position_embeddings")
+    if offset:
+        ctx.evidence.append(f"learned positions: position p reads row p + {offset} of {name}")
+    return key, offset, (fields[0] if fields else None)
+
+
 def _rotary_dims_field(ctx: Context) -> tuple[str, int] | None:
     """A config field giving the rotated width in dimensions (``rotary_dim``)."""
     for name, value in sorted(ctx.config.to_dict().items()):
@@ -1291,6 +1340,22 @@ def _partial_rotary(ctx: Context, rotary: nn.Module | None, rope: dict[str, Any]
 # ----------------------------------------------------------------------- norm
 
 
+def _fixed_eps(ctx: Context) -> float | None:
+    """The epsilon every norm of the model holds when no config field sets it (the modeling
+    code's constant, e.g. ``nn.LayerNorm``'s default 1e-5); ``None`` if they differ."""
+    values = set()
+    for _, module in ctx.model.named_modules():
+        if mt.is_norm(module):
+            value = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+            if isinstance(value, float):
+                values.add(value)
+    if len(values) != 1:
+        return None
+    (value,) = values
+    ctx.evidence.append(f"norm epsilon {value:g}: a constant of the modeling code, no config field")
+    return value
+
+
 def norm_features(ctx: Context) -> NormFeatures:
     norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
@@ -1303,9 +1368,10 @@ def norm_features(ctx: Context) -> NormFeatures:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
         ctx.other.append("block structure the norm probe could not read")
+    eps = float(ctx.get(eps_field)) if eps_field else _fixed_eps(ctx)
     return NormFeatures(
         kind=kind,
-        eps=float(ctx.get(eps_field)) if eps_field else None,
+        eps=eps,
         eps_field=eps_field,
         placement=placement,
         block_norms=block_norms,
@@ -1323,9 +1389,12 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     """
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
     embedding_source = _scalar_source(ctx, "embedding")
+    embedding_norm: tuple[NormKind, str] | None = None
     if scale is None:
         kind, value = "none", None
-        ctx.other.append("embeddings transformed before layer 0 beyond a constant scale (e.g. an embedding norm)")
+        embedding_norm = _embedding_norm(ctx)
+        if embedding_norm is None:
+            ctx.other.append(_embedding_transform(ctx))
     elif embedding_source is not None:
         kind = "constant"
         value = _full_size_value(ctx, (embedding_source.field, embedding_source.relation), scale)
@@ -1358,6 +1427,8 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         embedding_scale=value,
         embedding_scale_kind=kind,
         embedding_scale_source=embedding_source,
+        embedding_norm=embedding_norm[0] if embedding_norm else None,
+        embedding_norm_module=embedding_norm[1] if embedding_norm else None,
         residual_multiplier=float(residual)
         if isinstance(residual, (int, float)) and not isinstance(residual, bool) and residual != 1.0
         else None,
@@ -1367,6 +1438,39 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
     )
+
+
+def _embedding_norm(ctx: Context) -> tuple[NormKind, str] | None:
+    """(kind, module path) when the one thing between the embedding and layer 0 is a norm
+    whose weights the checkpoint holds (Bloom's word_embeddings_layernorm)."""
+    found = probes.modules_before_first_layer(ctx.model, ctx.anatomy, ctx.tiny)
+    if len(found) != 1:
+        return None
+    (name,) = found
+    module = dict(ctx.model.named_modules())[name]
+    if not mt.is_norm(module) or f"{name}.weight" not in ctx.saved_keys:
+        return None
+    ctx.evidence.append(f"embedding norm before layer 0: {name} (probe)")
+    return probes.probe_norm_kind(module, ctx.tiny.hidden_size), name
+
+
+def _embedding_transform(ctx: Context) -> str:
+    """What transforms the embeddings before layer 0, named: the module(s) whose forward runs
+    between the token embedding and layer 0 (probed), a norm by its kind."""
+    modules = dict(ctx.model.named_modules())
+    named = []
+    for name in probes.modules_before_first_layer(ctx.model, ctx.anatomy, ctx.tiny):
+        module = modules[name]
+        if mt.is_norm(module):
+            kind = probes.probe_norm_kind(module, ctx.tiny.hidden_size)
+            named.append(f"embedding norm ({kind.value}, {name})")
+        elif (proj := mt.projection(name, module)) is not None:
+            named.append(f"embedding projection {proj.in_features} -> {proj.out_features} ({name})")
+        else:
+            named.append(f"{type(module).__name__} ({name})")
+    if not named:
+        return "embeddings transformed before layer 0 beyond a constant scale (no module found by the probe)"
+    return "embeddings transformed before layer 0: " + ", ".join(named)
 
 
 def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:
@@ -1381,6 +1485,27 @@ def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: fl
         return tiny_value
     full = float(full)
     return {"x": full, "1/x": 1.0 / full, "x**-0.5": full**-0.5, "sqrt(x)": math.sqrt(full)}[relation]
+
+
+# ------------------------------------------------------------ weight orientation
+
+
+def transposed_weights(ctx: Context) -> list[str]:
+    """Layer checkpoint keys (``{}`` for the layer) of projections stored ``(in, out)``
+    (transformers' ``Conv1D``, probed by :func:`modules.stores_in_out`), so the adapter
+    transposes them."""
+    prefix = ctx.layer_prefix
+    if not prefix.endswith(".0."):
+        return []
+    template = prefix[: -len("0.")] + "{}."
+    keys = []
+    for proj in mt.projections(ctx.anatomy.layers[0]):
+        key = f"{prefix}{proj.name}.weight"
+        if proj.orientation == "in_out" and key in ctx.saved_keys:
+            keys.append(template + key[len(prefix) :])
+    if keys:
+        ctx.evidence.append("projections stored (in, out) (Conv1D, probed): " + ", ".join(sorted(keys)))
+    return sorted(keys)
 
 
 # ------------------------------------------------------------ per-layer differences

@@ -185,6 +185,7 @@ def _inspect(
         positions=positions,
         norm=norm,
         scalars=scalars,
+        transposed_weights=detect.transposed_weights(ctx),
         other=sorted(set(ctx.other)),
     )
     return Analysis(resolved, checklist, ctx)

@@ -65,10 +65,27 @@ def projection(name: str, module: nn.Module) -> Projection | None:
     has_bias = isinstance(bias, torch.Tensor)
     if isinstance(module, nn.Linear):
         return Projection(name, module, module.in_features, module.out_features, has_bias, "out_in")
-    nf = getattr(module, "nf", None)  # transformers Conv1D stores (in, out)
-    if nf is not None and weight.shape[1] == nf:
+    if stores_in_out(module, weight):  # transformers Conv1D: y = x @ W + b, W of (in, out)
         return Projection(name, module, weight.shape[0], weight.shape[1], has_bias, "in_out")
     return Projection(name, module, weight.shape[1], weight.shape[0], has_bias, "out_in")
+
+
+def stores_in_out(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether a projection that is no ``nn.Linear`` computes ``x @ W`` (``W`` stored
+    ``(in, out)``, transformers' ``Conv1D``) rather than ``x @ W.T``: probed on one input,
+    so a square weight is told apart too."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, weight.shape[0], generator=generator, dtype=weight.dtype)
+    bias = getattr(module, "bias", None)
+    try:
+        with torch.no_grad():
+            out = module(x)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    expected = x @ weight.detach()
+    if isinstance(bias, torch.Tensor):
+        expected = expected + bias.detach()
+    return isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)
 
 
 def projections(module: nn.Module, recurse: bool = True) -> list[Projection]:

@@ -252,6 +252,75 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     return mean
 
 
+def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> list[str]:
+    """Modules (outside the layer stack) whose forward runs after the token embedding and
+    before layer 0: what transforms the embeddings on their way in (an embedding norm, a
+    projection). Embedding tables and parameter-less modules (dropout) are left out."""
+    embedding = anatomy.embedding
+    layers = set(anatomy.layers.modules())
+    candidates = {
+        name: module
+        for name, module in model.named_modules()
+        if name
+        and module is not embedding
+        and module not in layers
+        and not isinstance(module, nn.Embedding)
+        and any(True for _ in module.parameters(recurse=False))
+    }
+    order: list[str] = []
+    state = {"embedded": embedding is None, "in_layers": False}
+
+    def on_embedding(module: nn.Module, args: tuple, output: Any) -> None:
+        state["embedded"] = True
+
+    def on_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        state["in_layers"] = True
+
+    def on_module(name: str):
+        def run(module: nn.Module, args: tuple, output: Any) -> None:
+            if state["embedded"] and not state["in_layers"] and name not in order:
+                order.append(name)
+
+        return run
+
+    handles = [anatomy.layers[0].register_forward_pre_hook(on_layer, with_kwargs=True)]
+    if embedding is not None:
+        handles.append(embedding.register_forward_hook(on_embedding))
+    handles += [m.register_forward_hook(on_module(n)) for n, m in candidates.items()]
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order
+
+
+def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, length: int = 6) -> int | None:
+    """The row offset of a learned position table: for a fresh sequence the table's output
+    at position ``p`` is row ``p + offset`` (0 for GPT-2, 2 for OPT); ``None`` when the
+    output is no contiguous run of rows."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_table(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            captured.setdefault("out", output.detach())
+
+    handle = table.register_forward_hook(on_table)
+    try:
+        logits(model, tokens_for(config, length))
+    finally:
+        handle.remove()
+    out = captured.get("out")
+    if out is None or out.shape[-1] != table.weight.shape[1]:
+        return None
+    rows = out.reshape(-1, out.shape[-1])[:length]
+    weight = table.weight.detach()
+    for offset in range(weight.shape[0] - rows.shape[0] + 1):
+        if torch.equal(rows, weight[offset : offset + rows.shape[0]]):
+            return offset
+    return None
+
+
 def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
     """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant."""
     head = anatomy.lm_head

@@ -22,6 +22,7 @@ from skill.features import (
     Feature,
     FeatureDelta,
     NormKind,
+    PositionKind,
     QKNormKind,
     QKNormPlacement,
     feature_values,
@@ -162,8 +163,8 @@ def engine_limits(checklist: Checklist) -> list[str]:
     checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
     limits = []
     att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
-    if norm.eps_field is None:
-        limits.append("norm epsilon with no config field (the port reads eps from the config)")
+    if norm.eps_field is None and norm.eps is None:
+        limits.append("norm epsilon with no config field, and no one constant in the norms")
     if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:
         limits.append(f"embedding scale {sc.embedding_scale} that no config field explains")
     if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":
@@ -193,6 +194,17 @@ def engine_limits(checklist: Checklist) -> list[str]:
     pos = checklist.positions
     if pos.per_layer_type_rope and not att.sliding_window.layer_pattern:
         limits.append("per-layer-type RoPE without a per-layer layer_types pattern")
+    if sc.embedding_norm is not None and sc.embedding_norm is not norm.kind:
+        limits.append(f"embedding norm of kind {sc.embedding_norm.value} beside {norm.kind.value} block norms")
+    pos = checklist.positions
+    if pos.kind is PositionKind.LEARNED:
+        if pos.table_key is None:
+            limits.append("learned position table saved under no key of its module")
+        if pos.table_rows_field != "max_position_embeddings":
+            limits.append(
+                f"learned position table sized by {pos.table_rows_field or 'no config field'}"
+                " (the port sizes it by max_position_embeddings)"
+            )
     if moe is not None:
         if checklist.ffn.activation != "silu":
             limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")

@@ -55,6 +55,9 @@ from skill.harness.results import CheckResult, StageRecorder
 
 logger = logging.getLogger(__name__)
 
+# The check recorded instead of TP when AReaL's validate_tp_constraints refuses tp=2.
+TP_REFUSED = "AReaL helpers: tp=2 refused by AReaL's own validate_tp_constraints"
+
 ATTN_TYPES = ("sdpa", "varlen")
 WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod")
 
@@ -181,11 +184,20 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
     doc_lens = distributed._padded_doc_lens(case.doc_lens, 2 * distributed.WORLD_SIZE)
     vocab = model.model_args.vocab_size
     batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + r) for r in range(distributed.WORLD_SIZE)]
+    from areal.experimental.models.archon.utils import validate_tp_constraints
+
+    # TP where AReaL's own constraints allow it (one KV head cannot be split over two ranks).
+    chosen: tuple[str, ...] = ("tp", "fsdp")
+    try:
+        validate_tp_constraints(model.model_args, distributed.WORLD_SIZE)
+    except ValueError as exc:
+        chosen = ("fsdp",)
+        rec.check(TP_REFUSED, True, str(exc))
     setup = distributed._Setup(
         spec=spec,
         model=model,
         batches=batches,
-        parallelisms=("tp", "fsdp"),
+        parallelisms=chosen,
         dims_cls=ArchonParallelDims,
         ac_config_cls=ActivationCheckpointConfig,
     )

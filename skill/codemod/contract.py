@@ -157,3 +157,87 @@ def add_marker(source: str, class_name: str | None, func_name: str, comment: str
     marked = first.with_changes(leading_lines=[*leading_lines(first), cst.EmptyLine(comment=cst.Comment(line))])
     body[index] = marked
     return replaced_code(module, func, func.with_changes(body=func.body.with_changes(body=body)))
+
+
+def remove_arguments(source: str, class_name: str | None, func_name: str, names: tuple[str, ...]) -> str:
+    """Drop parameters ``names`` from ``class_name.func_name``'s signature (a no-op for
+    those it lacks)."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    params = [p for p in func.params.params if p.name.value not in names]
+    if len(params) == len(func.params.params):
+        return source
+    if params:
+        last = params[-1]
+        params[-1] = last.with_changes(comma=cst.MaybeSentinel.DEFAULT) if func.params.star_arg is None else last
+    new_func = func.with_changes(params=func.params.with_changes(params=params))
+    return replaced_code(module, func, new_func)
+
+
+def remove_call_arguments(
+    source: str, class_name: str | None, func_name: str, callee: str, args: tuple[str, ...]
+) -> str:
+    """Inside ``class_name.func_name``, drop the positional arguments whose code is one of
+    ``args`` from every call of ``callee`` (``self.attention``, ``layer``)."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    callee_code = _code(cst.parse_expression(callee))
+
+    class _Drop(cst.CSTTransformer):
+        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+            if _code(updated_node.func) != callee_code:
+                return updated_node
+            kept = [a for a in updated_node.args if a.keyword is not None or _code(a.value) not in args]
+            if len(kept) == len(updated_node.args):
+                return updated_node
+            if kept:
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return updated_node.with_changes(args=kept)
+
+    return replaced_code(module, func, func.visit(_Drop()))
+
+
+EMBED_ONE_LINE = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
+
+
+def append_to_embedding_stage(source: str, model_class: str, statements_source: str) -> str:
+    """Add statements (rewriting ``h``) at the end of the model's embedding stage: the
+    branch that runs when ``tok_embeddings`` exists (the first pipeline stage). The
+    reference's one-line embedding becomes that branch first, so embedding edits (a scale,
+    learned positions, an embedding norm) compose in the canonical order, each after the
+    last. A no-op when the first statement is already there."""
+    marker = statements_source.strip().splitlines()[-1]
+    if marker in source:
+        return source
+    module = _parse(source)
+    forward = _find_function(module, model_class, "forward")
+    new_stmts = list(cst.parse_module("pass\n" + statements_source).body)[1:]
+
+    class _Append(cst.CSTTransformer):
+        hits = 0
+
+        def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+            if _code(updated_node.test) != "self.tok_embeddings is not None":
+                return updated_node
+            self.hits += 1
+            body = [*statements(updated_node.body), *new_stmts]
+            return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def one_line_to_branch(text: str) -> str:
+        from skill.codemod.cst import replace_in_function
+
+        return replace_in_function(
+            text,
+            model_class,
+            "forward",
+            EMBED_ONE_LINE,
+            "if self.tok_embeddings is not None:\n    h = self.tok_embeddings(tokens)\nelse:\n    h = tokens\n",
+        )
+
+    transformer = _Append()
+    new_forward = forward.visit(transformer)
+    if transformer.hits == 0:
+        if EMBED_ONE_LINE in source:
+            return append_to_embedding_stage(one_line_to_branch(source), model_class, statements_source)
+        raise CodemodError(f"{model_class}.forward has no 'if self.tok_embeddings is not None:' embedding stage")
+    return replaced_code(module, forward, new_forward)

@@ -98,7 +98,8 @@ def check_single_conversion(
     conversion still names it, so it is left out of the comparison.
     """
     # A fused checkpoint key (q/k/v, gate/up) is named by each parameter it stacks, one
-    # slice each; the slices, in state-dict order, concatenate along dim 0 to the key.
+    # slice each; the slices, in state-dict order, concatenate to the key along dim 0
+    # (dim 1 for a key stored (in, out), GPT-2's Conv1D c_attn).
     slices: dict[str, list[torch.Tensor]] = {}
     for name, tensor in archon_state.items():
         if tied and name == OUTPUT_KEY:

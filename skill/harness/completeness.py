@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from skill.harness.case import ModelCase
-from skill.harness.keys import is_explicit_drop, join_single, tied_aliases
+from skill.harness.keys import is_explicit_drop, join_single, stacking_dim, tied_aliases
 from skill.harness.models import (
     ArchonModel,
     build_archon_model,
@@ -29,21 +29,24 @@ def _shapes(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]
     return {key: tuple(tensor.shape) for key, tensor in pairs}
 
 
-def stacked_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
-    """The shape of ``shapes`` concatenated along dim 0 (one shape: itself), or None when
-    they cannot be concatenated (different ranks or trailing dimensions)."""
+def stacked_shape(shapes: list[tuple[int, ...]], dim: int = 0) -> tuple[int, ...] | None:
+    """The shape of ``shapes`` concatenated along ``dim`` (one shape: itself), or None when
+    they cannot be concatenated (different ranks or other dimensions)."""
     if len(shapes) == 1:
         return shapes[0]
     first = shapes[0]
-    if not first or any(len(s) != len(first) or s[1:] != first[1:] for s in shapes):
+    if len(first) <= dim:
         return None
-    return (sum(s[0] for s in shapes), *first[1:])
+    rest = [s[:dim] + s[dim + 1 :] for s in shapes]
+    if any(len(s) != len(first) or r != rest[0] for s, r in zip(shapes, rest, strict=True)):
+        return None
+    return (*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1 :])
 
 
 def _describe(parts: list[tuple[str, tuple[int, ...]]]) -> str:
     if len(parts) == 1:
         return str(parts[0][1])
-    return " + ".join(f"{name} {shape}" for name, shape in parts) + " stacked on dim 0"
+    return " + ".join(f"{name} {shape}" for name, shape in parts) + " stacked"
 
 
 def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, tuple[int, ...]]) -> None:
@@ -101,7 +104,7 @@ def check_completeness(rec: StageRecorder, archon: ArchonModel, disk: dict[str, 
     )
 
     produced = {
-        key: stacked_shape([shape for _, shape in parts])
+        key: stacked_shape([shape for _, shape in parts], stacking_dim(adapter, key))
         if not hasattr(adapter, "join_single_to_hf")
         else tuple(join_single(adapter, key, [params[name] for name, _ in parts]).shape)
         for key, parts in contributions.items()

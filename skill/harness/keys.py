@@ -76,11 +76,20 @@ def distinct_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def stacking_dim(adapter: Any, hf_key: str) -> int:
+    """The dim a fused key's parts stack along on disk: 0, or 1 for a key the adapter
+    declares stored ``(in, out)`` (``transposed_hf_keys``: GPT-2's Conv1D c_attn)."""
+    transposed = getattr(adapter, "transposed_hf_keys", None) or ()
+    template = re.sub(r"\.(\d+)(?=\.)", ".{}", hf_key)
+    return 1 if template in transposed else 0
+
+
 def join_single(adapter: Any, hf_key: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     """The checkpoint tensor ``hf_key`` from what ``convert_single_to_hf`` gave for it, one
     piece per Archon parameter in state-dict order: the adapter's own ``join_single_to_hf``
-    where it fuses otherwise than along dim 0 (experts' gate/up), else dim-0 slices."""
+    where it fuses otherwise than along one dim (experts' gate/up), else the slices
+    concatenated along :func:`stacking_dim`."""
     join = getattr(adapter, "join_single_to_hf", None)
     if join is not None:
         return join(hf_key, pieces)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=stacking_dim(adapter, hf_key))

@@ -57,6 +57,11 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.down_proj": "feed_forward.w2",
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
+    # GPT-2-era names (gpt2, gpt_bigcode: attn.c_proj; OPT: out_proj, fc1/fc2 held by the layer).
+    "attn.c_proj": "attention.wo",
+    "self_attn.out_proj": "attention.wo",
+    "fc1": "feed_forward.w1",
+    "fc2": "feed_forward.w2",
     "mlp.gate": "moe.router.gate",
     "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
@@ -98,7 +103,15 @@ TOP_MODULES: dict[str, str] = {
     "model.embed_tokens": "tok_embeddings",
     "model.norm": "norm",
     "lm_head": "output",
+    # GPT-2-era names (gpt2, gpt_bigcode; OPT's decoder).
+    "transformer.wte": "tok_embeddings",
+    "transformer.word_embeddings": "tok_embeddings",
+    "transformer.ln_f": "norm",
+    "model.decoder.embed_tokens": "tok_embeddings",
+    "model.decoder.final_layer_norm": "norm",
 }
+# The Archon parameter of a learned absolute-position table (the report names its key).
+POSITION_TABLE = "pos_embeddings.weight"
 # Keys a checkpoint may hold that are recomputed at run time.
 RUNTIME_BUFFERS: dict[str, None] = {
     "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
@@ -136,7 +149,11 @@ def fused_rows(config: Any) -> dict[int, tuple[str, ...]]:
 
 
 def detect_fused_keys(
-    shapes: dict[str, tuple[int, ...]], config: Any, known_modules: set[str] | None = None
+    shapes: dict[str, tuple[int, ...]],
+    config: Any,
+    known_modules: set[str] | None = None,
+    layer_prefix: str = LAYER_PREFIX,
+    transposed: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, list[str]]:
     """Layer keys (``{}`` for the layer) that stack several Archon parameters -> those parameters.
 
@@ -150,9 +167,11 @@ def detect_fused_keys(
     fused: dict[str, list[str]] = {}
     for key, shape in shapes.items():
         key = generalise_key(key)
-        if not key.startswith(LAYER_PREFIX) or ".experts.{}." in key:
+        if not key.startswith(layer_prefix) or ".experts.{}." in key:
             continue
-        match = _PARAM_SUFFIX.match(key[len(LAYER_PREFIX) :])
+        if key in transposed:
+            shape = tuple(reversed(shape))  # stored (in, out): judged as nn.Linear's (out, in)
+        match = _PARAM_SUFFIX.match(key[len(layer_prefix) :])
         if match is None or match.group("module") in known or not shape or shape[0] not in rows:
             continue
         param = match.group("param")
@@ -198,6 +217,9 @@ def derive_from_hf_map(
     fused: dict[str, list[str]] | None = None,
     norm_roles: dict[str, str] | None = None,
     layer_buffers: dict[str, str] | None = None,
+    layer_prefix: str = LAYER_PREFIX,
+    position_table_key: str | None = None,
+    embedding_norm_module: str | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -210,9 +232,9 @@ def derive_from_hf_map(
     fused = fused or {}
     keys = generalised_keys(hf_keys)
     layer_modules = {
-        _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :]).group("module")  # type: ignore[union-attr]
+        _PARAM_SUFFIX.match(k[len(layer_prefix) :]).group("module")  # type: ignore[union-attr]
         for k in keys
-        if k.startswith(LAYER_PREFIX) and _PARAM_SUFFIX.match(k[len(LAYER_PREFIX) :])
+        if k.startswith(layer_prefix) and _PARAM_SUFFIX.match(k[len(layer_prefix) :])
     }
     # The analysis' probed roles name the block norms; the checkpoint's names are the
     # fallback for a caller without a report.
@@ -230,7 +252,13 @@ def derive_from_hf_map(
         if key in RUNTIME_BUFFERS:
             mapping[key] = None
             continue
-        inner = key[len(LAYER_PREFIX) :] if key.startswith(LAYER_PREFIX) else None
+        if key == position_table_key:
+            mapping[key] = POSITION_TABLE
+            continue
+        if embedding_norm_module is not None and key.startswith(f"{embedding_norm_module}."):
+            mapping[key] = "embedding_norm." + key[len(embedding_norm_module) + 1 :]
+            continue
+        inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else None
         layer_targets = {**LAYER_PARAMETERS, **(layer_buffers or {})}
         if inner is not None and inner in layer_targets:
             mapping[key] = f"layers.{{}}.{layer_targets[inner]}"
@@ -263,6 +291,13 @@ def derive_from_hf_map(
     # A critic's value head (Archon models only; HF checkpoints of a critic carry it too).
     mapping.setdefault("score.weight", "score.weight")
     return dict(sorted(mapping.items()))
+
+
+def _layer_template(layer0_prefix: str) -> str:
+    """``transformer.h.0.`` (the report's layer-0 prefix) -> ``transformer.h.{}.``."""
+    if not layer0_prefix.endswith(".0."):
+        return LAYER_PREFIX
+    return layer0_prefix[: -len("0.")] + "{}."
 
 
 class EditAdapterMapRequest(PackageRequest):
@@ -336,8 +371,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         # A family with a per-layer MoE rule may have dense layers the tiny checkpoint lacks.
         dense_layers = plan.moe and not plan.all_layers_moe
         shapes = checkpoint_keys(request.source, request.trust_remote_code)
-        fused = detect_fused_keys(shapes, tiny_config(config))
         checklist = report.checklist
+        prefix = _layer_template(report.checkpoint.layer_prefix)
+        transposed = set(checklist.transposed_weights)
+        fused = detect_fused_keys(shapes, tiny_config(config), layer_prefix=prefix, transposed=transposed)
         experts = fused_expert_keys(checklist.moe)
         buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
         derived = derive_from_hf_map(
@@ -346,8 +383,12 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             fused={**fused, **experts},
             norm_roles=checklist.norm.block_norms,
             layer_buffers=buffers,
+            layer_prefix=prefix,
+            position_table_key=checklist.positions.table_key,
+            embedding_norm_module=checklist.scalars.embedding_norm_module,
         )
         text = apply_fused_adapter(text, layout, fused)
+        text = apply_transposed_adapter(text, layout, sorted(transposed))
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
         if buffers:
@@ -761,3 +802,63 @@ def expect_init_buffers(text: str, layout: PackageLayout) -> str:
         _META_MODEL.format(model_class=layout.model_class).strip(),
         _META_MODEL_WITH_BUFFERS.format(model_class=layout.model_class).strip(),
     )
+
+
+# --- projections stored (in, out) (transformers' Conv1D) --------------------------------------
+
+TRANSPOSED = "transposed_hf_keys"
+
+_FROM_HF_ORIENT = """
+# Conv1D-stored projections arrive as (in, out); Archon's nn.Linear holds (out, in).
+hf_state_dict = {key: self._oriented(key, value) for key, value in hf_state_dict.items()}
+"""
+
+_TRANSPOSE = """
+def _oriented(self, hf_key: str, value: Any) -> Any:
+    \"\"\"``value`` transposed when ``hf_key`` is stored (in, out) on disk (either direction).\"\"\"
+    if _abstract(hf_key)[0] in self.transposed_hf_keys:
+        return value.transpose(0, 1).contiguous()
+    return value
+"""
+
+
+def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) -> str:
+    """Teach a copied adapter the checkpoint keys stored ``(in, out)`` (GPT-2's ``Conv1D``):
+    ``from_hf`` transposes them before anything else (a fused one is then split like any
+    other), ``convert_single_to_hf`` (and so ``to_hf``) transposes them back, after a fused
+    key's parts are stacked. Kept apart from the fused layouts: either applies alone."""
+    if not keys:
+        return text
+    cls = layout.adapter_class
+    literal = (
+        "# Checkpoint keys stored (in, out) (transformers' Conv1D); nn.Linear holds (out, in).\n"
+        f"{TRANSPOSED}: ClassVar[frozenset[str]] = frozenset(\n    {{\n"
+        + "".join(f'        "{key}",\n' for key in keys)
+        + "    }\n)\n"
+    )
+    anchor = FUSED_MAP if FUSED_MAP in text else "from_hf_map"
+    text = insert_class_statement_after(text, cls, anchor, literal)
+    text = text.replace(
+        "splits and re-stacks fused tensors.",
+        "splits and re-stacks fused tensors, transposes Conv1D ones.",
+    ).replace("; no tensor is changed.", "; transposes Conv1D-stored tensors.")
+    try:
+        text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n")
+        text = replace_in_function(
+            text,
+            cls,
+            "convert_single_to_hf",
+            "return [(self._hf_key(name), tensor)]",
+            "hf_key = self._hf_key(name)\nreturn [(hf_key, self._oriented(hf_key, tensor))]\n",
+        )
+        if "self._concat_fused(hf_key, pieces)" in text:
+            text = replace_in_function(
+                text,
+                cls,
+                "to_hf",
+                "hf_state_dict[hf_key] = self._concat_fused(hf_key, pieces)",
+                "hf_state_dict[hf_key] = self._oriented(hf_key, self._concat_fused(hf_key, pieces))",
+            )
+    except CodemodError as e:
+        raise CodemodError(f"Conv1D-stored keys {keys} need the reference adapter's conversion methods: {e}") from e
+    return upsert_method(text, cls, "_oriented", _TRANSPOSE.strip() + "\n", after="_hf_key")

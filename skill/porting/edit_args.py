@@ -98,13 +98,41 @@ def dense_width_field(profile: PortPlan, config: Any) -> str:
     every layer routes to experts and whose config names no dense width, the experts'."""
     if profile.all_layers_moe and not hasattr(config, "intermediate_size") and hasattr(config, "moe_intermediate_size"):
         return "moe_intermediate_size"
-    return "intermediate_size"
+    return profile.ffn_width_field or "intermediate_size"
+
+
+def _norm_eps_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``norm_eps``: the config's field, or the modeling code's constant where no field
+    sets it (the default then stands; ``from_hf_config`` passes nothing)."""
+    fixed = profile.norm_eps_fixed
+    if fixed is not None:
+        return ArgField("norm_eps", "float", fixed, "", lambda c: fixed)
+    eps = profile.norm_eps_field
+    return ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps))
+
+
+def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``hidden_dim``: the config's width field, or, where that field may be ``None``
+    (GPT-2's ``n_inner``), that many times the hidden size."""
+    dense = dense_width_field(profile, config)
+    multiple = profile.ffn_width_multiple
+    if multiple is None:
+        return ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense))
+
+    def width(c: Any) -> int:
+        return getattr(c, dense, None) or multiple * c.hidden_size
+
+    return ArgField(
+        "hidden_dim",
+        "int",
+        width(config),
+        f'getattr(hf_config, "{dense}", None) or {multiple} * hf_config.hidden_size',
+        width,
+    )
 
 
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
-    eps = profile.norm_eps_field
-    dense = dense_width_field(profile, config)
     eos_default = _eos(config, 0)
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
@@ -121,8 +149,8 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ),
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
-        ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
-        ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
+        _dense_width_arg(profile, config),
+        _norm_eps_arg(profile, config),
         *_rope_theta_fields(profile, config),
         ArgField(
             "max_seq_len",
@@ -446,7 +474,9 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += (profile.top_k_field or "num_experts_per_tok",)
-    return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
+    width = () if profile.ffn_width_multiple else (dense_width_field(profile, config),)
+    eps = () if profile.norm_eps_fixed is not None else (profile.norm_eps_field,)
+    return tuple(dict.fromkeys((*CORE_REQUIRED, *width, *eps, *moe)))
 
 
 MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)
@@ -491,6 +521,14 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 f'            "is not supported by {camel} in Archon."',
                 "        )",
             ]
+    if profile.mqa_flag is not None:
+        lines += [
+            f'    if not getattr(hf_config, "{profile.mqa_flag}", True):',
+            "        raise ValueError(",
+            f'            "{profile.mqa_flag}=False is not supported: {camel} in Archon reads the fused q/k/v "',
+            '            "projection as [queries, one key head, one value head]; port that variant as its own family."',
+            "        )",
+        ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):
         if hasattr(config, "use_sliding_window"):
             condition = 'getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)'

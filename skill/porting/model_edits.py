@@ -19,7 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from skill.analysis.reference import EDITABLE_REFERENCES
-from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
+from skill.codemod.contract import (
+    append_to_embedding_stage,
+    remove_arguments,
+    remove_call_arguments,
+    replace_call,
+    replace_in_residual_branch,
+    wrap_residual_branch,
+)
 from skill.codemod.cst import (
     add_parameter,
     ensure_import_line,
@@ -29,6 +36,7 @@ from skill.codemod.cst import (
     remove_class,
     remove_from_all,
     remove_function,
+    remove_method,
     replace_class,
     replace_function,
     replace_in_function,
@@ -392,6 +400,94 @@ def _post_norm(text: str, ctx: EditContext) -> str:
     return _post_branches(text)
 
 
+ROPE_ARGS = ("rope_cache", "positions")
+
+
+def _remove_rope(text: str, ctx: EditContext) -> str:
+    """No rotary embedding: the RoPE cache, its rotation and the arguments that carry it
+    (and the positions, which only RoPE read inside a block) go."""
+    text = replace_in_function(
+        text, "Attention", "forward", "xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)", ""
+    )
+    text = remove_arguments(text, "Attention", "forward", ROPE_ARGS)
+    text = remove_arguments(text, "TransformerBlock", "forward", ROPE_ARGS)
+    text = remove_call_arguments(text, "TransformerBlock", "forward", "self.attention", ROPE_ARGS)
+    text = remove_call_arguments(text, ctx.model_class, "forward", "layer", ("self.rope_cache", "positions"))
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "__init__",
+        'self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)',
+        "",
+    )
+    text = remove_method(text, ctx.model_class, "_precompute_rope_cache")
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "init_buffers",
+        "with torch.device(buffer_device):\n    self.rope_cache = self._precompute_rope_cache()",
+        '"""No buffers: positions enter through the embeddings, nothing is precomputed."""\n',
+    )
+
+
+def _learned_positions(text: str, ctx: EditContext) -> str:
+    """A learned absolute-position table added to the token embeddings; each token reads the
+    row of its position within its own document (the packed batch's ``positions``)."""
+    if "self.pos_embeddings(" in text:
+        return text
+    offset = ctx.profile.position_offset
+    rows = f"model_args.max_seq_len + {offset}" if offset else "model_args.max_seq_len"
+    comment = (
+        f"# Learned absolute positions; position p is row p + {offset} (the checkpoint keeps {offset} rows before 0).\n"
+        if offset
+        else "# Learned absolute positions: one row per position within a document.\n"
+    )
+    text = insert_after_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        f"{comment}self.pos_embeddings = nn.Embedding({rows}, model_args.dim)\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        "nn.init.normal_(self.tok_embeddings.weight)",
+        "nn.init.normal_(self.tok_embeddings.weight)\nnn.init.normal_(self.pos_embeddings.weight)\n",
+    )
+    index = f"positions + {offset}" if offset else "positions"
+    return append_to_embedding_stage(
+        text,
+        ctx.model_class,
+        f"# Positions restart at 0 in every packed document.\nh = h + self.pos_embeddings({index})\n",
+    )
+
+
+def _embedding_norm(text: str, ctx: EditContext) -> str:
+    """A norm on the embeddings before layer 0 (Bloom's word_embeddings_layernorm), of the
+    block norms' class, last in the embedding stage."""
+    if "self.embedding_norm(" in text:
+        return text
+    norm_class = "RMSNorm" if "class RMSNorm" in text else "nn.LayerNorm"
+    text = insert_after_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        "# The embeddings are normalised before the first block.\n"
+        f"self.embedding_norm = {norm_class}(model_args.dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        "nn.init.normal_(self.tok_embeddings.weight)",
+        "nn.init.normal_(self.tok_embeddings.weight)\nself.embedding_norm.reset_parameters()\n",
+    )
+    return append_to_embedding_stage(text, ctx.model_class, "h = self.embedding_norm(h)\n")
+
+
 ROPE_CACHE_CALL = (
     "return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)"
 )
@@ -574,6 +670,8 @@ EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else
 
 
 def _embedding_sqrt_dim(text: str, ctx: EditContext) -> str:
+    if "h * torch.tensor(self.model_args.dim**0.5" in text:
+        return text  # applied (later embedding edits may have added to the stage since)
     return replace_in_function(
         text,
         ctx.model_class,
@@ -591,6 +689,8 @@ else:
 
 def _embedding_multiplier(text: str, ctx: EditContext) -> str:
     field = ctx.profile.embedding_scale_field
+    if f"self.tok_embeddings(tokens) * self.model_args.{field}" in text:
+        return text  # applied (later embedding edits may have added to the stage since)
     return replace_in_function(
         text,
         ctx.model_class,
@@ -704,6 +804,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.qk_norm == "per_head",
         _per_head_qk_norm,
         needed=lambda text: "self.q_norm" not in text,
+    ),
+    ModelEdit(
+        "remove_rope",
+        "no rotary embedding: no RoPE cache, no rotation",
+        lambda p: p.positions != "rope",
+        _remove_rope,
+        needed=lambda text: "apply_rotary_emb(" in text,
     ),
     ModelEdit(
         "full_width_qk_norm",
@@ -820,6 +927,18 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _embedding_multiplier,
     ),
     ModelEdit(
+        "learned_positions",
+        "learned absolute-position embeddings added to the token embeddings",
+        lambda p: p.positions == "learned",
+        _learned_positions,
+    ),
+    ModelEdit(
+        "embedding_norm",
+        "a norm on the embeddings before the first block",
+        lambda p: p.embedding_norm_module is not None,
+        _embedding_norm,
+    ),
+    ModelEdit(
         "logits_scaling",
         "logits divided by a config factor",
         lambda p: p.logit_divisor_field is not None,
@@ -842,6 +961,7 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
 
 
 BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
+POSITION_NAMES = {"rope": "RoPE", "learned": "learned absolute positions"}
 
 
 def describe(profile: PortPlan, camel: str) -> str:
@@ -885,6 +1005,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         )
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")
+    if profile.embedding_norm_module is not None:
+        extras.append("normalised embeddings")
     if profile.multipliers:
         extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
     if profile.final_softcap:
@@ -893,7 +1015,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
     sentence = (
-        f"{camel}: a {BLOCK_NAMES[profile.block]} decoder with {', '.join(attention)}, RoPE, {norm} and a {mlp} MLP"
+        f"{camel}: a {BLOCK_NAMES[profile.block]} decoder with {', '.join(attention)}, "
+        f"{POSITION_NAMES[profile.positions]}, {norm} and a {mlp} MLP"
         + (f"; {tail}" if tail else "")
         + ", over packed documents."
     )

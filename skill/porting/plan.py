@@ -30,6 +30,7 @@ from skill.features import (
     FFNKind,
     NormKind,
     NormPlacement,
+    PositionKind,
     QKNormKind,
     QKNormPlacement,
     RotaryStyle,
@@ -72,13 +73,24 @@ class PortPlan(BaseModel):
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    mqa_flag: str | None = Field(default=None, description="config switch of multi-query attention, when set")
+    kv_heads_field: str | None = Field(
+        default="num_key_value_heads", description="config field of the KV-head count; None when the family has none"
+    )
     qk_norm: Literal["none", "per_head", "full"]
     norm: Literal["rms", "rms_offset", "layernorm"]
     block: Literal["pre_norm", "sandwich", "post_norm"]
     mlp: Literal["gated", "plain"]
     activation: str
     activation_field: str | None
+    ffn_width_field: str | None = Field(default=None, description="config field of the dense FFN width")
+    ffn_width_multiple: int | None = Field(
+        default=None, description="the width is this multiple of hidden_size when that field is None"
+    )
     norm_eps_field: str
+    norm_eps_fixed: float | None = Field(
+        default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
+    )
     sliding_window: bool
     sliding_layer_types: bool
     attn_softcap: bool
@@ -87,8 +99,16 @@ class PortPlan(BaseModel):
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     embedding_scale: Literal["none", "sqrt_dim", "multiplier"]
     embedding_scale_field: str | None
+    embedding_norm_module: str | None = Field(
+        default=None, description="module path of a norm on the embeddings before layer 0 (its checkpoint keys)"
+    )
     residual_multiplier_field: str | None
     logit_divisor_field: str | None = Field(description="config field the logits are divided by")
+    positions: Literal["rope", "learned"] = Field(
+        default="rope", description="rotary positions, or a learned absolute table added to the embeddings"
+    )
+    position_offset: int = Field(default=0, description="position p reads row p + offset of the learned table")
+    position_table_key: str | None = Field(default=None, description="checkpoint key of the learned table")
     rope_type: str
     partial_rotary: bool
     per_layer_rope: bool = Field(
@@ -217,13 +237,18 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,
         mlp_bias=ffn.bias,
+        mqa_flag=att.mqa_flag,
+        kv_heads_field=next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None),
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,
         activation_field=activation_field,
+        ffn_width_field=ffn.intermediate_size_field,
+        ffn_width_multiple=ffn.intermediate_multiple,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
+        norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,
@@ -234,8 +259,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         embedding_scale_field=sc.embedding_scale_source.field
         if embedding == "multiplier" and sc.embedding_scale_source
         else None,
+        embedding_norm_module=sc.embedding_norm_module,
         residual_multiplier_field=sc.residual_multiplier_field,
         logit_divisor_field=logit_divisor,
+        positions="learned" if pos.kind is PositionKind.LEARNED else "rope",
+        position_offset=pos.table_offset,
+        position_table_key=pos.table_key,
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,

@@ -21,13 +21,15 @@ ROPE_NAMES = ("apply_rotary_emb", "precompute_rope_cache", "repeat_kv", "reshape
 LINE_LIMIT = 120
 
 
-def reexport_source(camel: str) -> str:
+def reexport_source(camel: str, rotary: bool = True) -> str:
     names = "".join(f"    {n},\n" for n in ROPE_NAMES)
     listed = "".join(f'    "{n}",\n' for n in ROPE_NAMES)
-    return (
-        f'"""{camel} RoPE: HF\'s default rotary embedding, the same formula as Qwen2\'s, re-exported."""\n\n'
-        f"from archon_models.qwen2.model.rope import (\n{names})\n\n__all__ = [\n{listed}]\n"
+    doc = (
+        f"{camel} RoPE: HF's default rotary embedding, the same formula as Qwen2's, re-exported."
+        if rotary
+        else f"{camel} applies no RoPE; Qwen2's helpers are re-exported for the package layout (``repeat_kv``)."
     )
+    return f'"""{doc}"""\n\nfrom archon_models.qwen2.model.rope import (\n{names})\n\n__all__ = [\n{listed}]\n'
 
 
 def composed_source(camel: str, rope_type: str, partial: bool, interleaved: bool = False) -> str:
@@ -141,6 +143,6 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | N
         text = composed_source(camel, plan.rope_type, plan.partial_rotary, plan.rotary_interleaved)
         reexported = False
     else:
-        text, reexported = reexport_source(camel), True
+        text, reexported = reexport_source(camel, rotary=plan.positions == "rope"), True
     write_if_changed(tree, layout.rope, text, changed)
     return SetRopeResult(rope_type=plan.rope_type, reexported=reexported, changed_files=changed)

@@ -102,10 +102,14 @@ def test_file_source(
     if profile.reference == "deepseek_v3":
         # Multi-head latent attention expands the latent into one key/value head per query head.
         comments.insert(0, "# Multi-head latent attention: one key/value head per query head, from the latents.")
-    else:
+    elif profile.mqa_flag is not None:
+        comments.insert(0, f"# One KV head for four query heads ({profile.mqa_flag}=True), as the checkpoint has.")
+    elif profile.kv_heads_field is not None:
         # Two KV heads for four query heads, so grouped-query attention is exercised.
-        overrides["num_key_value_heads"] = 2
+        overrides[profile.kv_heads_field] = 2
         comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
+    else:
+        comments.insert(0, "# Every query head has its own key/value head: the config has no KV-head count.")
     if profile.attn_softcap or profile.final_softcap:
         # Published caps (50, 30) are far above a tiny model's scores and logits, where tanh is
         # the identity; small caps put both in tanh's curved range.

@@ -133,6 +133,68 @@ def _drop_qk_norm_plan(text: str) -> str:
     )
 
 
+ROPE_ATTENTION_INPUTS = """# Only the hidden states are gathered; rope cache, positions, cu_seqlens
+# and max_seqlen are the same plain tensors on every rank.
+"attention": PrepareModuleInput(
+    input_layouts=(Shard(1), None, None, None, None),
+    desired_input_layouts=(Replicate(), None, None, None, None),
+),"""
+ATTENTION_INPUTS = """# Only the hidden states are gathered; cu_seqlens and max_seqlen are the
+# same plain values on every rank.
+"attention": PrepareModuleInput(
+    input_layouts=(Shard(1), None, None),
+    desired_input_layouts=(Replicate(), None, None),
+),"""
+
+
+def _plan_without_rope(text: str) -> str:
+    """The attention of a family without RoPE takes ``(x, cu_seqlens, max_seqlen)``."""
+    if ATTENTION_INPUTS.splitlines()[3].strip() in text:
+        return text
+    old = textwrap.indent(ROPE_ATTENTION_INPUTS, " " * 12)
+    if old not in text:
+        raise ValueError("the TP plan has no attention input layouts of the reference's form to drop RoPE from")
+    return text.replace(old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
+
+
+POSITION_TABLE_PLAN = """# The position table is sharded like the token embedding: its rows over the ranks, the
+# sum reduce-scattered to the same sequence shard the token embeddings land on.
+root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+"""
+
+
+def _plan_position_table(text: str) -> str:
+    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+    anchor = 'root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))'
+    return replace_in_function(
+        text,
+        None,
+        function,
+        f"if model.tok_embeddings is not None:\n    {anchor}",
+        f"if model.tok_embeddings is not None:\n    {anchor}\n{textwrap.indent(POSITION_TABLE_PLAN, '    ')}",
+    )
+
+
+EMBEDDING_NORM_PLAN = """# The embedding norm runs on the sequence shard the token embeddings land on; its weight
+# gradients are summed over the ranks.
+root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)
+"""
+
+
+def _plan_embedding_norm(text: str) -> str:
+    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+    if 'root_plan["embedding_norm"]' in text:
+        return text
+    anchor = 'root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))'
+    return replace_in_function(
+        text,
+        None,
+        function,
+        f"if model.tok_embeddings is not None:\n    {anchor}",
+        f"if model.tok_embeddings is not None:\n    {anchor}\n{textwrap.indent(EMBEDDING_NORM_PLAN, '    ')}",
+    )
+
+
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
     """Make archon_models/<model_name>/infra/parallelize.py's TP plan match the model: plan
     entries only for modules the family has (e.g. no w3 for a two-layer MLP), local outputs
@@ -219,6 +281,12 @@ def apply_write_parallelize(
             text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{SINKS_COMMENT}\n{SHARD_SINKS}\n"
         )
         text = ensure_import_line(text, "from torch.distributed.tensor import distribute_tensor")
+    if profile.positions != "rope":
+        text = _plan_without_rope(text)
+    if profile.positions == "learned":
+        text = _plan_position_table(text)
+    if profile.embedding_norm_module is not None:
+        text = _plan_embedding_norm(text)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)
