@@ -54,11 +54,12 @@ def reference_table(workspace: Workspace) -> dict[str, Any]:
     """The guide's decision map: each reference's measured feature values, and what edits produce.
 
     A family's feature either matches a reference's value, or is in ``edits`` (an engine
-    edit produces it), or is unsupported; ``analyze_hf_model`` does this comparison.
+    edit produces it, on the references whose ``edits_apply`` is true), or is unsupported;
+    ``analyze_hf_model`` does this comparison.
     ``registered`` maps every model_type a package of the workspace already serves to that
     package (read from the spec files): a new package cannot claim those.
     """
-    from skill.analysis.reference import REFERENCES, reference_values
+    from skill.analysis.reference import EDITABLE_REFERENCES, REFERENCES, reference_values
     from skill.codemod import StagedTree
     from skill.features import FEATURE_TITLES, SUPPORTED_EDITS
     from skill.porting.register_spec import registered_types
@@ -72,7 +73,13 @@ def reference_table(workspace: Workspace) -> dict[str, Any]:
             for model_type in model_types
         }
         references.append(
-            {"reference": name, "package": f"archon_models/{name}", "model_types": registered, "features": features}
+            {
+                "reference": name,
+                "package": f"archon_models/{name}",
+                "model_types": registered,
+                "features": features,
+                "edits_apply": name in EDITABLE_REFERENCES,
+            }
         )
     edits = {FEATURE_TITLES[f]: sorted(values) for f, values in SUPPORTED_EDITS.items()}
     return {"references": references, "edits": edits, "registered": owners}

@@ -164,8 +164,12 @@ def test_resources_and_the_add_model_prompt(workspace: Path):
     assert {r["reference"]: r["model_types"] for r in table["references"]} == {
         "qwen2": ["qwen2"],
         "qwen3": ["qwen3", "qwen3_moe"],
+        "deepseek_v3": ["deepseek_v3"],
     }
     qwen3 = next(r for r in table["references"] if r["reference"] == "qwen3")
+    deepseek = next(r for r in table["references"] if r["reference"] == "deepseek_v3")
+    assert deepseek["features"]["deepseek_v3"]["multi-head latent attention"] == "true"
+    assert (qwen3["edits_apply"], deepseek["edits_apply"]) == (True, False)
     assert qwen3["features"]["qwen3"]["QK norm"] == "per_head_rms"
     assert {"none", "per_head_rms"} <= set(table["edits"]["QK norm"])
     report = json.loads(read["archon://models/mistral/report"])
