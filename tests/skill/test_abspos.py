@@ -399,3 +399,13 @@ def test_top_level_modules_come_from_the_module_tree() -> None:
     )
     assert mapping["biogpt.layer_norm.bias"] == "norm.bias"
     assert mapping["biogpt.embed_tokens.weight"] == "tok_embeddings.weight"
+
+
+def test_an_unused_epsilon_field_is_not_read() -> None:
+    # BioGptConfig.layer_norm_eps = 1e-12, but BioGptDecoderLayer builds nn.LayerNorm(embed_dim)
+    # at the default 1e-5: the field is unused, the constant is what the port needs.
+    norm = report_for("biogpt").checklist.norm
+    assert norm.eps_field is None
+    assert norm.eps == pytest.approx(1e-5)
+    # A field the norms do read stays the source (LlamaRMSNorm(eps=config.rms_norm_eps)).
+    assert report_for("llama").checklist.norm.eps_field == "rms_norm_eps"
