@@ -5,6 +5,7 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 """
 
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
+from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401

@@ -54,7 +54,16 @@ def _checkpoint(analysis: Analysis) -> CheckpointKeys:
         )
         if isinstance(getattr(ctx.tiny, name, None), int)
     }
+    anatomy = ctx.anatomy
+    roles = {"tok_embeddings": anatomy.embedding, "norm": anatomy.final_norm, "output": anatomy.lm_head}
+    paths = {id(module): name for name, module in ctx.model.named_modules()}
+    top_modules = {
+        paths[id(module)]: archon
+        for archon, module in roles.items()
+        if module is not None and f"{paths.get(id(module))}.weight" in ctx.saved_keys
+    }
     return CheckpointKeys(
+        top_modules=dict(sorted(top_modules.items())),
         layer_prefix=prefix,
         top_level=top,
         layer0=layer0,

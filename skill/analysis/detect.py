@@ -1340,9 +1340,8 @@ def _partial_rotary(ctx: Context, rotary: nn.Module | None, rope: dict[str, Any]
 # ----------------------------------------------------------------------- norm
 
 
-def _fixed_eps(ctx: Context) -> float | None:
-    """The epsilon every norm of the model holds when no config field sets it (the modeling
-    code's constant, e.g. ``nn.LayerNorm``'s default 1e-5); ``None`` if they differ."""
+def _norms_eps(ctx: Context) -> float | None:
+    """The one epsilon every norm of the tiny model holds; ``None`` if they differ."""
     values = set()
     for _, module in ctx.model.named_modules():
         if mt.is_norm(module):
@@ -1352,7 +1351,6 @@ def _fixed_eps(ctx: Context) -> float | None:
     if len(values) != 1:
         return None
     (value,) = values
-    ctx.evidence.append(f"norm epsilon {value:g}: a constant of the modeling code, no config field")
     return value
 
 
@@ -1368,7 +1366,16 @@ def norm_features(ctx: Context) -> NormFeatures:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
         ctx.other.append("block structure the norm probe could not read")
-    eps = float(ctx.get(eps_field)) if eps_field else _fixed_eps(ctx)
+    held = _norms_eps(ctx)
+    declared = getattr(ctx.tiny, eps_field, None) if eps_field else None
+    if eps_field and held is not None and isinstance(declared, float) and not math.isclose(declared, held):
+        # The config has the field but the norms are built without it (BioGPT: layer_norm_eps
+        # 1e-12, nn.LayerNorm(embed_dim) at its default 1e-5).
+        ctx.evidence.append(f"{eps_field}={declared:g} is not what the norms hold ({held:g}): the field is unused")
+        eps_field = None
+    if eps_field is None and held is not None:
+        ctx.evidence.append(f"norm epsilon {held:g}: a constant of the modeling code, no config field")
+    eps = float(ctx.get(eps_field)) if eps_field else held
     return NormFeatures(
         kind=kind,
         eps=eps,

@@ -55,6 +55,10 @@ class CheckpointKeys(BaseModel):
     from_files: list[KeyShape] = Field(
         default_factory=list, description="layer-0 and top-level keys of the folder's own safetensors, if any"
     )
+    top_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="top-level module path -> Archon module (tok_embeddings, norm, output), from the module tree",
+    )
 
 
 class ArchitectureReport(BaseModel):

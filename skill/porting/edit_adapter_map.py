@@ -62,6 +62,10 @@ LAYER_MODULES: dict[str, str] = {
     "self_attn.out_proj": "attention.wo",
     "fc1": "feed_forward.w1",
     "fc2": "feed_forward.w2",
+    # The pre-norm layout of OPT/BioGPT/XGLM, whose FFN (fc1/fc2 held by the layer) the norm
+    # probe cannot give a role to; a probed role overrides these.
+    "self_attn_layer_norm": "attention_norm",
+    "final_layer_norm": "ffn_norm",
     "mlp.gate": "moe.router.gate",
     "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
@@ -220,6 +224,7 @@ def derive_from_hf_map(
     layer_prefix: str = LAYER_PREFIX,
     position_table_key: str | None = None,
     embedding_norm_module: str | None = None,
+    top_modules: dict[str, str] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -271,7 +276,8 @@ def derive_from_hf_map(
         if inner is not None and module in EXPERT_MODULES:
             mapping[key] = f"layers.{{}}.{EXPERT_MODULES[module]}"
             continue
-        target = layer_rules.get(module) if inner is not None else TOP_MODULES.get(module)
+        top_rules = {**TOP_MODULES, **(top_modules or {})}
+        target = layer_rules.get(module) if inner is not None else top_rules.get(module)
         if target is None:
             unmapped.append(key)
             continue
@@ -386,6 +392,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             layer_prefix=prefix,
             position_table_key=checklist.positions.table_key,
             embedding_norm_module=checklist.scalars.embedding_norm_module,
+            top_modules=report.checkpoint.top_modules,
         )
         text = apply_fused_adapter(text, layout, fused)
         text = apply_transposed_adapter(text, layout, sorted(transposed))

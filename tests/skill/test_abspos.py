@@ -385,3 +385,27 @@ def test_stage5_skips_tp_only_for_one_kv_head() -> None:
         gqa = GptBigcodeModel(GptBigcodeModelArgs(n_kv_heads=2, **small))
     assert "n_kv_heads (1) must be divisible by tp_size (2)" in (applicable_parallelisms(mqa)["tp"] or "")
     assert applicable_parallelisms(gqa)["tp"] is None
+
+
+def test_top_level_modules_come_from_the_module_tree() -> None:
+    # BioGptModel: embed_tokens, layer_norm (the final norm) under "biogpt."; the tied
+    # output_projection is not saved.
+    report = report_for("biogpt")
+    assert report.checkpoint.top_modules == {"biogpt.embed_tokens": "tok_embeddings", "biogpt.layer_norm": "norm"}
+    mapping = derive_from_hf_map(
+        ["biogpt.embed_tokens.weight", "biogpt.layer_norm.weight", "biogpt.layer_norm.bias"],
+        layer_prefix="biogpt.layers.{}.",
+        top_modules=report.checkpoint.top_modules,
+    )
+    assert mapping["biogpt.layer_norm.bias"] == "norm.bias"
+    assert mapping["biogpt.embed_tokens.weight"] == "tok_embeddings.weight"
+
+
+def test_an_unused_epsilon_field_is_not_read() -> None:
+    # BioGptConfig.layer_norm_eps = 1e-12, but BioGptDecoderLayer builds nn.LayerNorm(embed_dim)
+    # at the default 1e-5: the field is unused, the constant is what the port needs.
+    norm = report_for("biogpt").checklist.norm
+    assert norm.eps_field is None
+    assert norm.eps == pytest.approx(1e-5)
+    # A field the norms do read stays the source (LlamaRMSNorm(eps=config.rms_norm_eps)).
+    assert report_for("llama").checklist.norm.eps_field == "rms_norm_eps"
