@@ -5,6 +5,7 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 """
 
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
+from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
