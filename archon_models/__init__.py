@@ -10,6 +10,7 @@ from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
+from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.glm import spec as glm_spec  # noqa: F401
@@ -21,6 +22,7 @@ from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
+from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
@@ -41,5 +43,6 @@ from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
 from archon_models.smollm3 import spec as smollm3_spec  # noqa: F401
+from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401

@@ -568,6 +568,8 @@ def _layer_pattern(moe: MoEFeatures) -> str:
 def _correction_bias(moe: MoEFeatures) -> str:
     if not moe.score_correction_bias:
         return "false"
+    if not moe.score_correction_key:
+        return "true, no checkpoint key"  # seen in the module tree only: nothing to map
     if len(moe.score_correction_shape) > 1:
         return "true, shape " + "x".join(str(n) for n in moe.score_correction_shape)
     return "true"

@@ -131,6 +131,19 @@ def _moe(**changes: Any) -> MoEFeatures:
     return MoEFeatures(num_experts=4, top_k=2, n_layers=4, moe_layers=[1, 2, 3], **changes)
 
 
+def test_correction_bias_without_a_checkpoint_key_is_unsupported() -> None:
+    # A selection bias seen only in the module tree has no key the adapter could map.
+    checklist = report_for("glm4_moe").checklist
+    unkeyed = checklist.model_copy(update={"moe": _moe(score_correction_bias=True)})
+    value = feature_values(unkeyed)[Feature.SCORE_CORRECTION_BIAS]
+    assert value == "true, no checkpoint key"
+    assert not is_supported(Feature.SCORE_CORRECTION_BIAS, value)
+    keyed = checklist.model_copy(
+        update={"moe": _moe(score_correction_bias=True, score_correction_key="mlp.gate.b", score_correction_shape=[4])}
+    )
+    assert feature_values(keyed)[Feature.SCORE_CORRECTION_BIAS] == "true"
+
+
 def test_layer_pattern_without_a_config_rule_is_unsupported() -> None:
     # The port writes the rule, never the list: a pattern no config field reproduces is named.
     values = feature_values(report_for("glm4_moe").checklist.model_copy(update={"moe": _moe()}))

@@ -134,6 +134,8 @@ class MinimaxM2StateDictAdapter(BaseStateDictAdapter):
         if self._expected_keys is None:
             with torch.device("meta"):
                 model = MinimaxM2Model(self.model_args)
+                # AReaL's MoE registers its saved expert_bias buffer in init_buffers, not in __init__.
+                model.init_buffers(buffer_device="meta")
             self._expected_keys = frozenset(model.state_dict())
         return self._expected_keys
 
