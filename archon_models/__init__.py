@@ -31,3 +31,4 @@ from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
 from archon_models.smollm3 import spec as smollm3_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401
+from archon_models.vaultgemma import spec as vaultgemma_spec  # noqa: F401
