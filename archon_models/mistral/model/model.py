@@ -7,6 +7,8 @@ MLP, over packed documents.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -41,12 +43,65 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def per_document(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``attend`` on each document of ``[1, H, T, D]`` tensors in turn, concatenated along T.
+
+    Tokens past ``cu_seqlens[-1]`` (padding) attend as one more document of their own.
+    """
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[-1] < q.shape[2]:
+        bounds.append(q.shape[2])
+    spans = [(start, end) for start, end in pairwise(bounds) if end > start]
+    outputs = [attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], **kwargs) for s, e in spans]
+    return torch.cat(outputs, dim=2)
+
+
+def padded_documents(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``attend`` once on the documents of ``[1, H, T, D]`` tensors as a zero-padded
+    ``[n_docs, H, L, D]`` batch (each document from position 0), gathered back to ``[1, H, T, D]``.
+
+    Padded keys sit after every real query of their row, so a causal ``attend`` never
+    sees them; padded query rows are dropped. Tokens past ``cu_seqlens[-1]`` form one
+    more document.
+    """
+    total = q.shape[2]
+    bounds = cu_seqlens.to(torch.long)
+    if int(bounds[-1]) < total:
+        bounds = torch.cat([bounds, bounds.new_tensor([total])])
+    lengths = bounds[1:] - bounds[:-1]
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device), lengths)
+    columns = torch.arange(total, device=bounds.device) - bounds[:-1][rows]
+    shape = (lengths.numel(), int(lengths.max()))
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(*shape, x.shape[1], x.shape[3])
+        return out.index_put((rows, columns), x[0].transpose(0, 1)).transpose(1, 2)
+
+    out = attend(pad(q), pad(k), pad(v), **kwargs)
+    return out.transpose(1, 2)[rows, columns].transpose(0, 1).unsqueeze(0)
+
+
 class SlidingWindowAttention(nn.Module):
     """Causal attention over packed documents in which each token sees only the last
     ``window`` tokens of its own document, itself included (HF's sliding-window mask).
 
-    Archon's shared attention wrappers have no window, so it lives in this package: one
-    SDPA call per document with a banded causal mask, on every backend.
+    Archon's shared attention wrappers have no window, so it lives in this package: the
+    flash varlen kernel with its native window on CUDA (fp16/bf16); elsewhere SDPA with
+    a banded causal mask, over the padded documents on CUDA, one document at a time on CPU.
     """
 
     def __init__(self, window: int):
@@ -66,28 +121,45 @@ class SlidingWindowAttention(nn.Module):
         max_seqlen: int,
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if bounds[-1] < q.shape[2]:
-            bounds.append(q.shape[2])  # trailing padding attends as its own document
-        outputs = []
-        for doc in range(len(bounds) - 1):
-            start, end = bounds[doc], bounds[doc + 1]
-            if end <= start:
-                continue
-            index = torch.arange(end - start, device=q.device)
-            distance = index[:, None] - index[None, :]
-            mask = (distance >= 0) & (distance < self.window)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:end],
-                    k[:, :, start:end],
-                    v[:, :, start:end],
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
-            )
-        return torch.cat(outputs, dim=2)
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and int(cu_seqlens[-1]) == q.shape[2]:
+            return self.flash(q, k, v, cu_seqlens, max_seqlen, scale)
+        run = padded_documents if q.is_cuda else per_document
+        return run(self.attend, q, k, v, cu_seqlens, scale=scale)
+
+    def flash(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """PyTorch's flash varlen kernel (torch >= 2.9) on packed ``[1, H, T, D]`` tensors: the
+        window is native, cross-document blocks are skipped."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        out: torch.Tensor = varlen_attn(  # type: ignore[assignment]  # the output alone (no return_aux)
+            q[0].transpose(0, 1),
+            k[0].transpose(0, 1),
+            v[0].transpose(0, 1),
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            scale=scale,
+            window_size=(self.window - 1, 0),  # flash's window excludes the query itself
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = index[:, None] - index[None, :]
+        mask = (distance >= 0) & (distance < self.window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
