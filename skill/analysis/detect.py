@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.source_scan import SourceFacts
@@ -289,30 +290,40 @@ def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
     return roles
 
 
-def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind, QKNormPlacement]:
+@dataclass(frozen=True)
+class _QKNorm:
+    kind: QKNormKind = QKNormKind.NONE
+    placement: QKNormPlacement = QKNormPlacement.NONE
+    computation: NormKind | None = None
+    full_width: bool = False
+
+
+def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> _QKNorm:
     attention = ctx.anatomy.attention
     if attention is None:
-        return QKNormKind.NONE, QKNormPlacement.NONE
+        return _QKNorm()
     q_norm, _ = mt.qk_norms(attention)
     if q_norm is None:
-        return QKNormKind.NONE, QKNormPlacement.NONE
+        return _QKNorm()
     name, norm = q_norm
     width = mt.norm_width(norm) or ctx.tiny_head_dim()
     hd = ctx.tiny_head_dim()
     has_weight = isinstance(getattr(norm, "weight", None), torch.Tensor)
+    computation = probes.probe_norm_kind(norm, width)
     if not has_weight:
         kind = QKNormKind.WEIGHTLESS
+    elif computation is NormKind.RMS_ONE_PLUS_W:
+        kind = QKNormKind.RMS_ONE_PLUS_W
+    elif computation in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
+        kind = QKNormKind.LAYER_NORM
+    elif width == hd:
+        kind = QKNormKind.PER_HEAD_RMS
     else:
-        norm_kind = probes.probe_norm_kind(norm, width)
-        if norm_kind is NormKind.RMS_ONE_PLUS_W:
-            kind = QKNormKind.RMS_ONE_PLUS_W
-        elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
-            kind = QKNormKind.LAYER_NORM
-        elif width == hd:
-            kind = QKNormKind.PER_HEAD_RMS
-        else:
-            kind = QKNormKind.FULL_WIDTH_RMS
-    ctx.evidence.append(f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}")
+        kind = QKNormKind.FULL_WIDTH_RMS
+    ctx.evidence.append(
+        f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}, "
+        f"computing {computation.value}"
+    )
     placement = QKNormPlacement.BEFORE_ROPE
     if ctx.source is not None:
         before = ctx.source.qk_norm_before_rope(type(attention).__name__, name)
@@ -320,7 +331,7 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind,
             placement = QKNormPlacement.AFTER_ROPE
         elif before is None:
             ctx.evidence.append("qk norm placement: forward order not readable in the source; assumed before RoPE")
-    return kind, placement
+    return _QKNorm(kind, placement, computation, full_width=width != hd)
 
 
 def _window_size(ctx: Context) -> tuple[str, int] | None:
@@ -519,7 +530,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     k_bias = (roles["k"].bias if "k" in roles else False) or (qkv.bias if qkv else False)
     v_bias = (roles["v"].bias if "v" in roles else False) or (qkv.bias if qkv else False)
     o_bias = roles["o"].bias if "o" in roles else False
-    qk_kind, qk_place = _qk_norm(ctx, roles)
+    qk = _qk_norm(ctx, roles)
     heads = ctx.get("num_attention_heads")
     kv = _kv_heads(ctx.config) or heads
     head_dim = ctx.get("head_dim")
@@ -563,8 +574,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         k_bias=bool(k_bias),
         v_bias=bool(v_bias),
         o_bias=bool(o_bias),
-        qk_norm=qk_kind,
-        qk_norm_placement=qk_place,
+        qk_norm=qk.kind,
+        qk_norm_placement=qk.placement,
+        qk_norm_computation=qk.computation,
+        qk_norm_full_width=qk.full_width,
         n_heads=heads,
         n_kv_heads=kv,
         gqa=isinstance(kv, int) and isinstance(heads, int) and kv < heads,
@@ -588,17 +601,61 @@ def attention_features(ctx: Context) -> AttentionFeatures:
 # ------------------------------------------------------------------------ FFN
 
 
-def _activation(ctx: Context, ffn: nn.Module | None) -> str:
+def _activation(ctx: Context, ffn: nn.Module | None) -> tuple[str, str | None]:
+    """The FFN activation as an entry of the one table (``skill.activations``), and the
+    config field that names it.
+
+    A config value that is a table entry is taken as is; one that is another ACT2FN key
+    (``gelu_new``) is instantiated and probed numerically against the table; with no
+    config value (or one transformers does not know), the FFN's activation module is
+    probed. What matches nothing keeps its config value or class name (unsupported).
+    """
+    from transformers.activations import ACT2FN
+
     for name in _ACTIVATION_FIELDS:
         value = ctx.get(name)
-        if isinstance(value, str):
-            return value
+        if not isinstance(value, str):
+            continue
+        if value in ACTIVATIONS:
+            return value, name
+        if value in ACT2FN:
+            try:
+                matched = match_activation(ACT2FN[value])
+            except Exception:
+                matched = None
+            if matched is not None:
+                ctx.evidence.append(f"activation: {name}={value!r} computes the table's {matched!r} (numeric probe)")
+                return matched, name
+            return value, name
+        probed = _probe_activation_module(ctx, ffn)
+        if probed is not None:
+            return probed, name
+        return value, name
+    probed = _probe_activation_module(ctx, ffn)
+    if probed is not None:
+        return probed, None
     if ffn is not None:
         for _, module in ffn.named_modules():
             cls = type(module).__name__
             if re.search(r"(Activation|Gelu|GELU|SiLU|Silu|ReLU|Relu|Swish|Tanh)", cls):
-                return cls
-    return "unknown"
+                return cls, None
+    return "unknown", None
+
+
+def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
+    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
+    if ffn is None:
+        return None
+    for path, module in ffn.named_modules():
+        if list(module.children()) or list(module.parameters()) or mt.weight_2d(module) is not None:
+            continue
+        if isinstance(module, (nn.Dropout, nn.Identity)) or mt.is_norm(module):
+            continue
+        matched = match_activation(module)
+        if matched is not None:
+            ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
+            return matched
+    return None
 
 
 def _dense_mlp(ctx: Context) -> nn.Module | None:
@@ -643,12 +700,12 @@ def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> int | None:
 
 def ffn_features(ctx: Context) -> FFNFeatures:
     mlp = _dense_mlp(ctx)
-    activation = _activation(ctx, ctx.anatomy.ffn)
+    activation, activation_field = _activation(ctx, ctx.anatomy.ffn)
     intermediate = ctx.get("intermediate_size")
     in_layer = _layer_ffn_projections(ctx) if ctx.anatomy.ffn is None else []
     if mlp is None and in_layer:
         ctx.evidence.append("FFN: projections held by the decoder layer itself: " + ", ".join(p.name for p in in_layer))
-        return _plain_or_gated(ctx, in_layer, activation)
+        return _plain_or_gated(ctx, in_layer, activation, activation_field)
     if mlp is None:
         # Every layer of the tiny model is MoE: read the experts' layout from disk keys.
         expert_keys = [k for k in ctx.saved_keys if ".experts." in k and k.startswith(ctx.layer_prefix)]
@@ -658,14 +715,17 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         return FFNFeatures(
             kind=FFNKind.GATED if gated else FFNKind.PLAIN,
             activation=activation,
+            activation_field=activation_field,
             bias=bias,
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
-    return _plain_or_gated(ctx, mt.projections(mlp), activation)
+    return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
 
 
-def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -> FFNFeatures:
+def _plain_or_gated(
+    ctx: Context, projs: list[mt.Projection], activation: str, activation_field: str | None
+) -> FFNFeatures:
     hidden = ctx.tiny.hidden_size
     ups = [p for p in projs if p.in_features == hidden]
     downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
@@ -678,6 +738,7 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
     return FFNFeatures(
         kind=FFNKind.GATED if gated else FFNKind.PLAIN,
         activation=activation,
+        activation_field=activation_field,
         bias=bias,
         fused_gate_up=fused,
         intermediate_size=_intermediate_size(ctx, ups),
@@ -957,6 +1018,11 @@ def norm_features(ctx: Context) -> NormFeatures:
         (k for k, v in sorted(ctx.config.to_dict().items()) if k.endswith(("eps", "epsilon")) and isinstance(v, float)),
         None,
     )
+    eps = float(ctx.get(eps_field)) if eps_field else None
+    if eps_field is None and norm is not None:
+        # The norm hard-codes its epsilon (OLMo's LayerNorm): measure it.
+        eps = probes.probe_norm_eps(norm, ctx.tiny.hidden_size, kind)
+        ctx.evidence.append(f"norm epsilon: no config field; measured {eps!r} on {type(norm).__name__}")
     placement, block_norms = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
     if placement is None:
         placement = NormPlacement.PRE
@@ -964,7 +1030,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         ctx.other.append("block structure the norm probe could not read")
     return NormFeatures(
         kind=kind,
-        eps=float(ctx.get(eps_field)) if eps_field else None,
+        eps=eps,
         eps_field=eps_field,
         placement=placement,
         block_norms=block_norms,

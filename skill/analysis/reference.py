@@ -84,7 +84,8 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
 def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
     """The one rule for which reference a family starts from (the analyser and the engine).
 
-    qwen3 carries per-head QK norm and MoE; every other family starts from qwen2. A
+    qwen3 carries per-head QK norm (of whatever kind the block norms' edit makes it) and
+    MoE; every other family starts from qwen2. A
     full-width QK norm (OLMo2) is an edit on qwen2: qwen3's norm sits after the heads
     split, and a dense family copied from qwen3 would keep its MoE machinery.
     """
@@ -93,7 +94,7 @@ def reference_for(per_head_qk_norm: bool, moe: bool) -> str:
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    reference = reference_for(checklist.attention.qk_norm is QKNormKind.PER_HEAD_RMS, checklist.moe is not None)
+    reference = reference_for(checklist.attention.per_head_qk_norm, checklist.moe is not None)
     return reference, deltas_from(reference, checklist)
 
 
@@ -103,8 +104,16 @@ def engine_limits(checklist: Checklist) -> list[str]:
     checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
     limits = []
     att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
-    if norm.eps_field is None:
-        limits.append("norm epsilon with no config field (the port reads eps from the config)")
+    if att.qk_norm_computation is not None and att.qk_norm_computation is not norm.kind:
+        # The block norms' edit writes the QK norm too: one norm class per package.
+        limits.append(
+            f"QK norm computing {att.qk_norm_computation.value} while the block norms compute {norm.kind.value}"
+        )
+    if (att.clip_qkv is not None or att.clip_qkv_field is not None) and att.qk_norm is not QKNormKind.NONE:
+        # The clip edit clamps the projections' outputs; whether a QK norm comes first is not measured.
+        limits.append("q/k/v clipping together with a QK norm (their order is not measured)")
+    if norm.eps_field is None and norm.eps is None:
+        limits.append("norm epsilon with no config field that no probe measured")
     if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:
         limits.append(f"embedding scale {sc.embedding_scale} that no config field explains")
     if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":

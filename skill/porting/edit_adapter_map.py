@@ -191,6 +191,9 @@ def derive_from_hf_map(
         else _norm_names(layer_modules)
     )
     layer_rules = {**LAYER_MODULES, **norms}
+    if "mlp.up_proj" in layer_modules and "mlp.gate_proj" not in layer_modules:
+        # A two-layer MLP (up, act, down): its up projection is Archon's w1.
+        layer_rules["mlp.up_proj"] = "feed_forward.w1"
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:

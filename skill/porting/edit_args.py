@@ -55,6 +55,8 @@ ABSENT_FEATURE_FLAGS = {
     "use_parallel_residual": "parallel attention and MLP residual branches",
     "qk_layernorm": "QK LayerNorm",
 }
+# Of those, the switches of a QK norm: a port that has one refuses a config turning it off.
+PRESENT_FEATURE_FLAGS = ("qk_layernorm",)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,20 @@ def dense_width_field(profile: PortPlan, config: Any) -> str:
     return "intermediate_size"
 
 
+def _norm_eps_field(profile: PortPlan, config: Any) -> ArgField:
+    """``norm_eps`` read from the config's field, or, where the family hard-codes its norms'
+    epsilon (no config field), the measured constant as the default, never read."""
+    eps = profile.norm_eps_field
+    if eps is None:
+        if profile.norm_eps is None:
+            raise ValueError("the report gives the norms' epsilon neither a config field nor a measured value")
+        constant = profile.norm_eps
+        return ArgField("norm_eps", "float", constant, "", lambda c: constant)
+    return ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps))
+
+
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
-    eps = profile.norm_eps_field
     dense = dense_width_field(profile, config)
     eos_default = _eos(config, 0)
     fields = [
@@ -117,7 +130,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
         ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense)),
-        ArgField("norm_eps", "float", float(getattr(config, eps)), f"hf_config.{eps}", lambda c: getattr(c, eps)),
+        _norm_eps_field(profile, config),
         ArgField(
             "rope_theta", "float", _rope_theta(config), "cls._get_rope_theta(hf_config, cls.rope_theta)", _rope_theta
         ),
@@ -150,6 +163,17 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 int(_head_dim(config) * _partial_factor(config)),
                 "int(head_dim * _partial_rotary_factor(hf_config))",
                 lambda c: int(_head_dim(c) * _partial_factor(c)),
+            )
+        )
+    if profile.clip_qkv_field is not None:
+        clip = profile.clip_qkv_field
+        fields.append(
+            ArgField(
+                "clip_qkv",
+                "float | None",
+                getattr(config, clip),
+                f"hf_config.{clip}",
+                operator.attrgetter(clip),
             )
         )
     if profile.sliding_window:
@@ -313,7 +337,8 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += ("num_experts_per_tok",)
-    return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), profile.norm_eps_field, *moe)))
+    eps = (profile.norm_eps_field,) if profile.norm_eps_field else ()
+    return tuple(dict.fromkeys((*CORE_REQUIRED, dense_width_field(profile, config), *eps, *moe)))
 
 
 MOE_SETUP = """moe_args = MoEArgs.from_hf_config(hf_config)
@@ -329,14 +354,21 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         "def _check_supported(hf_config: Any) -> None:",
         '    """Refuse configs whose math this implementation does not reproduce."""',
     ]
-    act_field = profile.activation_field or "hidden_act"
+    act_field = profile.activation_field
+    if act_field is not None:
+        # The table's name and the checkpoint's own spelling of the same function (gelu_new).
+        accepted = list(dict.fromkeys((profile.activation, str(getattr(config, act_field, profile.activation)))))
+        quoted = ", ".join(f'"{a}"' for a in accepted)
+        condition = f"act != {quoted}" if len(accepted) == 1 else f"act not in ({quoted})"
+        lines += [
+            f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
+            f"    if {condition}:",
+            "        raise ValueError(",
+            f'            f"{camel} in Archon implements the {profile.activation} activation; "',
+            f'            f"{act_field}={{act!r}} is not supported."',
+            "        )",
+        ]
     lines += [
-        f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
-        f'    if act != "{profile.activation}":',
-        "        raise ValueError(",
-        f'            f"{camel} in Archon implements the {profile.activation} activation; "',
-        f'            f"{act_field}={{act!r}} is not supported."',
-        "        )",
         '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
         "    rope_type = (",
         '        rope_parameters.get("rope_type", "default") if isinstance(rope_parameters, dict) else "default"',
@@ -377,6 +409,15 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 "        raise ValueError(",
                 f'            "{flag}=True ({feature}) "',
                 f'            "is not supported by {camel} in Archon."',
+                "        )",
+            ]
+        elif hasattr(config, flag) and flag in PRESENT_FEATURE_FLAGS and profile.qk_norm != "none":
+            # The port has the feature the switch turns on: a config turning it off is refused.
+            lines += [
+                f'    if not getattr(hf_config, "{flag}", True):',
+                "        raise ValueError(",
+                f'            "{flag}=False (no {feature}) "',
+                f'            "is not supported by {camel} in Archon, whose attention normalises q and k."',
                 "        )",
             ]
     if not profile.sliding_window and hasattr(config, "sliding_window"):

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skill.activations import ACTIVATIONS
 from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
 from skill.codemod.cst import (
     add_parameter,
@@ -34,7 +35,7 @@ from skill.codemod.cst import (
     set_call_kwarg,
     set_docstring,
 )
-from skill.porting.plan import ACTIVATIONS, PortPlan
+from skill.porting.plan import PortPlan
 from skill.porting.snippets import snippet
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,27 @@ def _eager_attention(text: str, ctx: EditContext) -> str:
             "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
             'sliding = model_args.layer_types[layer_id] == "sliding_attention"\n'
             "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n",
+        )
+    return text
+
+
+def _clip_qkv(text: str, ctx: EditContext) -> str:
+    """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
+    linear layers (before any view, norm or RoPE), when the checkpoint sets the field."""
+    if "self.clip_qkv =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "clamp_projection"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        f"# The checkpoint's {ctx.profile.clip_qkv_field} bounds q, k and v (None: unbounded).\n"
+        f"self.clip_qkv = model_args.{ctx.profile.clip_qkv_field}\n",
+    )
+    for projection in ("self.wq", "self.wk", "self.wv"):
+        text = replace_call(
+            text, "Attention", "forward", projection, f"clamp_projection({projection}({{}}), self.clip_qkv)"
         )
     return text
 
@@ -328,29 +350,58 @@ def _rope_cache(text: str, ctx: EditContext) -> str:
 
 
 def _norm_offset(text: str, ctx: EditContext) -> str:
+    """Norms scaled by ``1 + weight``: the RMS kind keeps the name ``RMSNorm``; the centred
+    kind (LayerNorm1P) becomes ``LayerNorm``, with a bias."""
+    if ctx.profile.norm == "layernorm_offset":
+        if "class RMSNorm" not in text:
+            return text
+        text = replace_class(text, "RMSNorm", snippet("norms", "OffsetLayerNorm", rename="LayerNorm"))
+        text = remove_from_all(text, ["RMSNorm"])
+        return replace_name(text, "RMSNorm", "LayerNorm")
     return replace_class(text, "RMSNorm", snippet("norms", "OffsetRMSNorm", rename="RMSNorm"))
 
 
+def _weightless_norm(text: str, ctx: EditContext) -> str:
+    """RMS norms with no learned weight (a weightless LayerNorm is the layer_norm edit's)."""
+    return replace_class(text, "RMSNorm", snippet("norms", "WeightlessRMSNorm", rename="RMSNorm"))
+
+
+# nn.LayerNorm's keywords for each LayerNorm variant the layer_norm edit writes.
+LAYER_NORM_KWARGS = {
+    "layernorm": {},
+    "layernorm_no_bias": {"bias": "False"},
+    "layernorm_weightless": {"elementwise_affine": "False"},
+}
+
+
 def _layer_norm(text: str, ctx: EditContext) -> str:
-    text = remove_class(text, "RMSNorm")
-    text = remove_from_all(text, ["RMSNorm"])
-    return replace_name(text, "RMSNorm", "nn.LayerNorm")
+    """torch's ``nn.LayerNorm`` in place of every RMSNorm: with bias, without (``bias=False``),
+    or with neither weight nor bias (``elementwise_affine=False``)."""
+    if "class RMSNorm" in text:
+        text = remove_class(text, "RMSNorm")
+        text = remove_from_all(text, ["RMSNorm"])
+        text = replace_name(text, "RMSNorm", "nn.LayerNorm")
+    for kwarg, value in LAYER_NORM_KWARGS[ctx.profile.norm].items():
+        text = set_call_kwarg(text, "nn.LayerNorm", kwarg, value)
+    return text
 
 
 # --- MLP --------------------------------------------------------------------------------
 
 
-def _activation_call(plan: PortPlan, inner: str) -> str:
-    return ACTIVATIONS[plan.activation].replace("{}", inner)
-
-
 def _activation_name(plan: PortPlan) -> str:
-    return {"silu": "SiLU", "gelu_pytorch_tanh": "tanh-approximated GELU", "gelu": "GELU"}[plan.activation]
+    return ACTIVATIONS[plan.activation].title
 
 
 def _activation(text: str, ctx: EditContext) -> str:
-    """The feed-forward's activation, whatever MLP shape the other edits chose."""
-    text = replace_call(text, "FeedForward", "forward", "F.silu", _activation_call(ctx.profile, "{}"))
+    """The feed-forward's activation (an entry of the one table, ``skill.activations``),
+    whatever MLP shape the other edits chose; a helper the call needs is copied in
+    before ``FeedForward``."""
+    entry = ACTIVATIONS[ctx.profile.activation]
+    helper = entry.snippet
+    if helper is not None and f"def {helper}(" not in text and f"class {helper}(" not in text:
+        text = insert_before_class(text, "FeedForward", snippet("activations", helper))
+    text = replace_call(text, "FeedForward", "forward", "F.silu", entry.call)
     gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
     shape = "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
     roles = (
@@ -497,6 +548,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _projection_bias,
     ),
     ModelEdit(
+        "clip_qkv",
+        "q/k/v projections clamped to [-clip_qkv, clip_qkv]",
+        lambda p: p.clip_qkv_field is not None,
+        _clip_qkv,
+    ),
+    ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
         lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap,
@@ -537,8 +594,21 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _all_layers_moe,
         needed=lambda text: "self.moe_enabled = model_args" in text,
     ),
-    ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
-    ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
+    ModelEdit(
+        "norm_offset",
+        "RMSNorm or LayerNorm scaled by (1 + weight)",
+        lambda p: p.norm in ("rms_offset", "layernorm_offset"),
+        _norm_offset,
+    ),
+    ModelEdit(
+        "weightless_norm", "RMSNorm with no learned weight", lambda p: p.norm == "rms_weightless", _weightless_norm
+    ),
+    ModelEdit(
+        "layer_norm",
+        "LayerNorm (with bias, without, or weightless) instead of RMSNorm",
+        lambda p: p.norm in LAYER_NORM_KWARGS,
+        _layer_norm,
+    ),
     ModelEdit(
         "plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp
     ),
@@ -585,6 +655,15 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
     return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
 
 
+NORM_TITLES = {
+    "rms": "RMSNorm",
+    "rms_offset": "(1 + w) RMSNorm",
+    "rms_weightless": "weightless RMSNorm",
+    "layernorm": "LayerNorm",
+    "layernorm_no_bias": "LayerNorm without bias",
+    "layernorm_weightless": "weightless LayerNorm",
+    "layernorm_offset": "(1 + w) LayerNorm",
+}
 BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
 
 
@@ -601,7 +680,7 @@ def describe(profile: PortPlan, camel: str) -> str:
         attention.append("sliding-window attention" + (" on some layers" if profile.sliding_layer_types else ""))
     if profile.attn_softcap:
         attention.append("soft-capped attention scores")
-    norm = {"rms": "RMSNorm", "rms_offset": "(1 + w) RMSNorm", "layernorm": "LayerNorm"}[profile.norm]
+    norm = NORM_TITLES[profile.norm]
     mlp = (
         ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
         if profile.mlp == "gated"

@@ -112,3 +112,12 @@ class EagerAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             outputs.append(torch.matmul(probs, values))
         return torch.cat(outputs, dim=2)
+
+
+def clamp_projection(x: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``x`` clamped to ``[-limit, limit]``; unchanged when ``limit`` is None.
+
+    The checkpoint's ``clip_qkv`` bounds the q, k and v projections (OLMo) to keep
+    training stable; a config without one leaves them as they are.
+    """
+    return x if limit is None else x.clamp(min=-limit, max=limit)
