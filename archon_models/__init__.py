@@ -4,6 +4,7 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
