@@ -109,6 +109,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append(
             f"QK norm computing {att.qk_norm_computation.value} while the block norms compute {norm.kind.value}"
         )
+    if att.per_head_qk_norm and moe is None:
+        # reference_for sends per-head QK norms to qwen3, whose dense-only port (no MoE args,
+        # no per-layer MoE switch) no edit writes yet; edit_args would fail half-way.
+        limits.append("per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)")
     if (att.clip_qkv is not None or att.clip_qkv_field is not None) and att.qk_norm is not QKNormKind.NONE:
         # The clip edit clamps the projections' outputs; whether a QK norm comes first is not measured.
         limits.append("q/k/v clipping together with a QK norm (their order is not measured)")

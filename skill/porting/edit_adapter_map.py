@@ -47,6 +47,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.down_proj": "feed_forward.w2",
     "mlp.c_fc": "feed_forward.w1",
     "mlp.c_proj": "feed_forward.w2",
+    "mlp.act_fn": "feed_forward.act_fn",  # a learned activation's parameters (xIELU)
     "mlp.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
@@ -77,7 +78,9 @@ RUNTIME_BUFFERS: dict[str, None] = {
     "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
 }
 LAYER_PREFIX = "model.layers.{}."
-_PARAM_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias)$")
+# Tensor names a checkpoint module holds: weights and biases, and a learned activation's
+# parameters and constants (xIELU's alpha_p, alpha_n, beta, eps).
+_PARAM_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias|alpha_p|alpha_n|beta|eps)$")
 
 
 class UnmappedKeyError(ValueError):

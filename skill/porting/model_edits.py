@@ -401,6 +401,18 @@ def _activation(text: str, ctx: EditContext) -> str:
     helper = entry.snippet
     if helper is not None and f"def {helper}(" not in text and f"class {helper}(" not in text:
         text = insert_before_class(text, "FeedForward", snippet("activations", helper))
+    if entry.module and "self.act_fn =" not in text:
+        # A learned activation: a module of the feed-forward, its parameters checkpoint keys.
+        text = insert_after_statement_assigning(
+            text, "FeedForward", "__init__", "self.w2", f"self.act_fn = {helper}()\n"
+        )
+        text = replace_in_function(
+            text,
+            "FeedForward",
+            "init_weights",
+            "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)",
+            "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)\nself.act_fn.reset_parameters()\n",
+        )
     text = replace_call(text, "FeedForward", "forward", "F.silu", entry.call)
     gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
     shape = "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"

@@ -156,13 +156,15 @@ def _load(text: str, name: str) -> types.ModuleType:
     return module
 
 
-def _tiny_model(module: types.ModuleType, reference: str):
+def _tiny_model(module: types.ModuleType, reference: str, **extra):
     if reference == "qwen2":
         from archon_models.qwen2.model.args import Qwen2ModelArgs as Args
     else:
         from archon_models.qwen3.model.args import Qwen3ModelArgs as Args
     args = Args(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, head_dim=8, hidden_dim=48, max_seq_len=32)
     args.norm_eps = 1e-5
+    for name, value in extra.items():
+        setattr(args, name, value)  # fields an edit reads that the reference's args lack
     return getattr(module, MODEL_CLASSES[reference])(args)
 
 
@@ -243,3 +245,92 @@ def test_olmo_eps_has_no_config_field_and_is_written_as_a_constant() -> None:
     assert not any("epsilon" in line for line in plan.unsupported)
     (eps,) = [f for f in arg_fields(plan, load_config("olmo")) if f.name == "norm_eps"]
     assert (eps.default, eps.expression) == (1e-5, "")
+
+
+# ------------------------------------------------------------------------------ xIELU
+
+
+def test_xielu_snippet_matches_transformers_and_holds_its_checkpoint_keys() -> None:
+    from transformers.activations import XIELUActivation
+
+    hf = XIELUActivation(dtype=torch.float32)
+    with torch.no_grad():
+        hf.alpha_p.fill_(0.3)
+        hf.alpha_n.fill_(-0.2)
+    ours = activation_snippets.XIELU()
+    assert set(ours.state_dict()) == set(hf.state_dict()) == {"alpha_p", "alpha_n", "beta", "eps"}
+    ours.load_state_dict(hf.state_dict())
+    x = probe_input().requires_grad_()
+    torch.testing.assert_close(ours(x), hf(x))
+    # A fresh module starts where HF's does (the alphas as softplus inverses).
+    torch.testing.assert_close(activation_snippets.XIELU()(x), XIELUActivation(dtype=torch.float32)(x))
+
+
+def test_learned_activation_becomes_a_feed_forward_module_reset_with_it() -> None:
+    plan = plan_for("llama").model_copy(update={"activation": "xielu", "mlp": "plain"})
+    names = select_edits(plan, REFERENCES["qwen2"])
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), names)
+    assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
+    assert text.count("class XIELU(") == 1 and text.count("self.act_fn = XIELU()") == 1
+    assert "return self.w2(self.act_fn(self.w1(x)))" in text
+    assert "self.act_fn.reset_parameters()" in text
+
+
+# --------------------------------------------------------------------------- clip_qkv
+
+
+def test_clip_qkv_clamps_each_projection_once_in_any_order_and_only_when_set() -> None:
+    plan = plan_for("llama").model_copy(update={"clip_qkv_field": "clip_qkv", "sliding_window": True})
+    names = select_edits(plan, REFERENCES["qwen2"])
+    assert "clip_qkv" in names
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), names)
+    assert apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), list(reversed(names))) == text
+    assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
+    for projection in ("wq", "wk", "wv"):
+        assert text.count(f"clamp_projection(self.{projection}(x), self.clip_qkv)") == 1
+    module = _load(text.replace("model_args.sliding_window", "None"), "_clip_qkv_model")
+    base = _load(REFERENCES["qwen2"], "_clip_qkv_base")
+
+    def logits(mod, clip):
+        torch.manual_seed(0)
+        model = _tiny_model(mod, "qwen2", clip_qkv=clip)
+        model.init_weights()
+        tokens = torch.arange(8).unsqueeze(0)
+        return model(tokens, tokens, torch.tensor([0, 8]), 8)
+
+    # No clip: the reference's numbers; a clip that binds: different ones.
+    torch.testing.assert_close(logits(module, None), logits(base, None))
+    assert not torch.allclose(logits(module, 1e-3), logits(base, None))
+
+
+# ------------------------------------------------------------------------- QK norm kinds
+
+
+def test_a_qk_norm_computing_what_the_block_norms_do_not_is_refused_by_name() -> None:
+    from skill.analysis.reference import engine_limits
+    from skill.features import QKNormKind
+    from skill.porting.plan import report_for
+
+    checklist = report_for("qwen3_moe").checklist
+    assert checklist.attention.per_head_qk_norm and not engine_limits(checklist)
+    layer_qk = checklist.attention.model_copy(
+        update={"qk_norm": QKNormKind.LAYER_NORM, "qk_norm_computation": NormKind.LAYER_NORM}
+    )
+    limits = engine_limits(checklist.model_copy(update={"attention": layer_qk}))
+    assert limits == ["QK norm computing layer_norm while the block norms compute rms"]
+    # A LayerNorm QK norm under LayerNorm block norms: the layer_norm edit writes both.
+    norm = checklist.norm.model_copy(update={"kind": NormKind.LAYER_NORM})
+    assert not engine_limits(checklist.model_copy(update={"attention": layer_qk, "norm": norm}))
+    assert layer_qk.per_head_qk_norm  # per head: the qwen3 reference, whose QK norm the edit converts
+
+
+def test_a_dense_family_with_a_per_head_qk_norm_is_refused_cleanly() -> None:
+    # Apertus: per-head QK RMSNorm, dense. The qwen3 reference it would copy keeps MoE args
+    # no edit strips, so the analyser names it instead of letting edit_args fail half-way.
+    from skill.porting.plan import report_for
+
+    report = report_for("apertus")
+    assert report.checklist.ffn.activation == "xielu"
+    assert report.unsupported == [
+        "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)"
+    ]
