@@ -288,12 +288,16 @@ def test_clip_qkv_clamps_each_projection_once_in_any_order_and_only_when_set() -
     assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
     for projection in ("wq", "wk", "wv"):
         assert text.count(f"clamp_projection(self.{projection}(x), self.clip_qkv)") == 1
-    module = _load(text.replace("model_args.sliding_window", "None"), "_clip_qkv_model")
-    base = _load(REFERENCES["qwen2"], "_clip_qkv_base")
+    module = _load(text, "_clip_qkv_model")
+    unclipped = plan.model_copy(update={"clip_qkv_field": None})
+    base_text = apply_model_edits(
+        REFERENCES["qwen2"], _ctx(unclipped, "qwen2"), select_edits(unclipped, REFERENCES["qwen2"])
+    )
+    base = _load(base_text, "_clip_qkv_base")
 
     def logits(mod, clip):
         torch.manual_seed(0)
-        model = _tiny_model(mod, "qwen2", clip_qkv=clip)
+        model = _tiny_model(mod, "qwen2", clip_qkv=clip, sliding_window=64)  # a window wider than the input
         model.init_weights()
         tokens = torch.arange(8).unsqueeze(0)
         return model(tokens, tokens, torch.tensor([0, 8]), 8)
