@@ -3,6 +3,8 @@ by the ``activation`` edit (the table is ``skill/activations.py``)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +48,8 @@ class XIELU(nn.Module):
         """The initial values; the alphas stored as softplus inverses (HF's parametrisation)."""
         alpha_p, alpha_n, beta, eps = self.init_values
         with torch.no_grad():
-            self.alpha_p.fill_(torch.log(torch.expm1(torch.tensor(alpha_p))).item())
-            self.alpha_n.fill_(torch.log(torch.expm1(torch.tensor(alpha_n - beta))).item())
+            # Plain floats: this also runs under ``torch.device("meta")``.
+            self.alpha_p.fill_(math.log(math.expm1(alpha_p)))
+            self.alpha_n.fill_(math.log(math.expm1(alpha_n - beta)))
             self.beta.fill_(beta)
             self.eps.fill_(eps)
