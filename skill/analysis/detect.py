@@ -567,6 +567,16 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         ]
         if extra:
             ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
+    if attention is not None:
+        q_norm, k_norm = mt.qk_norms(attention)
+        named = {pair[0] for pair in (q_norm, k_norm) if pair is not None}
+        inner = [
+            n
+            for n, child in attention.named_children()
+            if mt.is_norm(child) and n not in named and "_a_" not in n and not n.startswith(("kv_a", "q_a"))
+        ]
+        if inner:
+            ctx.other.append(f"norm inside the attention outside the vocabulary: {', '.join(inner)}")
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
     return AttentionFeatures(
@@ -720,6 +730,9 @@ def ffn_features(ctx: Context) -> FFNFeatures:
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
+    inner = [n for n, m in mlp.named_modules() if n and mt.is_norm(m)]
+    if inner:
+        ctx.other.append(f"norm inside the feed-forward: {', '.join(inner)}")
     return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
 
 

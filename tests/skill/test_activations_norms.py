@@ -338,3 +338,14 @@ def test_a_dense_family_with_a_per_head_qk_norm_is_refused_cleanly() -> None:
     assert report.unsupported == [
         "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)"
     ]
+
+
+def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:
+    # BitNet: attn_sub_norm before o_proj, ffn_sub_norm before down_proj; no edit writes
+    # them, so the analyser refuses by name instead of the adapter failing on their keys.
+    from skill.porting.plan import report_for
+
+    assert report_for("bitnet").unsupported == [
+        "unsupported: norm inside the attention outside the vocabulary: attn_sub_norm",
+        "unsupported: norm inside the feed-forward: ffn_sub_norm",
+    ]
