@@ -74,6 +74,7 @@ def test_a_family_class_is_identified_by_its_numbers_not_its_name() -> None:
 
 def test_supported_activations_are_table_entries() -> None:
     assert SUPPORTED_EDITS[Feature.ACTIVATION] <= set(ACTIVATIONS)
+    assert "xielu" not in SUPPORTED_EDITS[Feature.ACTIVATION]  # until a family proves it through the stages
 
 
 def test_gelu_new_family_reports_the_table_entry_and_its_config_field() -> None:
@@ -336,7 +337,8 @@ def test_a_dense_family_with_a_per_head_qk_norm_is_refused_cleanly() -> None:
     report = report_for("apertus")
     assert report.checklist.ffn.activation == "xielu"
     assert report.unsupported == [
-        "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)"
+        "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)",
+        "unsupported: activation = xielu",
     ]
 
 

@@ -3,8 +3,6 @@ by the ``activation`` edit (the table is ``skill/activations.py``)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,8 +46,10 @@ class XIELU(nn.Module):
         """The initial values; the alphas stored as softplus inverses (HF's parametrisation)."""
         alpha_p, alpha_n, beta, eps = self.init_values
         with torch.no_grad():
-            # Plain floats: this also runs under ``torch.device("meta")``.
-            self.alpha_p.fill_(math.log(math.expm1(alpha_p)))
-            self.alpha_n.fill_(math.log(math.expm1(alpha_n - beta)))
+            # Computed on the CPU: this also runs under ``torch.device("meta")``.
+            start = torch.tensor([alpha_p, alpha_n - beta], dtype=torch.float64, device="cpu")
+            inverse = torch.log(torch.expm1(start)).tolist()
+            self.alpha_p.fill_(inverse[0])
+            self.alpha_n.fill_(inverse[1])
             self.beta.fill_(beta)
             self.eps.fill_(eps)
