@@ -4,6 +4,7 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
@@ -36,6 +37,8 @@ from archon_models.model_spec import (  # noqa: F401
     is_supported_model,
     register_model_spec,
 )
+from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
+from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.phimoe import spec as phimoe_spec  # noqa: F401

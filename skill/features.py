@@ -157,12 +157,21 @@ class MLA(_Frozen):
 
 
 class AttentionFeatures(_Frozen):
+    @property
+    def per_head_qk_norm(self) -> bool:
+        """A QK norm over each head's features (whatever it computes)."""
+        return self.qk_norm is not QKNormKind.NONE and not self.qk_norm_full_width
+
     q_bias: bool = False
     k_bias: bool = False
     v_bias: bool = False
     o_bias: bool = False
     qk_norm: QKNormKind = QKNormKind.NONE
     qk_norm_placement: QKNormPlacement = QKNormPlacement.NONE
+    qk_norm_computation: NormKind | None = Field(
+        None, description="what the QK norm computes, in the block norms' vocabulary (probed); None without one"
+    )
+    qk_norm_full_width: bool = Field(False, description="the QK norm spans all heads at once, not one head")
     n_heads: int | None = None
     n_kv_heads: int | None = None
     gqa: bool = Field(False, description="fewer KV heads than query heads (MQA included)")
@@ -200,7 +209,8 @@ class AttentionFeatures(_Frozen):
 
 class FFNFeatures(_Frozen):
     kind: FFNKind = FFNKind.GATED
-    activation: str = "silu"
+    activation: str = Field("silu", description="an entry of skill.activations.ACTIVATIONS, else the name as found")
+    activation_field: str | None = Field(None, description="config field that names the activation, if any")
     bias: bool = False
     fused_gate_up: bool = False
     intermediate_size: int | None = None
@@ -297,7 +307,7 @@ class PositionFeatures(_Frozen):
 
 class NormFeatures(_Frozen):
     kind: NormKind = NormKind.RMS
-    eps: float | None = None
+    eps: float | None = Field(None, description="the config's value, else the value measured on the norm")
     eps_field: str | None = None
     placement: NormPlacement = NormPlacement.PRE
     block_norms: dict[str, str] = Field(
@@ -456,11 +466,19 @@ FEATURE_TITLES: dict[Feature, str] = {
 SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Reference code: qwen2 has q/k/v bias, qwen3 switches it with attention_bias.
     Feature.QKV_BIAS: frozenset({"true", "false"}),
-    # (1 + w) per-head QK norm: the block's (1 + w) RMSNorm class over head_dim (engine_limits
-    # refuses it next to other block norms); after RoPE: the qk_norm_after_rope edit.
+    # QK norms of another kind: the block norms' edits turn them into what the block norms
+    # compute (skill/analysis/reference.py refuses a QK norm computing something else).
     Feature.QK_NORM: frozenset(
-        {QKNormKind.NONE, QKNormKind.PER_HEAD_RMS, QKNormKind.FULL_WIDTH_RMS, QKNormKind.RMS_ONE_PLUS_W}
+        {
+            QKNormKind.NONE,
+            QKNormKind.PER_HEAD_RMS,
+            QKNormKind.FULL_WIDTH_RMS,
+            QKNormKind.RMS_ONE_PLUS_W,
+            QKNormKind.LAYER_NORM,
+            QKNormKind.WEIGHTLESS,
+        }
     ),
+    # After RoPE: the qk_norm_after_rope edit.
     Feature.QK_NORM_PLACEMENT: frozenset(
         {QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE, QKNormPlacement.AFTER_ROPE}
     ),
@@ -491,11 +509,24 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     ),
     Feature.ATTN_SOFTCAP: frozenset({"true", "false"}),
     Feature.ATTN_SINKS: frozenset({"true", "false"}),  # attention_sinks edit: one learned logit per head
+    Feature.QKV_CLIP: frozenset({"true", "false"}),  # clamped as they leave the projections
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
-    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu"}),
+    # Entries of the one activation table (skill/activations.py) the activation edit writes.
+    # xielu: the edit writes it, but no family has proven it through the stages yet.
+    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2"}),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
-    Feature.NORM_KIND: frozenset({NormKind.RMS, NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM}),
+    Feature.NORM_KIND: frozenset(
+        {
+            NormKind.RMS,
+            NormKind.RMS_ONE_PLUS_W,
+            NormKind.RMS_WEIGHTLESS,
+            NormKind.LAYER_NORM,
+            NormKind.LAYER_NORM_NO_BIAS,
+            NormKind.LAYER_NORM_WEIGHTLESS,
+            NormKind.LAYER_NORM_ONE_PLUS_W,
+        }
+    ),
     Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
     # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).

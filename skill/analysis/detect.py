@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.source_scan import SourceFacts
@@ -290,32 +291,40 @@ def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
     return roles
 
 
-def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind, QKNormPlacement]:
+@dataclass(frozen=True)
+class _QKNorm:
+    kind: QKNormKind = QKNormKind.NONE
+    placement: QKNormPlacement = QKNormPlacement.NONE
+    computation: NormKind | None = None
+    full_width: bool = False
+
+
+def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> _QKNorm:
     attention = ctx.anatomy.attention
     if attention is None:
-        return QKNormKind.NONE, QKNormPlacement.NONE
+        return _QKNorm()
     q_norm, _ = mt.qk_norms(attention)
     if q_norm is None:
-        return QKNormKind.NONE, QKNormPlacement.NONE
+        return _QKNorm()
     name, norm = q_norm
     width = mt.norm_width(norm) or ctx.tiny_head_dim()
     hd = ctx.tiny_head_dim()
     has_weight = isinstance(getattr(norm, "weight", None), torch.Tensor)
+    computation = probes.probe_norm_kind(norm, width)
     if not has_weight:
         kind = QKNormKind.WEIGHTLESS
+    elif computation is NormKind.RMS_ONE_PLUS_W:
+        kind = QKNormKind.RMS_ONE_PLUS_W
+    elif computation in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
+        kind = QKNormKind.LAYER_NORM
+    elif width == hd:
+        kind = QKNormKind.PER_HEAD_RMS
     else:
-        norm_kind = probes.probe_norm_kind(norm, width)
-        if norm_kind is NormKind.RMS_ONE_PLUS_W:
-            kind = QKNormKind.RMS_ONE_PLUS_W
-            if width != hd:
-                ctx.other.append(f"(1 + w) QK norm over {width} features, not one head's {hd}")
-        elif norm_kind in (NormKind.LAYER_NORM, NormKind.LAYER_NORM_NO_BIAS, NormKind.LAYER_NORM_ONE_PLUS_W):
-            kind = QKNormKind.LAYER_NORM
-        elif width == hd:
-            kind = QKNormKind.PER_HEAD_RMS
-        else:
-            kind = QKNormKind.FULL_WIDTH_RMS
-    ctx.evidence.append(f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}")
+        kind = QKNormKind.FULL_WIDTH_RMS
+    ctx.evidence.append(
+        f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}, "
+        f"computing {computation.value}"
+    )
     placement = QKNormPlacement.BEFORE_ROPE
     if ctx.source is not None:
         before = ctx.source.qk_norm_before_rope(type(attention).__name__, name)
@@ -323,7 +332,7 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[QKNormKind,
             placement = QKNormPlacement.AFTER_ROPE
         elif before is None:
             ctx.evidence.append("qk norm placement: forward order not readable in the source; assumed before RoPE")
-    return kind, placement
+    return _QKNorm(kind, placement, computation, full_width=width != hd)
 
 
 def _window_size(ctx: Context) -> tuple[str, int] | None:
@@ -567,7 +576,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     k_bias = (roles["k"].bias if "k" in roles else False) or (qkv.bias if qkv else False)
     v_bias = (roles["v"].bias if "v" in roles else False) or (qkv.bias if qkv else False)
     o_bias = roles["o"].bias if "o" in roles else False
-    qk_kind, qk_place = _qk_norm(ctx, roles)
+    qk = _qk_norm(ctx, roles)
     heads = ctx.get("num_attention_heads")
     kv = _kv_heads(ctx.config) or heads
     head_dim = ctx.get("head_dim")
@@ -608,6 +617,16 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         ]
         if extra:
             ctx.other.append(f"attention projections outside the vocabulary: {', '.join(extra)}")
+    if attention is not None:
+        q_norm, k_norm = mt.qk_norms(attention)
+        named = {pair[0] for pair in (q_norm, k_norm) if pair is not None}
+        inner = [
+            n
+            for n, child in attention.named_children()
+            if mt.is_norm(child) and n not in named and "_a_" not in n and not n.startswith(("kv_a", "q_a"))
+        ]
+        if inner:
+            ctx.other.append(f"norm inside the attention outside the vocabulary: {', '.join(inner)}")
     nope, nope_field, nope_type = _nope_with_rule(ctx)
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
@@ -616,8 +635,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         k_bias=bool(k_bias),
         v_bias=bool(v_bias),
         o_bias=bool(o_bias),
-        qk_norm=qk_kind,
-        qk_norm_placement=qk_place,
+        qk_norm=qk.kind,
+        qk_norm_placement=qk.placement,
+        qk_norm_computation=qk.computation,
+        qk_norm_full_width=qk.full_width,
         n_heads=heads,
         n_kv_heads=kv,
         gqa=isinstance(kv, int) and isinstance(heads, int) and kv < heads,
@@ -644,17 +665,61 @@ def attention_features(ctx: Context) -> AttentionFeatures:
 # ------------------------------------------------------------------------ FFN
 
 
-def _activation(ctx: Context, ffn: nn.Module | None) -> str:
+def _activation(ctx: Context, ffn: nn.Module | None) -> tuple[str, str | None]:
+    """The FFN activation as an entry of the one table (``skill.activations``), and the
+    config field that names it.
+
+    A config value that is a table entry is taken as is; one that is another ACT2FN key
+    (``gelu_new``) is instantiated and probed numerically against the table; with no
+    config value (or one transformers does not know), the FFN's activation module is
+    probed. What matches nothing keeps its config value or class name (unsupported).
+    """
+    from transformers.activations import ACT2FN
+
     for name in _ACTIVATION_FIELDS:
         value = ctx.get(name)
-        if isinstance(value, str):
-            return value
+        if not isinstance(value, str):
+            continue
+        if value in ACTIVATIONS:
+            return value, name
+        if value in ACT2FN:
+            try:
+                matched = match_activation(ACT2FN[value])
+            except Exception:
+                matched = None
+            if matched is not None:
+                ctx.evidence.append(f"activation: {name}={value!r} computes the table's {matched!r} (numeric probe)")
+                return matched, name
+            return value, name
+        probed = _probe_activation_module(ctx, ffn)
+        if probed is not None:
+            return probed, name
+        return value, name
+    probed = _probe_activation_module(ctx, ffn)
+    if probed is not None:
+        return probed, None
     if ffn is not None:
         for _, module in ffn.named_modules():
             cls = type(module).__name__
             if re.search(r"(Activation|Gelu|GELU|SiLU|Silu|ReLU|Relu|Swish|Tanh)", cls):
-                return cls
-    return "unknown"
+                return cls, None
+    return "unknown", None
+
+
+def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
+    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
+    if ffn is None:
+        return None
+    for path, module in ffn.named_modules():
+        if list(module.children()) or list(module.parameters()) or mt.weight_2d(module) is not None:
+            continue
+        if isinstance(module, (nn.Dropout, nn.Identity)) or mt.is_norm(module):
+            continue
+        matched = match_activation(module)
+        if matched is not None:
+            ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
+            return matched
+    return None
 
 
 def _dense_mlp(ctx: Context) -> nn.Module | None:
@@ -712,12 +777,12 @@ def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | No
 
 def ffn_features(ctx: Context) -> FFNFeatures:
     mlp = _dense_mlp(ctx)
-    activation = _activation(ctx, ctx.anatomy.ffn)
+    activation, activation_field = _activation(ctx, ctx.anatomy.ffn)
     intermediate = ctx.get("intermediate_size")
     in_layer = _layer_ffn_projections(ctx) if ctx.anatomy.ffn is None else []
     if mlp is None and in_layer:
         ctx.evidence.append("FFN: projections held by the decoder layer itself: " + ", ".join(p.name for p in in_layer))
-        return _plain_or_gated(ctx, in_layer, activation)
+        return _plain_or_gated(ctx, in_layer, activation, activation_field)
     if mlp is None:
         # Every layer of the tiny model is MoE: read the experts' layout from disk keys.
         # Every layer of the tiny model is MoE: the routed experts' tensors on disk say
@@ -733,14 +798,20 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         return FFNFeatures(
             kind=FFNKind.GATED if gated else FFNKind.PLAIN,
             activation=activation,
+            activation_field=activation_field,
             bias=bias,
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
-    return _plain_or_gated(ctx, mt.projections(mlp), activation)
+    inner = [n for n, m in mlp.named_modules() if n and mt.is_norm(m)]
+    if inner:
+        ctx.other.append(f"norm inside the feed-forward: {', '.join(inner)}")
+    return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
 
 
-def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -> FFNFeatures:
+def _plain_or_gated(
+    ctx: Context, projs: list[mt.Projection], activation: str, activation_field: str | None
+) -> FFNFeatures:
     hidden = ctx.tiny.hidden_size
     ups = [p for p in projs if p.in_features == hidden]
     downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
@@ -754,6 +825,7 @@ def _plain_or_gated(ctx: Context, projs: list[mt.Projection], activation: str) -
     return FFNFeatures(
         kind=FFNKind.GATED if gated else FFNKind.PLAIN,
         activation=activation,
+        activation_field=activation_field,
         bias=bias,
         fused_gate_up=fused,
         intermediate_size=size,
@@ -1373,9 +1445,17 @@ def norm_features(ctx: Context) -> NormFeatures:
         # 1e-12, nn.LayerNorm(embed_dim) at its default 1e-5).
         ctx.evidence.append(f"{eps_field}={declared:g} is not what the norms hold ({held:g}): the field is unused")
         eps_field = None
-    if eps_field is None and held is not None:
+    if eps_field is not None:
+        eps = float(ctx.get(eps_field))
+    elif held is not None:
+        eps = held
         ctx.evidence.append(f"norm epsilon {held:g}: a constant of the modeling code, no config field")
-    eps = float(ctx.get(eps_field)) if eps_field else held
+    elif norm is not None:
+        # The norms keep no readable epsilon attribute (OLMo's functional LayerNorm): measure it.
+        eps = probes.probe_norm_eps(norm, ctx.tiny.hidden_size, kind)
+        ctx.evidence.append(f"norm epsilon: no config field; measured {eps!r} on {type(norm).__name__}")
+    else:
+        eps = None
     return NormFeatures(
         kind=kind,
         eps=eps,

@@ -76,6 +76,42 @@ def probe_norm_kind(norm: nn.Module, width: int) -> NormKind:
     return NormKind.OTHER
 
 
+def probe_norm_eps(norm: nn.Module, width: int, kind: NormKind) -> float | None:
+    """The epsilon a norm adds to the variance (mean square), measured: with a neutral
+    weight (one, or zero for a ``1 + w`` norm) and zero bias, ``out = x_c / sqrt(v + eps)``
+    for the centred (or raw) input ``x_c`` of variance ``v``, so ``eps = (x_c / out)**2 - v``.
+    The input's variance (1e-6) is of the order of the usual epsilons, so they show;
+    rounded to three significant digits. ``None`` for a norm this does not describe."""
+    centred = kind in (
+        NormKind.LAYER_NORM,
+        NormKind.LAYER_NORM_NO_BIAS,
+        NormKind.LAYER_NORM_WEIGHTLESS,
+        NormKind.LAYER_NORM_ONE_PLUS_W,
+    )
+    if kind is NormKind.OTHER:
+        return None
+    x = torch.randn(2, width, generator=_generator(), dtype=torch.float32) * 1e-3
+    if centred:
+        x = x - x.mean(-1, keepdim=True)
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None)
+    with _preserved(norm), torch.no_grad():
+        if isinstance(weight, torch.Tensor):
+            weight.fill_(0.0 if kind in (NormKind.RMS_ONE_PLUS_W, NormKind.LAYER_NORM_ONE_PLUS_W) else 1.0)
+        if isinstance(bias, torch.Tensor):
+            bias.zero_()
+        out = _call_norm(norm, x).double()
+    xd = x.double()
+    v = xd.pow(2).mean(-1, keepdim=True)
+    ratio_sq = xd.pow(2).sum(-1, keepdim=True) / out.pow(2).sum(-1, keepdim=True).clamp_min(1e-300)
+    eps = (ratio_sq - v).flatten()
+    spread = float(eps.max() - eps.min())
+    if not torch.isfinite(eps).all() or float(eps.min()) < 0 or spread > 1e-2 * float(eps.abs().max()) + 1e-12:
+        return None  # rows disagree: not one epsilon on the variance
+    value = float(eps.mean())
+    return float(f"{value:.3g}") if value > 0 else 0.0
+
+
 def _call_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = norm(x)
     return out[0] if isinstance(out, tuple) else out

@@ -21,7 +21,6 @@ from skill.features import (
     Checklist,
     Feature,
     FeatureDelta,
-    NormKind,
     PositionKind,
     QKNormKind,
     QKNormPlacement,
@@ -152,8 +151,9 @@ def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False) -> str:
 
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
-    per_head = checklist.attention.qk_norm in (QKNormKind.PER_HEAD_RMS, QKNormKind.RMS_ONE_PLUS_W)
-    reference = reference_for(per_head, checklist.moe is not None, mla=checklist.attention.mla is not None)
+    reference = reference_for(
+        checklist.attention.per_head_qk_norm, checklist.moe is not None, mla=checklist.attention.mla is not None
+    )
     return reference, deltas_from(reference, checklist)
 
 
@@ -163,8 +163,16 @@ def engine_limits(checklist: Checklist) -> list[str]:
     checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
     limits = []
     att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
+    if att.qk_norm_computation is not None and att.qk_norm_computation is not norm.kind:
+        # The block norms' edit writes the QK norm too: one norm class per package.
+        limits.append(
+            f"QK norm computing {att.qk_norm_computation.value} while the block norms compute {norm.kind.value}"
+        )
+    if (att.clip_qkv is not None or att.clip_qkv_field is not None) and att.qk_norm is not QKNormKind.NONE:
+        # The clip edit clamps the projections' outputs; whether a QK norm comes first is not measured.
+        limits.append("q/k/v clipping together with a QK norm (their order is not measured)")
     if norm.eps_field is None and norm.eps is None:
-        limits.append("norm epsilon with no config field, and no one constant in the norms")
+        limits.append("norm epsilon with no config field that no probe measured")
     if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:
         limits.append(f"embedding scale {sc.embedding_scale} that no config field explains")
     if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":
@@ -181,11 +189,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append("attention scale that no config field explains")
     if att.sinks and att.logit_softcap is not None:
         limits.append("attention sinks together with soft-capped scores (no kernel has both)")
-    # The port's per-head QK norm is the block's norm class over head_dim.
-    if att.qk_norm is QKNormKind.RMS_ONE_PLUS_W and norm.kind is not NormKind.RMS_ONE_PLUS_W:
-        limits.append(f"(1 + w) QK norm next to {norm.kind.value} block norms")
-    if att.qk_norm is QKNormKind.PER_HEAD_RMS and norm.kind is not NormKind.RMS:
-        limits.append(f"per-head RMS QK norm next to {norm.kind.value} block norms")
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm not in (
         QKNormKind.PER_HEAD_RMS,
         QKNormKind.RMS_ONE_PLUS_W,

@@ -66,6 +66,7 @@ LAYER_MODULES: dict[str, str] = {
     # probe cannot give a role to; a probed role overrides these.
     "self_attn_layer_norm": "attention_norm",
     "final_layer_norm": "ffn_norm",
+    "mlp.act_fn": "feed_forward.act_fn",  # a learned activation's parameters (xIELU)
     "mlp.gate": "moe.router.gate",
     "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
@@ -121,7 +122,9 @@ RUNTIME_BUFFERS: dict[str, None] = {
     "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
 }
 LAYER_PREFIX = "model.layers.{}."
-_PARAM_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias)$")
+# Tensor names a checkpoint module holds: weights and biases, and a learned activation's
+# parameters and constants (xIELU's alpha_p, alpha_n, beta, eps).
+_PARAM_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias|alpha_p|alpha_n|beta|eps)$")
 
 
 class UnmappedKeyError(ValueError):
@@ -249,6 +252,9 @@ def derive_from_hf_map(
         else _norm_names(layer_modules)
     )
     layer_rules = {**LAYER_MODULES, **norms}
+    if "mlp.up_proj" in layer_modules and "mlp.gate_proj" not in layer_modules:
+        # A two-layer MLP (up, act, down): its up projection is Archon's w1.
+        layer_rules["mlp.up_proj"] = "feed_forward.w1"
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:

@@ -60,6 +60,8 @@ ABSENT_FEATURE_FLAGS = {
     "use_parallel_residual": "parallel attention and MLP residual branches",
     "qk_layernorm": "QK LayerNorm",
 }
+# Of those, the switches of a QK norm: a port that has one refuses a config turning it off.
+PRESENT_FEATURE_FLAGS = ("qk_layernorm",)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,17 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 int(_head_dim(config) * _partial_factor(config)),
                 "int(head_dim * _partial_rotary_factor(hf_config))",
                 lambda c: int(_head_dim(c) * _partial_factor(c)),
+            )
+        )
+    if profile.clip_qkv_field is not None:
+        clip = profile.clip_qkv_field
+        fields.append(
+            ArgField(
+                "clip_qkv",
+                "float | None",
+                getattr(config, clip),
+                f"hf_config.{clip}",
+                operator.attrgetter(clip),
             )
         )
     if profile.sliding_window:
@@ -492,15 +505,20 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         "def _check_supported(hf_config: Any) -> None:",
         '    """Refuse configs whose math this implementation does not reproduce."""',
     ]
-    act_field = profile.activation_field or "hidden_act"
-    lines += [
-        f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
-        f'    if act != "{profile.activation}":',
-        "        raise ValueError(",
-        f'            f"{camel} in Archon implements the {profile.activation} activation; "',
-        f'            f"{act_field}={{act!r}} is not supported."',
-        "        )",
-    ]
+    act_field = profile.activation_field
+    if act_field is not None:
+        # The table's name and the checkpoint's own spelling of the same function (gelu_new).
+        accepted = list(dict.fromkeys((profile.activation, str(getattr(config, act_field, profile.activation)))))
+        quoted = ", ".join(f'"{a}"' for a in accepted)
+        condition = f"act != {quoted}" if len(accepted) == 1 else f"act not in ({quoted})"
+        lines += [
+            f'    act = getattr(hf_config, "{act_field}", "{profile.activation}")',
+            f"    if {condition}:",
+            "        raise ValueError(",
+            f'            f"{camel} in Archon implements the {profile.activation} activation; "',
+            f'            f"{act_field}={{act!r}} is not supported."',
+            "        )",
+        ]
     lines += _check_layer_rope_types(profile, camel) if profile.per_layer_rope else _check_rope_type(profile, camel)
     for flag, feature in STRUCTURAL_FLAGS.items():
         if hasattr(config, flag):
@@ -519,6 +537,15 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 "        raise ValueError(",
                 f'            "{flag}=True ({feature}) "',
                 f'            "is not supported by {camel} in Archon."',
+                "        )",
+            ]
+        elif hasattr(config, flag) and flag in PRESENT_FEATURE_FLAGS and profile.qk_norm != "none":
+            # The port has the feature the switch turns on: a config turning it off is refused.
+            lines += [
+                f'    if not getattr(hf_config, "{flag}", True):',
+                "        raise ValueError(",
+                f'            "{flag}=False (no {feature}) "',
+                f'            "is not supported by {camel} in Archon, whose attention normalises q and k."',
                 "        )",
             ]
     if profile.mqa_flag is not None:

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skill.activations import ACTIVATIONS
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod.contract import (
     append_to_embedding_stage,
@@ -46,7 +47,7 @@ from skill.codemod.cst import (
     set_docstring,
     upsert_method,
 )
-from skill.porting.plan import ACTIVATIONS, PortPlan
+from skill.porting.plan import PortPlan
 from skill.porting.snippets import snippet
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,27 @@ def _attention_sinks(text: str, ctx: EditContext) -> str:
     text = upsert_method(text, "Attention", "local_sinks", snippet("attention", "local_sinks"), after="init_weights")
     text = set_call_kwarg(text, "self.packed_attn", "sinks", "self.local_sinks(xq.shape[2])", target="out")
     return ensure_import_line(text, "from torch.distributed.tensor import DTensor")
+
+
+def _clip_qkv(text: str, ctx: EditContext) -> str:
+    """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
+    linear layers (before any view, norm or RoPE), when the checkpoint sets the field."""
+    if "self.clip_qkv =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "clamp_projection"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        f"# The checkpoint's {ctx.profile.clip_qkv_field} bounds q, k and v (None: unbounded).\n"
+        f"self.clip_qkv = model_args.{ctx.profile.clip_qkv_field}\n",
+    )
+    for projection in ("self.wq", "self.wk", "self.wv"):
+        text = replace_call(
+            text, "Attention", "forward", projection, f"clamp_projection({projection}({{}}), self.clip_qkv)"
+        )
+    return text
 
 
 def _attention_scale(text: str, ctx: EditContext) -> str:
@@ -617,29 +639,70 @@ def _per_layer_rope(text: str, ctx: EditContext) -> str:
 
 
 def _norm_offset(text: str, ctx: EditContext) -> str:
+    """Norms scaled by ``1 + weight``: the RMS kind keeps the name ``RMSNorm``; the centred
+    kind (LayerNorm1P) becomes ``LayerNorm``, with a bias."""
+    if ctx.profile.norm == "layernorm_offset":
+        if "class RMSNorm" not in text:
+            return text
+        text = replace_class(text, "RMSNorm", snippet("norms", "OffsetLayerNorm", rename="LayerNorm"))
+        text = remove_from_all(text, ["RMSNorm"])
+        return replace_name(text, "RMSNorm", "LayerNorm")
     return replace_class(text, "RMSNorm", snippet("norms", "OffsetRMSNorm", rename="RMSNorm"))
 
 
+def _weightless_norm(text: str, ctx: EditContext) -> str:
+    """RMS norms with no learned weight (a weightless LayerNorm is the layer_norm edit's)."""
+    return replace_class(text, "RMSNorm", snippet("norms", "WeightlessRMSNorm", rename="RMSNorm"))
+
+
+# nn.LayerNorm's keywords for each LayerNorm variant the layer_norm edit writes.
+LAYER_NORM_KWARGS = {
+    "layernorm": {},
+    "layernorm_no_bias": {"bias": "False"},
+    "layernorm_weightless": {"elementwise_affine": "False"},
+}
+
+
 def _layer_norm(text: str, ctx: EditContext) -> str:
-    text = remove_class(text, "RMSNorm")
-    text = remove_from_all(text, ["RMSNorm"])
-    return replace_name(text, "RMSNorm", "nn.LayerNorm")
+    """torch's ``nn.LayerNorm`` in place of every RMSNorm: with bias, without (``bias=False``),
+    or with neither weight nor bias (``elementwise_affine=False``)."""
+    if "class RMSNorm" in text:
+        text = remove_class(text, "RMSNorm")
+        text = remove_from_all(text, ["RMSNorm"])
+        text = replace_name(text, "RMSNorm", "nn.LayerNorm")
+    for kwarg, value in LAYER_NORM_KWARGS[ctx.profile.norm].items():
+        text = set_call_kwarg(text, "nn.LayerNorm", kwarg, value)
+    return text
 
 
 # --- MLP --------------------------------------------------------------------------------
 
 
-def _activation_call(plan: PortPlan, inner: str) -> str:
-    return ACTIVATIONS[plan.activation].replace("{}", inner)
-
-
 def _activation_name(plan: PortPlan) -> str:
-    return {"silu": "SiLU", "gelu_pytorch_tanh": "tanh-approximated GELU", "gelu": "GELU"}[plan.activation]
+    return ACTIVATIONS[plan.activation].title
 
 
 def _activation(text: str, ctx: EditContext) -> str:
-    """The feed-forward's activation, whatever MLP shape the other edits chose."""
-    text = replace_call(text, "FeedForward", "forward", "F.silu", _activation_call(ctx.profile, "{}"))
+    """The feed-forward's activation (an entry of the one table, ``skill.activations``),
+    whatever MLP shape the other edits chose; a helper the call needs is copied in
+    before ``FeedForward``."""
+    entry = ACTIVATIONS[ctx.profile.activation]
+    helper = entry.snippet
+    if helper is not None and f"def {helper}(" not in text and f"class {helper}(" not in text:
+        text = insert_before_class(text, "FeedForward", snippet("activations", helper))
+    if entry.module and "self.act_fn =" not in text:
+        # A learned activation: a module of the feed-forward, its parameters checkpoint keys.
+        text = insert_after_statement_assigning(
+            text, "FeedForward", "__init__", "self.w2", f"self.act_fn = {helper}()\n"
+        )
+        text = replace_in_function(
+            text,
+            "FeedForward",
+            "init_weights",
+            "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)",
+            "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)\nself.act_fn.reset_parameters()\n",
+        )
+    text = replace_call(text, "FeedForward", "forward", "F.silu", entry.call)
     gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
     shape = "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
     roles = (
@@ -825,6 +888,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _projection_bias,
     ),
     ModelEdit(
+        "clip_qkv",
+        "q/k/v projections clamped to [-clip_qkv, clip_qkv]",
+        lambda p: p.clip_qkv_field is not None,
+        _clip_qkv,
+    ),
+    ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
         lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap and not p.attn_sinks,
@@ -895,8 +964,21 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.router_scoring == "sparsemixer",
         _sparse_mixer_router,
     ),
-    ModelEdit("norm_offset", "RMSNorm scaled by (1 + weight)", lambda p: p.norm == "rms_offset", _norm_offset),
-    ModelEdit("layer_norm", "LayerNorm (with bias) instead of RMSNorm", lambda p: p.norm == "layernorm", _layer_norm),
+    ModelEdit(
+        "norm_offset",
+        "RMSNorm or LayerNorm scaled by (1 + weight)",
+        lambda p: p.norm in ("rms_offset", "layernorm_offset"),
+        _norm_offset,
+    ),
+    ModelEdit(
+        "weightless_norm", "RMSNorm with no learned weight", lambda p: p.norm == "rms_weightless", _weightless_norm
+    ),
+    ModelEdit(
+        "layer_norm",
+        "LayerNorm (with bias, without, or weightless) instead of RMSNorm",
+        lambda p: p.norm in LAYER_NORM_KWARGS,
+        _layer_norm,
+    ),
     ModelEdit(
         "plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp
     ),
@@ -960,6 +1042,15 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
     return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
 
 
+NORM_TITLES = {
+    "rms": "RMSNorm",
+    "rms_offset": "(1 + w) RMSNorm",
+    "rms_weightless": "weightless RMSNorm",
+    "layernorm": "LayerNorm",
+    "layernorm_no_bias": "LayerNorm without bias",
+    "layernorm_weightless": "weightless LayerNorm",
+    "layernorm_offset": "(1 + w) LayerNorm",
+}
 BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
 POSITION_NAMES = {"rope": "RoPE", "learned": "learned absolute positions"}
 
@@ -979,7 +1070,7 @@ def describe(profile: PortPlan, camel: str) -> str:
         attention.append("soft-capped attention scores")
     if profile.attn_sinks:
         attention.append("attention sinks")
-    norm = {"rms": "RMSNorm", "rms_offset": "(1 + w) RMSNorm", "layernorm": "LayerNorm"}[profile.norm]
+    norm = NORM_TITLES[profile.norm]
     mlp = (
         ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
         if profile.mlp == "gated"

@@ -40,12 +40,23 @@ from skill.features import (
 
 logger = logging.getLogger(__name__)
 
-# Activations the edits can write, by the names transformers' ACT2FN uses.
-ACTIVATIONS = {"silu": "F.silu({})", "gelu_pytorch_tanh": 'F.gelu({}, approximate="tanh")', "gelu": "F.gelu({})"}
+# What the block norms (and a QK norm computing the same) become in the generated code.
+NormVariant = Literal[
+    "rms", "rms_offset", "rms_weightless", "layernorm", "layernorm_no_bias", "layernorm_weightless", "layernorm_offset"
+]
+NORM_VARIANTS: dict[NormKind, NormVariant] = {
+    NormKind.RMS: "rms",
+    NormKind.RMS_ONE_PLUS_W: "rms_offset",
+    NormKind.RMS_WEIGHTLESS: "rms_weightless",
+    NormKind.LAYER_NORM: "layernorm",
+    NormKind.LAYER_NORM_NO_BIAS: "layernorm_no_bias",
+    NormKind.LAYER_NORM_WEIGHTLESS: "layernorm_weightless",
+    NormKind.LAYER_NORM_ONE_PLUS_W: "layernorm_offset",
+}
+
 # The fields AReaL 1.0.4's MoEArgs.from_hf_config reads for the expert count and top-k.
 AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
 AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
-ACTIVATION_FIELDS = ("hidden_activation", "hidden_act", "activation_function", "activation", "mlp_hidden_act")
 
 
 def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
@@ -78,11 +89,11 @@ class PortPlan(BaseModel):
         default="num_key_value_heads", description="config field of the KV-head count; None when the family has none"
     )
     qk_norm: Literal["none", "per_head", "full"]
-    norm: Literal["rms", "rms_offset", "layernorm"]
+    norm: NormVariant
     block: Literal["pre_norm", "sandwich", "post_norm"]
     mlp: Literal["gated", "plain"]
-    activation: str
-    activation_field: str | None
+    activation: str = Field(description="an entry of skill.activations.ACTIVATIONS")
+    activation_field: str | None = Field(description="config field naming the activation (none: probed)")
     ffn_width_field: str | None = Field(default=None, description="config field of the dense FFN width")
     ffn_width_multiple: int | None = Field(
         default=None, description="the width is this multiple of hidden_size when that field is None"
@@ -91,6 +102,7 @@ class PortPlan(BaseModel):
     norm_eps_fixed: float | None = Field(
         default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
     )
+    clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
     sliding_window: bool
     sliding_layer_types: bool
     attn_softcap: bool
@@ -187,20 +199,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     cl = report.checklist
     att, ffn, moe, pos, norm, sc = cl.attention, cl.ffn, cl.moe, cl.positions, cl.norm, cl.scalars
     values = _config_values(report)
-    activation_field = next(
-        (f for f in ACTIVATION_FIELDS if isinstance(values.get(f), str) and values[f] == ffn.activation), None
+    qk_norm: Literal["none", "per_head", "full"] = (
+        "none" if att.qk_norm is QKNormKind.NONE else "full" if att.qk_norm_full_width else "per_head"
     )
-    qk_norm: Literal["none", "per_head", "full"] = {
-        QKNormKind.NONE: "none",
-        QKNormKind.PER_HEAD_RMS: "per_head",
-        QKNormKind.FULL_WIDTH_RMS: "full",
-        # A (1 + w) per-head QK norm is the block's (1 + w) RMSNorm class over head_dim.
-        QKNormKind.RMS_ONE_PLUS_W: "per_head",
-    }.get(att.qk_norm, "none")  # type: ignore[assignment]
-    norm_kind: Literal["rms", "rms_offset", "layernorm"] = {
-        NormKind.RMS_ONE_PLUS_W: "rms_offset",
-        NormKind.LAYER_NORM: "layernorm",
-    }.get(norm.kind, "rms")  # type: ignore[assignment]
+    norm_kind = NORM_VARIANTS.get(norm.kind, "rms")
     block: Literal["pre_norm", "sandwich", "post_norm"] = {
         NormPlacement.SANDWICH: "sandwich",
         NormPlacement.POST_SUBLAYER: "post_norm",
@@ -232,7 +234,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(qk_norm == "per_head", moe is not None, mla=att.mla is not None),
+        reference=reference_for(att.per_head_qk_norm, moe is not None, mla=att.mla is not None),
         unsupported=list(report.unsupported),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,
@@ -244,11 +246,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         block=block,
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,
-        activation_field=activation_field,
+        activation_field=ffn.activation_field,
         ffn_width_field=ffn.intermediate_size_field,
         ffn_width_multiple=ffn.intermediate_multiple,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
+        clip_qkv_field=att.clip_qkv_field,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from pydantic import Field
 
+from skill.activations import ACTIVATIONS
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
@@ -262,6 +263,15 @@ def apply_write_parallelize(
             raw_values=True,
         )
     text = edit_dict_literal(text, PLAN_TARGET, remove=remove)
+    if ACTIVATIONS[profile.activation].module and not profile.all_layers_moe:
+        # A learned activation sees w1's feature shard: its parameters are replicated DTensors
+        # whose gradients are summed over the TP ranks; local output for w2.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {"feed_forward.act_fn": "SequenceParallel(sequence_dim=-1, use_local_output=True)"},
+            raw_values=True,
+        )
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
         # reduce-scatter to; local outputs, because they are added to the local residual.

@@ -113,7 +113,9 @@ FACTS: dict[str, dict[str, Any]] = {
         "attention.o_bias": True,
         "ffn.kind": "plain",
         "ffn.bias": True,
-        "ffn.activation": "gelu_new",
+        # gelu_new is the tanh approximation: the activation table's gelu_pytorch_tanh.
+        "ffn.activation": "gelu_pytorch_tanh",
+        "ffn.activation_field": "activation_function",
         "norm.kind": "layer_norm",
         "scalars.tie_word_embeddings": True,
     },

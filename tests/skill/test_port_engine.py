@@ -144,10 +144,10 @@ def test_no_model_edit_targets_the_mla_reference(workspace):
 
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
-    # nemotron's MLP uses relu2, an activation no edit writes.
-    result = port_model(PortModelRequest(source="nemotron", stages=[], workspace=workspace))
+    # diffllama's differential attention (lambda_q1, ...) is outside every edit.
+    result = port_model(PortModelRequest(source="diffllama", stages=[], workspace=workspace))
     assert not result.passed
-    assert "relu2" in result.error and "Nothing was written" in result.error
+    assert "lambda_q1" in result.error and "Nothing was written" in result.error
     assert _snapshot(workspace) == before
 
 

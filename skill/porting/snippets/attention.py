@@ -300,3 +300,12 @@ def maybe_to_local(x: torch.Tensor) -> torch.Tensor:
     them works on this rank's heads as plain tensors.
     """
     return x.to_local() if isinstance(x, DTensor) else x
+
+
+def clamp_projection(x: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``x`` clamped to ``[-limit, limit]``; unchanged when ``limit`` is None.
+
+    The checkpoint's ``clip_qkv`` bounds the q, k and v projections (OLMo) to keep
+    training stable; a config without one leaves them as they are.
+    """
+    return x if limit is None else x.clamp(min=-limit, max=limit)

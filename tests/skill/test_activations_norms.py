@@ -1,0 +1,353 @@
+"""The activation table and the norm kinds: what the analyser maps onto them, what the
+edits write for them (on both references, composed with the block-norm edits), and the
+snippets they insert, each checked against transformers' own computation."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from skill.activations import ACTIVATIONS, match_activation, probe_input
+from skill.analysis import probes
+from skill.features import SUPPORTED_EDITS, Feature, NormKind
+from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
+from skill.porting.plan import plan_for
+from skill.porting.snippets import activations as activation_snippets
+from skill.porting.snippets import norms as norm_snippets
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCES = {name: (REPO / f"archon_models/{name}/model/model.py").read_text() for name in ("qwen2", "qwen3")}
+MODEL_CLASSES = {"qwen2": "Qwen2Model", "qwen3": "Qwen3Model"}
+
+
+# ------------------------------------------------------------------ the activation table
+
+
+def _call(entry_name: str, x: torch.Tensor) -> torch.Tensor:
+    """Evaluate the table entry's generated call on ``x``, as the generated module would."""
+    entry = ACTIVATIONS[entry_name]
+    namespace = {"F": F, "torch": torch, "quick_gelu": activation_snippets.quick_gelu, "x": x}
+    return eval(entry.call.replace("{}", "x"), namespace)
+
+
+@pytest.mark.parametrize("name", [n for n, a in ACTIVATIONS.items() if not a.module])
+def test_each_table_call_computes_what_transformers_computes_for_that_name(name: str) -> None:
+    x = probe_input()
+    torch.testing.assert_close(_call(name, x), ACT2FN[name](x), rtol=1e-6, atol=1e-6)
+    assert match_activation(ACT2FN[name]) == name
+
+
+@pytest.mark.parametrize(
+    "key,expected",
+    [
+        ("gelu_new", "gelu_pytorch_tanh"),
+        ("gelu_fast", "gelu_pytorch_tanh"),
+        ("gelu_accurate", "gelu_pytorch_tanh"),
+        ("gelu_python", "gelu"),
+        ("swish", "silu"),
+        ("mish", None),
+        ("relu6", None),
+        ("gelu_10", None),
+    ],
+)
+def test_other_act2fn_keys_map_onto_the_table_by_their_numbers(key: str, expected: str | None) -> None:
+    assert match_activation(ACT2FN[key]) == expected
+
+
+def test_a_family_class_is_identified_by_its_numbers_not_its_name() -> None:
+    from transformers.models.bloom.modeling_bloom import BloomGelu
+
+    assert match_activation(BloomGelu()) == "gelu_pytorch_tanh"
+
+    class Mystery(torch.nn.Module):  # a name that says nothing
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.relu(x) ** 2
+
+    assert match_activation(Mystery()) == "relu2"
+
+
+def test_supported_activations_are_table_entries() -> None:
+    assert SUPPORTED_EDITS[Feature.ACTIVATION] <= set(ACTIVATIONS)
+    assert "xielu" not in SUPPORTED_EDITS[Feature.ACTIVATION]  # until a family proves it through the stages
+
+
+def test_gelu_new_family_reports_the_table_entry_and_its_config_field() -> None:
+    # GPT-2: activation_function="gelu_new" (NewGELUActivation, the tanh approximation).
+    ffn = plan_for("gpt2")
+    assert (ffn.activation, ffn.activation_field) == ("gelu_pytorch_tanh", "activation_function")
+
+
+def test_relu2_port_writes_squared_relu_and_checks_the_config_field() -> None:
+    plan = plan_for("arcee")
+    assert (plan.activation, plan.activation_field, plan.mlp) == ("relu2", "hidden_act", "plain")
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), select_edits(plan, REFERENCES["qwen2"]))
+    assert "return self.w2(torch.square(F.relu(self.w1(x))))" in text
+
+
+def test_quick_gelu_helper_is_inserted_once_whatever_the_mlp_shape() -> None:
+    for mlp in ("gated", "plain"):
+        plan = plan_for("llama").model_copy(update={"activation": "quick_gelu", "mlp": mlp})
+        names = select_edits(plan, REFERENCES["qwen2"])
+        text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), names)
+        assert text.count("def quick_gelu(") == 1
+        assert "quick_gelu(self.w1(x))" in text
+        assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
+
+
+def test_quick_gelu_snippet_matches_transformers() -> None:
+    x = probe_input()
+    torch.testing.assert_close(activation_snippets.quick_gelu(x), ACT2FN["quick_gelu"](x))
+
+
+# ------------------------------------------------------------------------ norm snippets
+
+
+def test_offset_layer_norm_matches_nemotron_layer_norm_1p() -> None:
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    torch.manual_seed(0)
+    hf = NemotronLayerNorm1P(16, eps=1e-5)
+    ours = norm_snippets.OffsetLayerNorm(16, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.normal_()
+        hf.bias.normal_()
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(3, 16) * 4 + 1
+    torch.testing.assert_close(ours(x), hf(x))
+
+
+def test_weightless_rms_norm_has_no_parameters_and_normalises() -> None:
+    norm = norm_snippets.WeightlessRMSNorm(16, eps=1e-6)
+    assert not list(norm.parameters())
+    x = torch.randn(3, 16) * 5
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+# ---------------------------------------------------------- norm edits on both references
+
+VARIANTS = {
+    # variant -> (parameters of every norm module, function of (x, weight, bias, eps))
+    "rms": ({"weight"}, lambda x, w, b, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * w),
+    "rms_offset": ({"weight"}, lambda x, w, b, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * (1 + w)),
+    "rms_weightless": (set(), lambda x, w, b, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e)),
+    "layernorm": ({"weight", "bias"}, lambda x, w, b, e: F.layer_norm(x, x.shape[-1:], w, b, e)),
+    "layernorm_no_bias": ({"weight"}, lambda x, w, b, e: F.layer_norm(x, x.shape[-1:], w, None, e)),
+    "layernorm_weightless": (set(), lambda x, w, b, e: F.layer_norm(x, x.shape[-1:], None, None, e)),
+    "layernorm_offset": ({"weight", "bias"}, lambda x, w, b, e: F.layer_norm(x, x.shape[-1:], 1 + w, b, e)),
+}
+
+
+def _ctx(plan, reference: str) -> EditContext:
+    return EditContext(camel="Toy", model_class=MODEL_CLASSES[reference], profile=plan)
+
+
+def _load(text: str, name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        exec(compile(text, f"<{name}>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def _tiny_model(module: types.ModuleType, reference: str, **extra):
+    if reference == "qwen2":
+        from archon_models.qwen2.model.args import Qwen2ModelArgs as Args
+    else:
+        from archon_models.qwen3.model.args import Qwen3ModelArgs as Args
+    args = Args(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, head_dim=8, hidden_dim=48, max_seq_len=32)
+    args.norm_eps = 1e-5
+    for name, value in extra.items():
+        setattr(args, name, value)  # fields an edit reads that the reference's args lack
+    return getattr(module, MODEL_CLASSES[reference])(args)
+
+
+@pytest.mark.parametrize("reference", sorted(REFERENCES))
+@pytest.mark.parametrize("block", ["pre_norm", "sandwich", "post_norm"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_norm_module_computes_the_variant_in_any_edit_order(reference: str, block: str, variant: str) -> None:
+    """Block norms, the final norm and (qwen3) the per-head QK norms all become the
+    variant, whatever the block wiring, named in any order; a second run changes nothing."""
+    qk_norm = "per_head" if reference == "qwen3" else "none"  # qwen3's own per-head QK norm stays
+    plan = plan_for("llama").model_copy(update={"norm": variant, "block": block, "qk_norm": qk_norm})
+    names = select_edits(plan, REFERENCES[reference])
+    text = apply_model_edits(REFERENCES[reference], _ctx(plan, reference), names)
+    assert apply_model_edits(REFERENCES[reference], _ctx(plan, reference), list(reversed(names))) == text
+    assert apply_model_edits(text, _ctx(plan, reference), names) == text
+    model = _tiny_model(_load(text, f"_norm_edit_{reference}_{block}_{variant}"), reference)
+    params, function = VARIANTS[variant]
+    norms = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1].endswith("norm")}
+    expected_names = {"norm", "layers.0.attention_norm", "layers.0.ffn_norm"}
+    if block == "sandwich":
+        expected_names |= {"layers.0.post_attention_norm", "layers.0.post_ffn_norm"}
+    if block == "post_norm":
+        expected_names = {"norm", "layers.0.post_attention_norm", "layers.0.post_ffn_norm"}
+    if reference == "qwen3":
+        expected_names |= {"layers.0.attention.q_norm", "layers.0.attention.k_norm"}
+    assert set(norms) == expected_names
+    torch.manual_seed(0)
+    for name, norm in norms.items():
+        assert {n for n, _ in norm.named_parameters()} == params, name
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.normal_()
+        width = norm.weight.shape[0] if params else (8 if "attention." in name else 32)
+        x = torch.randn(3, width) * 3 + 1
+        w = norm.weight.detach() if "weight" in params else None
+        b = norm.bias.detach() if "bias" in params else None
+        torch.testing.assert_close(norm(x), function(x, w, b, 1e-5), msg=name)
+
+
+def test_every_norm_kind_the_analyser_names_has_an_edit() -> None:
+    from skill.porting.plan import NORM_VARIANTS
+
+    assert set(NORM_VARIANTS) == set(SUPPORTED_EDITS[Feature.NORM_KIND])
+    assert set(NORM_VARIANTS.values()) == set(VARIANTS)
+
+
+# ------------------------------------------------------------------- a measured epsilon
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 3e-6])
+@pytest.mark.parametrize(
+    "kind,make",
+    [
+        (NormKind.LAYER_NORM_WEIGHTLESS, lambda e: torch.nn.LayerNorm(32, eps=e, elementwise_affine=False)),
+        (NormKind.LAYER_NORM, lambda e: torch.nn.LayerNorm(32, eps=e)),
+        (NormKind.RMS, lambda e: torch.nn.RMSNorm(32, eps=e)),
+        (NormKind.RMS_WEIGHTLESS, lambda e: norm_snippets.WeightlessRMSNorm(32, eps=e)),
+        (NormKind.LAYER_NORM_ONE_PLUS_W, lambda e: norm_snippets.OffsetLayerNorm(32, eps=e)),
+    ],
+)
+def test_norm_epsilon_is_measured(kind: NormKind, make, eps: float) -> None:
+    norm = make(eps)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()  # the probe sets a neutral weight itself, and restores this one
+    before = [p.clone() for p in norm.parameters()]
+    assert probes.probe_norm_eps(norm, 32, kind) == pytest.approx(eps, rel=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, norm.parameters(), strict=True))
+
+
+def test_olmo_eps_has_no_config_field_and_is_written_as_a_constant() -> None:
+    # OlmoLayerNorm: F.layer_norm(..., eps=1e-5), no config field.
+    from skill.porting.edit_args import arg_fields
+    from skill.porting.hf_source import load_config
+
+    plan = plan_for("olmo")
+    assert (plan.norm, plan.norm_eps_field, plan.norm_eps) == ("layernorm_weightless", None, 1e-5)
+    assert not any("epsilon" in line for line in plan.unsupported)
+    (eps,) = [f for f in arg_fields(plan, load_config("olmo")) if f.name == "norm_eps"]
+    assert (eps.default, eps.expression) == (1e-5, "")
+
+
+# ------------------------------------------------------------------------------ xIELU
+
+
+def test_xielu_snippet_matches_transformers_and_holds_its_checkpoint_keys() -> None:
+    from transformers.activations import XIELUActivation
+
+    hf = XIELUActivation(dtype=torch.float32)
+    with torch.no_grad():
+        hf.alpha_p.fill_(0.3)
+        hf.alpha_n.fill_(-0.2)
+    ours = activation_snippets.XIELU()
+    assert set(ours.state_dict()) == set(hf.state_dict()) == {"alpha_p", "alpha_n", "beta", "eps"}
+    ours.load_state_dict(hf.state_dict())
+    x = probe_input().requires_grad_()
+    torch.testing.assert_close(ours(x), hf(x))
+    # A fresh module starts where HF's does (the alphas as softplus inverses).
+    torch.testing.assert_close(activation_snippets.XIELU()(x), XIELUActivation(dtype=torch.float32)(x))
+
+
+def test_learned_activation_becomes_a_feed_forward_module_reset_with_it() -> None:
+    plan = plan_for("llama").model_copy(update={"activation": "xielu", "mlp": "plain"})
+    names = select_edits(plan, REFERENCES["qwen2"])
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), names)
+    assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
+    assert text.count("class XIELU(") == 1 and text.count("self.act_fn = XIELU()") == 1
+    assert "return self.w2(self.act_fn(self.w1(x)))" in text
+    assert "self.act_fn.reset_parameters()" in text
+
+
+# --------------------------------------------------------------------------- clip_qkv
+
+
+def test_clip_qkv_clamps_each_projection_once_in_any_order_and_only_when_set() -> None:
+    plan = plan_for("llama").model_copy(update={"clip_qkv_field": "clip_qkv", "sliding_window": True})
+    names = select_edits(plan, REFERENCES["qwen2"])
+    assert "clip_qkv" in names
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), names)
+    assert apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "qwen2"), list(reversed(names))) == text
+    assert apply_model_edits(text, _ctx(plan, "qwen2"), names) == text
+    for projection in ("wq", "wk", "wv"):
+        assert text.count(f"clamp_projection(self.{projection}(x), self.clip_qkv)") == 1
+    module = _load(text, "_clip_qkv_model")
+    unclipped = plan.model_copy(update={"clip_qkv_field": None})
+    base_text = apply_model_edits(
+        REFERENCES["qwen2"], _ctx(unclipped, "qwen2"), select_edits(unclipped, REFERENCES["qwen2"])
+    )
+    base = _load(base_text, "_clip_qkv_base")
+
+    def logits(mod, clip):
+        torch.manual_seed(0)
+        model = _tiny_model(mod, "qwen2", clip_qkv=clip, sliding_window=64)  # a window wider than the input
+        model.init_weights()
+        tokens = torch.arange(8).unsqueeze(0)
+        return model(tokens, tokens, torch.tensor([0, 8]), 8)
+
+    # No clip: the reference's numbers; a clip that binds: different ones.
+    torch.testing.assert_close(logits(module, None), logits(base, None))
+    assert not torch.allclose(logits(module, 1e-3), logits(base, None))
+
+
+# ------------------------------------------------------------------------- QK norm kinds
+
+
+def test_a_qk_norm_computing_what_the_block_norms_do_not_is_refused_by_name() -> None:
+    from skill.analysis.reference import engine_limits
+    from skill.features import QKNormKind
+    from skill.porting.plan import report_for
+
+    checklist = report_for("qwen3_moe").checklist
+    assert checklist.attention.per_head_qk_norm and not engine_limits(checklist)
+    layer_qk = checklist.attention.model_copy(
+        update={"qk_norm": QKNormKind.LAYER_NORM, "qk_norm_computation": NormKind.LAYER_NORM}
+    )
+    limits = engine_limits(checklist.model_copy(update={"attention": layer_qk}))
+    assert limits == ["QK norm computing layer_norm while the block norms compute rms"]
+    # A LayerNorm QK norm under LayerNorm block norms: the layer_norm edit writes both.
+    norm = checklist.norm.model_copy(update={"kind": NormKind.LAYER_NORM})
+    assert not engine_limits(checklist.model_copy(update={"attention": layer_qk, "norm": norm}))
+    assert layer_qk.per_head_qk_norm  # per head: the qwen3 reference, whose QK norm the edit converts
+
+
+def test_a_dense_family_with_a_per_head_qk_norm_is_refused_cleanly() -> None:
+    # Apertus: per-head QK RMSNorm, dense. The qwen3 reference it would copy keeps MoE args
+    # no edit strips, so the analyser names it instead of letting edit_args fail half-way.
+    from skill.porting.plan import report_for
+
+    report = report_for("apertus")
+    assert report.checklist.ffn.activation == "xielu"
+    assert report.unsupported == [
+        "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)",
+        "unsupported: activation = xielu",
+    ]
+
+
+def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:
+    # BitNet: attn_sub_norm before o_proj, ffn_sub_norm before down_proj; no edit writes
+    # them, so the analyser refuses by name instead of the adapter failing on their keys.
+    from skill.porting.plan import report_for
+
+    assert report_for("bitnet").unsupported == [
+        "unsupported: norm inside the attention outside the vocabulary: attn_sub_norm",
+        "unsupported: norm inside the feed-forward: ffn_sub_norm",
+    ]
