@@ -7,9 +7,11 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
+from archon_models.gemma3_text import spec as gemma3_text_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
+from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
 from archon_models.mixtral import spec as mixtral_spec  # noqa: F401
 from archon_models.model_spec import (  # noqa: F401
@@ -20,6 +22,7 @@ from archon_models.model_spec import (  # noqa: F401
     register_model_spec,
 )
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
+from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
