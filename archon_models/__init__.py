@@ -14,6 +14,7 @@ from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
+from archon_models.gemma3_text import spec as gemma3_text_spec  # noqa: F401
 from archon_models.glm import spec as glm_spec  # noqa: F401
 from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
@@ -26,6 +27,7 @@ from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa
 from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
+from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
 from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
@@ -40,6 +42,7 @@ from archon_models.model_spec import (  # noqa: F401
 from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
+from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401

@@ -540,8 +540,8 @@ def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
 
     Under TP ``wq``/``wk`` keep DTensor outputs for the norms; this rank's heads are taken
     local before the rotation, and the norms (sequence-parallel over the heads) follow it."""
-    if "xq = maybe_to_local(self.q_norm(xq))" not in text:
-        return text
+    if "xq = maybe_to_local(self.q_norm(xq))" not in text or "xq, xk = maybe_to_local(xq), maybe_to_local(xk)" in text:
+        return text  # no per-head QK norm to move, or moved already
     for statement in ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))"):
         text = replace_in_function(text, "Attention", "forward", statement, "")
     return replace_in_function(
