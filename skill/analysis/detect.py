@@ -1445,6 +1445,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         # 1e-12, nn.LayerNorm(embed_dim) at its default 1e-5).
         ctx.evidence.append(f"{eps_field}={declared:g} is not what the norms hold ({held:g}): the field is unused")
         eps_field = None
+    eps: float | None
     if eps_field is not None:
         eps = float(ctx.get(eps_field))
     elif held is not None:
