@@ -12,6 +12,7 @@ import logging
 import time
 
 from skill.analysis.config_fields import config_fields
+from skill.analysis.detect import checkpoint_modules
 from skill.analysis.inputs import AnalysisError, check_decoder_only, resolve_source, variant_types
 from skill.analysis.measure import Analysis, analyse, layer_prefix, one_thread
 from skill.analysis.reference import nearest_reference, unsupported_names
@@ -53,8 +54,11 @@ def _checkpoint(analysis: Analysis) -> CheckpointKeys:
         )
         if isinstance(getattr(ctx.tiny, name, None), int)
     }
+    module_map, fused_modules = checkpoint_modules(ctx)
     return CheckpointKeys(
         layer_prefix=prefix,
+        module_map=module_map,
+        fused_modules=fused_modules,
         top_level=top,
         layer0=layer0,
         n_keys=len(ctx.saved_keys),

@@ -183,7 +183,8 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
         spec=spec,
         model=model,
         batches=batches,
-        parallelisms=("tp", "fsdp"),
+        # TP where the heads split over the ranks (not multi-query attention's one KV head).
+        parallelisms=tuple(p for p in ("tp", "fsdp") if distributed.applicable_parallelisms(model)[p] is None),
         dims_cls=ArchonParallelDims,
         ac_config_cls=ActivationCheckpointConfig,
     )

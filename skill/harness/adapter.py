@@ -105,7 +105,16 @@ def check_single_conversion(
             continue
         for hf_key, piece in adapter.convert_single_to_hf(name, tensor):
             slices.setdefault(hf_key, []).append(piece)
-    single = {k: v[0] if len(v) == 1 else torch.cat(v, dim=0) for k, v in slices.items()}
+    # An adapter that re-stacks its fused keys itself (rows grouped per KV head) is given
+    # the slices in order, as its to_hf gives them.
+    restack = getattr(adapter, "_concat_fused", None)
+
+    def joined(key: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        if len(pieces) == 1:
+            return pieces[0]
+        return restack(key, dict(enumerate(pieces))) if restack is not None else torch.cat(pieces, dim=0)
+
+    single = {k: joined(k, v) for k, v in slices.items()}
     rec.add(compare_tensor_dicts("convert_single_to_hf agrees with to_hf", single, hf_from_archon, exact=True))
 
     wrong: list[str] = []

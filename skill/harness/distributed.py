@@ -58,7 +58,7 @@ from archon_models.model_spec import ModelSpec, ParallelizeFn
 from archon_models.parallel_dims import ArchonParallelDims
 from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule, pipeline_llm
 from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
-from archon_models.utils import validate_cp_constraints
+from archon_models.utils import validate_cp_constraints, validate_tp_constraints
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts, compare_tensors
 from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
@@ -246,6 +246,11 @@ def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
         reasons["ep"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
         reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
+    try:
+        validate_tp_constraints(_model_args(model), WORLD_SIZE)
+    except ValueError as exc:
+        # AReaL's own check: multi-query attention (one KV head) has no head to shard.
+        reasons["tp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
     try:
         validate_cp_constraints(_model_args(model), WORLD_SIZE, 1)
     except ValueError as exc:

@@ -54,6 +54,15 @@ STRUCTURAL_FLAGS = {
 ABSENT_FEATURE_FLAGS = {
     "use_parallel_residual": "parallel attention and MLP residual branches",
     "qk_layernorm": "QK LayerNorm",
+    "alibi": "ALiBi position biases",
+    "new_decoder_architecture": "separate attention and MLP input norms with grouped KV heads",
+}
+# Config switches of features an edit writes: a port that has the feature refuses a config
+# that turns it off (config flag -> PortPlan property, and what it switches).
+PRESENT_FEATURE_FLAGS = {
+    "use_parallel_residual": ("parallel_block", "parallel attention and MLP residual branches"),
+    "parallel_attn": ("parallel_block", "parallel attention and MLP residual branches"),
+    "multi_query": ("single_kv_head", "multi-query attention (one key and value head)"),
 }
 
 
@@ -93,7 +102,7 @@ def dense_width_field(profile: PortPlan, config: Any) -> str:
     every layer routes to experts and whose config names no dense width, the experts'."""
     if profile.all_layers_moe and not hasattr(config, "intermediate_size") and hasattr(config, "moe_intermediate_size"):
         return "moe_intermediate_size"
-    return "intermediate_size"
+    return profile.ffn_width_field or "intermediate_size"
 
 
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
@@ -110,9 +119,11 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField(
             "n_kv_heads",
             "int",
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            1 if profile.single_kv_head else getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             "n_kv_heads",
-            lambda c: getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            (lambda c: 1)
+            if profile.single_kv_head
+            else (lambda c: getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
         ),
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
@@ -370,6 +381,15 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 '            "such bias; port that variant as its own family."',
                 "        )",
             ]
+    for flag, (feature, title) in PRESENT_FEATURE_FLAGS.items():
+        if hasattr(config, flag) and getattr(config, flag) and getattr(profile, feature):
+            lines += [
+                f'    if not getattr(hf_config, "{flag}", True):',
+                "        raise ValueError(",
+                f'            "{flag}=False is not supported: {camel} in Archon has "',
+                f'            "{title}; port that variant as its own family."',
+                "        )",
+            ]
     for flag, feature in ABSENT_FEATURE_FLAGS.items():
         if hasattr(config, flag) and not getattr(config, flag):
             lines += [
@@ -432,7 +452,15 @@ def from_hf_config_source(
     route_norm: bool = False,
     shared_expert: bool = False,
     router: str = "",
+    kv_heads_field: str | None = "num_key_value_heads",
+    single_kv_head: bool = False,
 ) -> str:
+    if single_kv_head:
+        kv_heads = "1  # multi-query attention: one key and value head for every query head"
+    elif kv_heads_field:
+        kv_heads = f'getattr(hf_config, "{kv_heads_field}", None) or n_heads'
+    else:
+        kv_heads = "n_heads  # every query head has its own key and value head"
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
         'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
@@ -477,7 +505,7 @@ def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) 
         )
     _check_supported(hf_config)
 {setup}    n_heads = hf_config.num_attention_heads
-    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    n_kv_heads = {kv_heads}
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
     return cls(
         attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),
@@ -564,6 +592,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             route_norm=profile.route_norm,
             shared_expert=profile.shared_expert,
             router=router_setup(profile),
+            kv_heads_field=profile.kv_heads_field,
+            single_kv_head=profile.single_kv_head,
         ),
     )
     if profile.sliding_window or profile.attn_softcap:

@@ -10,8 +10,8 @@ from transformers import PretrainedConfig
 
 from skill.tiny_model import saved_checkpoint_keys, tiny_config
 
-_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+# ".12." inside a key: a layer or expert index.
+_INDEX = re.compile(r"\.(\d+)(?=\.)")
 
 
 def load_config(source: str, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -35,9 +35,10 @@ def checkpoint_keys(source: str, trust_remote_code: bool = False) -> dict[str, t
 
 
 def generalise_key(key: str) -> str:
-    """``model.layers.3.mlp.experts.7.w1.weight`` -> ``model.layers.{}.mlp.experts.{}.w1.weight``."""
-    key = _LAYER_INDEX.sub(".layers.{}.", key)
-    return _EXPERT_INDEX.sub(".experts.{}.", key)
+    """``model.layers.3.mlp.experts.7.w1.weight`` -> ``model.layers.{}.mlp.experts.{}.w1.weight``;
+    every index, whatever the stack is called (``transformer.h.3.``), as the adapters' own
+    ``_abstract`` reads keys."""
+    return _INDEX.sub(".{}", key)
 
 
 def generalised_keys(keys: Any) -> list[str]:

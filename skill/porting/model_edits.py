@@ -18,7 +18,13 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from skill.codemod.contract import replace_call, replace_in_residual_branch, wrap_residual_branch
+from skill.codemod.contract import (
+    parallel_branches,
+    prepend_to_block_forward,
+    replace_call,
+    replace_in_residual_branch,
+    wrap_residual_branch,
+)
 from skill.codemod.cst import (
     add_parameter,
     insert_after_statement_assigning,
@@ -160,7 +166,13 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
     multiplier or an all-MoE feed-forward on top of the norm placement)."""
     mult = " * residual_multiplier" if plan.residual_multiplier_field else ""
     mlp, call = ("MoE", "moe") if plan.all_layers_moe else ("feed-forward", "feed_forward")
-    if plan.block == "sandwich":
+    if plan.block == "parallel":
+        norms = "norm(x)" if plan.shared_block_norm else "attention_norm(x)"
+        ffn_norm = "norm(x)" if plan.shared_block_norm else "ffn_norm(x)"
+        sentence = f"Parallel attention and {mlp}: ``x + attention({norms}){mult} + {call}({ffn_norm}){mult}``" + (
+            ", one norm feeding both." if plan.shared_block_norm else ", each with its own norm of the input."
+        )
+    elif plan.block == "sandwich":
         sentence = f"Sandwich norms: ``x + post_norm(attention(norm(x))){mult}``, then the same around the {mlp}."
     elif plan.block == "post_norm":
         sentence = f"Post-norm: ``x + norm(attention(x)){mult}``, then ``x + norm({call}(x)){mult}``."
@@ -168,7 +180,7 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
         sentence = f"``x + attention(norm(x)){mult}``, then ``x + {call}(norm(x)){mult}``."
     if plan.all_layers_moe:
         sentence += " Every layer routes its tokens to experts."
-    return sentence, bool(mult) or plan.all_layers_moe
+    return sentence, bool(mult) or plan.all_layers_moe or plan.block == "parallel"
 
 
 def _set_block_doc(text: str, plan: PortPlan) -> str:
@@ -300,6 +312,21 @@ def _post_norm(text: str, ctx: EditContext) -> str:
                 f"self.{new}.reset_parameters()\n",
             )
     return _post_branches(text)
+
+
+def _parallel_block(text: str, ctx: EditContext) -> str:
+    """Attention and feed-forward both read the block input: ``x + attention(norm(x)) +
+    mlp(norm'(x))``; with one shared norm, ``norm(x)`` is computed once and feeds both."""
+    text = parallel_branches(text)
+    if not ctx.profile.shared_block_norm or "self.ffn_norm" not in text:
+        return text
+    text = replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "h")
+    text = replace_in_residual_branch(text, "ffn", "self.ffn_norm(x)", "h")
+    norm = "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)"
+    text = replace_in_function(text, "TransformerBlock", "__init__", norm, "")
+    text = replace_in_function(text, "TransformerBlock", "init_weights", "self.ffn_norm.reset_parameters()", "")
+    shared = "One norm of the block input feeds both branches."
+    return prepend_to_block_forward(text, "h = self.attention_norm(x)", shared)
 
 
 ROPE_CACHE_CALL = (
@@ -525,6 +552,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
     ),
     ModelEdit(
+        "parallel_block",
+        "attention and feed-forward in parallel on the block input",
+        lambda p: p.block == "parallel",
+        _parallel_block,
+    ),
+    ModelEdit(
         "residual_multiplier",
         "sub-layer outputs scaled before the residual add",
         lambda p: p.residual_multiplier_field is not None,
@@ -585,7 +618,12 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
     return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
 
 
-BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
+BLOCK_NAMES = {
+    "pre_norm": "pre-norm",
+    "sandwich": "sandwich-norm",
+    "post_norm": "post-norm",
+    "parallel": "parallel attention/MLP",
+}
 
 
 def describe(profile: PortPlan, camel: str) -> str:

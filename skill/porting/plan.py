@@ -72,7 +72,10 @@ class PortPlan(BaseModel):
     mlp_bias: bool
     qk_norm: Literal["none", "per_head", "full"]
     norm: Literal["rms", "rms_offset", "layernorm"]
-    block: Literal["pre_norm", "sandwich", "post_norm"]
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"]
+    shared_block_norm: bool = Field(
+        default=False, description="a parallel block's attention and feed-forward read one norm of the input"
+    )
     mlp: Literal["gated", "plain"]
     activation: str
     activation_field: str | None
@@ -100,6 +103,20 @@ class PortPlan(BaseModel):
         default=None, description="config field naming the router's scoring function, if the config has one"
     )
     tied: bool
+    kv_heads_field: str | None = Field(
+        default="num_key_value_heads",
+        description="config field of the KV-head count; None when every query head has its own key and value",
+    )
+
+    single_kv_head: bool = Field(
+        default=False,
+        description="multi-query attention no config field sets: one KV head whatever the head counts say",
+    )
+    ffn_width_field: str | None = Field(default=None, description="config field of the dense MLP width")
+
+    @property
+    def parallel_block(self) -> bool:
+        return self.block == "parallel"
 
     @property
     def multipliers(self) -> list[str]:
@@ -126,6 +143,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     cl = report.checklist
     att, ffn, moe, pos, norm, sc = cl.attention, cl.ffn, cl.moe, cl.positions, cl.norm, cl.scalars
     values = _config_values(report)
+    kv_field = next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None)
     activation_field = next(
         (f for f in ACTIVATION_FIELDS if isinstance(values.get(f), str) and values[f] == ffn.activation), None
     )
@@ -138,9 +156,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         NormKind.RMS_ONE_PLUS_W: "rms_offset",
         NormKind.LAYER_NORM: "layernorm",
     }.get(norm.kind, "rms")  # type: ignore[assignment]
-    block: Literal["pre_norm", "sandwich", "post_norm"] = {
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"] = {
         NormPlacement.SANDWICH: "sandwich",
         NormPlacement.POST_SUBLAYER: "post_norm",
+        NormPlacement.PARALLEL: "parallel",
     }.get(norm.placement, "pre_norm")  # type: ignore[assignment]
     embedding: Literal["none", "sqrt_dim", "multiplier"] = "none"
     if sc.embedding_scale_kind == "sqrt_dim":
@@ -175,6 +194,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
+        shared_block_norm=block == "parallel" and "pre_ffn" not in norm.block_norms.values(),
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,
         activation_field=activation_field,
@@ -205,6 +225,27 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
         tied=sc.tie_word_embeddings,
+        kv_heads_field=kv_field,
+        single_kv_head=kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
+        ffn_width_field=_ffn_width_field(values, ffn.intermediate_size),
+    )
+
+
+# Words in the name of a config field that sets the MLP width.
+FFN_WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
+
+
+def _ffn_width_field(values: dict[str, Any], width: int | None) -> str | None:
+    """``intermediate_size``, else the config field holding the measured MLP width."""
+    if "intermediate_size" in values:
+        return "intermediate_size"
+    return next(
+        (
+            name
+            for name, value in sorted(values.items())
+            if value == width and not isinstance(value, bool) and any(w in name for w in FFN_WIDTH_WORDS)
+        ),
+        None,
     )
 
 

@@ -99,9 +99,10 @@ def test_file_source(
         comments.append(
             "# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised."
         )
-    # Two KV heads for four query heads, so grouped-query attention is exercised.
-    overrides["num_key_value_heads"] = 2
-    comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
+    if profile.kv_heads_field is not None:
+        # Two KV heads for four query heads, so grouped-query attention is exercised.
+        overrides[profile.kv_heads_field] = 2
+        comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
     if profile.attn_softcap or profile.final_softcap:
         # Published caps (50, 30) are far above a tiny model's scores and logits, where tanh is
         # the identity; small caps put both in tanh's curved range.
