@@ -459,6 +459,13 @@ def _logits_scaling(text: str, ctx: EditContext) -> str:
     )
 
 
+def _logits_multiplier(text: str, ctx: EditContext) -> str:
+    field = ctx.profile.logit_multiplier_field
+    return _transform_logits(
+        text, ctx, f"# The LM head's logits are multiplied by {field}.\nlogits = logits * self.model_args.{field}\n"
+    )
+
+
 def _all_layers_moe(text: str, ctx: EditContext) -> str:
     """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch.
 
@@ -606,6 +613,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "logits divided by a config factor",
         lambda p: p.logit_divisor_field is not None,
         _logits_scaling,
+    ),
+    ModelEdit(
+        "logits_multiplier",
+        "logits multiplied by a config factor",
+        lambda p: p.logit_multiplier_field is not None,
+        _logits_multiplier,
     ),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )

@@ -89,6 +89,7 @@ class PortPlan(BaseModel):
     embedding_scale_field: str | None
     residual_multiplier_field: str | None
     logit_divisor_field: str | None = Field(description="config field the logits are divided by")
+    logit_multiplier_field: str | None = Field(default=None, description="config field the logits are multiplied by")
     rope_type: str
     partial_rotary: bool
     rotary_interleaved: bool
@@ -126,6 +127,7 @@ class PortPlan(BaseModel):
             self.residual_multiplier_field,
             self.attn_scale.field if self.attn_scale is not None else None,
             self.logit_divisor_field,
+            self.logit_multiplier_field,
         ]
         return [f for f in fields if f]
 
@@ -210,6 +212,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         else None,
         residual_multiplier_field=sc.residual_multiplier_field,
         logit_divisor_field=logit_divisor,
+        logit_multiplier_field=logit.field if logit is not None and logit.relation == "x" else None,
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,

@@ -201,3 +201,29 @@ def test_adapter_map_from_structure_for_renamed_checkpoints() -> None:
     assert mapping[f"{prefix}post_attention_layernorm.weight"] == "layers.{}.ffn_norm.weight"
     assert mapping[f"{prefix}mlp.dense_h_to_4h.bias"] == "layers.{}.feed_forward.w1.bias"
     assert not set(fused) & set(mapping)
+
+
+# ----------------------------------------------------------------- logit multiplier
+
+
+def test_cohere_logit_scale_is_a_multiplier_the_engine_writes() -> None:
+    # CohereForCausalLM: `logits = self.lm_head(hidden_states) * self.logit_scale` (0.0625).
+    report = report_for("cohere")
+    source = report.checklist.scalars.logit_multiplier_source
+    assert (source.field, source.relation) == ("logit_scale", "x")
+    assert not any("logit" in line for line in report.unsupported)
+    plan = plan_from_report(report, "cohere")
+    assert plan.logit_multiplier_field == "logit_scale" and plan.logit_divisor_field is None
+    assert plan.block == "parallel" and plan.shared_block_norm
+
+
+@pytest.mark.parametrize("reference", sorted(REFERENCES))
+def test_logit_multiplier_composes_with_the_soft_cap(reference: str) -> None:
+    plan = plan_for("llama").model_copy(update={"logit_multiplier_field": "logit_scale", "final_softcap": True})
+    ctx = EditContext(camel="Toy", model_class=MODEL_CLASSES[reference], profile=plan)
+    names = ["logits_multiplier", "final_softcap"]
+    one = apply_model_edits(REFERENCES[reference], ctx, names)
+    assert apply_model_edits(REFERENCES[reference], ctx, list(reversed(names))) == one
+    assert apply_model_edits(one, ctx, names) == one
+    # The scale applies to the head's logits, before the cap.
+    assert one.index("logits = logits * self.model_args.logit_scale") < one.index("logits = torch.tanh(")
