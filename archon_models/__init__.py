@@ -4,8 +4,10 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
+from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
