@@ -9,6 +9,7 @@ from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
+from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
 from archon_models.mixtral import spec as mixtral_spec  # noqa: F401
