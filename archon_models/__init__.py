@@ -11,6 +11,7 @@ from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
+from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
@@ -20,6 +21,7 @@ from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
+from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401

@@ -90,6 +90,15 @@ class WeightOrientation(StrEnum):
     IN_OUT = "in_out"
 
 
+class FusedQKVLayout(StrEnum):
+    """Row order of a fused q/k/v projection, probed (which rows feed each head's values)."""
+
+    NONE = "none"  # separate q, k and v projections
+    STACKED = "stacked"  # every query head, then every key head, then every value head (Phi-3, Falcon MQA)
+    GROUPED = "grouped"  # per KV head: its query heads, its key, its value (GPT-NeoX, Bloom, Falcon new arch)
+    OTHER = "other"
+
+
 class PositionKind(StrEnum):
     ROPE = "rope"
     LEARNED = "learned"
@@ -188,6 +197,7 @@ class AttentionFeatures(_Frozen):
     scaling_field: str | None = Field(None, description="config field that sets the custom scale")
     scaling_source: ConfigScalar | None = Field(None, description="the scale's config field and relation")
     fused_qkv: bool = Field(False, description="one projection yields q, k and v")
+    fused_qkv_layout: FusedQKVLayout = Field(FusedQKVLayout.NONE, description="row order of the fused projection")
     mla: MLA | None = None
     sinks: bool = Field(False, description="learned per-head attention sink logits")
     output_gate: bool = Field(False, description="attention output multiplied by a gate of the input")
@@ -370,6 +380,7 @@ class Feature(StrEnum):
     ATTN_SOFTCAP = "attn_softcap"
     ATTN_SCALING = "attn_scaling"
     FUSED_QKV = "fused_qkv"
+    FUSED_QKV_LAYOUT = "fused_qkv_layout"
     MLA = "mla"
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
@@ -420,6 +431,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ATTN_SOFTCAP: "attention logit soft-capping",
     Feature.ATTN_SCALING: "custom attention scaling",
     Feature.FUSED_QKV: "fused qkv projection",
+    Feature.FUSED_QKV_LAYOUT: "fused qkv row layout",
     Feature.MLA: "multi-head latent attention",
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
@@ -527,7 +539,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
             NormKind.LAYER_NORM_ONE_PLUS_W,
         }
     ),
-    Feature.NORM_PLACEMENT: frozenset({NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH}),
+    Feature.NORM_PLACEMENT: frozenset(
+        {NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH, NormPlacement.PARALLEL}
+    ),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
     # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).
     Feature.EMBEDDING_NORM: frozenset({"none", NormKind.RMS, NormKind.LAYER_NORM}),
@@ -546,6 +560,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),
+    # The adapter regroups a per-KV-head interleaved fused tensor (GPT-NeoX, Bloom, Falcon).
+    Feature.FUSED_QKV_LAYOUT: frozenset({FusedQKVLayout.NONE, FusedQKVLayout.STACKED, FusedQKVLayout.GROUPED}),
     Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
     # The adapter transposes Conv1D-stored projections (edit_adapter_map.apply_transposed_adapter).
     Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
@@ -650,6 +666,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.ATTN_SOFTCAP: _flag(att.logit_softcap is not None),
         Feature.ATTN_SCALING: "custom" if att.custom_scaling else "default",
         Feature.FUSED_QKV: _flag(att.fused_qkv),
+        Feature.FUSED_QKV_LAYOUT: att.fused_qkv_layout.value,
         Feature.MLA: _flag(att.mla is not None),
         Feature.ATTN_SINKS: _flag(att.sinks),
         Feature.ATTN_OUTPUT_GATE: _flag(att.output_gate),

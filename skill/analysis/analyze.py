@@ -12,7 +12,7 @@ import logging
 import time
 
 from skill.analysis.config_fields import config_fields
-from skill.analysis.detect import expert_count
+from skill.analysis.detect import checkpoint_modules, expert_count
 from skill.analysis.inputs import AnalysisError, check_decoder_only, resolve_source, variant_types
 from skill.analysis.measure import Analysis, analyse, layer_prefix, one_thread
 from skill.analysis.reference import nearest_reference, unsupported_names
@@ -62,9 +62,12 @@ def _checkpoint(analysis: Analysis) -> CheckpointKeys:
         for archon, module in roles.items()
         if module is not None and f"{paths.get(id(module))}.weight" in ctx.saved_keys
     }
+    module_map, fused_modules = checkpoint_modules(ctx)
     return CheckpointKeys(
         top_modules=dict(sorted(top_modules.items())),
         layer_prefix=prefix,
+        module_map=module_map,
+        fused_modules=fused_modules,
         top_level=top,
         layer0=layer0,
         n_keys=len(ctx.saved_keys),

@@ -30,6 +30,7 @@ from skill.features import (
     ExpertLayout,
     FFNFeatures,
     FFNKind,
+    FusedQKVLayout,
     GateUpOrder,
     MoEFeatures,
     NormFeatures,
@@ -568,6 +569,43 @@ def _clip_qkv(ctx: Context) -> tuple[float | None, str | None]:
     return (float(value) if isinstance(value, (int, float)) else None), found.name
 
 
+def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> FusedQKVLayout:
+    """The row order of a fused q/k/v projection, from the rows that feed each head's values.
+
+    Candidates: ``stacked`` (all query heads, then the key heads, then the value heads)
+    and ``grouped`` (per KV head: its query heads, its key, its value; with as many KV
+    heads as query heads, GPT-NeoX's and Bloom's per-head interleaving). Where both give
+    the same rows (one KV head) the layout is ``stacked``.
+    """
+    qkv, out = roles.get("qkv"), roles.get("o")
+    if qkv is None:
+        return FusedQKVLayout.NONE
+    hd, heads = ctx.tiny_head_dim(), ctx.tiny.num_attention_heads
+    kv_float = (qkv.out_features / hd - heads) / 2
+    if out is None or ctx.anatomy.attention is None or kv_float != int(kv_float) or kv_float <= 0:
+        ctx.evidence.append("fused q/k/v layout: no output projection or no whole number of KV heads to probe")
+        return FusedQKVLayout.OTHER
+    kv = int(kv_float)
+    rows = probes.probe_value_rows(ctx.model, ctx.anatomy.attention, qkv, out, ctx.tiny)
+    if rows is None or rows.numel() != heads * hd or heads % kv:
+        ctx.evidence.append("fused q/k/v layout: the value-row probe could not read the attention output")
+        return FusedQKVLayout.OTHER
+    per_kv = heads // kv
+    head = torch.arange(heads).repeat_interleave(hd)
+    feature = torch.arange(hd).repeat(heads)
+    group = head // per_kv
+    candidates = {
+        FusedQKVLayout.STACKED: (heads + kv) * hd + group * hd + feature,
+        FusedQKVLayout.GROUPED: group * (per_kv + 2) * hd + (per_kv + 1) * hd + feature,
+    }
+    for layout, expected in candidates.items():
+        if torch.equal(rows, expected):
+            ctx.evidence.append(f"fused q/k/v layout: value rows probed -> {layout.value} ({kv} KV heads)")
+            return layout
+    ctx.evidence.append("fused q/k/v layout: the value rows follow neither the stacked nor the grouped order")
+    return FusedQKVLayout.OTHER
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -651,6 +689,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         scaling_field=scaling_source.field if scaling_source else None,
         scaling_source=scaling_source,
         fused_qkv=qkv is not None,
+        fused_qkv_layout=fused_qkv_layout(ctx, roles),
         mla=mla,
         sinks=sinks,
         output_gate=_output_gate(ctx, roles),
@@ -1666,3 +1705,98 @@ def per_layer_differences(ctx: Context) -> list[str]:
             f"per-layer differences read over the {'full-depth' if full else 'tiny'} stack of {len(layers)} layers"
         )
     return found
+
+
+# ------------------------------------------------------------ checkpoint modules
+
+_ATTENTION_PARTS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo"}
+
+
+def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """HF module -> Archon module, found by structure, for the modules the checkpoint holds.
+
+    Layer modules are written with ``{}`` for the layer index (``gpt_neox.layers.{}.
+    attention.dense`` -> ``layers.{}.attention.wo``); the embedding, final norm and LM head
+    at the top (the head also when a tied checkpoint leaves it out). Roles come from the
+    anatomy: the attention's projections by shape and name, a dense MLP's up and down
+    projections by their widths. The second map holds a fused q/k/v projection -> the
+    Archon projections it stacks (in q, k, v order; its row layout is in the checklist).
+    Block norms are named by their probed roles (``NormFeatures.block_norms``), MoE blocks
+    by the adapter's rules; neither is here.
+    """
+    anatomy = ctx.anatomy
+    names = {id(module): name for name, module in ctx.model.named_modules()}
+    saved_modules = {key.rsplit(".", 1)[0] for key in ctx.saved_keys}
+    layer0 = f"{anatomy.layers_path}.0."
+    mapping: dict[str, str] = {}
+    fused: dict[str, list[str]] = {}
+
+    def template(module: nn.Module) -> str | None:
+        name = names.get(id(module))
+        if name is None or name not in saved_modules or not name.startswith(layer0):
+            return None
+        return f"{anatomy.layers_path}.{{}}.{name[len(layer0) :]}"
+
+    for role, proj in _attention_projections(ctx).items():
+        hf = template(proj.module)
+        if hf is None:
+            continue
+        if role == "qkv":
+            fused[hf] = [f"layers.{{}}.{part}" for part in ("attention.wq", "attention.wk", "attention.wv")]
+        elif role in _ATTENTION_PARTS:
+            mapping[hf] = f"layers.{{}}.{_ATTENTION_PARTS[role]}"
+    mlp = anatomy.ffn if anatomy.ffn is not None and mt.experts_module(anatomy.ffn) is None else None
+    if mlp is not None:
+        hidden = ctx.tiny.hidden_size
+        projs = mt.projections(mlp)
+        ups = [p for p in projs if p.in_features == hidden]
+        downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
+        parts: dict[str, mt.Projection] = {}
+        if len(downs) == 1:
+            parts["w2"] = downs[0]
+        if len(ups) == 1 and downs and ups[0].out_features == downs[0].in_features:
+            parts["w1"] = ups[0]  # plain MLP: w1 is the up projection
+        elif len(ups) == 2:
+            gates = [p for p in ups if "gate" in p.name.lower()]
+            if len(gates) == 1:
+                parts["w1"] = gates[0]
+                parts["w3"] = next(p for p in ups if p is not gates[0])
+        for part, proj in parts.items():
+            hf = template(proj.module)
+            if hf is not None:
+                mapping[hf] = f"layers.{{}}.feed_forward.{part}"
+    for module, archon, needs_saved in (
+        (anatomy.embedding, "tok_embeddings", True),
+        (anatomy.final_norm, "norm", True),
+        (anatomy.lm_head, "output", False),
+    ):
+        name = names.get(id(module)) if module is not None else None
+        if name and (name in saved_modules or not needs_saved):
+            mapping[name] = archon
+    head = _saved_head(ctx, mapping)
+    if head is not None:
+        mapping = {hf: archon for hf, archon in mapping.items() if archon != "output"}
+        mapping[head] = "output"
+    return dict(sorted(mapping.items())), dict(sorted(fused.items()))
+
+
+def _saved_head(ctx: Context, mapping: dict[str, str]) -> str | None:
+    """The LM head's name on disk when ``save_pretrained`` renames it (GPT-NeoX keeps
+    ``lm_head`` in memory, writes ``embed_out``): the one top-level ``[vocab, hidden]``
+    weight that is not the embedding's."""
+    head = ctx.anatomy.lm_head
+    weight = getattr(head, "weight", None)
+    in_memory = next((hf for hf, archon in mapping.items() if archon == "output"), None)
+    if not isinstance(weight, torch.Tensor) or (in_memory and f"{in_memory}.weight" in ctx.saved_keys):
+        return None
+    stack = ctx.layer_prefix.removesuffix("0.")
+    known = {f"{hf}.weight" for hf, archon in mapping.items() if archon != "output"}
+    candidates = [
+        key.removesuffix(".weight")
+        for key, shape in ctx.saved_keys.items()
+        if key.endswith(".weight")
+        and not (stack and key.startswith(stack))
+        and key not in known
+        and tuple(shape) == tuple(weight.shape)
+    ]
+    return candidates[0] if len(candidates) == 1 else None

@@ -182,7 +182,9 @@ def probe_block_norms(
     for name, child in layer.named_children():
         handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
     try:
-        logits(model, tokens_for(config, 6))
+        with _preserved(layer):
+            _distinct_norm_weights(anatomy)
+            logits(model, tokens_for(config, 6))
     finally:
         for handle in handles:
             handle.remove()
@@ -231,6 +233,17 @@ def probe_block_norms(
     if post_ln:
         return NormPlacement.POST_LN, roles
     return None, roles
+
+
+def _distinct_norm_weights(anatomy: LayerAnatomy) -> None:
+    """Give each block norm of layer 0 its own random weight, so two norms of one input
+    (a parallel block's attention and FFN norms, initialised alike) give different outputs."""
+    generator = _generator()
+    with torch.no_grad():
+        for norm in anatomy.norms.values():
+            weight = getattr(norm, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                weight.copy_(1.0 + 0.5 * torch.rand(weight.shape, generator=generator))
 
 
 def probe_is_causal(model: nn.Module, config: Any) -> bool:
@@ -402,6 +415,66 @@ def probe_window_reaches_all_layers(model: nn.Module, config: Any, window: int, 
     return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
 
 
+def probe_value_rows(
+    model: nn.Module, attention: nn.Module, fused: Any, out_proj: Any, config: Any
+) -> torch.Tensor | None:
+    """Which row of a fused q/k/v projection feeds each value feature, per query head.
+
+    One token (position 0, so no rotation; attention over one key is that key's value):
+    the attention input is replaced by the unit vector ``e_0`` and row ``r`` of the fused
+    weight by ``(r + 1) * e_0`` (bias zeroed), so the output projection's input holds, at
+    (query head, feature), the row index plus one of the value it attends to. ``fused``
+    and ``out_proj`` are :class:`~skill.analysis.modules.Projection` s. Returns the
+    ``[n_values]`` row indices (``None`` when the probe cannot read them).
+    """
+    captured: dict[str, torch.Tensor] = {}
+
+    def unit_input(module: nn.Module, args: tuple, kwargs: dict):
+        first = _first_tensor(args, kwargs)
+        if first is None:
+            return None
+        unit = torch.zeros_like(first)
+        unit[..., 0] = 1.0
+        if args and isinstance(args[0], torch.Tensor):
+            return (unit, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": unit}
+
+    def on_out(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            captured.setdefault("v", args[0].detach())
+
+    weight = fused.module.weight
+    bias = getattr(fused.module, "bias", None)
+    with _preserved(attention), torch.no_grad():
+        weight.zero_()
+        code = torch.arange(1, fused.out_features + 1, dtype=weight.dtype)
+        if fused.orientation == "out_in":
+            weight[:, 0] = code
+        else:
+            weight[0, :] = code
+        if isinstance(bias, torch.Tensor):
+            bias.zero_()
+        handles = [
+            attention.register_forward_pre_hook(unit_input, with_kwargs=True),
+            out_proj.module.register_forward_pre_hook(on_out),
+        ]
+        try:
+            logits(model, tokens_for(config, 1))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            logger.debug("fused q/k/v probe failed: %s", exc)
+            return None
+        finally:
+            for handle in handles:
+                handle.remove()
+    values = captured.get("v")
+    if values is None:
+        return None
+    rows = values.reshape(-1).round()
+    if not torch.allclose(values.reshape(-1), rows, atol=1e-3):
+        return None
+    return rows.long() - 1
+
+
 def probe_qk_norm_kind(norm: nn.Module, width: int) -> NormKind:
     if not isinstance(getattr(norm, "weight", None), torch.Tensor):
         return NormKind.OTHER
@@ -443,6 +516,7 @@ __all__ = [
     "probe_norm_placement",
     "probe_qk_norm_kind",
     "probe_rotary_layers",
+    "probe_value_rows",
     "probe_window_reaches_all_layers",
     "relation_of",
     "rotary_modules",

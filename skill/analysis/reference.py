@@ -178,9 +178,9 @@ def engine_limits(checklist: Checklist) -> list[str]:
     if sc.embedding_scale_source is not None and sc.embedding_scale_source.relation != "x":
         limits.append(f"embedding scale {sc.embedding_scale_source.relation} of {sc.embedding_scale_source.field}")
     if sc.logit_multiplier is not None and (
-        sc.logit_multiplier_source is None or sc.logit_multiplier_source.relation != "1/x"
+        sc.logit_multiplier_source is None or sc.logit_multiplier_source.relation not in ("x", "1/x")
     ):
-        limits.append(f"logit factor {sc.logit_multiplier:.4g} that is no config field's reciprocal")
+        limits.append(f"logit factor {sc.logit_multiplier:.4g} that is no config field or its reciprocal")
     if (
         att.custom_scaling
         and att.mla is None

@@ -52,6 +52,14 @@ class CheckpointKeys(BaseModel):
     layer0: list[KeyShape] = Field(description="keys of layer 0")
     n_keys: int = Field(description="all keys of the tiny checkpoint")
     tiny_sizes: dict[str, int] = Field(description="sizes of the tiny config the shapes come from")
+    module_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="HF module ({} for the layer index) -> Archon module, found by structure; block norms and MoE "
+        "blocks are named elsewhere",
+    )
+    fused_modules: dict[str, list[str]] = Field(
+        default_factory=dict, description="HF module that stacks several Archon projections -> those, in order"
+    )
     from_files: list[KeyShape] = Field(
         default_factory=list, description="layer-0 and top-level keys of the folder's own safetensors, if any"
     )

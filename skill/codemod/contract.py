@@ -26,13 +26,18 @@ def _calls_attention(node: cst.CSTNode) -> bool:
     return bool(m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("attention")))))
 
 
+def _is_residual_sum(value: cst.BaseExpression) -> bool:
+    """``x + E``, or ``x + E1 + E2`` (a parallel block's one sum of both branches)."""
+    if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add)):
+        return False
+    return m.matches(value.left, m.Name(RESIDUAL)) or _is_residual_sum(value.left)
+
+
 def _branch_of(value: cst.BaseExpression) -> tuple[Branch, cst.BaseExpression] | None:
-    """``x + E`` -> (which branch E is, E); anything else -> None."""
-    if (
-        isinstance(value, cst.BinaryOperation)
-        and isinstance(value.operator, cst.Add)
-        and m.matches(value.left, m.Name(RESIDUAL))
-    ):
+    """``x + E`` (or the last term ``E`` of ``x + ... + E``) -> (which branch E is, E);
+    anything else -> None."""
+    if _is_residual_sum(value):
+        assert isinstance(value, cst.BinaryOperation)
         return ("attention" if _calls_attention(value.right) else "ffn"), value.right
     return None
 
@@ -45,11 +50,14 @@ class _BranchEdit(cst.CSTTransformer):
 
     def _rewrite(self, value: cst.BaseExpression) -> cst.BaseExpression:
         found = _branch_of(value)
-        if found is None or found[0] != self.branch:
+        if found is None:
             return value
-        self.hits += 1
         assert isinstance(value, cst.BinaryOperation)
-        return value.with_changes(right=self.edit(found[1]))
+        left = self._rewrite(value.left) if isinstance(value.left, cst.BinaryOperation) else value.left
+        if found[0] != self.branch:
+            return value.with_changes(left=left)
+        self.hits += 1
+        return value.with_changes(left=left, right=self.edit(found[1]))
 
     def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
         if len(updated_node.targets) == 1 and m.matches(updated_node.targets[0].target, m.Name(RESIDUAL)):
@@ -122,6 +130,92 @@ def residual_branch_code(source: str, branch: Branch) -> list[str]:
 
     forward.visit(_Collect())
     return found
+
+
+def _assigns_residual(stmt: cst.CSTNode) -> cst.BaseExpression | None:
+    """The value of ``x = <residual sum>``; None for any other statement."""
+    if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(RESIDUAL))])])):
+        assert isinstance(stmt, cst.SimpleStatementLine)
+        assign = stmt.body[0]
+        assert isinstance(assign, cst.Assign)
+        return assign.value if _is_residual_sum(assign.value) else None
+    return None
+
+
+def _residual_value(stmt: cst.CSTNode) -> cst.BaseExpression | None:
+    """The residual sum a statement assigns to ``x`` or returns."""
+    value = _assigns_residual(stmt)
+    if value is None and m.matches(stmt, m.SimpleStatementLine(body=[m.Return()])):
+        assert isinstance(stmt, cst.SimpleStatementLine)
+        ret = stmt.body[0]
+        assert isinstance(ret, cst.Return)
+        value = ret.value if ret.value is not None and _is_residual_sum(ret.value) else None
+    return value
+
+
+def _graft(value: cst.BaseExpression, base: cst.BaseExpression) -> cst.BaseExpression:
+    """``x + F`` -> ``base + F``: the residual ``x`` at the left end of a sum replaced by ``base``."""
+    assert isinstance(value, cst.BinaryOperation)
+    if m.matches(value.left, m.Name(RESIDUAL)):
+        return value.with_changes(left=base)
+    return value.with_changes(left=_graft(value.left, base))
+
+
+def parallel_branches(source: str) -> str:
+    """Both residual branches read the block input: ``x = x + A`` followed by ``x + F``
+    becomes one sum, ``x + A + F`` (GPT-J/GPT-NeoX-style parallel attention and MLP).
+
+    Found by structure (the assignment whose sum calls ``self.attention``, then the next
+    residual sum); the branches keep whatever other edits wrote inside them. A block
+    whose one sum already holds both branches is left alone."""
+    module = _parse(source)
+    forward = _find_function(module, "TransformerBlock", "forward")
+    body = statements(forward.body)
+    values = [_residual_value(stmt) for stmt in body]
+    if any(value is not None and len(_branch_terms(value)) > 1 for value in values):
+        return source  # already parallel
+    attention = next(
+        (i for i, stmt in enumerate(body) if (v := _assigns_residual(stmt)) is not None and _calls_attention(v)), None
+    )
+    ffn = next(
+        (i for i, v in enumerate(values) if attention is not None and i > attention and v is not None),
+        None,
+    )
+    if attention is None or ffn is None:
+        raise CodemodError("TransformerBlock.forward has no 'x = x + attention(...)' followed by a residual add")
+    attention_sum = values[attention]
+    ffn_sum = values[ffn]
+    assert attention_sum is not None and ffn_sum is not None
+    stmt = body[ffn]
+    assert isinstance(stmt, cst.SimpleStatementLine)
+    combined = _graft(ffn_sum, attention_sum)
+    small = stmt.body[0]
+    body[ffn] = stmt.with_changes(body=[small.with_changes(value=combined)])
+    first = body.pop(attention)
+    body[attention] = body[attention].with_changes(leading_lines=leading_lines(first))
+    return replaced_code(module, forward, forward.with_changes(body=forward.body.with_changes(body=body)))
+
+
+def prepend_to_block_forward(source: str, statement: str, comment: str) -> str:
+    """Put ``statement`` (one line, under ``# comment``) first in ``TransformerBlock.forward``, once."""
+    module = _parse(source)
+    forward = _find_function(module, "TransformerBlock", "forward")
+    body = statements(forward.body)
+    code = _code(cst.parse_statement(statement))
+    if any(_code(stmt) == code for stmt in body):
+        return source
+    line = cst.EmptyLine(comment=cst.Comment(f"# {comment}"))
+    new = cst.parse_statement(statement).with_changes(leading_lines=[line])
+    return replaced_code(module, forward, forward.with_changes(body=forward.body.with_changes(body=[new, *body])))
+
+
+def _branch_terms(value: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The branch terms of a residual sum ``x + E1 + ... + En``."""
+    terms: list[cst.BaseExpression] = []
+    while isinstance(value, cst.BinaryOperation) and _is_residual_sum(value):
+        terms.insert(0, value.right)
+        value = value.left
+    return terms
 
 
 def replace_call(source: str, class_name: str, func_name: str, callee: str, template: str) -> str:

@@ -51,16 +51,24 @@ def _derived_head_dim(config: PretrainedConfig) -> int:
     return config.hidden_size // config.num_attention_heads
 
 
+def _derived_kv_heads(config: PretrainedConfig) -> int:
+    """KV heads of a config without ``num_key_value_heads``: one under multi-query
+    attention (Falcon's ``multi_query`` without its new decoder architecture), else all."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return config.num_attention_heads
+
+
 # Archon field (the last component of a nested path such as ``moe_args.top_k``) ->
 # its source. Shared by every family; extend it when a new family brings a new name.
 ARGS_FIELD_SOURCES: dict[str, FieldSource] = {
     "dim": FieldSource(("hidden_size",)),
     "n_layers": FieldSource(("num_hidden_layers",)),
     "n_heads": FieldSource(("num_attention_heads",)),
-    "n_kv_heads": FieldSource(("num_key_value_heads",), derive=lambda c: c.num_attention_heads),
+    "n_kv_heads": FieldSource(("num_key_value_heads",), derive=_derived_kv_heads),
     "vocab_size": FieldSource(("vocab_size",)),
     "head_dim": FieldSource(("head_dim",), derive=_derived_head_dim),
-    "hidden_dim": FieldSource(("intermediate_size",)),
+    "hidden_dim": FieldSource(("intermediate_size", "ffn_hidden_size")),
     "norm_eps": FieldSource(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
     "rope_theta": FieldSource(("rope_parameters.rope_theta", "rope_theta")),
     "max_seq_len": FieldSource(("max_position_embeddings",)),

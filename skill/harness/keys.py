@@ -92,4 +92,12 @@ def join_single(adapter: Any, hf_key: str, pieces: list[torch.Tensor]) -> torch.
     join = getattr(adapter, "join_single_to_hf", None)
     if join is not None:
         return join(hf_key, pieces)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=stacking_dim(adapter, hf_key))
+    if len(pieces) == 1:
+        return pieces[0]
+    dim = stacking_dim(adapter, hf_key)
+    # An adapter that re-stacks its fused keys itself (rows grouped per KV head) is given
+    # the pieces in order, as its to_hf gives them.
+    restack = getattr(adapter, "_concat_fused", None)
+    if restack is not None and dim == 0:
+        return restack(hf_key, dict(enumerate(pieces)))
+    return torch.cat(pieces, dim=dim)

@@ -22,6 +22,7 @@ from skill.codemod.cst import (
     remove_method,
     replace_in_function,
     set_docstring,
+    upsert_function,
     upsert_method,
 )
 from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, WeightOrientation
@@ -34,7 +35,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.hf_source import checkpoint_keys, generalise_key, generalised_keys, load_config
+from skill.porting.hf_source import checkpoint_keys, generalise_key, load_config
 from skill.porting.snippets import snippet
 from skill.tiny_model import tiny_config
 
@@ -155,6 +156,17 @@ def fused_rows(config: Any) -> dict[int, tuple[str, ...]]:
     return rows
 
 
+def layer_generaliser(layer_prefix: str = LAYER_PREFIX):
+    """A function that writes a key's layer index (after ``layer_prefix``, ``{}`` for the
+    index) and expert index as ``{}``: ``transformer.h.3.mlp.w`` -> ``transformer.h.{}.mlp.w``."""
+    stack = re.compile("^" + re.escape(layer_prefix).replace(re.escape("{}"), r"\d+"))
+
+    def generalise(key: str) -> str:
+        return generalise_key(stack.sub(layer_prefix, key, count=1))
+
+    return generalise
+
+
 def detect_fused_keys(
     shapes: dict[str, tuple[int, ...]],
     config: Any,
@@ -172,8 +184,9 @@ def detect_fused_keys(
     rows = fused_rows(config)
     hidden = getattr(config, "hidden_size", None)
     fused: dict[str, list[str]] = {}
+    generalise = layer_generaliser(layer_prefix)
     for key, shape in shapes.items():
-        key = generalise_key(key)
+        key = generalise(key)
         if not key.startswith(layer_prefix) or ".experts.{}." in key:
             continue
         if key in transposed:
@@ -186,6 +199,21 @@ def detect_fused_keys(
             continue
         fused[key] = [f"layers.{{}}.{part}.{param}" for part in rows[shape[0]]]
     return dict(sorted(fused.items()))
+
+
+def fused_from_report(
+    fused_modules: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], layer_prefix: str
+) -> dict[str, list[str]]:
+    """The analysis' fused modules as checkpoint keys: ``<module>.weight`` (and ``.bias``
+    where the checkpoint has one) -> the Archon parameters they stack."""
+    generalise = layer_generaliser(layer_prefix)
+    saved = {generalise(k) for k in shapes}
+    fused: dict[str, list[str]] = {}
+    for module, parts in fused_modules.items():
+        for param in ("weight", "bias"):
+            if f"{module}.{param}" in saved:
+                fused[f"{module}.{param}"] = [f"{part}.{param}" for part in parts]
+    return fused
 
 
 def _norm_names(layer_modules: set[str]) -> dict[str, str]:
@@ -228,6 +256,7 @@ def derive_from_hf_map(
     position_table_key: str | None = None,
     embedding_norm_module: str | None = None,
     top_modules: dict[str, str] | None = None,
+    module_map: dict[str, str] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -235,15 +264,27 @@ def derive_from_hf_map(
     score-correction bias) -> the Archon key inside the layer that holds them.
 
     ``fused`` keys (from ``detect_fused_keys``) are left out: they go to the adapter's
-    ``fused_from_hf_map``. Raises ``UnmappedKeyError`` listing every other key no rule covers.
+    ``fused_from_hf_map``. ``module_map`` (the analysis' HF module -> Archon module, found
+    by structure; layer modules under ``layer_prefix``) names what the context-free rules
+    do not. Raises ``UnmappedKeyError`` listing every other key no rule covers.
     """
     fused = fused or {}
-    keys = generalised_keys(hf_keys)
+    module_map = module_map or {}
+    generalise = layer_generaliser(layer_prefix)
+    keys = sorted({generalise(k) for k in hf_keys})
     layer_modules = {
         _PARAM_SUFFIX.match(k[len(layer_prefix) :]).group("module")  # type: ignore[union-attr]
         for k in keys
         if k.startswith(layer_prefix) and _PARAM_SUFFIX.match(k[len(layer_prefix) :])
     }
+    # The structural map, relative to the layer (Archon's ``layers.{}.`` dropped) or at the top.
+    archon_layer = "layers.{}."
+    structural_layer = {
+        hf[len(layer_prefix) :]: archon[len(archon_layer) :]
+        for hf, archon in module_map.items()
+        if hf.startswith(layer_prefix) and archon.startswith(archon_layer)
+    }
+    structural_top = {hf: archon for hf, archon in module_map.items() if not archon.startswith(archon_layer)}
     # The analysis' probed roles name the block norms; the checkpoint's names are the
     # fallback for a caller without a report.
     norms = (
@@ -251,10 +292,11 @@ def derive_from_hf_map(
         if norm_roles
         else _norm_names(layer_modules)
     )
-    layer_rules = {**LAYER_MODULES, **norms}
+    layer_rules = {**structural_layer, **LAYER_MODULES, **norms}
     if "mlp.up_proj" in layer_modules and "mlp.gate_proj" not in layer_modules:
         # A two-layer MLP (up, act, down): its up projection is Archon's w1.
         layer_rules["mlp.up_proj"] = "feed_forward.w1"
+    top_rules = {**structural_top, **TOP_MODULES, **(top_modules or {})}
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:
@@ -282,7 +324,6 @@ def derive_from_hf_map(
         if inner is not None and module in EXPERT_MODULES:
             mapping[key] = f"layers.{{}}.{EXPERT_MODULES[module]}"
             continue
-        top_rules = {**TOP_MODULES, **(top_modules or {})}
         target = layer_rules.get(module) if inner is not None else top_rules.get(module)
         if target is None:
             unmapped.append(key)
@@ -295,11 +336,12 @@ def derive_from_hf_map(
         )
     if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
-            mapping.setdefault(f"{LAYER_PREFIX}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
+            mapping.setdefault(f"{layer_prefix}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
     mapping.update({k: v for k, v in RUNTIME_BUFFERS.items() if k not in mapping})
     # A tied checkpoint has no lm_head; the adapter fills it from the embedding, so the
     # entry stays for to_hf of untied fine-tunes and for the tying fill-in.
-    mapping.setdefault("lm_head.weight", "output.weight")
+    head = next((hf for hf, archon in structural_top.items() if archon == "output"), "lm_head")
+    mapping.setdefault(f"{head}.weight", "output.weight")
     # A critic's value head (Archon models only; HF checkpoints of a critic carry it too).
     mapping.setdefault("score.weight", "score.weight")
     return dict(sorted(mapping.items()))
@@ -386,7 +428,18 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         checklist = report.checklist
         prefix = _layer_template(report.checkpoint.layer_prefix)
         transposed = set(checklist.transposed_weights)
-        fused = detect_fused_keys(shapes, tiny_config(config), layer_prefix=prefix, transposed=transposed)
+        module_map = report.checkpoint.module_map
+        fused = fused_from_report(report.checkpoint.fused_modules, shapes, prefix)
+        known = (
+            set(LAYER_MODULES)
+            | {hf[len(prefix) : -len(".weight")] for hf in fused}
+            | {hf[len(prefix) :] for hf in module_map if hf.startswith(prefix)}
+        )
+        fused.update(
+            detect_fused_keys(
+                shapes, tiny_config(config), known_modules=known, layer_prefix=prefix, transposed=transposed
+            )
+        )
         experts = fused_expert_keys(checklist.moe)
         buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
         derived = derive_from_hf_map(
@@ -399,8 +452,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             position_table_key=checklist.positions.table_key,
             embedding_norm_module=checklist.scalars.embedding_norm_module,
             top_modules=report.checkpoint.top_modules,
+            module_map=module_map,
         )
-        text = apply_fused_adapter(text, layout, fused)
+        grouped = checklist.attention.fused_qkv_layout == "grouped"
+        text = apply_fused_adapter(text, layout, fused, grouped=grouped)
         text = apply_transposed_adapter(text, layout, sorted(transposed))
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
@@ -522,10 +577,26 @@ def _fused_literal(fused: dict[str, list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[str]]) -> str:
+_GROUPED_SPLIT = """
+if ".attention.wq." in parts[0]:
+    # The checkpoint groups q/k/v rows by KV head; Archon's wq, wk, wv stack them in turn.
+    args = self.model_args
+    value = _ungroup_qkv(value, args.n_heads, args.n_kv_heads, args.head_dim)
+"""
+
+_GROUPED_CONCAT = """
+if ".attention.wq." in self.fused_from_hf_map[template][0]:
+    args = self.model_args
+    return _group_qkv(stacked, args.n_heads, args.n_kv_heads, args.head_dim)
+"""
+
+
+def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[str]], grouped: bool = False) -> str:
     """Teach a copied adapter a fused on-disk layout: ``from_hf`` splits each fused key
     along dim 0 by its parts' sizes, ``to_hf`` concatenates them back, and
-    ``convert_single_to_hf`` names, for one part, the fused key its slice belongs to."""
+    ``convert_single_to_hf`` names, for one part, the fused key its slice belongs to.
+    ``grouped``: the fused q/k/v rows are grouped by KV head (the analysis' probed
+    layout), so the split regroups them into q, k, v first and the concat back."""
     if not fused:
         return text
     cls = layout.adapter_class
@@ -556,8 +627,20 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
         _ROWS.format(model_class=layout.model_class).strip() + "\n",
         after="_expected_archon_keys",
     )
-    text = upsert_method(text, cls, "_split_fused", _SPLIT.format().strip() + "\n", after="_check_complete")
-    text = upsert_method(text, cls, "_concat_fused", _CONCAT.format().strip() + "\n", after="_split_fused")
+    split, concat = _SPLIT.format().strip() + "\n", _CONCAT.format().strip() + "\n"
+    if grouped:
+        split_return = "    return dict(zip(parts, torch.split("
+        split = split.replace(split_return, _indent(_GROUPED_SPLIT) + split_return)
+        concat = concat.replace(
+            "    return torch.cat([pieces[position] for position in range(count)], dim=0)",
+            "    stacked = torch.cat([pieces[position] for position in range(count)], dim=0)\n"
+            + _indent(_GROUPED_CONCAT)
+            + "    return stacked",
+        )
+        for helper in ("_ungroup_qkv", "_group_qkv"):
+            text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
+    text = upsert_method(text, cls, "_split_fused", split, after="_check_complete")
+    text = upsert_method(text, cls, "_concat_fused", concat, after="_split_fused")
     return text
 
 
@@ -875,3 +958,7 @@ def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) 
     except CodemodError as e:
         raise CodemodError(f"Conv1D-stored keys {keys} need the reference adapter's conversion methods: {e}") from e
     return upsert_method(text, cls, "_oriented", _TRANSPOSE.strip() + "\n", after="_hf_key")
+
+
+def _indent(block: str) -> str:
+    return "".join(f"    {line}\n" if line else "\n" for line in block.strip().splitlines())

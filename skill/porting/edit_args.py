@@ -59,9 +59,19 @@ STRUCTURAL_FLAGS = {
 ABSENT_FEATURE_FLAGS = {
     "use_parallel_residual": "parallel attention and MLP residual branches",
     "qk_layernorm": "QK LayerNorm",
+    "alibi": "ALiBi position biases",
+    "new_decoder_architecture": "separate attention and MLP input norms with grouped KV heads",
 }
-# Of those, the switches of a QK norm: a port that has one refuses a config turning it off.
-PRESENT_FEATURE_FLAGS = ("qk_layernorm",)
+# Config switches of features an edit writes: a port that has the feature refuses a config
+# that turns it off (config flag -> PortPlan property, and what it switches).
+PRESENT_FEATURE_FLAGS = {
+    "use_parallel_residual": ("parallel_block", "parallel attention and MLP residual branches"),
+    "parallel_attn": ("parallel_block", "parallel attention and MLP residual branches"),
+    "multi_query": ("single_kv_head", "multi-query attention (one key and value head)"),
+}
+# Of the absent-feature switches, those of a QK norm: a port that has one refuses a config
+# turning it off.
+QK_NORM_FLAGS = ("qk_layernorm",)
 
 
 @dataclass(frozen=True)
@@ -145,9 +155,11 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField(
             "n_kv_heads",
             "int",
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            1 if profile.single_kv_head else getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             "n_kv_heads",
-            lambda c: getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            (lambda c: 1)
+            if profile.single_kv_head
+            else (lambda c: getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
         ),
         ArgField("vocab_size", "int", config.vocab_size, "hf_config.vocab_size", lambda c: c.vocab_size),
         ArgField("head_dim", "int", _head_dim(config), "head_dim", _head_dim),
@@ -530,6 +542,15 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 '            "such bias; port that variant as its own family."',
                 "        )",
             ]
+    for flag, (feature, title) in PRESENT_FEATURE_FLAGS.items():
+        if hasattr(config, flag) and getattr(config, flag) and getattr(profile, feature):
+            lines += [
+                f'    if not getattr(hf_config, "{flag}", True):',
+                "        raise ValueError(",
+                f'            "{flag}=False is not supported: {camel} in Archon has "',
+                f'            "{title}; port that variant as its own family."',
+                "        )",
+            ]
     for flag, feature in ABSENT_FEATURE_FLAGS.items():
         if hasattr(config, flag) and not getattr(config, flag):
             lines += [
@@ -539,7 +560,7 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 f'            "is not supported by {camel} in Archon."',
                 "        )",
             ]
-        elif hasattr(config, flag) and flag in PRESENT_FEATURE_FLAGS and profile.qk_norm != "none":
+        elif hasattr(config, flag) and flag in QK_NORM_FLAGS and profile.qk_norm != "none":
             # The port has the feature the switch turns on: a config turning it off is refused.
             lines += [
                 f'    if not getattr(hf_config, "{flag}", True):',
@@ -698,7 +719,15 @@ def from_hf_config_source(
     route_norm: bool = False,
     shared_expert: bool = False,
     router: str = "",
+    kv_heads_field: str | None = "num_key_value_heads",
+    single_kv_head: bool = False,
 ) -> str:
+    if single_kv_head:
+        kv_heads = "1  # multi-query attention: one key and value head for every query head"
+    elif kv_heads_field:
+        kv_heads = f'getattr(hf_config, "{kv_heads_field}", None) or n_heads'
+    else:
+        kv_heads = "n_heads  # every query head has its own key and value head"
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
         'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
@@ -743,7 +772,7 @@ def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) 
         )
     _check_supported(hf_config)
 {setup}    n_heads = hf_config.num_attention_heads
-    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    n_kv_heads = {kv_heads}
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
     return cls(
         attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),
@@ -831,6 +860,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             route_norm=profile.route_norm,
             shared_expert=profile.shared_expert,
             router=router_setup(profile),
+            kv_heads_field=profile.kv_heads_field,
+            single_kv_head=profile.single_kv_head,
         ),
     )
     if profile.sliding_window or profile.attn_softcap or profile.attn_sinks:

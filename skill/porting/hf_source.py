@@ -10,10 +10,8 @@ from transformers import PretrainedConfig
 
 from skill.tiny_model import saved_checkpoint_keys, tiny_config
 
-# The first numeric segment of a key is its layer index (``model.layers.3.``,
-# ``transformer.h.3.``, ``model.decoder.layers.3.``).
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+# ".12." inside a key: a layer or expert index.
+_INDEX = re.compile(r"\.(\d+)(?=\.)")
 
 
 def load_config(source: str, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -37,10 +35,10 @@ def checkpoint_keys(source: str, trust_remote_code: bool = False) -> dict[str, t
 
 
 def generalise_key(key: str) -> str:
-    """``model.layers.3.mlp.experts.7.w1.weight`` -> ``model.layers.{}.mlp.experts.{}.w1.weight``
-    (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.{}.attn.c_attn.weight``)."""
-    key = _EXPERT_INDEX.sub(".experts.{}.", key)
-    return _LAYER_INDEX.sub(".{}.", key, count=1)
+    """``model.layers.3.mlp.experts.7.w1.weight`` -> ``model.layers.{}.mlp.experts.{}.w1.weight``;
+    every index, whatever the stack is called (``transformer.h.3.``), as the adapters' own
+    ``_abstract`` reads keys."""
+    return _INDEX.sub(".{}", key)
 
 
 def generalised_keys(keys: Any) -> list[str]:

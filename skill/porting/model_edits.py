@@ -22,6 +22,8 @@ from skill.activations import ACTIVATIONS
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod.contract import (
     append_to_embedding_stage,
+    parallel_branches,
+    prepend_to_block_forward,
     remove_arguments,
     remove_call_arguments,
     replace_call,
@@ -245,7 +247,13 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
     multiplier or an all-MoE feed-forward on top of the norm placement)."""
     mult = " * residual_multiplier" if plan.residual_multiplier_field else ""
     mlp, call = ("MoE", "moe") if plan.all_layers_moe else ("feed-forward", "feed_forward")
-    if plan.block == "sandwich":
+    if plan.block == "parallel":
+        norms = "norm(x)" if plan.shared_block_norm else "attention_norm(x)"
+        ffn_norm = "norm(x)" if plan.shared_block_norm else "ffn_norm(x)"
+        sentence = f"Parallel attention and {mlp}: ``x + attention({norms}){mult} + {call}({ffn_norm}){mult}``" + (
+            ", one norm feeding both." if plan.shared_block_norm else ", each with its own norm of the input."
+        )
+    elif plan.block == "sandwich":
         sentence = f"Sandwich norms: ``x + post_norm(attention(norm(x))){mult}``, then the same around the {mlp}."
     elif plan.block == "post_norm":
         sentence = f"Post-norm: ``x + norm(attention(x)){mult}``, then ``x + norm({call}(x)){mult}``."
@@ -253,7 +261,7 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
         sentence = f"``x + attention(norm(x)){mult}``, then ``x + {call}(norm(x)){mult}``."
     if plan.all_layers_moe:
         sentence += " Every layer routes its tokens to experts."
-    return sentence, bool(mult) or plan.all_layers_moe
+    return sentence, bool(mult) or plan.all_layers_moe or plan.block == "parallel"
 
 
 def _set_block_doc(text: str, plan: PortPlan) -> str:
@@ -508,6 +516,21 @@ def _embedding_norm(text: str, ctx: EditContext) -> str:
         "nn.init.normal_(self.tok_embeddings.weight)\nself.embedding_norm.reset_parameters()\n",
     )
     return append_to_embedding_stage(text, ctx.model_class, "h = self.embedding_norm(h)\n")
+
+
+def _parallel_block(text: str, ctx: EditContext) -> str:
+    """Attention and feed-forward both read the block input: ``x + attention(norm(x)) +
+    mlp(norm'(x))``; with one shared norm, ``norm(x)`` is computed once and feeds both."""
+    text = parallel_branches(text)
+    if not ctx.profile.shared_block_norm or "self.ffn_norm" not in text:
+        return text
+    text = replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "h")
+    text = replace_in_residual_branch(text, "ffn", "self.ffn_norm(x)", "h")
+    norm = "self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)"
+    text = replace_in_function(text, "TransformerBlock", "__init__", norm, "")
+    text = replace_in_function(text, "TransformerBlock", "init_weights", "self.ffn_norm.reset_parameters()", "")
+    shared = "One norm of the block input feeds both branches."
+    return prepend_to_block_forward(text, "h = self.attention_norm(x)", shared)
 
 
 ROPE_CACHE_CALL = (
@@ -788,6 +811,13 @@ def _logits_scaling(text: str, ctx: EditContext) -> str:
     )
 
 
+def _logits_multiplier(text: str, ctx: EditContext) -> str:
+    field = ctx.profile.logit_multiplier_field
+    return _transform_logits(
+        text, ctx, f"# The LM head's logits are multiplied by {field}.\nlogits = logits * self.model_args.{field}\n"
+    )
+
+
 def _all_layers_moe(text: str, ctx: EditContext) -> str:
     """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch.
 
@@ -946,6 +976,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
     ),
     ModelEdit(
+        "parallel_block",
+        "attention and feed-forward in parallel on the block input",
+        lambda p: p.block == "parallel",
+        _parallel_block,
+    ),
+    ModelEdit(
         "residual_multiplier",
         "sub-layer outputs scaled before the residual add",
         lambda p: p.residual_multiplier_field is not None,
@@ -1026,6 +1062,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.logit_divisor_field is not None,
         _logits_scaling,
     ),
+    ModelEdit(
+        "logits_multiplier",
+        "logits multiplied by a config factor",
+        lambda p: p.logit_multiplier_field is not None,
+        _logits_multiplier,
+    ),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )
 
@@ -1051,7 +1093,12 @@ NORM_TITLES = {
     "layernorm_weightless": "weightless LayerNorm",
     "layernorm_offset": "(1 + w) LayerNorm",
 }
-BLOCK_NAMES = {"pre_norm": "pre-norm", "sandwich": "sandwich-norm", "post_norm": "post-norm"}
+BLOCK_NAMES = {
+    "pre_norm": "pre-norm",
+    "sandwich": "sandwich-norm",
+    "post_norm": "post-norm",
+    "parallel": "parallel attention/MLP",
+}
 POSITION_NAMES = {"rope": "RoPE", "learned": "learned absolute positions"}
 
 

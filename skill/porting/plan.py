@@ -90,7 +90,10 @@ class PortPlan(BaseModel):
     )
     qk_norm: Literal["none", "per_head", "full"]
     norm: NormVariant
-    block: Literal["pre_norm", "sandwich", "post_norm"]
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"]
+    shared_block_norm: bool = Field(
+        default=False, description="a parallel block's attention and feed-forward read one norm of the input"
+    )
     mlp: Literal["gated", "plain"]
     activation: str = Field(description="an entry of skill.activations.ACTIVATIONS")
     activation_field: str | None = Field(description="config field naming the activation (none: probed)")
@@ -121,6 +124,7 @@ class PortPlan(BaseModel):
     )
     position_offset: int = Field(default=0, description="position p reads row p + offset of the learned table")
     position_table_key: str | None = Field(default=None, description="checkpoint key of the learned table")
+    logit_multiplier_field: str | None = Field(default=None, description="config field the logits are multiplied by")
     rope_type: str
     partial_rotary: bool
     per_layer_rope: bool = Field(
@@ -173,6 +177,14 @@ class PortPlan(BaseModel):
         description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
         "layers are chosen that way",
     )
+    single_kv_head: bool = Field(
+        default=False,
+        description="multi-query attention no config field sets: one KV head whatever the head counts say",
+    )
+
+    @property
+    def parallel_block(self) -> bool:
+        return self.block == "parallel"
 
     @property
     def multipliers(self) -> list[str]:
@@ -182,6 +194,7 @@ class PortPlan(BaseModel):
             self.residual_multiplier_field,
             self.attn_scale.field if self.attn_scale is not None else None,
             self.logit_divisor_field,
+            self.logit_multiplier_field,
         ]
         return [f for f in fields if f]
 
@@ -203,9 +216,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         "none" if att.qk_norm is QKNormKind.NONE else "full" if att.qk_norm_full_width else "per_head"
     )
     norm_kind = NORM_VARIANTS.get(norm.kind, "rms")
-    block: Literal["pre_norm", "sandwich", "post_norm"] = {
+    plan_kv_field = next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None)
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"] = {
         NormPlacement.SANDWICH: "sandwich",
         NormPlacement.POST_SUBLAYER: "post_norm",
+        NormPlacement.PARALLEL: "parallel",
     }.get(norm.placement, "pre_norm")  # type: ignore[assignment]
     embedding: Literal["none", "sqrt_dim", "multiplier"] = "none"
     if sc.embedding_scale_kind == "sqrt_dim":
@@ -240,10 +255,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         o_bias=att.o_bias,
         mlp_bias=ffn.bias,
         mqa_flag=att.mqa_flag,
-        kv_heads_field=next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None),
+        kv_heads_field=plan_kv_field,
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
+        shared_block_norm=block == "parallel" and "pre_ffn" not in norm.block_norms.values(),
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,
         activation_field=ffn.activation_field,
@@ -268,6 +284,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         positions="learned" if pos.kind is PositionKind.LEARNED else "rope",
         position_offset=pos.table_offset,
         position_table_key=pos.table_key,
+        logit_multiplier_field=logit.field if logit is not None and logit.relation == "x" else None,
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
@@ -311,6 +328,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         )
         if moe is not None
         else None,
+        single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
     )
 
 

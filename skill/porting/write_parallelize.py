@@ -247,6 +247,8 @@ def apply_write_parallelize(
             },
             raw_values=True,
         )
+    if profile.block == "parallel" and profile.shared_block_norm:
+        remove += ["ffn_norm"]  # attention_norm's sequence-sharded output feeds both branches
     if profile.qk_norm == "full" and "has_qk_norm" not in text:
         # Full-width QK norm: wq/wk hand DTensors sharded over the features to norms that
         # reduce over that sharded width; the norms' weights are replicated DTensors whose

@@ -1,0 +1,30 @@
+"""Helpers a family's ``state_dict_adapter.py`` needs for a fused checkpoint layout,
+copied in by ``edit_adapter_map``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _ungroup_qkv(value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A fused q/k/v tensor whose rows are grouped by KV head (its query heads, its key,
+    its value; GPT-NeoX, Bloom, Falcon) -> all query rows, then the key rows, then the
+    value rows, as ``wq``, ``wk`` and ``wv`` stack. Weights and biases alike."""
+    per_kv = n_heads // n_kv_heads
+    rest = value.shape[1:]
+    grouped = value.reshape(n_kv_heads, per_kv + 2, head_dim, *rest)
+    q = grouped[:, :per_kv].reshape(n_heads * head_dim, *rest)
+    k = grouped[:, per_kv].reshape(n_kv_heads * head_dim, *rest)
+    v = grouped[:, per_kv + 1].reshape(n_kv_heads * head_dim, *rest)
+    return torch.cat([q, k, v], dim=0)
+
+
+def _group_qkv(value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`_ungroup_qkv`: stacked q, k, v rows -> grouped by KV head."""
+    per_kv = n_heads // n_kv_heads
+    rest = value.shape[1:]
+    q, k, v = torch.split(value, [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=0)
+    q = q.reshape(n_kv_heads, per_kv, head_dim, *rest)
+    k = k.reshape(n_kv_heads, 1, head_dim, *rest)
+    v = v.reshape(n_kv_heads, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
