@@ -21,6 +21,7 @@ from skill.harness import (
 )
 from skill.harness.distributed import run_stage5
 
+# One KV head for four query heads (multi_query=True), as the checkpoint has.
 CASES = [ModelCase(model_type="falcon", config_overrides={})]
 
 

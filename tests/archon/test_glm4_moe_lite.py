@@ -22,7 +22,18 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Multi-head latent attention: one key/value head per query head, from the latents.
-CASES = [ModelCase(model_type="glm4_moe_lite", config_overrides={})]
+# A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.
+# Two expert groups of which one is kept, so grouped top-k routing is exercised.
+CASES = [
+    ModelCase(
+        model_type="glm4_moe_lite",
+        config_overrides={
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+        },
+    )
+]
 
 
 @pytest.mark.stage1

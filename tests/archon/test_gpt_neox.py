@@ -22,6 +22,7 @@ from skill.harness import (
 )
 from skill.harness.distributed import run_stage5
 
+# Every query head has its own key/value head: the config has no KV-head count.
 CASES = [ModelCase(model_type="gpt_neox", config_overrides={})]
 
 

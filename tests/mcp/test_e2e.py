@@ -70,36 +70,3 @@ def test_committed_sessions_are_closed_and_portable():
         assert "/tmp/" not in text and str(REPO) not in text, f"{path.name} holds a machine-specific path"
         calls = [json.loads(line) for line in text.splitlines() if '"kind":"call"' in line]
         assert calls[-1]["tool"] == "check_package" and calls[-1]["result"]["passed"], path.name
-
-
-def test_the_hand_port_sessions_record_their_hand_edit():
-    """A family that keeps an unsupported feature: the session takes SKILL.md's "Porting by
-    hand" path, and the hand edit sits, as a patch, between the tools' writes and the stages."""
-    from tests.mcp.hand_port_client import HAND_PORTS
-
-    for family, hand_port in HAND_PORTS.items():
-        path = SESSIONS / f"{family}.jsonl"
-        assert path in COMMITTED, (
-            f"{family}: no committed session; python -m tests.mcp.scripted_client --refresh {family}"
-        )
-        records = sessions.read_session(path)
-        kinds = [(r.kind, getattr(r, "tool", None)) for r in records[1:]]
-        edits = [i for i, (kind, _) in enumerate(kinds) if kind == "edit"]
-        assert len(edits) == 1, f"{path.name}: expected the hand edit as one edit record, got {len(edits)}"
-        before, after = [tool for _, tool in kinds[: edits[0]]], [tool for _, tool in kinds[edits[0] + 1 :]]
-        assert before[-1] == "register_spec" and after[0] == "run_test_stage" and after[-2] == "check_package"
-        calls = {r.tool: r for r in records if isinstance(r, sessions.CallRecord)}
-        assert calls["edit_model"].arguments.get("allow_unsupported") is True
-        assert calls["edit_model"].result["skipped_features"] == hand_port.features
-        overrides = [r for r in records if isinstance(r, sessions.CallRecord) and r.arguments.get("config_overrides")]
-        assert sorted(r.arguments["stage"] for r in overrides) == [1, 2, 3, 4, 5, 6]
-        assert all(
-            r.result["passed"] for r in records if isinstance(r, sessions.CallRecord) and r.tool == "run_test_stage"
-        )
-        patched = sessions.patch_paths(records[-1].patch)
-        assert sorted(set(patched)) == sorted({edit.path for edit in hand_port.edits})
-        # The package says how it is rebuilt: by replaying this session, not by `add`.
-        for file in sorted((REPO / "archon_models" / family).rglob("*.py")):
-            header = file.read_text().splitlines()[1:3]
-            assert header[0].startswith("# Hand edits for: ")
-            assert header[1] == f"#   archon-port replay --keep tests/mcp/sessions/{path.name}"

@@ -116,10 +116,12 @@ class AriaTextModelArgs(BaseModelArgs):
             )
         _check_supported(hf_config)
         moe_args = MoEArgs.from_hf_config(hf_config)
-        # The config names its expert counts differently from what MoEArgs.from_hf_config reads.
+        # The config names num_experts moe_num_experts; MoEArgs.from_hf_config reads another field.
         moe_args.num_experts = hf_config.moe_num_experts
+        # The config names top_k moe_topk; MoEArgs.from_hf_config reads another field.
         moe_args.top_k = hf_config.moe_topk
-        moe_args.num_shared_experts = hf_config.moe_num_shared_experts
+        # moe_num_shared_experts always-active shared experts, each as wide as a routed one.
+        moe_args.num_shared_experts = hf_config.moe_num_shared_experts or 0
         # The router always rescales its top-k weights to sum to 1; no config field says so.
         moe_args.route_norm = True
         router_dtype: torch.dtype | None = kwargs.get("router_dtype")

@@ -92,7 +92,7 @@ class BiogptModelArgs(BaseModelArgs):
             )
         _check_supported(hf_config)
         n_heads = hf_config.num_attention_heads
-        n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+        n_kv_heads = n_heads  # every query head has its own key and value head
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
         return cls(
             attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),

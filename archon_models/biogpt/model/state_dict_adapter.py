@@ -52,7 +52,6 @@ class BiogptStateDictAdapter(BaseStateDictAdapter):
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
         "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
-        "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "biogpt.embed_positions.weight": "pos_embeddings.weight",
         "biogpt.embed_tokens.weight": "tok_embeddings.weight",
@@ -74,6 +73,7 @@ class BiogptStateDictAdapter(BaseStateDictAdapter):
         "biogpt.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
         "biogpt.layers.{}.self_attn_layer_norm.bias": "layers.{}.attention_norm.bias",
         "biogpt.layers.{}.self_attn_layer_norm.weight": "layers.{}.attention_norm.weight",
+        "output_projection.weight": "output.weight",
     }
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):

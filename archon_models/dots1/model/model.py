@@ -56,6 +56,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with Ulysses sequence parallelism.
 
+    ``q_norm``/``k_norm`` normalise each head's ``head_dim`` vector before RoPE.
+
     Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of
     the sequence; an all-to-all trades it for a slice of the heads over the whole
     sequence before attention, and back afterwards.

@@ -8,6 +8,8 @@ documents.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -53,13 +55,35 @@ def maybe_to_local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if isinstance(x, DTensor) else x
 
 
+def per_document(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``attend`` on each document of ``[1, H, T, D]`` tensors in turn, concatenated along T.
+
+    Tokens past ``cu_seqlens[-1]`` (padding) attend as one more document of their own.
+    """
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[-1] < q.shape[2]:
+        bounds.append(q.shape[2])
+    spans = [(start, end) for start, end in pairwise(bounds) if end > start]
+    outputs = [attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], **kwargs) for s, e in spans]
+    return torch.cat(outputs, dim=2)
+
+
 class EagerAttention(nn.Module):
-    """Attention over packed documents computed step by step, because SDPA cannot
-    soft-cap scores: ``softcap * tanh(scores / softcap)`` before the causal (and, for a
-    sliding-window layer, banded) mask and an fp32 softmax, as HF's eager path does.
+    """Attention over packed documents with soft-capped scores: ``softcap * tanh(scores /
+    softcap)`` before the causal (and, for a sliding-window layer, banded) mask and an
+    fp32 softmax, as HF's eager path does. SDPA cannot soft-cap.
 
     Archon's shared attention wrappers have neither soft-capping nor windows, so this
-    lives in the package. One document at a time; no document attends to another.
+    lives in the package: on CUDA flex attention (the cap as its score_mod, a block mask
+    from the document ids; fused where the block is compiled, as ``parallelize`` does by
+    default); on CPU the scores computed explicitly, one document at a time.
     """
 
     def __init__(self, softcap: float | None = None, window: int | None = None):
@@ -81,29 +105,50 @@ class EagerAttention(nn.Module):
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if q.is_cuda:
+            return self.flex(q, k, v, cu_seqlens, scale=scale)
+        return per_document(self.attend, q, k, v, cu_seqlens, scale=scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
         n_rep = q.shape[1] // k.shape[1]
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if bounds[-1] < q.shape[2]:
-            bounds.append(q.shape[2])  # trailing padding attends as its own document
-        outputs = []
-        for doc in range(len(bounds) - 1):
-            start, end = bounds[doc], bounds[doc + 1]
-            if end <= start:
-                continue
-            keys = k[:, :, start:end].repeat_interleave(n_rep, dim=1)
-            values = v[:, :, start:end].repeat_interleave(n_rep, dim=1)
-            scores = torch.matmul(q[:, :, start:end], keys.transpose(2, 3)) * scale
-            if self.softcap is not None:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            index = torch.arange(end - start, device=q.device)
-            distance = index[:, None] - index[None, :]
-            allowed = distance >= 0
-            if self.window is not None:
-                allowed = allowed & (distance < self.window)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            outputs.append(torch.matmul(probs, values))
-        return torch.cat(outputs, dim=2)
+        keys = k.repeat_interleave(n_rep, dim=1)
+        values = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = index[:, None] - index[None, :]
+        allowed = distance >= 0
+        if self.window is not None:
+            allowed = allowed & (distance < self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
+
+    def flex(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the soft-cap as ``score_mod``;
+        documents, causality and the window as a block mask, so masked blocks are skipped."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        total = q.shape[2]
+        positions = torch.arange(total, device=q.device)
+        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
+        softcap, window = self.softcap, self.window
+
+        def allowed(batch, head, query, key):
+            keep = (documents[query] == documents[key]) & (query >= key)
+            return keep & (query - key < window) if window is not None else keep
+
+        def capped(score, batch, head, query, key):
+            return torch.tanh(score / softcap) * softcap if softcap is not None else score
+
+        block_mask = create_block_mask(allowed, None, None, total, total, device=q.device)
+        return flex_attention(
+            q, k, v, score_mod=capped, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 class Attention(nn.Module):

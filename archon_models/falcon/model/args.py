@@ -54,6 +54,11 @@ def _check_supported(hf_config: Any) -> None:
             "new_decoder_architecture=True (separate attention and MLP input norms with grouped KV heads) "
             "is not supported by Falcon in Archon."
         )
+    if not getattr(hf_config, "multi_query", True):
+        raise ValueError(
+            "multi_query=False is not supported: Falcon in Archon reads the fused q/k/v "
+            "projection as [queries, one key head, one value head]; port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

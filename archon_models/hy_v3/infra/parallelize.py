@@ -2,8 +2,10 @@
 # Regenerate with: archon-port add hy_v3 --overwrite
 """How a HyV3 model is laid out over devices: TP, EP, CP, activation checkpointing, compile, FSDP.
 
-HyV3 attention has no QK norm, so every projection hands local tensors straight to the
-attention (``use_local_output=True``).
+HyV3 attention normalises each head's q/k, so ``wq``/``wk`` keep DTensor outputs
+(``use_local_output=False``) and ``q_norm``/``k_norm`` run as
+``SequenceParallel(sequence_dim=2)`` over the sharded heads; the attention takes them local
+afterwards.
 
 MoE layers: experts are sharded over EP (and TP), the block's input is gathered for the
 MoE and its partial output reduce-scattered back to the sequence shard; the router and

@@ -83,7 +83,9 @@ class PhimoeModelArgs(BaseModelArgs):
     num_labels: int = 1
 
     moe_inter_dim: int = 6400
-    moe_args: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=16, top_k=2, score_func="softmax"))
+    moe_args: MoEArgs = field(
+        default_factory=lambda: MoEArgs(num_experts=16, top_k=2, score_func="softmax", route_norm=True)
+    )
     router_jitter_noise: float = 0.01
 
     def __post_init__(self) -> None:
@@ -114,6 +116,8 @@ class PhimoeModelArgs(BaseModelArgs):
             )
         _check_supported(hf_config)
         moe_args = MoEArgs.from_hf_config(hf_config)
+        # The router always rescales its top-k weights to sum to 1; no config field says so.
+        moe_args.route_norm = True
         router_dtype: torch.dtype | None = kwargs.get("router_dtype")
         if router_dtype is not None:
             moe_args.router_dtype = router_dtype
