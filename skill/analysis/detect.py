@@ -1514,6 +1514,9 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     A factor is reported when the default config moves it, and also when the forward
     reads a config field for it whose default is neutral (1.0): a checkpoint sets it.
     """
+    head = ctx.anatomy.lm_head
+    if head is not None and isinstance(getattr(head, "bias", None), torch.Tensor):
+        ctx.other.append("LM head with a bias")
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
     embedding_source = _scalar_source(ctx, "embedding")
     embedding_norm: tuple[NormKind, str] | None = None

@@ -53,6 +53,8 @@ LAYER_MODULES: dict[str, str] = {
     "self_attn.k_norm": "attention.k_norm",
     "self_attn.query_layernorm": "attention.q_norm",  # HunYuan
     "self_attn.key_layernorm": "attention.k_norm",
+    "self_attn.q_layernorm": "attention.q_norm",  # Persimmon
+    "self_attn.k_layernorm": "attention.k_norm",
     "mlp.gate_proj": "feed_forward.w1",
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
