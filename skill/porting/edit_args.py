@@ -177,7 +177,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     ]
     if profile.rope_type != "default":
         fields += _rope_scaling_fields(profile, config)
-    if profile.partial_rotary:
+    if profile.partial_rotary and isinstance(getattr(config, "rotary_dim", None), int):
+        # The config names the rotated width itself (GPT-J, CodeGen: rotary_dim).
+        fields.append(
+            ArgField("rotary_dim", "int", config.rotary_dim, "hf_config.rotary_dim", operator.attrgetter("rotary_dim"))
+        )
+    elif profile.partial_rotary:
         fields.append(
             ArgField(
                 "rotary_dim",
