@@ -7,6 +7,7 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
+from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
@@ -20,6 +21,7 @@ from archon_models.glm import spec as glm_spec  # noqa: F401
 from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
+from archon_models.gpt2 import spec as gpt2_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
 from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
@@ -45,6 +47,7 @@ from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
+from archon_models.persimmon import spec as persimmon_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401

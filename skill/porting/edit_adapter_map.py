@@ -938,7 +938,7 @@ def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) 
     text = insert_class_statement_after(text, cls, anchor, literal)
     text = text.replace(
         "splits and re-stacks fused tensors.",
-        "splits and re-stacks fused tensors, transposes Conv1D ones.",
+        "splits, re-stacks and transposes (Conv1D) tensors.",
     ).replace("; no tensor is changed.", "; transposes Conv1D-stored tensors.")
     try:
         text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n")
