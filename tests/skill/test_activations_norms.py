@@ -242,7 +242,8 @@ def test_olmo_eps_has_no_config_field_and_is_written_as_a_constant() -> None:
     from skill.porting.hf_source import load_config
 
     plan = plan_for("olmo")
-    assert (plan.norm, plan.norm_eps_field, plan.norm_eps) == ("layernorm_weightless", None, 1e-5)
+    # No config field: the plan names the default field and carries the measured constant.
+    assert (plan.norm, plan.norm_eps_fixed) == ("layernorm_weightless", 1e-5)
     assert not any("epsilon" in line for line in plan.unsupported)
     (eps,) = [f for f in arg_fields(plan, load_config("olmo")) if f.name == "norm_eps"]
     assert (eps.default, eps.expression) == (1e-5, "")
@@ -329,17 +330,15 @@ def test_a_qk_norm_computing_what_the_block_norms_do_not_is_refused_by_name() ->
     assert layer_qk.per_head_qk_norm  # per head: the qwen3 reference, whose QK norm the edit converts
 
 
-def test_a_dense_family_with_a_per_head_qk_norm_is_refused_cleanly() -> None:
-    # Apertus: per-head QK RMSNorm, dense. The qwen3 reference it would copy keeps MoE args
-    # no edit strips, so the analyser names it instead of letting edit_args fail half-way.
+def test_a_dense_family_with_a_per_head_qk_norm_starts_from_qwen2() -> None:
+    # Apertus: per-head QK RMSNorm, dense. It starts from qwen2 (the per_head_qk_norm edit;
+    # copying qwen3 would keep MoE args no edit strips) and only its xIELU is left.
     from skill.porting.plan import report_for
 
     report = report_for("apertus")
+    assert report.reference == "qwen2"
     assert report.checklist.ffn.activation == "xielu"
-    assert report.unsupported == [
-        "unsupported: per-head QK norm in a dense family (no edit strips the qwen3 reference's MoE machinery)",
-        "unsupported: activation = xielu",
-    ]
+    assert report.unsupported == ["unsupported: activation = xielu"]
 
 
 def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:

@@ -302,11 +302,11 @@ def test_deltas_follow_feature_order_and_flag_support() -> None:
     assert report.unsupported == []
 
     cohere = report_for("cohere")
-    unsupported = {d.feature: d for d in cohere.deltas if not d.supported}
-    # The parallel block is an edit now; the LayerNorm without bias is not (yet).
-    assert {d.feature: d for d in cohere.deltas}[Feature.NORM_PLACEMENT].supported
-    assert unsupported[Feature.NORM_KIND].target == "layer_norm_no_bias"
-    assert "unsupported: norm kind = layer_norm_no_bias" in cohere.unsupported
+    deltas = {d.feature: d for d in cohere.deltas}
+    # The parallel block and the LayerNorm without bias are both edits now.
+    assert deltas[Feature.NORM_PLACEMENT].supported and deltas[Feature.NORM_PLACEMENT].target == "parallel"
+    assert deltas[Feature.NORM_KIND].supported and deltas[Feature.NORM_KIND].target == "layer_norm_no_bias"
+    assert cohere.unsupported == []
 
 
 def test_report_lists_keys_fields_and_variants() -> None:

@@ -108,11 +108,12 @@ def test_config_file_source_keeps_its_values(tmp_path: Path) -> None:
 def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["analyze", "qwen3"]) == 0
     table = capsys.readouterr().out
-    assert "nearest reference: qwen3" in table
+    # A dense family starts from qwen2 (its per-head QK norm is an edit there).
+    assert "nearest reference: qwen2" in table
     assert "qk_norm" in table and "per_head_rms" in table
     assert cli_main(["analyze", "qwen3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["reference"] == "qwen3"
+    assert data["reference"] == "qwen2"
     assert data["checklist"]["attention"]["qk_norm"] == "per_head_rms"
 
 
