@@ -10,6 +10,7 @@ training job would.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -37,11 +38,33 @@ WEIGHT_NOISE_STD = 0.05
 def build_hf_config(case: ModelCase) -> PretrainedConfig:
     """The tiny config of ``case.model_type`` (or of the case's source folder) with the
     case's overrides applied."""
+    # A copy: config classes standardise what they are given in place (transformers 5.3
+    # merges its own keys into a rope_parameters dict), which must not change the case.
+    overrides = copy.deepcopy(case.config_overrides)
     if case.source is not None:
         from skill.analysis.inputs import resolve_source
 
-        return tiny_config(resolve_source(case.source, case.trust_remote_code).config, **case.config_overrides)
-    return tiny_config(case.model_type, **case.config_overrides)
+        return tiny_config(resolve_source(case.source, case.trust_remote_code).config, **overrides)
+    return tiny_config(case.model_type, **overrides)
+
+
+def unhonoured_overrides(case: ModelCase) -> list[str]:
+    """The case's overrides that the installed transformers' config does not keep as given.
+
+    A config class changes a value it does not understand: transformers 5.3's Olmo3
+    config, whose model shares one RoPE across layer types, merges a per-layer-type
+    ``rope_parameters`` with its own flat keys and warns that the layer-type keys are
+    unrecognised. A case built on such an override proves nothing about the port under
+    that transformers, so the caller skips it there. Values are compared after a JSON
+    round trip (tuples and lists alike).
+    """
+    config = build_hf_config(case)
+    changed = []
+    for key, wanted in case.config_overrides.items():
+        kept = getattr(config, key, None)
+        if json.loads(json.dumps(kept, default=repr)) != json.loads(json.dumps(wanted, default=repr)):
+            changed.append(f"{key}={wanted!r} became {kept!r}")
+    return changed
 
 
 def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -> PreTrainedModel:

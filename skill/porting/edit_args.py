@@ -42,6 +42,7 @@ from skill.porting.hf_source import load_config
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.snippets import snippet, snippet_method
+from skill.porting.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
 from skill.porting.snippets.moe_layers import RULES as MOE_LAYER_RULES
 from skill.tiny_model import tiny_config
 
@@ -357,7 +358,7 @@ def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
 
 
 def _layer_theta(config: Any, layer_type: str) -> float:
-    return float(config.rope_parameters[layer_type]["rope_theta"])
+    return float(_layer_rope_parameters(config, layer_type)["rope_theta"])
 
 
 def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
@@ -378,18 +379,14 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             name,
             "float",
             _layer_theta(config, kind),
-            f'float(hf_config.rope_parameters["{kind}"]["rope_theta"])',
+            f'float(_layer_rope_parameters(hf_config, "{kind}")["rope_theta"])',
             functools.partial(_layer_theta, layer_type=kind),
         )
         for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
     ]
 
 
-def _layer_scaling_of(config: Any, layer_type: str) -> dict[str, float] | None:
-    rope = (getattr(config, "rope_parameters", None) or {}).get(layer_type) or {}
-    if rope.get("rope_type", "default") == "default":
-        return None
-    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and _numeric(v)}
+_layer_scaling_of = _layer_rope_freq_scaling
 
 
 def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
@@ -639,9 +636,8 @@ def _check_layer_rope_types(profile: PortPlan, camel: str) -> list[str]:
     allowed = '("default",)' if profile.rope_type == "default" else f'("default", "{profile.rope_type}")'
     only = "the default RoPE is" if profile.rope_type == "default" else f"the default and {profile.rope_type} RoPE are"
     return [
-        '    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}',
         '    for layer_type in ("full_attention", "sliding_attention"):',
-        '        rope_type = (rope_parameters.get(layer_type) or {}).get("rope_type", "default")',
+        '        rope_type = _layer_rope_parameters(hf_config, layer_type).get("rope_type", "default")',
         f"        if rope_type not in {allowed}:",
         "            raise ValueError(",
         "                f\"rope_parameters[{layer_type!r}]['rope_type']={rope_type!r} is not supported by \"",
@@ -848,6 +844,9 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     if profile.partial_rotary:
         helper = snippet("args", "_partial_rotary_factor")
         text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
+    if profile.per_layer_rope:
+        helper_source = snippet("args", "_layer_rope_parameters")
+        text = upsert_function(text, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
     if profile.rope_type != "default":
         helper = "_layer_rope_freq_scaling" if profile.per_layer_rope else "_rope_freq_scaling"
         text = upsert_function(text, helper, snippet("args", helper), before_class=layout.args_class)

@@ -232,3 +232,27 @@ def test_interleaved_partial_rope_matches_glm(scaled):
     q_ref, k_ref = apply_rotary_pos_emb(xq.transpose(1, 2), xk.transpose(1, 2), cos, sin)
     torch.testing.assert_close(q_out, q_ref.transpose(1, 2))
     torch.testing.assert_close(k_out, k_ref.transpose(1, 2))
+
+
+def test_per_layer_type_rope_reads_nested_and_shared_parameters():
+    """Per-layer-type RoPE reads each layer type's dict; a config whose ``rope_parameters``
+    is one dict (transformers 5.3's Olmo3, whose model shares one RoPE) serves every layer
+    type from it instead of failing with a KeyError."""
+    from types import SimpleNamespace
+
+    from skill.porting.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
+
+    nested = SimpleNamespace(
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    )
+    assert _layer_rope_parameters(nested, "full_attention")["rope_theta"] == 1e6
+    assert _layer_rope_parameters(nested, "sliding_attention")["rope_theta"] == 1e4
+    assert _layer_rope_freq_scaling(nested, "full_attention") == {"factor": 8.0}
+    assert _layer_rope_freq_scaling(nested, "sliding_attention") is None
+    shared = SimpleNamespace(rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0})
+    for layer_type in ("full_attention", "sliding_attention"):
+        assert _layer_rope_parameters(shared, layer_type)["rope_theta"] == 5e5
+        assert _layer_rope_freq_scaling(shared, layer_type) == {"factor": 2.0}

@@ -34,9 +34,8 @@ def _check_supported(hf_config: Any) -> None:
             f"Gemma3Text in Archon implements the gelu_pytorch_tanh activation; "
             f"hidden_activation={act!r} is not supported."
         )
-    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
     for layer_type in ("full_attention", "sliding_attention"):
-        rope_type = (rope_parameters.get(layer_type) or {}).get("rope_type", "default")
+        rope_type = _layer_rope_parameters(hf_config, layer_type).get("rope_type", "default")
         if rope_type not in ("default",):
             raise ValueError(
                 f"rope_parameters[{layer_type!r}]['rope_type']={rope_type!r} is not supported by "
@@ -57,6 +56,15 @@ def _eos_id(hf_config: Any, default: int) -> int:
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
     return default if eos is None else int(eos)
+
+
+def _layer_rope_parameters(hf_config: Any, layer_type: str) -> dict[str, Any]:
+    """The RoPE parameters of one layer type. ``rope_parameters`` holds one dict per layer
+    type; a config written for a model that shares one RoPE across layer types (the Olmo3
+    of transformers 5.3) holds a single dict, which then serves every layer type."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    per_type = rope_parameters.get(layer_type)
+    return per_type if isinstance(per_type, dict) else rope_parameters
 
 
 @dataclass
@@ -144,8 +152,8 @@ class Gemma3TextModelArgs(BaseModelArgs):
             head_dim=head_dim,
             hidden_dim=hf_config.intermediate_size,
             norm_eps=hf_config.rms_norm_eps,
-            rope_theta=float(hf_config.rope_parameters["full_attention"]["rope_theta"]),
-            sliding_rope_theta=float(hf_config.rope_parameters["sliding_attention"]["rope_theta"]),
+            rope_theta=float(_layer_rope_parameters(hf_config, "full_attention")["rope_theta"]),
+            sliding_rope_theta=float(_layer_rope_parameters(hf_config, "sliding_attention")["rope_theta"]),
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             sliding_window=hf_config.sliding_window,
             layer_types=tuple(hf_config.layer_types),

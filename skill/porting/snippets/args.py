@@ -25,10 +25,19 @@ def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
     }
 
 
+def _layer_rope_parameters(hf_config: Any, layer_type: str) -> dict[str, Any]:
+    """The RoPE parameters of one layer type. ``rope_parameters`` holds one dict per layer
+    type; a config written for a model that shares one RoPE across layer types (the Olmo3
+    of transformers 5.3) holds a single dict, which then serves every layer type."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    per_type = rope_parameters.get(layer_type)
+    return per_type if isinstance(per_type, dict) else rope_parameters
+
+
 def _layer_rope_freq_scaling(hf_config: Any, layer_type: str) -> dict[str, float] | None:
-    """The RoPE frequency-scaling parameters of one layer type (``rope_parameters`` holds
-    one dict per layer type), less its type and theta; ``None`` where that type is unscaled."""
-    rope_parameters = (getattr(hf_config, "rope_parameters", None) or {}).get(layer_type) or {}
+    """The RoPE frequency-scaling parameters of one layer type, less its type and theta;
+    ``None`` where that type is unscaled."""
+    rope_parameters = _layer_rope_parameters(hf_config, layer_type)
     if rope_parameters.get("rope_type", "default") == "default":
         return None
     skip = ("rope_type", "rope_theta")
