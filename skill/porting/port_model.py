@@ -189,7 +189,9 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         existed = tree.exists(layout.package_dir)
         # Build the package from scratch in memory; compare with disk at the end.
         tree.delete_tree(layout.package_dir)
-        if tree.exists(layout.test_file):
+        # Its extra cases (config overrides proving what a default hides) outlive the rewrite.
+        old_test_file = tree.read_text(layout.test_file)
+        if old_test_file is not None:
             tree.delete(layout.test_file)
         common = {"model_name": name, "workspace": request.workspace}
         trust = request.trust_remote_code
@@ -228,7 +230,7 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             ),
             (
                 "write_tests",
-                lambda: ensure_test_file(tree, name, model_type, source, trust),
+                lambda: ensure_test_file(tree, name, model_type, source, trust, keep_cases_of=old_test_file),
                 lambda r: layout.test_file,
             ),
             (

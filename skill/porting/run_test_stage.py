@@ -19,7 +19,7 @@ from skill.porting.common import PackageLayout, PackageRequest, StepResult, requ
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
 from skill.porting.plan import plan_for
-from skill.porting.test_file import add_override_case, test_file_source
+from skill.porting.test_file import add_override_case, carry_extra_cases, test_file_source
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,16 @@ class RunTestStageResult(StepResult):
 
 
 def ensure_test_file(
-    tree: StagedTree, model_name: str, model_type: str, source: str | None = None, trust_remote_code: bool = False
+    tree: StagedTree,
+    model_name: str,
+    model_type: str,
+    source: str | None = None,
+    trust_remote_code: bool = False,
+    keep_cases_of: str | None = None,
 ) -> list[str]:
-    """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written."""
+    """Stage ``tests/archon/test_<model>.py`` unless it exists; returns the paths written.
+    ``keep_cases_of``: the text of a test file this one replaces, whose named extra cases
+    are carried over."""
     layout = PackageLayout.for_name(model_name)
     require_package(tree, layout)
     if tree.exists(layout.test_file):
@@ -103,6 +110,8 @@ def ensure_test_file(
 
     pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
     text = stamp(text, header_lines(profile, model_name, pristine))
+    if keep_cases_of:
+        text = carry_extra_cases(keep_cases_of, text)
     changed: list[str] = []
     write_if_changed(tree, layout.test_file, text, changed)
     return changed

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import re
 import textwrap
 from typing import Any
 
 from skill.porting.plan import PortPlan
+
+logger = logging.getLogger(__name__)
 
 NON_TRIVIAL_SCALARS = (1.5, 0.5, 0.25, 2.0, 0.75, 3.0)
 
@@ -250,6 +253,31 @@ def add_override_case(text: str, model_type: str | None, overrides: dict[str, An
     while unique in taken:
         unique, n = f"{name}-{n}", n + 1
     new_case = {"model_type": base["model_type"], "config_overrides": merged, "name": unique}
+    return _append_case(text, new_case), unique
+
+
+def carry_extra_cases(old_text: str, new_text: str) -> str:
+    """``new_text`` (a regenerated test file) with the named cases of ``old_text`` it lacks.
+
+    ``add --overwrite`` writes the test file afresh; the cases ``run_test_stage`` added
+    to the old one (each proving a feature a default hides) are kept, verbatim and by
+    name, after the new file's own cases.
+    """
+    try:
+        old_cases = read_cases(old_text)
+    except (CasesError, SyntaxError) as e:
+        logger.warning("the replaced test file's cases are not carried over: %s", e)
+        return new_text
+    new_ids = {case_id(c) for c in read_cases(new_text)}
+    for case in old_cases:
+        if "name" in case and case_id(case) not in new_ids:
+            new_text = _append_case(new_text, case)
+            new_ids.add(case_id(case))
+    return new_text
+
+
+def _append_case(text: str, new_case: dict[str, Any]) -> str:
+    """``text`` with ``new_case`` appended to ``CASES``, the rest of the file verbatim."""
     node, cases_list = _cases_node(ast.parse(text))
     lines = text.splitlines(keepends=True)
     first, last = node.lineno - 1, node.end_lineno or node.lineno
@@ -265,4 +293,4 @@ def add_override_case(text: str, model_type: str | None, overrides: dict[str, An
         block = ["CASES = [\n", *(f"    {seg},\n" for seg in segments), _render_case(new_case), "]\n"]
     has_comment = any(line.startswith(OVERRIDE_COMMENT) for line in lines[:first])
     head = lines[:first] + ([] if has_comment else [OVERRIDE_COMMENT + "\n"])
-    return "".join(head + block + lines[last:]), unique
+    return "".join(head + block + lines[last:])

@@ -11,7 +11,9 @@ import pytest
 from skill import session as sessions
 from skill.cli import build_parser
 from skill.cli._overrides import parse_override
-from skill.porting.test_file import CasesError, add_override_case, read_cases
+from skill.codemod import StagedTree, Workspace
+from skill.porting.run_test_stage import ensure_test_file
+from skill.porting.test_file import CasesError, add_override_case, carry_extra_cases, read_cases
 from skill.tools import invoke
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,6 +57,25 @@ def test_an_override_case_turns_a_one_line_case_list_into_one_case_a_line():
     }
     with pytest.raises(CasesError, match="CASES"):
         add_override_case("import torch\n", None, {"clip_qkv": 8.0})
+
+
+def test_a_regenerated_test_file_keeps_the_named_cases_of_the_one_it_replaces(tmp_path):
+    """``add --overwrite`` rewrites the test file; the override cases proving what a default
+    hides (olmo3's per-layer-type RoPE thetas) must survive it, once, by name."""
+    old = (REPO / "tests/archon/test_olmo3.py").read_text()
+    old_cases = read_cases(old)
+    assert len(old_cases) == 2 and "name" in old_cases[1]
+    shutil.copytree(REPO / "archon_models", tmp_path / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
+    tree = StagedTree(Workspace(tmp_path))
+    assert ensure_test_file(tree, "olmo3", "olmo3", keep_cases_of=old) == ["tests/archon/test_olmo3.py"]
+    regenerated = tree.read_text("tests/archon/test_olmo3.py") or ""
+    assert read_cases(regenerated) == old_cases
+    compile(regenerated, "test_olmo3.py", "exec")
+    # Carrying again adds nothing; a replaced file whose CASES cannot be read carries nothing.
+    assert carry_extra_cases(old, regenerated) == regenerated
+    fresh = read_cases(regenerated)[:1]
+    assert read_cases(carry_extra_cases("CASES = make_cases()\n", old)) == old_cases
+    assert fresh == old_cases[:1]
 
 
 @pytest.fixture
