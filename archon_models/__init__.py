@@ -59,3 +59,4 @@ from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401
 from archon_models.vaultgemma import spec as vaultgemma_spec  # noqa: F401
+from archon_models.youtu import spec as youtu_spec  # noqa: F401

@@ -567,6 +567,15 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
 }
 
+# The values an edit produces on the deepseek_v3 (MLA) reference, whose attention, router and
+# RoPE no edit targets: only edits written against the block, embedding and logits contract
+# that model_edits.MLA_MODEL_EDITS / edit_args apply there. Everything else from deepseek_v3
+# is supported only where the reference itself has the value.
+MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
+    # model_edits.dense_layers: a SwiGLU feed-forward on every layer, no MoE (MoEArgs) at all.
+    Feature.MOE: frozenset({"false"}),
+}
+
 
 class FeatureDelta(_Frozen):
     """One feature whose value differs between the reference and the target family."""

@@ -38,6 +38,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
+from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
@@ -1013,6 +1014,9 @@ def _reference_mapping_args(
     """
     if profile.moe_layer_types_field is not None:
         text = _moe_layers_by_type(text, profile.moe_layer_types_field)
+    if not profile.moe:
+        # A dense family keeps none of the reference's MoE machinery.
+        text = dense_args(text, layout.args_class)
     args_class = _exec_args_class(text, layout.args_class)
     defaults = args_class.from_hf_config(config)
     own_fields = class_field_names(text, layout.args_class)
