@@ -1131,7 +1131,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # The edits written against the block, embedding and logits contract that the deepseek_v3
 # reference shares; its MLA attention, router and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
-MLA_MODEL_EDITS = ("dense_layers",)
+MLA_MODEL_EDITS = (
+    "residual_multiplier",
+    "dense_layers",
+    "embedding_multiplier",
+    "logits_scaling",
+    "logits_multiplier",
+)
 
 
 def select_edits(profile: PortPlan, text: str) -> list[str]:
