@@ -333,7 +333,8 @@ class Minicpm3Model(BaseArchonModel):
             max_seqlen = int(max_seqlen.item())
 
         if self.tok_embeddings is not None:
-            h = self.tok_embeddings(tokens) * self.model_args.scale_emb
+            h = self.tok_embeddings(tokens)
+            h = h * self.model_args.scale_emb
         else:
             h = tokens
         for layer in self.layers.values():
