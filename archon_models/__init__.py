@@ -33,6 +33,7 @@ from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mellum import spec as mellum_spec  # noqa: F401
+from archon_models.minicpm3 import spec as minicpm3_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
 from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401
@@ -59,3 +60,4 @@ from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401
 from archon_models.vaultgemma import spec as vaultgemma_spec  # noqa: F401
+from archon_models.youtu import spec as youtu_spec  # noqa: F401

@@ -144,6 +144,11 @@ class ConfigScalar(_Frozen):
 
     field: str = Field(description="config field name")
     relation: str = Field("x", description="x, 1/x, x**-0.5 or sqrt(x)")
+    times: ConfigScalar | None = Field(
+        None,
+        description="a second config field the factor also depends on (a model size): "
+        "factor = relation(field) * times.relation(times.field)",
+    )
 
 
 class SlidingWindow(_Frozen):
@@ -339,6 +344,9 @@ class ScalarFeatures(_Frozen):
     residual_multiplier: float | None = Field(None, description="the default config's value when not 1.0")
     residual_multiplier_field: str | None = Field(
         None, description="config field of the residual multiplier, when the forward reads it (even at 1.0)"
+    )
+    residual_multiplier_source: ConfigScalar | None = Field(
+        None, description="how that field sets the factor (with the model size it is divided by, if any)"
     )
     logit_multiplier: float | None = Field(None, description="factor on the logits (1/x for a divisor)")
     logit_multiplier_source: ConfigScalar | None = Field(
@@ -565,6 +573,20 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
     # The adapter transposes Conv1D-stored projections (edit_adapter_map.apply_transposed_adapter).
     Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
+}
+
+# The values an edit produces on the deepseek_v3 (MLA) reference, whose attention, router and
+# RoPE no edit targets: only edits written against the block, embedding and logits contract
+# that model_edits.MLA_MODEL_EDITS / edit_args apply there. Everything else from deepseek_v3
+# is supported only where the reference itself has the value.
+MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
+    # model_edits.dense_layers: a SwiGLU feed-forward on every layer, no MoE (MoEArgs) at all.
+    Feature.MOE: frozenset({"false"}),
+    # The block, embedding and logit scalar edits (embedding_multiplier, residual_multiplier,
+    # logits_scaling / logits_multiplier), their args fields by edit_args.mla_scalar_fields.
+    Feature.EMBEDDING_SCALE: frozenset({"constant"}),
+    Feature.RESIDUAL_MULTIPLIER: frozenset({"constant"}),
+    Feature.LOGIT_MULTIPLIER: frozenset({"constant"}),
 }
 
 

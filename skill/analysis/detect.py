@@ -200,6 +200,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     base_logits = probes.logits(ctx.model, tokens)
     base_embedding = probes.probe_embedding_scale(ctx.model, ctx.anatomy, tiny)
     base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny)
+    base_residual = probes.probe_residual_multiplier(ctx.model, ctx.anatomy, tiny)
     base_scaling = _attention_scaling_of(ctx.model, n_layers)
     found: dict[str, ScalarField] = {}
     for name, value in _candidate_scalars(tiny).items():
@@ -215,6 +216,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
         scaling = _attention_scaling_of(model, n_layers)
         embedding = probes.probe_embedding_scale(model, anatomy, tiny)
         logit = probes.probe_logit_multiplier(model, anatomy, tiny)
+        residual = probes.probe_residual_multiplier(model, anatomy, tiny)
         lowered = name.lower()
         if "clip" in lowered:
             role = "clip_qkv"
@@ -226,6 +228,10 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
             role, relation = "embedding", probes.relation_of(value, new_value, *shift)
         elif shift := _moved_pair(base_logit, logit):
             role, relation = "logit", probes.relation_of(value, new_value, *shift)
+        elif shift := _moved_pair(base_residual, residual):
+            # The factor on both residual branches moved with the field (granite's
+            # residual_multiplier, MiniCPM's scale_depth).
+            role, relation = "residual", probes.relation_of(value, new_value, *shift)
         elif "residual" in lowered:
             role = "residual"
         found[name] = ScalarField(name, role, relation)
@@ -1527,7 +1533,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
             ctx.other.append(_embedding_transform(ctx))
     elif embedding_source is not None:
         kind = "constant"
-        value = _full_size_value(ctx, (embedding_source.field, embedding_source.relation), scale)
+        value = _full_size_value(ctx, embedding_source, scale)
     elif math.isclose(scale, 1.0, rel_tol=1e-4):
         kind, value = "none", None
     elif math.isclose(scale, math.sqrt(ctx.tiny.hidden_size), rel_tol=1e-3):
@@ -1535,10 +1541,22 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     else:
         match = probes.matching_field(ctx.tiny, scale)
         kind = "constant"
-        value = _full_size_value(ctx, match, scale)
         embedding_source = ConfigScalar(field=match[0], relation=match[1]) if match else None
+        value = _full_size_value(ctx, embedding_source, scale)
     residual_field = ctx.scalar_role("residual")
     residual = ctx.get(residual_field.name) if residual_field else None
+    residual_source = None
+    if residual_field is not None and residual_field.relation is not None:
+        tiny_residual = probes.probe_residual_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
+        if tiny_residual is not None:
+            residual_source = _with_size_factor(ctx, residual_field.name, residual_field.relation, tiny_residual)
+            if residual_source is None:
+                ctx.other.append(
+                    f"residual multiplier {tiny_residual:.4g} that {residual_field.name} and the model sizes "
+                    "do not explain"
+                )
+            else:
+                residual = _full_size_value(ctx, residual_source, tiny_residual)
     logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
     logit_source = _scalar_source(ctx, "logit")
     final_caps = _fields_matching(ctx.config, "final", "softcap")
@@ -1548,10 +1566,19 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         if final_cap is None:
             ctx.evidence.append("logit probe: logits are not a constant multiple of lm_head(h)")
     elif not math.isclose(logit, 1.0, rel_tol=1e-4):
-        match = (logit_source.field, logit_source.relation) if logit_source else probes.matching_field(ctx.tiny, logit)
-        logit_value = _full_size_value(ctx, match, logit)
-        if logit_source is None and match is not None:
-            logit_source = ConfigScalar(field=match[0], relation=match[1])
+        if logit_source is not None:
+            logit_source = _with_size_factor(ctx, logit_source.field, logit_source.relation, logit) or logit_source
+        else:
+            # A field whose value only happens to equal the factor does not move it: a field
+            # times a model size that does comes first; failing both, the plain match.
+            match = probes.matching_field(ctx.tiny, logit)
+            if match is not None and _moves_logit(ctx, match[0], match[1], logit):
+                logit_source = ConfigScalar(field=match[0], relation=match[1])
+            else:
+                logit_source = _sized_source(ctx, logit) or (
+                    ConfigScalar(field=match[0], relation=match[1]) if match else None
+                )
+        logit_value = _full_size_value(ctx, logit_source, logit)
     tied = bool(ctx.get("tie_word_embeddings", False))
     return ScalarFeatures(
         embedding_scale=value,
@@ -1563,6 +1590,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         if isinstance(residual, (int, float)) and not isinstance(residual, bool) and residual != 1.0
         else None,
         residual_multiplier_field=residual_field.name if residual_field else None,
+        residual_multiplier_source=residual_source,
         logit_multiplier=logit_value,
         logit_multiplier_source=logit_source,
         final_logit_softcap=final_cap,
@@ -1603,18 +1631,96 @@ def _embedding_transform(ctx: Context) -> str:
     return "embeddings transformed before layer 0: " + ", ".join(named)
 
 
-def _full_size_value(ctx: Context, match: tuple[str, str] | None, tiny_value: float) -> float:
-    """The full-size value of a probed factor, through the config field that explains it."""
-    if match is None:
+def _full_size_value(ctx: Context, source: ConfigScalar | None, tiny_value: float) -> float:
+    """The full-size value of a probed factor, through the config field(s) that explain it."""
+    if source is None:
         ctx.evidence.append(f"factor {tiny_value:.6g} measured on the tiny model; no config field explains it")
         return tiny_value
-    name, relation = match
-    full = getattr(ctx.config, name, None)
-    ctx.evidence.append(f"factor {tiny_value:.6g} = {relation.replace('x', name)}")
-    if not isinstance(full, (int, float)):
-        return tiny_value
-    full = float(full)
-    return {"x": full, "1/x": 1.0 / full, "x**-0.5": full**-0.5, "sqrt(x)": math.sqrt(full)}[relation]
+    ctx.evidence.append(f"factor {tiny_value:.6g} = {describe_source(source)}")
+    value = 1.0
+    part: ConfigScalar | None = source
+    while part is not None:
+        full = getattr(ctx.config, part.field, None)
+        if not isinstance(full, (int, float)) or isinstance(full, bool) or not full:
+            return tiny_value
+        value *= probes.RELATIONS[part.relation](float(full))
+        part = part.times
+    return value
+
+
+def describe_source(source: ConfigScalar) -> str:
+    """``scale_depth * num_hidden_layers**-0.5``: a factor's config expression, for people."""
+    text = source.relation.replace("x", source.field)
+    return text if source.times is None else f"{text} * {describe_source(source.times)}"
+
+
+# Model sizes a scalar factor may be divided or multiplied by (MiniCPM: the residual
+# multiplier scale_depth / sqrt(num_hidden_layers), the logits dim_model_base / hidden_size).
+_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+
+
+def _size_factor(ctx: Context, rest: float) -> ConfigScalar | None:
+    """The model size whose relation is ``rest`` on the tiny config, if one is."""
+    for name in _SIZE_FIELDS:
+        value = getattr(ctx.tiny, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value in (0, 1):
+            continue
+        for relation, derive in probes.RELATIONS.items():
+            if math.isclose(derive(float(value)), rest, rel_tol=1e-3):
+                return ConfigScalar(field=name, relation=relation)
+    return None
+
+
+def _with_size_factor(ctx: Context, field: str, relation: str, tiny_factor: float) -> ConfigScalar | None:
+    """``relation(field)``, times a model size when the field alone leaves a constant over."""
+    value = getattr(ctx.tiny, field, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
+        return None
+    direct = probes.RELATIONS[relation](float(value))
+    if math.isclose(direct, tiny_factor, rel_tol=1e-3):
+        return ConfigScalar(field=field, relation=relation)
+    size = _size_factor(ctx, tiny_factor / direct) if direct else None
+    return ConfigScalar(field=field, relation=relation, times=size) if size is not None else None
+
+
+def _moves_logit(ctx: Context, name: str, relation: str, tiny_logit: float) -> bool:
+    """Whether moving config field ``name`` moves the logit factor by ``relation``."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    value = getattr(ctx.tiny, name, None)
+    moved = _moved_model(ctx, name, value, tokens, probes.logits(ctx.model, tokens))
+    if moved is None:
+        return False
+    model, new_value = moved
+    try:
+        new_logit = probes.probe_logit_multiplier(model, mt.anatomy(model, int(ctx.tiny.num_hidden_layers)), ctx.tiny)
+    except LookupError:
+        return False
+    return new_logit is not None and probes.relation_of(value, new_value, tiny_logit, new_logit) == relation
+
+
+def _sized_source(ctx: Context, tiny_logit: float) -> ConfigScalar | None:
+    """A logit factor no single field explains: a config field times a model size, the field
+    confirmed by moving it (its factor must move by its relation)."""
+    for size_name in _SIZE_FIELDS:
+        size = getattr(ctx.tiny, size_name, None)
+        if isinstance(size, bool) or not isinstance(size, int) or size in (0, 1):
+            continue
+        for size_relation, derive in probes.RELATIONS.items():
+            rest = tiny_logit / derive(float(size))
+            for name, value in sorted(vars(ctx.tiny).items()):
+                if name in _SIZE_FIELDS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if value in (0, 1):
+                    continue
+                for relation, field_derive in probes.RELATIONS.items():
+                    if not math.isclose(field_derive(float(value)), rest, rel_tol=1e-3):
+                        continue
+                    if _moves_logit(ctx, name, relation, tiny_logit):
+                        ctx.evidence.append(f"logit factor moves with {name} ({relation}), times {size_name}")
+                        return ConfigScalar(
+                            field=name, relation=relation, times=ConfigScalar(field=size_name, relation=size_relation)
+                        )
+    return None
 
 
 # ------------------------------------------------------------ weight orientation

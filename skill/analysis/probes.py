@@ -371,7 +371,13 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
 
 
 def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
-    """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant."""
+    """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant.
+
+    Measured from the final norm's output, so a factor applied between the norm and the
+    head (MiniCPM divides the hidden states before ``lm_head``) counts as well as one on
+    the logits; when that ratio is no constant (a module between them), from the head's
+    own input.
+    """
     head = anatomy.lm_head
     if head is None or anatomy.final_norm is None:
         return None
@@ -380,15 +386,32 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
     def on_head(module: nn.Module, args: tuple) -> None:
         captured["h"] = args[0].detach()
 
-    handle = head.register_forward_pre_hook(on_head)
+    def on_norm(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            captured["normed"] = output.detach()
+
+    handles = [head.register_forward_pre_hook(on_head), anatomy.final_norm.register_forward_hook(on_norm)]
     try:
         out = logits(model, tokens_for(config, 4))
     finally:
-        handle.remove()
-    if "h" not in captured:
-        return None
-    with torch.no_grad():
-        plain = head(captured["h"])
+        for handle in handles:
+            handle.remove()
+    for source in ("normed", "h"):
+        if source not in captured:
+            continue
+        with torch.no_grad():
+            try:
+                plain = head(captured[source])
+            except RuntimeError:
+                continue
+        ratio = _constant_ratio(out, plain)
+        if ratio is not None:
+            return ratio
+    return None
+
+
+def _constant_ratio(out: torch.Tensor, plain: torch.Tensor) -> float | None:
+    """``out / plain`` when it is one constant over the entries that are not tiny."""
     mask = plain.abs() > 1e-3
     if plain.shape != out.shape or not bool(mask.any()):
         return None
@@ -397,6 +420,64 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
     if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
         return None
     return mean
+
+
+def probe_residual_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
+    """The factor on layer 0's residual branches: ``layer(x) - x`` over the branch output.
+
+    The attention's output is replaced by a fixed tensor and the feed-forward's by zeros,
+    so a pre-norm block returns ``x + r * branch``; ``None`` when that is not a constant
+    multiple (post-norm blocks, anything but a scaled add).
+    """
+    attention, ffn = anatomy.attention, anatomy.ffn
+    if attention is None or ffn is None:
+        return None
+    captured: dict[str, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(0)
+
+    def on_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(first, torch.Tensor):
+            captured.setdefault("x", first.detach())
+
+    def after_layer(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor):
+            captured.setdefault("y", out.detach())
+
+    def fixed(out: torch.Tensor) -> torch.Tensor:
+        if "branch" not in captured:
+            captured["branch"] = torch.randn(out.shape, generator=generator, dtype=out.dtype) + 2.0
+        return captured["branch"]
+
+    def on_attention(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (fixed(output[0]), *output[1:])
+        return fixed(output) if isinstance(output, torch.Tensor) else output
+
+    def on_ffn(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output) if isinstance(output, torch.Tensor) else output
+
+    layer = anatomy.layers[0]
+    handles = [
+        layer.register_forward_pre_hook(on_layer, with_kwargs=True),
+        layer.register_forward_hook(after_layer, with_kwargs=True),
+        attention.register_forward_hook(on_attention),
+        ffn.register_forward_hook(on_ffn),
+    ]
+    try:
+        logits(model, tokens_for(config, 5))
+    except Exception as exc:  # a forward that cannot take the replaced outputs names no factor
+        logger.debug("residual probe failed: %s", exc)
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not {"x", "y", "branch"} <= set(captured) or captured["y"].shape != captured["branch"].shape:
+        return None
+    return _constant_ratio(captured["y"] - captured["x"], captured["branch"])
 
 
 def probe_window_reaches_all_layers(model: nn.Module, config: Any, window: int, n_layers: int) -> bool:
@@ -515,6 +596,7 @@ __all__ = [
     "probe_norm_kind",
     "probe_norm_placement",
     "probe_qk_norm_kind",
+    "probe_residual_multiplier",
     "probe_rotary_layers",
     "probe_value_rows",
     "probe_window_reaches_all_layers",

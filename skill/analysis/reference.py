@@ -6,8 +6,9 @@ feature values are measured, not typed in. Which reference a family starts from 
 structural rule (:func:`reference_for`) that the porting engine shares. From ``qwen2`` or
 ``qwen3`` a delta is supported when one of those two already has the target value or an
 engine edit produces it (``skill.features.SUPPORTED_EDITS``); the edits are written
-against their module contract. From ``deepseek_v3`` a delta is supported only where the
-reference itself has the value: no edit applies to its attention or router yet.
+against their module contract. From ``deepseek_v3`` a delta is supported where the
+reference itself has the value, or one of the few edits written for its block contract
+produces it (``REFERENCE_EDITS``): no edit applies to its attention or router yet.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from skill.analysis.measure import build_checklist, build_variant_checklist
 from skill.features import (
     FEATURE_TITLES,
+    MLA_SUPPORTED_EDITS,
     Checklist,
     Feature,
     FeatureDelta,
@@ -38,6 +40,9 @@ REFERENCES: dict[str, tuple[str, ...]] = {
 }
 # The references the engine's edits are written against (their attention and MoE contract).
 EDITABLE_REFERENCES = ("qwen2", "qwen3")
+# Of a reference no edit of the whole table targets, the feature values the edits that do
+# apply to it produce (skill.features.MLA_SUPPORTED_EDITS, model_edits.MLA_MODEL_EDITS).
+REFERENCE_EDITS: dict[str, dict[Feature, frozenset[str]]] = {"deepseek_v3": MLA_SUPPORTED_EDITS}
 # Config fields a reference's own code reads, set otherwise than in its default config: the
 # values measured on these variants are values the reference produces without an edit
 # (each variant is a case of the reference's stage tests, tests/archon/test_<reference>.py).
@@ -129,7 +134,7 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
                 target=want,
                 supported=is_supported(feature, want, frozenset(covered.get(feature, set())))
                 if editable
-                else want in covered.get(feature, set()),
+                else want in covered.get(feature, set()) | REFERENCE_EDITS.get(reference, {}).get(feature, set()),
             )
         )
     return deltas

@@ -24,11 +24,13 @@ from skill.codemod.cst import (
     remove_statements,
     replace_function,
     replace_in_function,
+    set_call_kwarg,
     set_class_fields,
     set_docstring,
     set_module_assign,
     upsert_function,
 )
+from skill.features import ConfigScalar
 from skill.porting.common import (
     PackageLayout,
     SourceRequest,
@@ -38,6 +40,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
+from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
@@ -289,10 +292,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 jitter, "float", float(getattr(config, jitter)), f"hf_config.{jitter}", operator.attrgetter(jitter)
             )
         )
-    for name in profile.multipliers:
-        fields.append(
-            ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
-        )
+    fields += [scalar_arg(profile, name, config) for name in profile.multipliers]
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
         ArgField(
@@ -907,6 +907,62 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
 
+# factor = relation(field): where the field goes in a quotient, and the power it is raised to.
+_RELATION_TERMS = {"x": (True, ""), "1/x": (False, ""), "sqrt(x)": (True, "**0.5"), "x**-0.5": (False, "**0.5")}
+
+
+def source_expression(source: ConfigScalar) -> str:
+    """The ``from_hf_config`` expression of a factor: ``hf_config.scale_depth / hf_config.num_hidden_layers**0.5``."""
+    numerator: list[str] = []
+    denominator: list[str] = []
+    part: ConfigScalar | None = source
+    while part is not None:
+        upper, power = _RELATION_TERMS[part.relation]
+        (numerator if upper else denominator).append(f"hf_config.{part.field}{power}")
+        part = part.times
+    top = " * ".join(numerator) or "1.0"
+    if not denominator:
+        return f"float({top})"
+    bottom = denominator[0] if len(denominator) == 1 else f"({' * '.join(denominator)})"
+    return f"{top} / {bottom}"
+
+
+def source_value(source: ConfigScalar, config: Any) -> float:
+    """The factor a config gives, computed independently of :func:`source_expression`."""
+    value = 1.0
+    part: ConfigScalar | None = source
+    while part is not None:
+        field_value = float(getattr(config, part.field))
+        value *= {"x": field_value, "1/x": 1.0 / field_value, "sqrt(x)": field_value**0.5}.get(
+            part.relation, field_value**-0.5
+        )
+        part = part.times
+    return value
+
+
+def scalar_arg(profile: PortPlan, name: str, config: Any) -> ArgField:
+    """The args field of a scalar factor: a config field as is, or a derived factor's expression."""
+    source = profile.scalar_sources.get(name)
+    if source is None:
+        return ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
+    return ArgField(
+        name, "float", source_value(source, config), source_expression(source), lambda c: source_value(source, c)
+    )
+
+
+def mla_scalar_fields(text: str, args_class: str, profile: PortPlan, config: Any) -> str:
+    """The scalar factors' args fields on a copied deepseek_v3 args module (its mapping is
+    kept, so each factor adds one dataclass field and one keyword of the ``cls(...)`` call)."""
+    fields = [scalar_arg(profile, name, config) for name in profile.multipliers]
+    if not fields:
+        return text
+    spec = {f.name: f"{f.annotation} = {_literal(f.default)}" for f in fields}
+    text = set_class_fields(text, args_class, spec)
+    for f in fields:
+        text = set_call_kwarg(text, "cls", f.name, f.expression)
+    return text
+
+
 def _drop_sparse_step_check(text: str, args_class: str) -> str:
     """Remove the reference's ``decoder_sparse_step`` check (the family has no such field)."""
     return replace_in_function(
@@ -1013,6 +1069,14 @@ def _reference_mapping_args(
     """
     if profile.moe_layer_types_field is not None:
         text = _moe_layers_by_type(text, profile.moe_layer_types_field)
+    if not profile.moe:
+        # A dense family keeps none of the reference's MoE machinery.
+        text = dense_args(text, layout.args_class)
+    text = mla_scalar_fields(text, layout.args_class, profile, config)
+    if profile.rotary_style_field is None:
+        # The config has no switch of the rotation's pairing: the measured one is fixed.
+        interleaved = "True" if profile.rotary_interleaved else "False"
+        text = set_call_kwarg(text, "cls", "rope_interleave", interleaved)
     args_class = _exec_args_class(text, layout.args_class)
     defaults = args_class.from_hf_config(config)
     own_fields = class_field_names(text, layout.args_class)

@@ -19,7 +19,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
+from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, apply_model_edits, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,12 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(plan, "edit_model")
-    if plan.reference not in EDITABLE_REFERENCES and request.edits:
-        # No edit targets this reference's modules; the analysis found nothing to change.
+    foreign = [name for name in request.edits or () if name not in MLA_MODEL_EDITS]
+    if plan.reference not in EDITABLE_REFERENCES and foreign:
+        # Only the block-contract edits of MLA_MODEL_EDITS target this reference's modules.
         raise ValueError(
-            f"no model edit targets the {plan.reference} reference's modules; "
-            f"{', '.join(request.edits)} cannot apply to {request.model_name}."
+            f"no model edit but {', '.join(MLA_MODEL_EDITS)} targets the {plan.reference} reference's modules; "
+            f"{', '.join(foreign)} cannot apply to {request.model_name}."
         )
     names = request.edits if request.edits is not None else select_edits(plan, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)

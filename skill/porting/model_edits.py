@@ -773,20 +773,24 @@ else:
     )
 
 
+# Line length of the generated code (pyproject's [tool.ruff]) and the forward's body indent.
+LINE_LENGTH, FORWARD_INDENT = 120, 8
+
+
 def _embedding_multiplier(text: str, ctx: EditContext) -> str:
     field = ctx.profile.embedding_scale_field
-    if f"self.tok_embeddings(tokens) * self.model_args.{field}" in text:
+    scaled = f"self.tok_embeddings(tokens) * self.model_args.{field}"
+    if scaled in text or f"h = h * self.model_args.{field}" in text:
         return text  # applied (later embedding edits may have added to the stage since)
+    ternary = f"h = {scaled} if self.tok_embeddings is not None else tokens"
+    if FORWARD_INDENT + len(ternary) <= LINE_LENGTH:
+        # An if/else of one assignment each that fits on one line is a lint finding
+        # (SIM108); the stage stays a block that later embedding edits extend.
+        body = f"    h = self.tok_embeddings(tokens)\n    h = h * self.model_args.{field}\n"
+    else:
+        body = f"    h = {scaled}\n"
     return replace_in_function(
-        text,
-        ctx.model_class,
-        "forward",
-        EMBED,
-        f"""if self.tok_embeddings is not None:
-    h = self.tok_embeddings(tokens) * self.model_args.{field}
-else:
-    h = tokens
-""",
+        text, ctx.model_class, "forward", EMBED, f"if self.tok_embeddings is not None:\n{body}else:\n    h = tokens\n"
     )
 
 
@@ -857,6 +861,56 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
     return text
+
+
+MLP_SWITCH = "mlp = self.moe if self.moe_enabled else self.feed_forward"
+
+
+def _dense_layers(text: str, ctx: EditContext) -> str:
+    """Every layer a dense feed-forward: no MoE, no per-layer switch, no MoE buffers."""
+    for statement in (
+        "self.moe_enabled = model_args.is_moe_layer(layer_id)",
+        "self.moe: MoE | None = None",
+        "self.feed_forward: FeedForward | None = None",
+    ):
+        text = replace_in_function(text, "TransformerBlock", "__init__", statement, "")
+    text = _replace_moe_switch(text)
+    for func in ("forward", "init_weights"):
+        text = replace_in_function(text, "TransformerBlock", func, MLP_SWITCH, "")
+    text = replace_call(text, "TransformerBlock", "forward", "mlp", "self.feed_forward({})")
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "init_weights",
+        "mlp.init_weights(self.weight_init_std)",
+        "self.feed_forward.init_weights(self.weight_init_std)",
+    )
+    if "def init_buffers" in text.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]:
+        text = remove_method(text, "TransformerBlock", "init_buffers")
+        text = replace_in_function(
+            text,
+            ctx.model_class,
+            "init_buffers",
+            "for layer in self.layers.values():\n    layer.init_buffers(buffer_device)",
+            "",
+        )
+    return text
+
+
+def _replace_moe_switch(text: str) -> str:
+    """The block's ``if self.moe_enabled: <MoE> else: <dense>`` becomes its dense branch."""
+    block = text.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]
+    start = block.find("        if self.moe_enabled:\n")
+    if start < 0:
+        return text  # applied
+    end = block.find("            self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n", start)
+    if end < 0:
+        raise ValueError("the block's MoE switch has no dense branch building FeedForward")
+    end += len("            self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n")
+    new_block = (
+        block[:start] + "        self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n" + block[end:]
+    )
+    return text.replace(block, new_block, 1)
 
 
 def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
@@ -995,6 +1049,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         needed=lambda text: "self.moe_enabled = model_args" in text,
     ),
     ModelEdit(
+        "dense_layers",
+        "every layer a dense feed-forward: no MoE",
+        lambda p: not p.moe,
+        _dense_layers,
+        needed=lambda text: "self.moe_enabled = model_args.is_moe_layer(layer_id)" in text,
+    ),
+    ModelEdit(
         "sparse_mixer_router",
         "sparse-mixer routing (two successive masked-softmax picks)",
         lambda p: p.router_scoring == "sparsemixer",
@@ -1072,16 +1133,25 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
 )
 
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
+# The edits written against the block, embedding and logits contract that the deepseek_v3
+# reference shares; its MLA attention, router and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
+MLA_MODEL_EDITS = (
+    "residual_multiplier",
+    "dense_layers",
+    "embedding_multiplier",
+    "logits_scaling",
+    "logits_multiplier",
+)
 
 
 def select_edits(profile: PortPlan, text: str) -> list[str]:
     """The edits the family's features call for, given the copied reference's ``model.py``.
 
-    None for a reference no edit targets (deepseek_v3): the analysis found nothing to change.
+    On deepseek_v3 only the edits of :data:`MLA_MODEL_EDITS` apply (the analysis refuses a
+    feature no other edit produces there).
     """
-    if profile.reference not in EDITABLE_REFERENCES:
-        return []
-    return [edit.name for edit in MODEL_EDITS if edit.applies(profile) and edit.needed(text)]
+    allowed = list(EDITS_BY_NAME) if profile.reference in EDITABLE_REFERENCES else MLA_MODEL_EDITS
+    return [edit.name for edit in MODEL_EDITS if edit.name in allowed and edit.applies(profile) and edit.needed(text)]
 
 
 NORM_TITLES = {
@@ -1216,9 +1286,11 @@ def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
     for name in sorted(dict.fromkeys(names), key=order.index):
         text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
-    if profile.block != "pre_norm" or _block_wiring(profile)[1]:
+    if profile.block != "pre_norm" or _block_wiring(profile)[1] or "dense_layers" in names:
         # The block's wiring as the edits composed it (the reference's own otherwise).
         text = _set_block_doc(text, profile)
-    text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
+    if profile.reference in EDITABLE_REFERENCES:
+        # Latent attention keeps the reference's own docstring: no edit changes it.
+        text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
     text = set_docstring(text, None, describe(profile, ctx.camel))
     return prune_unused_imports(text)

@@ -181,6 +181,14 @@ class PortPlan(BaseModel):
         default=False,
         description="multi-query attention no config field sets: one KV head whatever the head counts say",
     )
+    rotary_style_field: str | None = Field(
+        default=None, description="config field switching interleaved RoPE (deepseek_v3's rope_interleave), if any"
+    )
+    scalar_sources: dict[str, ConfigScalar] = Field(
+        default_factory=dict,
+        description="args fields of scalar factors that are no single config field (a field times a model "
+        "size), and the config expression each is computed from",
+    )
 
     @property
     def parallel_block(self) -> bool:
@@ -228,6 +236,19 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     elif sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is not None:
         embedding = "multiplier"
     logit = sc.logit_multiplier_source
+    residual = sc.residual_multiplier_source
+    # A factor that also depends on a model size gets an args field of its role, computed
+    # from its config expression (MiniCPM: scale_depth / sqrt(num_hidden_layers)).
+    derived: dict[str, ConfigScalar] = {}
+    residual_field = sc.residual_multiplier_field
+    if residual is not None and residual.times is not None:
+        residual_field = "residual_multiplier"
+        derived[residual_field] = residual
+    logit_multiplier = logit.field if logit is not None and logit.relation == "x" else None
+    if logit is not None and logit.times is not None:
+        logit_multiplier = "logit_multiplier"
+        derived[logit_multiplier] = logit
+        logit = None
     logit_divisor = logit.field if logit is not None and logit.relation == "1/x" else None
     scale = att.scaling_source if att.custom_scaling else None
     n_layers = moe.n_layers if moe is not None else 0
@@ -279,12 +300,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if embedding == "multiplier" and sc.embedding_scale_source
         else None,
         embedding_norm_module=sc.embedding_norm_module,
-        residual_multiplier_field=sc.residual_multiplier_field,
+        residual_multiplier_field=residual_field,
         logit_divisor_field=logit_divisor,
         positions="learned" if pos.kind is PositionKind.LEARNED else "rope",
         position_offset=pos.table_offset,
         position_table_key=pos.table_key,
-        logit_multiplier_field=logit.field if logit is not None and logit.relation == "x" else None,
+        logit_multiplier_field=logit_multiplier,
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
@@ -329,6 +350,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None
         else None,
         single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
+        scalar_sources=derived,
+        rotary_style_field="rope_interleave" if "rope_interleave" in values else None,
     )
 
 

@@ -127,7 +127,9 @@ def test_file_source(
     if rope_parameters:
         overrides["rope_parameters"] = rope_parameters
         comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
-    multipliers = [f for f in profile.multipliers if f not in overrides]
+    # A factor computed from a field and a model size (scale_depth / sqrt(num_hidden_layers))
+    # keeps the tiny config's value, already away from 1.0: its field may be no multiplier.
+    multipliers = [f for f in profile.multipliers if f not in overrides and f not in profile.scalar_sources]
     if multipliers:
         # Defaults of 1.0 would let a dropped multiplier pass; distinct values catch a swap too.
         for name, value in zip(multipliers, NON_TRIVIAL_SCALARS, strict=False):

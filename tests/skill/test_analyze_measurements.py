@@ -264,6 +264,11 @@ def test_rope_interleave_field_decides_when_the_modeling_code_branches_on_it() -
             "deepseek_v2",
             ["unsupported: router scoring = softmax", "unsupported: router score-correction bias (absent)"],
         ),
+        # Dense MLA (no experts at all): the dense_layers edit on deepseek_v3.
+        ("youtu", []),
+        # Dense MLA with scale_emb, scale_depth / sqrt(num_hidden_layers) residuals and
+        # logits divided by hidden_size / dim_model_base.
+        ("minicpm3", []),
     ],
 )
 def test_mla_families_start_from_deepseek_v3(model_type: str, unsupported: list[str]) -> None:
@@ -271,6 +276,46 @@ def test_mla_families_start_from_deepseek_v3(model_type: str, unsupported: list[
     assert report.checklist.attention.mla is not None
     assert report.reference == "deepseek_v3"
     assert report.unsupported == unsupported
+
+
+def test_minicpm3_scalars_are_named_by_what_they_multiply() -> None:
+    # MiniCPM3DecoderLayer: `residual + branch * (scale_depth / sqrt(num_hidden_layers))`;
+    # MiniCPM3ForCausalLM: `lm_head(h / logits_scaling)`, logits_scaling = hidden_size /
+    # dim_model_base (a property, applied before the head).
+    scalars = report_for("minicpm3").checklist.scalars
+    assert scalars.residual_multiplier_field == "scale_depth"
+    residual = scalars.residual_multiplier_source
+    assert (residual.field, residual.relation) == ("scale_depth", "x")
+    assert (residual.times.field, residual.times.relation) == ("num_hidden_layers", "x**-0.5")
+    assert scalars.residual_multiplier == pytest.approx(1.4 / 62**0.5)
+    logit = scalars.logit_multiplier_source
+    # Not sqrt(kv_lora_rank) nor vocab_size / hidden_size, whose tiny values happen to fit too:
+    # only a field whose move moves the factor explains it.
+    assert (logit.field, logit.relation) == ("dim_model_base", "x")
+    assert (logit.times.field, logit.times.relation) == ("hidden_size", "1/x")
+    assert scalars.logit_multiplier == pytest.approx(256 / 2560)
+    assert (scalars.embedding_scale_source.field, scalars.embedding_scale) == ("scale_emb", 12.0)
+
+
+def test_residual_probe_measures_the_branch_factor() -> None:
+    from skill.analysis import modules as mt
+    from skill.analysis import probes
+    from skill.tiny_model import build_tiny_model, tiny_config
+
+    for model_type, overrides, expected in (
+        ("llama", {}, 1.0),
+        ("granite", {"residual_multiplier": 0.3}, 0.3),
+        ("minicpm3", {"scale_depth": 2.0}, 2.0 / 2**0.5),
+    ):
+        config = tiny_config(model_type, num_hidden_layers=2, **overrides)
+        model = build_tiny_model(config, seed=0)
+        anatomy = mt.anatomy(model, 2)
+        assert probes.probe_residual_multiplier(model, anatomy, config) == pytest.approx(expected, rel=1e-4)
+    # A factor applied to the hidden states before the LM head is a logit factor too.
+    config = tiny_config("minicpm3")
+    model = build_tiny_model(config, seed=0)
+    anatomy = mt.anatomy(model, config.num_hidden_layers)
+    assert probes.probe_logit_multiplier(model, anatomy, config) == pytest.approx(1 / config.logits_scaling)
 
 
 def test_deepseek_v3_values_do_not_cover_qwen_based_families() -> None:

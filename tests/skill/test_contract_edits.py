@@ -194,3 +194,76 @@ def test_per_head_qk_norm_on_qwen2_matches_the_qwen3_reference():
         assert line in text and line in REFERENCES["qwen3"], line
     attention = _forward_of(text, "Attention")
     assert attention.index("self.q_norm(xq)") < attention.index("apply_rotary_emb(")
+
+
+DEEPSEEK_V3 = REPO / "archon_models/deepseek_v3"
+
+
+@pytest.mark.parametrize(
+    "reference,model_class,source",
+    [("deepseek_v3", "DeepseekV3Model", DEEPSEEK_V3 / "model/model.py"), ("qwen3", "Qwen3Model", None)],
+)
+def test_dense_layers_compose_with_the_scalar_edits_in_any_order(reference, model_class, source):
+    """A dense family on an MoE-capable reference (MLA's deepseek_v3, or qwen3): the MoE
+    switch goes and the residual multiplier still wraps the feed-forward branch, named in
+    any order; the embedding and logit factors land in their stages."""
+    text = source.read_text() if source is not None else REFERENCES[reference]
+    plan = plan_for("llama").model_copy(
+        update={
+            "residual_multiplier_field": "residual_multiplier",
+            "embedding_scale": "multiplier",
+            "embedding_scale_field": "scale_emb",
+            "logit_multiplier_field": "logit_multiplier",
+            "reference": reference,
+        }
+    )
+    names = ["residual_multiplier", "dense_layers", "embedding_multiplier", "logits_multiplier"]
+    results = {
+        order: apply_model_edits(text, _ctx(plan, model_class), list(order))
+        for order in (tuple(names), tuple(reversed(names)), ("dense_layers", *names[:1], *names[2:]))
+    }
+    canonical = results[tuple(names)]
+    assert all(result == canonical for result in results.values())
+    block = canonical.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]
+    for gone in ("moe", "MoE", "mlp ="):
+        assert gone not in block, gone
+    assert "from archon_models.moe import" not in canonical
+    assert residual_branch_code(canonical, "ffn") == ["self.feed_forward(self.ffn_norm(x)) * self.residual_multiplier"]
+    assert "h = h * self.model_args.scale_emb" in canonical
+    assert "logits = logits * self.model_args.logit_multiplier" in canonical
+    # Applied again, nothing changes.
+    assert apply_model_edits(canonical, _ctx(plan, model_class), names) == canonical
+    compile(canonical, "<dense>", "exec")
+
+
+def test_dense_args_and_adapter_keep_no_moe_machinery():
+    from skill.porting.dense_mla import dense_adapter, dense_args
+
+    args = dense_args((DEEPSEEK_V3 / "model/args.py").read_text(), "DeepseekV3ModelArgs")
+    adapter = dense_adapter((DEEPSEEK_V3 / "model/state_dict_adapter.py").read_text(), "DeepseekV3StateDictAdapter")
+    for text in (args, adapter):
+        for word in ("MoEArgs", "moe_args", "moe_enabled", "num_experts", "MoEWeightConverter", "_stack_experts"):
+            assert word not in text, word
+        compile(text, "<dense>", "exec")
+    assert dense_args(args, "DeepseekV3ModelArgs") == args
+    assert dense_adapter(adapter, "DeepseekV3StateDictAdapter") == adapter
+
+
+def test_derived_scalar_expression_matches_its_value():
+    from transformers import AutoConfig
+
+    from skill.features import ConfigScalar
+    from skill.porting.edit_args import source_expression, source_value
+
+    residual = ConfigScalar(
+        field="scale_depth", relation="x", times=ConfigScalar(field="num_hidden_layers", relation="x**-0.5")
+    )
+    logits = ConfigScalar(field="dim_model_base", relation="x", times=ConfigScalar(field="hidden_size", relation="1/x"))
+    assert source_expression(residual) == "hf_config.scale_depth / hf_config.num_hidden_layers**0.5"
+    assert source_expression(logits) == "hf_config.dim_model_base / hf_config.hidden_size"
+    config = AutoConfig.for_model("minicpm3")
+    for source in (residual, logits):
+        value = eval(source_expression(source), {"hf_config": config})
+        assert value == pytest.approx(source_value(source, config))
+    assert source_value(residual, config) == pytest.approx(config.scale_depth / config.num_hidden_layers**0.5)
+    assert source_value(logits, config) == pytest.approx(1 / config.logits_scaling)

@@ -124,16 +124,25 @@ def test_port_model_reproduces_the_committed_glm4_moe_lite_from_the_mla_referenc
     assert "def apply_interleaved_rotary_emb" in rope  # the reference's own RoPE, not a qwen2 re-export
 
 
-def test_no_model_edit_targets_the_mla_reference(workspace):
+def test_only_block_contract_edits_target_the_mla_reference(workspace):
     from skill.porting.edit_model import EditModelRequest, edit_model
-    from skill.porting.model_edits import select_edits
+    from skill.porting.model_edits import MLA_MODEL_EDITS, select_edits
     from skill.porting.plan import plan_for
 
     plan = plan_for("glm4_moe_lite")
     text = (REPO / "archon_models/deepseek_v3/model/model.py").read_text()
     assert plan.reference == "deepseek_v3" and select_edits(plan, text) == []
+    # A dense MLA family with scalar factors gets exactly the block-contract edits.
+    minicpm3 = plan_for("minicpm3")
+    assert select_edits(minicpm3, text) == [
+        "residual_multiplier",
+        "dense_layers",
+        "embedding_multiplier",
+        "logits_multiplier",
+    ]
+    assert set(select_edits(minicpm3, text)) <= set(MLA_MODEL_EDITS)
     before = _snapshot(workspace)
-    with pytest.raises(ValueError, match="no model edit targets the deepseek_v3 reference"):
+    with pytest.raises(ValueError, match="targets the deepseek_v3 reference's modules; projection_bias cannot"):
         edit_model(
             EditModelRequest(
                 model_name="glm4_moe_lite", source="glm4_moe_lite", edits=["projection_bias"], workspace=workspace

@@ -52,11 +52,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with Ulysses sequence parallelism.
+    """Multi-head latent attention (MLA) with Ulysses sequence parallelism.
 
-    Under Ulysses (``set_cp_group`` with a group of size > 1) every rank holds a slice of
-    the sequence; an all-to-all trades it for a slice of the heads over the whole
-    sequence before attention, and back afterwards.
+    Queries: ``wq(x)``, or with ``q_lora_rank`` the low-rank path
+    ``wq_b(q_norm(wq_a(x)))``; each head is ``[q_nope | q_pe]``
+    (``qk_nope_head_dim + qk_rope_head_dim``). Keys and values: ``wkv_a(x)`` gives a
+    ``kv_lora_rank`` latent and one ``qk_rope_head_dim`` RoPE key ``k_pe`` shared by
+    every head; ``wkv_b(kv_norm(latent))`` expands the latent into each head's
+    ``[k_nope | v]``. Keys are ``[k_nope | rope(k_pe)]``; only ``q_pe``/``k_pe`` are
+    rotated. The softmax scale is ``qk_head_dim ** -0.5``, times YaRN's
+    ``mscale(factor, mscale_all_dim) ** 2`` when the RoPE is YaRN with ``mscale_all_dim``.
+
+    ``k_pe_broadcast`` is an identity that marks where the shared RoPE key meets the
+    per-head computation: under tensor parallelism each rank holds some of the heads,
+    so the gradient reaching ``k_pe`` there is a partial sum, and the TP plan turns
+    this module into the all-reduce that completes it.
+
+    Value heads narrower than query/key heads are zero-padded for the attention kernel
+    (flash kernels take one head width) and cut back afterwards.
     """
 
     def __init__(self, model_args: Glm4MoeLiteModelArgs):
