@@ -525,8 +525,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     # Entries of the one activation table (skill/activations.py) the activation edit writes.
-    # xielu: the edit writes it, but no family has proven it through the stages yet.
-    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2"}),
+    # xielu (learned, module=True): proven by apertus, its scalars replicated over TP.
+    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu"}),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
     Feature.NORM_KIND: frozenset(
         {
