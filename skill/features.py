@@ -47,6 +47,21 @@ class QKNormPlacement(StrEnum):
     AFTER_ROPE = "after_rope"
 
 
+class OutputGateKind(StrEnum):
+    """How a gated attention output scales the attention output before ``o_proj``: the
+    gate function applied to a projection of the block input, and whether the gate has
+    one value per element (``heads * head_dim``) or one per head. ``in_query``: the
+    query projection also yields the gate (Qwen3-Next); ``unmatched``: an extra
+    projection whose effect on the output no gate function explains."""
+
+    SIGMOID_PER_ELEMENT = "sigmoid_per_element"
+    SIGMOID_PER_HEAD = "sigmoid_per_head"
+    SOFTPLUS_PER_ELEMENT = "softplus_per_element"
+    SOFTPLUS_PER_HEAD = "softplus_per_head"
+    IN_QUERY = "in_query"
+    UNMATCHED = "unmatched"
+
+
 class SlidingWindowKind(StrEnum):
     """Which layers restrict attention to a local window."""
 
@@ -206,6 +221,13 @@ class AttentionFeatures(_Frozen):
     mla: MLA | None = None
     sinks: bool = Field(False, description="learned per-head attention sink logits")
     output_gate: bool = Field(False, description="attention output multiplied by a gate of the input")
+    output_gate_kind: OutputGateKind | None = Field(
+        None, description="the gate's function and granularity (probed), or where it comes from"
+    )
+    output_gate_key: str | None = Field(
+        None, description="the gate projection's module in a layer's checkpoint keys (self_attn.gate_proj)"
+    )
+    output_gate_bias: bool = Field(False, description="the gate projection has a bias")
     nope_layers: list[int] = Field(
         default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
     )
@@ -529,12 +551,23 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     ),
     Feature.ATTN_SOFTCAP: frozenset({"true", "false"}),
     Feature.ATTN_SINKS: frozenset({"true", "false"}),  # attention_sinks edit: one learned logit per head
+    # output_gate edit: a separate gate projection of the block input (sigmoid or softplus,
+    # per element or per head) scales the attention output before wo.
+    Feature.ATTN_OUTPUT_GATE: frozenset(
+        {
+            "false",
+            OutputGateKind.SIGMOID_PER_ELEMENT,
+            OutputGateKind.SIGMOID_PER_HEAD,
+            OutputGateKind.SOFTPLUS_PER_ELEMENT,
+            OutputGateKind.SOFTPLUS_PER_HEAD,
+        }
+    ),
     Feature.QKV_CLIP: frozenset({"true", "false"}),  # clamped as they leave the projections
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     # Entries of the one activation table (skill/activations.py) the activation edit writes.
-    # xielu: the edit writes it, but no family has proven it through the stages yet.
-    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2"}),
+    # xielu (learned, module=True): proven by apertus, its scalars replicated over TP.
+    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu"}),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
     Feature.NORM_KIND: frozenset(
         {
@@ -691,7 +724,9 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.FUSED_QKV_LAYOUT: att.fused_qkv_layout.value,
         Feature.MLA: _flag(att.mla is not None),
         Feature.ATTN_SINKS: _flag(att.sinks),
-        Feature.ATTN_OUTPUT_GATE: _flag(att.output_gate),
+        Feature.ATTN_OUTPUT_GATE: (att.output_gate_kind or OutputGateKind.UNMATCHED).value
+        if att.output_gate
+        else "false",
         Feature.QKV_CLIP: _flag(att.clip_qkv is not None or att.clip_qkv_field is not None),
         Feature.NOPE_LAYERS: _nope_rule(att),
         Feature.FFN_KIND: ffn.kind.value,

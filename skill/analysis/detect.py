@@ -36,6 +36,7 @@ from skill.features import (
     NormFeatures,
     NormKind,
     NormPlacement,
+    OutputGateKind,
     PositionFeatures,
     PositionKind,
     QKNormKind,
@@ -424,13 +425,39 @@ def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None]:
     return True, source
 
 
-def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> bool:
+@dataclass(frozen=True)
+class _OutputGate:
+    kind: OutputGateKind | None = None
+    key: str | None = None  # the gate projection's module in a layer (self_attn.gate_proj)
+    bias: bool = False
+
+
+def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> _OutputGate | None:
+    """The attention output's gate, or ``None``: where it comes from, its function (probed
+    by pinning the gate projection's output, :func:`probes.probe_output_gate_function`)
+    and its granularity (one value per head or per head channel)."""
     if isinstance(ctx.get("kv_lora_rank"), int):
-        return False  # MLA's query width is its own (nope + rope), not a gate
+        return None  # MLA's query width is its own (nope + rope), not a gate
     q = roles.get("q")
     if q is not None and q.out_features == 2 * ctx.tiny.num_attention_heads * ctx.tiny_head_dim():
-        return True  # the query projection also yields the gate
-    return any(_is_gate_projection(ctx, key, proj) for key, proj in roles.items())
+        ctx.evidence.append("attention output gate: the query projection also yields the gate")
+        return _OutputGate(OutputGateKind.IN_QUERY)
+    gates = [proj for key, proj in roles.items() if _is_gate_projection(ctx, key, proj)]
+    if not gates:
+        return None
+    gate = gates[0]
+    key = f"{ctx.anatomy.attention_name}.{gate.name}" if ctx.anatomy.attention_name else gate.name
+    out = roles.get("o")
+    function = None
+    if len(gates) == 1 and out is not None and gate.orientation == "out_in":
+        function = probes.probe_output_gate_function(ctx.model, gate.module, out.module, ctx.tiny)
+    if function is None:
+        ctx.evidence.append(f"attention output gate: {key} scales the output by no known gate function")
+        return _OutputGate(OutputGateKind.UNMATCHED, key, gate.bias)
+    per_head = gate.out_features != ctx.tiny.num_attention_heads * ctx.tiny_head_dim()
+    kind = OutputGateKind(f"{function}_per_{'head' if per_head else 'element'}")
+    ctx.evidence.append(f"attention output gate: {key} (bias {gate.bias}), probed {kind.value}")
+    return _OutputGate(kind, key, gate.bias)
 
 
 def _is_gate_projection(ctx: Context, role: str, proj: mt.Projection) -> bool:
@@ -672,6 +699,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         if inner:
             ctx.other.append(f"norm inside the attention outside the vocabulary: {', '.join(inner)}")
     nope, nope_field, nope_type = _nope_with_rule(ctx)
+    gate = _output_gate(ctx, roles)
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
     return AttentionFeatures(
@@ -698,7 +726,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         fused_qkv_layout=fused_qkv_layout(ctx, roles),
         mla=mla,
         sinks=sinks,
-        output_gate=_output_gate(ctx, roles),
+        output_gate=gate is not None,
+        output_gate_kind=gate.kind if gate else None,
+        output_gate_key=gate.key if gate else None,
+        output_gate_bias=gate.bias if gate else False,
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
@@ -1816,9 +1847,34 @@ def per_layer_differences(ctx: Context) -> list[str]:
     return found
 
 
+def layer_stack_structure(ctx: Context) -> list[str]:
+    """What makes the model more than one stack of layers run once each, in order.
+
+    Archon runs ``layers`` once, in order. A model with decoder layers outside that list
+    (a second stack) or whose layer 0 runs more than once per forward (a recurrent,
+    looped stack: HRM's H/L cycles) is named. Counted on one forward of the tiny model.
+    """
+    layers = ctx.anatomy.layers
+    if layers is None or len(layers) == 0:
+        return []
+    found = []
+    kind = type(layers[0])
+    instances = sum(1 for module in ctx.model.modules() if type(module) is kind)
+    if instances > len(layers):
+        found.append(f"{instances} {kind.__name__} modules, {len(layers)} in the layer list (more than one stack)")
+    calls = probes.count_calls(ctx.model, layers[0], ctx.tiny)
+    if calls > 1:
+        found.append(f"layer 0 runs {calls} times per forward (a recurrent layer stack)")
+    if found:
+        ctx.evidence.append(f"layer stack: {'; '.join(found)}")
+    return found
+
+
 # ------------------------------------------------------------ checkpoint modules
 
 _ATTENTION_PARTS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo"}
+# Archon's projection of a gated attention output's gate (the output_gate edit writes it).
+OUTPUT_GATE_PART = "attention.wg"
 
 
 def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -1854,6 +1910,8 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             fused[hf] = [f"layers.{{}}.{part}" for part in ("attention.wq", "attention.wk", "attention.wv")]
         elif role in _ATTENTION_PARTS:
             mapping[hf] = f"layers.{{}}.{_ATTENTION_PARTS[role]}"
+        elif _is_gate_projection(ctx, role, proj):
+            mapping[hf] = f"layers.{{}}.{OUTPUT_GATE_PART}"  # the output gate's projection
     mlp = anatomy.ffn if anatomy.ffn is not None and mt.experts_module(anatomy.ffn) is None else None
     if mlp is not None:
         hidden = ctx.tiny.hidden_size

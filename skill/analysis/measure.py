@@ -178,6 +178,7 @@ def _inspect(
     norm = detect.norm_features(ctx)
     scalars = detect.scalar_features(ctx)
     ctx.other.extend(detect.per_layer_differences(ctx))
+    ctx.other.extend(detect.layer_stack_structure(ctx))
     checklist = Checklist(
         attention=attention,
         ffn=ffn,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -944,3 +944,66 @@ def probe_gate_up_order(
         seeded_downs()
         scaled = run(None, positions, scale=second)
     return order if torch.allclose(plain, scaled, atol=1e-5, rtol=1e-4) else None
+
+
+# Gate functions a gated attention output may apply to its gate projection's output.
+OUTPUT_GATE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softplus": torch.nn.functional.softplus,
+}
+
+
+def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.Module, config: Any) -> str | None:
+    """The function ``f`` with ``out_proj``'s input ``= attention output * f(gate(x))``.
+
+    The gate projection's output is pinned to a constant ``c`` (every head, every
+    element) and the output projection's input is read on its first call: the attention
+    output does not depend on the gate, so two constants give inputs whose ratio is
+    ``f(c1) / f(c2)`` everywhere. ``None`` when no entry of
+    :data:`OUTPUT_GATE_FUNCTIONS` explains it (the projection is no multiplicative gate).
+    """
+    tokens = tokens_for(config, 5)
+
+    def read(value: float) -> torch.Tensor | None:
+        captured: dict[str, torch.Tensor] = {}
+
+        def pin(module: nn.Module, args: tuple, output: Any) -> Any:
+            found = _output_tensor(output)
+            return torch.full_like(found, value) if found is not None else output
+
+        def on_out(module: nn.Module, args: tuple) -> None:
+            if "x" not in captured and args and isinstance(args[0], torch.Tensor):
+                captured["x"] = args[0].detach().double()
+
+        handles = [gate.register_forward_hook(pin), out_proj.register_forward_pre_hook(on_out)]
+        try:
+            logits(model, tokens)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured.get("x")
+
+    constants = (0.7, -1.3, 2.1)
+    inputs = [x for x in (read(c) for c in constants) if x is not None]
+    if len(inputs) != len(constants) or not bool(inputs[0].abs().gt(1e-6).any()):
+        return None
+    for name, fn in OUTPUT_GATE_FUNCTIONS.items():
+        f = [float(fn(torch.tensor(c, dtype=torch.float64))) for c in constants]
+        if all(torch.allclose(inputs[i] * f[0], inputs[0] * f[i], rtol=1e-4, atol=1e-6) for i in (1, 2)):
+            return name
+    return None
+
+
+def count_calls(model: nn.Module, module: nn.Module, config: Any) -> int:
+    """How many times ``module`` runs in one forward of ``model`` over a few tokens."""
+    calls = [0]
+
+    def count(_module: nn.Module, _args: tuple) -> None:
+        calls[0] += 1
+
+    handle = module.register_forward_pre_hook(count)
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        handle.remove()
+    return calls[0]

@@ -173,6 +173,46 @@ def _attention_sinks(text: str, ctx: EditContext) -> str:
     return ensure_import_line(text, "from torch.distributed.tensor import DTensor")
 
 
+# The gate functions of a gated attention output (``OutputGateKind``), ``{}`` the gate projection.
+_GATE_FUNCTIONS = {"sigmoid": "torch.sigmoid({})", "softplus": "F.softplus({})"}
+
+
+def _output_gate(text: str, ctx: EditContext) -> str:
+    """A projection of the block input (``wg``, HF's gate projection) gates the attention
+    output before ``wo``: every element, or every head's channels by one value, scaled by
+    the gate function of the projection."""
+    if "self.wg =" in text:
+        return text
+    kind = ctx.profile.output_gate
+    assert kind is not None
+    function, granularity = kind.split("_per_")
+    width = "self.n_heads" if granularity == "head" else "self.n_heads * self.head_dim"
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        f"# A {function} gate of the block input scales the attention output (one value per "
+        f"{granularity}) before wo.\n"
+        f"self.wg = nn.Linear(model_args.dim, {width}, bias={ctx.profile.output_gate_bias})\n",
+    )
+    reset = "nn.init.trunc_normal_(self.wg.weight, mean=0.0, std=0.02)\n"
+    if ctx.profile.output_gate_bias:
+        reset += "nn.init.zeros_(self.wg.bias)\n"
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        f"nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\n{reset}",
+    )
+    gate = _GATE_FUNCTIONS[function].format("self.wg(x)")
+    if granularity == "head":
+        text = insert_before_class(text, "Attention", snippet("attention", "gate_per_head"))
+        return replace_call(text, "Attention", "forward", "self.wo", f"self.wo(gate_per_head({{}}, {gate}))")
+    return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
+
+
 def _clip_qkv(text: str, ctx: EditContext) -> str:
     """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
     linear layers (before any view, norm or RoPE), when the checkpoint sets the field."""
@@ -996,6 +1036,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _attention_sinks,
     ),
     ModelEdit(
+        "output_gate",
+        "attention output gated by a projection of the block input before wo",
+        lambda p: p.output_gate is not None,
+        _output_gate,
+    ),
+    ModelEdit(
         "attention_scale",
         "attention scores scaled by a config field",
         lambda p: p.attn_scale is not None,
@@ -1259,6 +1305,12 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append("Scores are soft-capped before the softmax.")
     if profile.attn_sinks:
         sentences.append("A learned sink logit per head joins every softmax row and attends to nothing.")
+    if profile.output_gate:
+        function, granularity = profile.output_gate.split("_per_")
+        sentences.append(
+            f"``wg``, a projection of the block input, gates the output before ``wo``: {function} of one "
+            f"value per {granularity}."
+        )
     if profile.qk_norm == "full":
         sentences.append(
             "``q_norm``/``k_norm`` normalise the whole q and k projections (all heads at once) before RoPE."

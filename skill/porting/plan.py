@@ -110,6 +110,12 @@ class PortPlan(BaseModel):
     sliding_layer_types: bool
     attn_softcap: bool
     attn_sinks: bool = Field(default=False, description="a learned sink logit per head joins each softmax row")
+    output_gate: str | None = Field(
+        default=None,
+        description="a gate projection of the block input scales the attention output before wo: "
+        "<sigmoid|softplus>_per_<element|head>",
+    )
+    output_gate_bias: bool = Field(default=False, description="the output gate's projection has a bias")
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     embedding_scale: Literal["none", "sqrt_dim", "multiplier"]
@@ -293,6 +299,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,
         attn_sinks=att.sinks,
+        output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
+        output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,
         embedding_scale=embedding,

@@ -274,6 +274,9 @@ def apply_write_parallelize(
             {"feed_forward.act_fn": "SequenceParallel(sequence_dim=-1, use_local_output=True)"},
             raw_values=True,
         )
+    if profile.output_gate is not None:
+        # The gate projection splits like wq: each rank gates the heads it attends with.
+        text = edit_dict_literal(text, PLAN_TARGET, {"attention.wg": "ColwiseParallel()"}, raw_values=True)
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
         # reduce-scatter to; local outputs, because they are added to the local residual.

@@ -74,7 +74,8 @@ def test_a_family_class_is_identified_by_its_numbers_not_its_name() -> None:
 
 def test_supported_activations_are_table_entries() -> None:
     assert SUPPORTED_EDITS[Feature.ACTIVATION] <= set(ACTIVATIONS)
-    assert "xielu" not in SUPPORTED_EDITS[Feature.ACTIVATION]  # until a family proves it through the stages
+    # xIELU: apertus proves it through the stages (its learned scalars under TP in stage 5).
+    assert "xielu" in SUPPORTED_EDITS[Feature.ACTIVATION]
 
 
 def test_gelu_new_family_reports_the_table_entry_and_its_config_field() -> None:
@@ -332,13 +333,13 @@ def test_a_qk_norm_computing_what_the_block_norms_do_not_is_refused_by_name() ->
 
 def test_a_dense_family_with_a_per_head_qk_norm_starts_from_qwen2() -> None:
     # Apertus: per-head QK RMSNorm, dense. It starts from qwen2 (the per_head_qk_norm edit;
-    # copying qwen3 would keep MoE args no edit strips) and only its xIELU is left.
+    # copying qwen3 would keep MoE args no edit strips); its xIELU is the activation edit's.
     from skill.porting.plan import report_for
 
     report = report_for("apertus")
     assert report.reference == "qwen2"
     assert report.checklist.ffn.activation == "xielu"
-    assert report.unsupported == ["unsupported: activation = xielu"]
+    assert report.unsupported == []
 
 
 def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:
@@ -350,3 +351,17 @@ def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:
         "unsupported: norm inside the attention outside the vocabulary: attn_sub_norm",
         "unsupported: norm inside the feed-forward: ffn_sub_norm",
     ]
+
+
+def test_learned_activation_is_replicated_over_tp_with_summed_gradients() -> None:
+    # Apertus (xIELU): w1's column shard reaches act_fn, so its scalars are replicated
+    # DTensors whose gradients are summed over the TP ranks (SequenceParallel over the
+    # feature dim); a plain parameter there gets a per-rank partial gradient (stage 5
+    # fails on layers.*.feed_forward.act_fn.alpha_p without this entry).
+    from skill.codemod.cst import read_dict_literal
+    from skill.porting.write_parallelize import PLAN_TARGET
+
+    repo = Path(__file__).resolve().parents[2]
+    plan = read_dict_literal((repo / "archon_models/apertus/infra/parallelize.py").read_text(), PLAN_TARGET)
+    assert plan["feed_forward.act_fn"] == "SequenceParallel(sequence_dim=-1, use_local_output=True)"
+    assert plan["feed_forward.w1"] == "ColwiseParallel()" and "feed_forward.w3" not in plan

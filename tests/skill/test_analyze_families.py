@@ -253,13 +253,20 @@ FACTS: dict[str, dict[str, Any]] = {
     # with a selection-only expert_bias; num_dense_layers=1; four norms per layer.
     "afmoe": {
         "attention.output_gate": True,
+        "attention.output_gate_kind": "sigmoid_per_element",
+        "attention.output_gate_key": "self_attn.gate_proj",
         "moe.router_scoring": "sigmoid",
         "moe.score_correction_bias": True,
         "moe.moe_layers.0": 1,
         "norm.placement": "sandwich",
     },
     # Laguna: g_proj gate per head (softplus) on the attention output, sigmoid routing.
-    "laguna": {"attention.output_gate": True, "moe.router_scoring": "sigmoid"},
+    "laguna": {
+        "attention.output_gate": True,
+        "attention.output_gate_kind": "softplus_per_head",
+        "attention.output_gate_key": "self_attn.g_proj",
+        "moe.router_scoring": "sigmoid",
+    },
     # DiffLlama: differential attention's lambda_q1/k1/q2/k2 are outside the vocabulary.
     "diffllama": {"reference": "qwen2"},
 }

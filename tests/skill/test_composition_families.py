@@ -1,4 +1,4 @@
-"""Edits compose (issue 8, item 2): four remote-code families of our own, each combining
+"""Edits compose (issue 8, item 2): remote-code families of our own, each combining
 features across both references, port with zero hand edits and pass stages 1-6.
 
 The families live in ``tests/composition/<name>/`` as a ``configuration_<name>.py`` +
@@ -15,6 +15,8 @@ from those files through the adapter).
 | partyarn | qwen2     | partial rotary + YaRN-scaled RoPE (and q/k/v bias)                     |
 | sigmoe   | qwen3     | interleaved RoPE + sigmoid-scored router MoE                           |
 | capscale | qwen2     | embedding multiplier + final logit soft-cap + tied LM head             |
+| sigate   | qwen2     | gated attention output: sigmoid, per element, biased gate projection   |
+| headgate | qwen2     | gated attention output: softplus, per head + per-head QK RMSNorm + GQA |
 """
 
 from __future__ import annotations
@@ -76,6 +78,28 @@ FAMILIES: dict[str, dict] = {
                 "self.model_args.embedding_multiplier",
                 "torch.tanh(logits / cap) * cap",
             ]
+        },
+    },
+    "sigate": {
+        "reference": "qwen2",
+        "edits": {"output_gate", "projection_bias"},
+        "files": {
+            "model/model.py": [
+                "self.wg = nn.Linear(model_args.dim, self.n_heads * self.head_dim, bias=True)",
+                "torch.sigmoid(self.wg(x))",
+            ],
+            "infra/parallelize.py": ['"attention.wg": ColwiseParallel()'],
+        },
+    },
+    "headgate": {
+        "reference": "qwen2",
+        "edits": {"output_gate", "per_head_qk_norm"},
+        "files": {
+            "model/model.py": [
+                "self.wg = nn.Linear(model_args.dim, self.n_heads, bias=False)",
+                "gate_per_head(out.view(bs, seqlen, -1), F.softplus(self.wg(x)))",
+            ],
+            "infra/parallelize.py": ['"attention.wg": ColwiseParallel()'],
         },
     },
 }

@@ -309,3 +309,10 @@ def clamp_projection(x: torch.Tensor, limit: float | None) -> torch.Tensor:
     training stable; a config without one leaves them as they are.
     """
     return x if limit is None else x.clamp(min=-limit, max=limit)
+
+
+def gate_per_head(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output ``out`` (``[..., heads * head_dim]``) with each head's channels
+    scaled by that head's one gate value (``gate``: ``[..., heads]``; the heads a rank
+    holds under tensor parallelism)."""
+    return (out.unflatten(-1, (gate.shape[-1], -1)) * gate.unsqueeze(-1)).flatten(-2)
