@@ -33,12 +33,25 @@ def _renamed(module: str, old: str, new: str) -> str | None:
     return None
 
 
-class _PrefixRewriter(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider,)
+class _PlainImportError(Exception):
+    """A plain ``import`` of the prefix; the caller locates it to name the line."""
 
-    def __init__(self, old: str, new: str, filename: str):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+class _PrefixRewriter(cst.CSTTransformer):
+    """Renames the prefix in ``from`` imports; raises on a plain import of it.
+
+    Runs without metadata: a ``MetadataWrapper`` copies the whole tree and computes every
+    node's position, several times the cost of the rewrite itself (the AReaL tier exports
+    every committed package, hundreds of files, per test worker). Positions are computed
+    only to name the line of a plain import, which is an error anyway."""
+
+    def __init__(self, old: str, new: str):
         super().__init__()
-        self.old, self.new, self.filename = old, new, filename
+        self.old, self.new = old, new
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         if updated.relative or updated.module is None:
@@ -50,16 +63,34 @@ class _PrefixRewriter(cst.CSTTransformer):
         for alias in node.names:
             name = libcst.helpers.get_full_name_for_node(alias.name) or ""
             if _renamed(name, self.old, self.new) is not None:
-                line = self.get_metadata(PositionProvider, node).start.line
-                raise ValueError(
-                    f"{self.filename}:{line}: `import {name}` binds the name {self.old!r}, which a prefix "
-                    f"rewrite cannot carry over; write it as `from {name.rsplit('.', 1)[0]} import ...`"
-                )
+                raise _PlainImportError(name)
+
+
+class _PlainImportLocator(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.line: int | None = None
+
+    def visit_Import(self, node: cst.Import) -> None:
+        names = {libcst.helpers.get_full_name_for_node(alias.name) for alias in node.names}
+        if self.line is None and self.name in names:
+            self.line = self.get_metadata(PositionProvider, node).start.line
 
 
 def rewrite_import_prefix(
     source: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX, filename: str = "<source>"
 ) -> str:
     """``source`` with every absolute ``from`` import of ``old`` (or a submodule) importing ``new``."""
-    wrapper = MetadataWrapper(cst.parse_module(source))
-    return wrapper.visit(_PrefixRewriter(old, new, filename)).code
+    module = cst.parse_module(source)
+    try:
+        return module.visit(_PrefixRewriter(old, new)).code
+    except _PlainImportError as exc:
+        locator = _PlainImportLocator(exc.name)
+        MetadataWrapper(module).visit(locator)
+        raise ValueError(
+            f"{filename}:{locator.line}: `import {exc.name}` binds the name {old!r}, which a prefix "
+            f"rewrite cannot carry over; write it as `from {exc.name.rsplit('.', 1)[0]} import ...`"
+        ) from None

@@ -19,6 +19,16 @@ model on the same data:
 - ``cp``: CP=2 (Ulysses all-to-all), each rank holding half the sequence; the logits
   gathered over ranks and the gradients. Skipped (and said so) when the head counts
   cannot be split over 2 ranks.
+- ``ep_tp``: EP=2 x TP=2 for MoE models, on four processes (FSDP=2 over the data
+  ranks, a different batch per data rank, the same batch on the two TP ranks of one),
+  in both of AReaL 1.0.4's expert layouts: ``etp=1`` (the TP ranks are borrowed by EP:
+  experts split whole over the TP group, ``ExpertParallel``, each TP rank dispatching
+  its own slice of the tokens) and ``etp=tp`` (experts split over a 2D ``[ep, tp]``
+  mesh, ``ExpertTensorParallel``, EP over the data ranks). Logits, loss, gradients and
+  one SGD step each. Skipped (and said so) when TP or EP does not apply.
+
+A parallelism that does not apply to a model is not run and the stage says why in one
+passing check named ``not run (<parallelism>)``.
 
 The optimizer step is plain SGD: its update is linear in the gradient, so the
 gradient tolerance carries over to the parameters. (Adam's first step is
@@ -58,7 +68,7 @@ from archon_models.model_spec import ModelSpec, ParallelizeFn
 from archon_models.parallel_dims import ArchonParallelDims
 from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule, pipeline_llm
 from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
-from archon_models.utils import validate_cp_constraints, validate_tp_constraints
+from archon_models.utils import validate_cp_constraints, validate_ep_constraints, validate_tp_constraints
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts, compare_tensors
 from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
@@ -72,11 +82,24 @@ __all__ = [
     "WorkerFailure",
     "applicable_parallelisms",
     "launch",
+    "not_run_checks",
     "run_stage5",
 ]
 
 WORLD_SIZE = 2
-PARALLELISMS = ("tp", "fsdp", "ep", "pp", "cp")
+PARALLELISMS = ("tp", "fsdp", "ep", "pp", "cp", "ep_tp")
+# EP x TP needs a data dimension for the experts to borrow from (etp=tp) and a TP
+# dimension (etp=1): 2 x 2 ranks. Every other parallelism runs on WORLD_SIZE ranks.
+EP_TP_WORLD_SIZE = 4
+WORLD_SIZES = {name: (EP_TP_WORLD_SIZE if name == "ep_tp" else WORLD_SIZE) for name in PARALLELISMS}
+LABELS = {
+    "tp": "tp=2",
+    "fsdp": "fsdp=2",
+    "ep": "ep=2",
+    "pp": "pp=2",
+    "cp": "cp=2",
+    "ep_tp": "ep=2 x tp=2",
+}
 SGD_LR = 0.1
 # A collective that waits longer than this is a hang, not slowness (tiny models).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -232,6 +255,17 @@ class _Setup:
     # archon_models' by default, AReaL's own when the AReaL tier runs a package there.
     dims_cls: type = ArchonParallelDims
     ac_config_cls: type = ActivationCheckpointConfig
+    # One-process references by kind (see _REFERENCE_OF): filled in the parent before
+    # forking, so no rank recomputes what every rank would compute the same.
+    references: dict[str, _Reference] = dataclasses.field(default_factory=dict)
+
+    def reference(self, kind: str) -> _Reference:
+        """The one-process reference of ``kind``: ``"first"`` (the first batch alone),
+        ``"mean"`` or ``"sum"`` (of every batch's loss)."""
+        if kind not in self.references:
+            batches = self.batches[:1] if kind == "first" else self.batches
+            self.references[kind] = _reference(self.model, batches, mean=kind != "sum")
+        return self.references[kind]
 
 
 def _has_moe(model: nn.Module) -> bool:
@@ -244,6 +278,7 @@ def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
     reasons: dict[str, str | None] = dict.fromkeys(PARALLELISMS)
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
+        reasons["ep_tp"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
         reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
     try:
@@ -251,11 +286,30 @@ def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
         validate_tp_constraints(_model_args(model), WORLD_SIZE)
     except ValueError as exc:
         reasons["tp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
+        if reasons["ep_tp"] is None:
+            reasons["ep_tp"] = f"TP=2 does not apply: heads cannot be split over {WORLD_SIZE} ranks: {exc}"
+    if reasons["ep_tp"] is None:
+        try:
+            validate_ep_constraints(_model_args(model), WORLD_SIZE)
+        except ValueError as exc:
+            reasons["ep_tp"] = f"EP=2 does not apply: {exc}"
     try:
         validate_cp_constraints(_model_args(model), WORLD_SIZE, 1)
     except ValueError as exc:
         reasons["cp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
     return reasons
+
+
+def not_run_checks(reasons: dict[str, str | None]) -> list[CheckResult]:
+    """One passing check per parallelism left out, naming why: said in the result, not
+    only the log, so a family that cannot run one is never a silent skip. A dense model
+    gets no line for the MoE-only parallelisms (that they do not apply is no news)."""
+    dense = reasons["ep"] is not None
+    return [
+        CheckResult(name=f"not run ({LABELS[p]})", passed=True, detail=reason)
+        for p, reason in reasons.items()
+        if reason is not None and not (dense and p in ("ep", "ep_tp"))
+    ]
 
 
 def _padded_doc_lens(doc_lens: Sequence[int], multiple: int) -> tuple[int, ...]:
@@ -331,7 +385,7 @@ def _parallelize_kwargs(**overrides: Any) -> dict[str, Any]:
 
 def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     batch = setup.batches[0]
-    ref = _reference(setup.model, [batch])
+    ref = setup.reference("first")
     dims = setup.dims_cls(tp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     model = setup.spec.parallelize_fn(
         copy.deepcopy(setup.model),
@@ -400,7 +454,7 @@ def _check_data_parallel(
     rec: StageRecorder, setup: _Setup, rank: int, label: str, dims: ArchonParallelDims, **kw: Any
 ) -> None:
     """A training step with a different batch per rank against one process on the mean loss."""
-    ref = _reference(setup.model, setup.batches)
+    ref = setup.reference("mean")
     model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs(**kw))
     batch = setup.batches[rank]
     logits = _forward(model, batch)
@@ -423,10 +477,26 @@ def _check_ep(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     _check_data_parallel(rec, setup, rank, "ep=2", dims)
 
 
+def _check_ep_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
+    """EP=2 x TP=2 on four ranks, in both expert layouts AReaL 1.0.4 offers.
+
+    The mesh is ``(dp_shard_mod_ep, dp_shard_in_ep, tp)``, so ranks ``2d`` and ``2d + 1``
+    are the TP pair of data rank ``d`` and see the same batch. ``etp=1``: EP borrows the
+    TP group (experts split whole over the TP pair, their weights FSDP-sharded over the
+    data ranks). ``etp=tp``: EP runs over the data ranks and each expert is also split
+    over TP (a 2D ``[ep, tp]`` mesh).
+    """
+    tp = 2
+    data_rank = rank // tp
+    for etp in (1, tp):
+        dims = setup.dims_cls(dp_shard=2, tp=tp, ep=2, etp=etp, world_size=EP_TP_WORLD_SIZE, device_type="cpu")
+        _check_data_parallel(rec, setup, data_rank, f"ep=2 x tp=2, etp={etp}", dims)
+
+
 def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     """1F1B over two micro-batches (rows of one ``[2, T]`` batch sharing the document boundaries)."""
     microbatches = setup.batches
-    ref = _reference(setup.model, microbatches, mean=False)
+    ref = setup.reference("sum")
     dims = setup.dims_cls(pp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     stages, parts, has_first, has_last = pipeline_llm(
         copy.deepcopy(setup.model),
@@ -472,7 +542,7 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
 def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     """Each rank runs its half of the sequence; attention all-to-alls heads for sequence."""
     batch = setup.batches[0]
-    ref = _reference(setup.model, [batch])
+    ref = setup.reference("first")
     dims = setup.dims_cls(cp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
     model = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs())
     cp_group = dims.get_group("cp")
@@ -491,12 +561,16 @@ def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     rec.add(compare_tensor_dicts("gradients (cp=2)", _grads(model), ref.grads))
 
 
+# The one-process reference each parallelism compares with.
+_REFERENCE_OF = {"tp": "first", "cp": "first", "fsdp": "mean", "ep": "mean", "ep_tp": "mean", "pp": "sum"}
+
 _CHECKS: dict[str, Callable[[StageRecorder, _Setup, int], None]] = {
     "tp": _check_tp,
     "fsdp": _check_fsdp,
     "ep": _check_ep,
     "pp": _check_pp,
     "cp": _check_cp,
+    "ep_tp": _check_ep_tp,
 }
 
 
@@ -508,7 +582,9 @@ def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -
             _CHECKS[name](rec, setup, rank)
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            rec.check(f"raised ({name}=2)", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+            rec.check(
+                f"raised ({LABELS[name]})", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"
+            )
             logger.exception("rank %d: %s check raised", rank, name)
         logger.info("rank %d: %s checks took %.2fs", rank, name, time.perf_counter() - start)
     return [check.model_dump() for check in rec.checks]
@@ -563,9 +639,9 @@ def run_stage5(
         reasons = applicable_parallelisms(model)
         if requested is None:
             chosen = tuple(p for p in PARALLELISMS if reasons[p] is None)
-            for p in PARALLELISMS:
-                if reasons[p] is not None:
-                    logger.info("stage 5 for %s: %s=2 not run: %s", case.id, p, reasons[p])
+            for check in not_run_checks(reasons):
+                logger.info("stage 5 for %s: %s: %s", case.id, check.name, check.detail)
+                rec.add(check)
         else:
             bad = {p: reasons[p] for p in requested if reasons[p] is not None}
             if bad:
@@ -577,9 +653,15 @@ def run_stage5(
         spec = pair.archon.spec
         if parallelize_fn is not None:
             spec = dataclasses.replace(spec, parallelize_fn=parallelize_fn)
-        setup = _Setup(spec=spec, model=model, batches=batches, parallelisms=chosen)
-        per_rank = launch(_stage5_worker, WORLD_SIZE, args=(setup, case), timeout_s=timeout_s)
-        for check in _merge_ranks(per_rank):
-            rec.add(check)
+        references: dict[str, _Reference] = {}
+        # One launch per world size: every parallelism of a size shares its workers.
+        for world_size in sorted({WORLD_SIZES[p] for p in chosen}):
+            group = tuple(p for p in chosen if WORLD_SIZES[p] == world_size)
+            setup = _Setup(spec=spec, model=model, batches=batches, parallelisms=group, references=references)
+            for p in group:
+                setup.reference(_REFERENCE_OF[p])
+            per_rank = launch(_stage5_worker, world_size, args=(setup, case), timeout_s=timeout_s)
+            for check in _merge_ranks(per_rank):
+                rec.add(check)
 
     return run_stage(case, 5, body, raise_on_failure)

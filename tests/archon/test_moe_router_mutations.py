@@ -3,7 +3,8 @@
 On the generated glm4_moe package (sigmoid router with a score-correction bias, routed
 scaling, grouped top-k, a leading dense layer, shared experts): a router gate whose
 gradient is taken whole under TP leaves the TP=2 logits exact and must fail stage 5's
-gradient check; a router that ignores the score-correction bias must fail stage 4.
+gradient check, under TP=2 and under EP=2 x TP=2 in both expert layouts (etp=1 and
+etp=tp); a router that ignores the score-correction bias must fail stage 4.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def test_router_gate_gradient_taken_whole_is_caught_on_glm4_moe(monkeypatch, tmp
     assert checks["logits (tp=2)"].passed
     assert not checks["gradients (tp=2)"].passed
     assert "moe.router.gate.weight" in checks["gradients (tp=2)"].detail
+
+
+@pytest.mark.stage5
+def test_router_gate_gradient_taken_whole_is_caught_under_ep_x_tp(monkeypatch, tmp_path):
+    original = glm4_moe_parallelize.ReplicateParallel
+    monkeypatch.setattr(glm4_moe_parallelize, "ReplicateParallel", lambda local_output_grad_placements=None: original())
+    result = run_stage5(_case(), workdir=tmp_path, raise_on_failure=False, parallelisms=["ep_tp"])
+    checks = _checks(result)
+    for etp in (1, 2):
+        label = f"ep=2 x tp=2, etp={etp}"
+        assert checks[f"logits ({label})"].passed
+        assert not checks[f"gradients ({label})"].passed
+        assert "moe.router.gate.weight" in checks[f"gradients ({label})"].detail
 
 
 @pytest.mark.stage4

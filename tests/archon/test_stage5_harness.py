@@ -15,7 +15,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 import archon_models.qwen2.infra.parallelize as qwen2_parallelize
 import archon_models.qwen3.infra.parallelize as qwen3_parallelize
 from skill.harness import ModelCase
-from skill.harness.distributed import PARALLELISMS, run_stage5
+from skill.harness.distributed import (
+    PARALLELISMS,
+    WORLD_SIZES,
+    applicable_parallelisms,
+    not_run_checks,
+    run_stage5,
+)
 
 
 class _LeaveAlone(ParallelStyle):
@@ -63,4 +69,45 @@ def test_stage5_refuses_parallelisms_that_do_not_apply(tmp_path):
     assert "ep" in result.checks[0].detail and "no MoE layer" in result.checks[0].detail
     with pytest.raises(ValueError, match="choose a non-empty subset of"):
         run_stage5(ModelCase(model_type="qwen2"), parallelisms=["dp"])
-    assert set(PARALLELISMS) == {"tp", "fsdp", "ep", "pp", "cp"}
+    assert set(PARALLELISMS) == {"tp", "fsdp", "ep", "pp", "cp", "ep_tp"}
+    assert WORLD_SIZES == {"tp": 2, "fsdp": 2, "ep": 2, "pp": 2, "cp": 2, "ep_tp": 4}
+
+
+def _qwen3_on_meta(**overrides):
+    import torch
+
+    from archon_models.moe import MoEArgs
+    from archon_models.qwen3.model.args import Qwen3ModelArgs
+    from archon_models.qwen3.model.model import Qwen3Model
+
+    moe = overrides.pop("num_experts", None)
+    small = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "vocab_size": 256}
+    small.update(overrides)
+    moe_args = None if moe is None else MoEArgs(num_experts=moe, top_k=2, use_grouped_mm=False)
+    with torch.device("meta"):
+        return Qwen3Model(Qwen3ModelArgs(hidden_dim=128, moe_inter_dim=32, moe_args=moe_args, **small))
+
+
+def test_ep_x_tp_applies_exactly_where_both_ep_and_tp_do():
+    # MoE with two KV heads and four experts: EP x TP runs.
+    assert applicable_parallelisms(_qwen3_on_meta(num_experts=4))["ep_tp"] is None
+    # Dense: no MoE layer, for EP and EP x TP alike.
+    assert applicable_parallelisms(_qwen3_on_meta())["ep_tp"] == "the model has no MoE layer"
+    # One KV head: TP refused, so EP x TP is refused naming TP (plain EP still runs).
+    mqa = applicable_parallelisms(_qwen3_on_meta(num_experts=4, n_kv_heads=1))
+    assert mqa["ep"] is None
+    assert "TP=2 does not apply" in (mqa["ep_tp"] or "") and "n_kv_heads (1)" in (mqa["ep_tp"] or "")
+    # Three experts cannot be split over two EP ranks.
+    odd = applicable_parallelisms(_qwen3_on_meta(num_experts=3))
+    assert "EP=2 does not apply" in (odd["ep_tp"] or "") and "num_experts (3)" in (odd["ep_tp"] or "")
+
+
+def test_a_parallelism_that_does_not_apply_is_one_passing_line():
+    # The stage records these checks: a left-out parallelism is said, never silent.
+    mqa = {c.name: c for c in not_run_checks(applicable_parallelisms(_qwen3_on_meta(num_experts=4, n_kv_heads=1)))}
+    assert set(mqa) == {"not run (tp=2)", "not run (pp=2)", "not run (ep=2 x tp=2)"}
+    assert all(c.passed for c in mqa.values())
+    assert "TP=2 does not apply" in mqa["not run (ep=2 x tp=2)"].detail
+    # A dense model gets no line for the MoE-only parallelisms.
+    dense = {c.name for c in not_run_checks(applicable_parallelisms(_qwen3_on_meta(n_kv_heads=1)))}
+    assert dense == {"not run (tp=2)", "not run (pp=2)"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import tomllib
 from pathlib import Path
@@ -50,5 +51,27 @@ def test_missing_ruff_names_the_fix(monkeypatch):
         return subprocess.CompletedProcess(command, 1, "", "/usr/bin/python: No module named ruff\n")
 
     monkeypatch.setattr(fmt.subprocess, "run", no_ruff)
+    fmt.format_python.cache_clear()  # a text formatted earlier in this process would not reach ruff
     with pytest.raises(FormatError, match=r"ruff is not installed.*pip install"):
         format_python("x = 1\n")
+
+
+def test_the_ruff_binary_runs_directly_and_results_are_kept(monkeypatch):
+    # No interpreter started per call: the package's own binary, the same ruff version.
+    command = fmt._ruff_command()
+    assert len(command) == 1 and Path(command[0]).name.startswith("ruff"), command
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True).stdout
+    assert version.split()[-1] == importlib.metadata.version("ruff")
+    # A text formatted once is not sent to ruff again; an error is never kept.
+    calls = []
+    run = fmt.subprocess.run
+    monkeypatch.setattr(fmt.subprocess, "run", lambda *a, **kw: calls.append(a) or run(*a, **kw))
+    fmt.format_python.cache_clear()
+    text = "import os\nx=[1,\n2]\n"
+    first = format_python(text, "kept.py")
+    assert format_python(text, "kept.py") == first == "x = [1, 2]\n"
+    assert len(calls) == 2  # check --fix, then format: once
+    for _ in range(2):
+        with pytest.raises(FormatError):
+            format_python("def (:\n", "broken.py")
+    assert len(calls) == 2 + 2 * 2  # both failures reached ruff (check, then the failing format)
