@@ -346,6 +346,7 @@ class ScalarFeatures(_Frozen):
     )
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = Field(False, description="the LM head (output projection) has a bias the checkpoint holds")
 
 
 class Checklist(_Frozen):
@@ -415,6 +416,7 @@ class Feature(StrEnum):
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    LM_HEAD_BIAS = "lm_head_bias"
     PROJECTION_ORIENTATION = "projection_orientation"
     OTHER = "other"
 
@@ -466,6 +468,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.LM_HEAD_BIAS: "LM head bias",
     Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
     Feature.OTHER: "other",
 }
@@ -548,6 +551,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
+    # model_edits.py lm_head_bias: the output projection gains a bias (ColwiseParallel shards it
+    # with the weight's rows; the adapter maps lm_head.bias -> output.bias).
+    Feature.LM_HEAD_BIAS: frozenset({"true", "false"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
@@ -686,6 +692,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.LM_HEAD_BIAS: _flag(sc.lm_head_bias),
         Feature.PROJECTION_ORIENTATION: (
             WeightOrientation.IN_OUT if checklist.transposed_weights else WeightOrientation.OUT_IN
         ).value,

@@ -1514,9 +1514,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     A factor is reported when the default config moves it, and also when the forward
     reads a config field for it whose default is neutral (1.0): a checkpoint sets it.
     """
-    head = ctx.anatomy.lm_head
-    if head is not None and isinstance(getattr(head, "bias", None), torch.Tensor):
-        ctx.other.append("LM head with a bias")
+    head_bias = _lm_head_bias(ctx)
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
     embedding_source = _scalar_source(ctx, "embedding")
     embedding_norm: tuple[NormKind, str] | None = None
@@ -1567,7 +1565,39 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         logit_multiplier_source=logit_source,
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
+        lm_head_bias=head_bias,
     )
+
+
+def _lm_head_bias(ctx: Context) -> bool:
+    """Whether the LM head adds a bias the checkpoint holds (Phi, GPT-J: ``lm_head.bias``).
+
+    A bias the forward adds but no saved key holds has nothing to load: named as other."""
+    head = ctx.anatomy.lm_head
+    weight = getattr(head, "weight", None)
+    if head is None or not isinstance(getattr(head, "bias", None), torch.Tensor) or weight is None:
+        return False
+    path = next((name for name, module in ctx.model.named_modules() if module is head), None)
+    key = f"{path}.bias"
+    if key not in ctx.saved_keys:
+        # Saved under another name (as GPT-NeoX saves lm_head as embed_out): the one
+        # top-level [vocab] bias beside a weight of the head's shape.
+        stack = ctx.layer_prefix.removesuffix("0.")
+        shape = tuple(weight.shape)
+        renamed = [
+            k
+            for k, s in ctx.saved_keys.items()
+            if k.endswith(".bias")
+            and not (stack and k.startswith(stack))
+            and tuple(s) == shape[:1]
+            and tuple(ctx.saved_keys.get(k.removesuffix(".bias") + ".weight", ())) == shape
+        ]
+        if len(renamed) != 1:
+            ctx.other.append("LM head with a bias the checkpoint does not hold")
+            return False
+        (key,) = renamed
+    ctx.evidence.append(f"LM head bias: {key} (checkpoint key)")
+    return True
 
 
 def _embedding_norm(ctx: Context) -> tuple[NormKind, str] | None:

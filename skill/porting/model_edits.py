@@ -313,6 +313,29 @@ def _final_softcap(text: str, ctx: EditContext) -> str:
     )
 
 
+HEAD_INIT = """for head in (None if tied else self.output, self.score):
+    if head is not None:
+        nn.init.trunc_normal_(head.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+"""
+
+
+def _lm_head_bias(text: str, ctx: EditContext) -> str:
+    """The LM head adds a bias (HF's ``lm_head.bias``): ``output`` is built with one and
+    starts it at zero. A critic's ``score`` head keeps none."""
+    if "nn.init.zeros_(self.output.bias)" in text:
+        return text
+    text = set_call_kwarg(text, "nn.Linear", "bias", "True", target="self.output")
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        HEAD_INIT,
+        f"{HEAD_INIT}if self.output is not None:\n"
+        "    # The LM head's bias (the checkpoint's lm_head.bias) starts at zero.\n"
+        "    nn.init.zeros_(self.output.bias)\n",
+    )
+
+
 def _remove_qk_norm(text: str, ctx: EditContext) -> str:
     """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
     if "self.q_norm" not in text:
@@ -1068,6 +1091,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.logit_multiplier_field is not None,
         _logits_multiplier,
     ),
+    ModelEdit(
+        "lm_head_bias",
+        "a bias on the LM head (output projection)",
+        lambda p: p.lm_head_bias,
+        _lm_head_bias,
+    ),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )
 
@@ -1149,6 +1178,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
     if profile.final_softcap:
         extras.append("soft-capped logits")
+    if profile.lm_head_bias:
+        extras.append("an LM head with a bias")
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)

@@ -172,6 +172,7 @@ class PortPlan(BaseModel):
         default=None, description="config field naming the router's scoring function, if the config has one"
     )
     tied: bool
+    lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
     moe_layer_types_field: str | None = Field(
         default=None,
         description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
@@ -318,6 +319,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         else None,
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
+        lm_head_bias=sc.lm_head_bias,
         moe_layer_types_field=next(
             (
                 name

@@ -78,7 +78,13 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the "
         "attention (``use_local_output=True``). "
     )
-    paragraph = "\n".join(textwrap.wrap(attention + bias_text, width=92, break_on_hyphens=False))
+    head_text = (
+        "The LM head's bias is sharded with its vocabulary rows (``ColwiseParallel`` on ``output``), "
+        "so each rank adds the bias of its own slice of the logits. "
+        if profile.lm_head_bias
+        else ""
+    )
+    paragraph = "\n".join(textwrap.wrap(attention + bias_text + head_text, width=92, break_on_hyphens=False))
     return f"How a {camel} model is laid out over devices: {order}.\n\n{paragraph}\n" + (f"\n{moe}" if moe else "")
 
 

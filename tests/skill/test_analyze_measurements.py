@@ -310,3 +310,18 @@ def test_nope_layers_without_a_config_rule_stay_unsupported() -> None:
     value = feature_values(checklist)[Feature.NOPE_LAYERS]
     assert value == "true"
     assert value not in SUPPORTED_EDITS[Feature.NOPE_LAYERS]
+
+
+# ------------------------------------------------------------------- LM head bias
+
+
+@pytest.mark.parametrize("model_type,bias", [("phi", True), ("gptj", True), ("codegen", True), ("llama", False)])
+def test_lm_head_bias_is_measured(model_type: str, bias: bool) -> None:
+    # PhiForCausalLM: nn.Linear(hidden_size, vocab_size, bias=True); GPTJForCausalLM and
+    # CodeGenForCausalLM: nn.Linear(n_embd, vocab_size) with its default bias; save_pretrained
+    # writes lm_head.bias. LlamaForCausalLM: bias=False.
+    report = report_for(model_type)
+    assert report.checklist.scalars.lm_head_bias is bias
+    assert feature_values(report.checklist)[Feature.LM_HEAD_BIAS] == ("true" if bias else "false")
+    assert not any("LM head" in line for line in report.unsupported)
+    assert "true" in SUPPORTED_EDITS[Feature.LM_HEAD_BIAS]
