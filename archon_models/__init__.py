@@ -26,6 +26,7 @@ from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
 from archon_models.gpt2 import spec as gpt2_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
 from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
+from archon_models.gptj import spec as gptj_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
@@ -50,7 +51,9 @@ from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
+from archon_models.opt import spec as opt_spec  # noqa: F401
 from archon_models.persimmon import spec as persimmon_spec  # noqa: F401
+from archon_models.phi import spec as phi_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401

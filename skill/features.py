@@ -376,6 +376,14 @@ class ScalarFeatures(_Frozen):
     )
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = Field(False, description="the LM head (output projection) has a bias the checkpoint holds")
+    embedding_projection_field: str | None = Field(
+        None,
+        description="config field of the embedding width when the token embeddings (and the LM head) are narrower "
+        "than hidden_size: projected in before layer 0, out after the final norm (OPT's word_embed_proj_dim)",
+    )
+    embedding_projection_in: str | None = Field(None, description="module path of the projection in (no bias)")
+    embedding_projection_out: str | None = Field(None, description="module path of the projection out (no bias)")
 
 
 class Checklist(_Frozen):
@@ -445,6 +453,8 @@ class Feature(StrEnum):
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    LM_HEAD_BIAS = "lm_head_bias"
+    EMBEDDING_PROJECTION = "embedding_projection"
     PROJECTION_ORIENTATION = "projection_orientation"
     OTHER = "other"
 
@@ -496,6 +506,8 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.LM_HEAD_BIAS: "LM head bias",
+    Feature.EMBEDDING_PROJECTION: "embedding projection in/out",
     Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
     Feature.OTHER: "other",
 }
@@ -589,6 +601,12 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),
+    # model_edits.py lm_head_bias: the output projection gains a bias (ColwiseParallel shards it
+    # with the weight's rows; the adapter maps lm_head.bias -> output.bias).
+    Feature.LM_HEAD_BIAS: frozenset({"true", "false"}),
+    # model_edits.py embedding_projection: embeddings and LM head at the config's width, a
+    # projection in before layer 0 and out after the final norm where it differs from dim.
+    Feature.EMBEDDING_PROJECTION: frozenset({"none", "in_out"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
@@ -743,6 +761,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.LM_HEAD_BIAS: _flag(sc.lm_head_bias),
+        Feature.EMBEDDING_PROJECTION: "in_out" if sc.embedding_projection_field is not None else "none",
         Feature.PROJECTION_ORIENTATION: (
             WeightOrientation.IN_OUT if checklist.transposed_weights else WeightOrientation.OUT_IN
         ).value,

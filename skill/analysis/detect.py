@@ -1551,9 +1551,8 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
     A factor is reported when the default config moves it, and also when the forward
     reads a config field for it whose default is neutral (1.0): a checkpoint sets it.
     """
-    head = ctx.anatomy.lm_head
-    if head is not None and isinstance(getattr(head, "bias", None), torch.Tensor):
-        ctx.other.append("LM head with a bias")
+    head_bias = _lm_head_bias(ctx)
+    projection: EmbeddingProjection | str | None = None
     scale = probes.probe_embedding_scale(ctx.model, ctx.anatomy, ctx.tiny)
     embedding_source = _scalar_source(ctx, "embedding")
     embedding_norm: tuple[NormKind, str] | None = None
@@ -1561,7 +1560,14 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         kind, value = "none", None
         embedding_norm = _embedding_norm(ctx)
         if embedding_norm is None:
-            ctx.other.append(_embedding_transform(ctx))
+            projection = embedding_projection(ctx)
+            if isinstance(projection, EmbeddingProjection):
+                ctx.evidence.append(
+                    f"embedding projection: {projection.in_module} before layer 0, {projection.out_module} after the "
+                    f"final norm; embedding width from {projection.field} (probe)"
+                )
+            else:
+                ctx.other.append(_embedding_transform(ctx) + (f" ({projection})" if projection else ""))
     elif embedding_source is not None:
         kind = "constant"
         value = _full_size_value(ctx, embedding_source, scale)
@@ -1626,7 +1632,128 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         logit_multiplier_source=logit_source,
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
+        lm_head_bias=head_bias,
+        embedding_projection_field=projection.field if isinstance(projection, EmbeddingProjection) else None,
+        embedding_projection_in=projection.in_module if isinstance(projection, EmbeddingProjection) else None,
+        embedding_projection_out=projection.out_module if isinstance(projection, EmbeddingProjection) else None,
     )
+
+
+@dataclass(frozen=True)
+class EmbeddingProjection:
+    """Embeddings narrower than the blocks: ``in_module`` maps them up before layer 0,
+    ``out_module`` maps the final norm's output back down for the LM head."""
+
+    field: str
+    in_module: str
+    out_module: str
+
+
+def _bias_free_linear(ctx: Context, name: str, module: nn.Module, n_in: int, n_out: int) -> bool:
+    proj = mt.projection(name, module)
+    return (
+        proj is not None
+        and not proj.bias
+        and proj.orientation == "out_in"
+        and (proj.in_features, proj.out_features) == (n_in, n_out)
+        and f"{name}.weight" in ctx.saved_keys
+    )
+
+
+def embedding_projection(ctx: Context) -> EmbeddingProjection | str | None:
+    """The embedding projections (OPT's ``project_in``/``project_out``), probed: the one
+    module between the token embedding and layer 0 maps the embedding's width to
+    ``hidden_size`` straight from the embedding's output (positions are added after it), and
+    one top-level module maps the final norm's output back to that width for the LM head.
+    The width's config field is the one that sets it. ``None`` when the embeddings are not
+    projected like that; a string naming what did not fit when they nearly are."""
+    anatomy = ctx.anatomy
+    embedding, head, final_norm = anatomy.embedding, anatomy.lm_head, anatomy.final_norm
+    weight = getattr(embedding, "weight", None)
+    hidden = int(ctx.tiny.hidden_size)
+    if embedding is None or head is None or final_norm is None or not isinstance(weight, torch.Tensor):
+        return None
+    width = int(weight.shape[1])
+    found = probes.modules_before_first_layer(ctx.model, anatomy, ctx.tiny)
+    modules = dict(ctx.model.named_modules())
+    if width == hidden or len(found) != 1 or not _bias_free_linear(ctx, found[0], modules[found[0]], width, hidden):
+        return None
+    in_name = found[0]
+    layers = set(anatomy.layers.modules())
+    outs = [
+        name
+        for name, module in modules.items()
+        if name != in_name and module not in layers and _bias_free_linear(ctx, name, module, hidden, width)
+    ]
+    if len(outs) != 1:
+        return f"{len(outs)} projections back to the embedding width"
+    out_name = outs[0]
+    seen: dict[str, Any] = {}
+
+    def keep(key: str, what: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            seen[key] = args[0] if what == "input" else output
+
+        return hook
+
+    handles = [
+        embedding.register_forward_hook(keep("embedding", "output")),
+        modules[in_name].register_forward_hook(keep("in", "input")),
+        final_norm.register_forward_hook(keep("norm", "output")),
+        modules[out_name].register_forward_hook(keep("out", "input")),
+        head.register_forward_hook(keep("head", "input")),
+    ]
+    try:
+        with torch.no_grad():
+            probes.logits(ctx.model, probes.tokens_for(ctx.tiny, 5))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(seen) != 5:
+        return "the projections did not run in one forward"
+    if not torch.equal(seen["in"], seen["embedding"]):
+        return f"{in_name} reads more than the token embeddings"
+    if not (torch.equal(seen["out"], seen["norm"]) and torch.equal(seen["head"], modules[out_name](seen["norm"]))):
+        return f"{out_name} does not map the final norm's output to the LM head"
+    fields = [
+        name
+        for name, value in ctx.tiny.to_dict().items()
+        if isinstance(value, int) and not isinstance(value, bool) and value == width and "embed" in name
+    ]
+    if len(fields) != 1:
+        return "no single config field sets the embedding width" if not fields else f"fields {fields} set the width"
+    return EmbeddingProjection(field=fields[0], in_module=in_name, out_module=out_name)
+
+
+def _lm_head_bias(ctx: Context) -> bool:
+    """Whether the LM head adds a bias the checkpoint holds (Phi, GPT-J: ``lm_head.bias``).
+
+    A bias the forward adds but no saved key holds has nothing to load: named as other."""
+    head = ctx.anatomy.lm_head
+    weight = getattr(head, "weight", None)
+    if head is None or not isinstance(getattr(head, "bias", None), torch.Tensor) or weight is None:
+        return False
+    path = next((name for name, module in ctx.model.named_modules() if module is head), None)
+    key = f"{path}.bias"
+    if key not in ctx.saved_keys:
+        # Saved under another name (as GPT-NeoX saves lm_head as embed_out): the one
+        # top-level [vocab] bias beside a weight of the head's shape.
+        stack = ctx.layer_prefix.removesuffix("0.")
+        shape = tuple(weight.shape)
+        renamed = [
+            k
+            for k, s in ctx.saved_keys.items()
+            if k.endswith(".bias")
+            and not (stack and k.startswith(stack))
+            and tuple(s) == shape[:1]
+            and tuple(ctx.saved_keys.get(k.removesuffix(".bias") + ".weight", ())) == shape
+        ]
+        if len(renamed) != 1:
+            ctx.other.append("LM head with a bias the checkpoint does not hold")
+            return False
+        (key,) = renamed
+    ctx.evidence.append(f"LM head bias: {key} (checkpoint key)")
+    return True
 
 
 def _embedding_norm(ctx: Context) -> tuple[NormKind, str] | None:
@@ -1940,6 +2067,10 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
         name = names.get(id(module)) if module is not None else None
         if name and (name in saved_modules or not needs_saved):
             mapping[name] = archon
+    projection = embedding_projection(ctx)
+    if isinstance(projection, EmbeddingProjection):
+        mapping[projection.in_module] = "project_in"
+        mapping[projection.out_module] = "project_out"
     head = _saved_head(ctx, mapping)
     if head is not None:
         mapping = {hf: archon for hf, archon in mapping.items() if archon != "output"}

@@ -335,3 +335,22 @@ def append_to_embedding_stage(source: str, model_class: str, statements_source: 
             return append_to_embedding_stage(one_line_to_branch(source), model_class, statements_source)
         raise CodemodError(f"{model_class}.forward has no 'if self.tok_embeddings is not None:' embedding stage")
     return replaced_code(module, forward, new_forward)
+
+
+def append_to_if_block(source: str, class_name: str | None, func_name: str, test: str, statements_source: str) -> str:
+    """Append statements to the body of the top-level ``if <test>:`` of a function (a TP
+    plan's ``if model.tok_embeddings is not None:``), after whatever earlier edits put
+    there; a no-op when the first new statement is there already."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    new_stmts = list(cst.parse_module("pass\n" + statements_source).body)[1:]
+    first = _code(new_stmts[0]).strip()
+    body = statements(func.body)
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.If) and _code(stmt.test) == test:
+            if any(_code(s).strip() == first for s in statements(stmt.body)):
+                return source
+            block = stmt.body.with_changes(body=[*statements(stmt.body), *new_stmts])
+            body[i] = stmt.with_changes(body=block)
+            return replaced_code(module, func, func.with_changes(body=func.body.with_changes(body=body)))
+    raise CodemodError(f"{func_name!r} has no top-level 'if {test}:'")

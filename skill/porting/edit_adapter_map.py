@@ -468,6 +468,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
         if buffers:
             text = expect_init_buffers(text, layout)
+        if plan.lm_head_bias:
+            text = apply_head_bias_adapter(text, layout)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -965,6 +967,27 @@ def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) 
     except CodemodError as e:
         raise CodemodError(f"Conv1D-stored keys {keys} need the reference adapter's conversion methods: {e}") from e
     return upsert_method(text, cls, "_oriented", _TRANSPOSE.strip() + "\n", after="_hf_key")
+
+
+CRITIC_DROP = """if self.model_args.is_critic and state_dict.pop("output.weight", None) is not None:
+    logger.info("Dropped lm_head.weight: a critic has a score head instead.")
+"""
+CRITIC_DROP_WITH_BIAS = """if self.model_args.is_critic and state_dict.pop("output.weight", None) is not None:
+    # The LM head's bias goes with its weight: a critic's strict load has no place for it.
+    state_dict.pop("output.bias", None)
+    logger.info("Dropped lm_head.weight and lm_head.bias: a critic has a score head instead.")
+"""
+
+
+def apply_head_bias_adapter(text: str, layout: PackageLayout) -> str:
+    """A critic built from a checkpoint whose LM head has a bias drops that bias with the
+    head's weight (``from_hf``), so AReaL's strict load of the critic meets no stray key."""
+    if 'state_dict.pop("output.bias", None)' in text:
+        return text
+    try:
+        return replace_in_function(text, layout.adapter_class, "from_hf", CRITIC_DROP, CRITIC_DROP_WITH_BIAS)
+    except CodemodError as e:
+        raise CodemodError(f"an LM head bias needs the reference adapter's critic branch in from_hf: {e}") from e
 
 
 def _indent(block: str) -> str:

@@ -196,6 +196,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 lambda c: int(_head_dim(c) * _partial_factor(c)),
             )
         )
+    if profile.embedding_projection_field is not None:
+        # The embeddings' (and the LM head's) width; projected to and from dim where it differs.
+        width = profile.embedding_projection_field
+        fields.append(
+            ArgField(width, "int", int(getattr(config, width)), f"hf_config.{width}", operator.attrgetter(width))
+        )
     if profile.clip_qkv_field is not None:
         clip = profile.clip_qkv_field
         fields.append(

@@ -353,6 +353,29 @@ def _final_softcap(text: str, ctx: EditContext) -> str:
     )
 
 
+HEAD_INIT = """for head in (None if tied else self.output, self.score):
+    if head is not None:
+        nn.init.trunc_normal_(head.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+"""
+
+
+def _lm_head_bias(text: str, ctx: EditContext) -> str:
+    """The LM head adds a bias (HF's ``lm_head.bias``): ``output`` is built with one and
+    starts it at zero. A critic's ``score`` head keeps none."""
+    text = set_call_kwarg(text, "nn.Linear", "bias", "True", target="self.output")
+    if "nn.init.zeros_(self.output.bias)" in text:
+        return text
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        HEAD_INIT,
+        f"{HEAD_INIT}if self.output is not None:\n"
+        "    # The LM head's bias (the checkpoint's lm_head.bias) starts at zero.\n"
+        "    nn.init.zeros_(self.output.bias)\n",
+    )
+
+
 def _remove_qk_norm(text: str, ctx: EditContext) -> str:
     """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
     if "self.q_norm" not in text:
@@ -531,6 +554,74 @@ def _learned_positions(text: str, ctx: EditContext) -> str:
         text,
         ctx.model_class,
         f"# Positions restart at 0 in every packed document.\nh = h + self.pos_embeddings({index})\n",
+    )
+
+
+NORM_LINE = "h = self.norm(h) if self.norm is not None else h"
+HEADS = """if model_args.is_critic:
+    self.score = nn.Linear(model_args.dim, model_args.num_labels, bias=False)
+else:
+    self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+"""
+
+
+def _embedding_projection(text: str, ctx: EditContext) -> str:
+    """Token embeddings (and the LM head) of the config's embedding width: where it differs
+    from ``dim``, ``project_in`` maps the embeddings up before the positions are added and
+    ``project_out`` maps the final norm's output back down for the head (OPT's
+    ``word_embed_proj_dim``); where the widths agree neither exists, as in the checkpoint."""
+    if "self.project_in" in text:
+        return text
+    width = f"model_args.{ctx.profile.embedding_projection_field}"
+    head_bias = "True" if ctx.profile.lm_head_bias else "False"
+    text = replace_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        f"self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, {width})\n",
+    )
+    text = insert_after_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        f"# The embeddings and the LM head are {ctx.profile.embedding_projection_field} wide; where that is not\n"
+        "# dim, project_in maps the embeddings up before layer 0 and project_out maps the final\n"
+        "# norm's output back down for the head.\n"
+        f"projected = {width} != model_args.dim\n"
+        f"self.project_in: nn.Linear | None = nn.Linear({width}, model_args.dim, bias=False) if projected else None\n"
+        f"self.project_out: nn.Linear | None = nn.Linear(model_args.dim, {width}, bias=False) if projected else None\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "__init__",
+        HEADS,
+        HEADS.replace("model_args.dim", width).replace("vocab_size, bias=False", f"vocab_size, bias={head_bias}"),
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_weights",
+        "nn.init.normal_(self.tok_embeddings.weight)",
+        "nn.init.normal_(self.tok_embeddings.weight)\n"
+        "for projection in (self.project_in, self.project_out):\n"
+        "    if projection is not None:\n"
+        "        nn.init.trunc_normal_(projection.weight, mean=0.0, std=0.02)\n",
+    )
+    text = append_to_embedding_stage(
+        text, ctx.model_class, "if self.project_in is not None:\n    h = self.project_in(h)\n"
+    )
+    return replace_in_function(
+        text,
+        ctx.model_class,
+        "forward",
+        NORM_LINE,
+        f"{NORM_LINE}\n"
+        "if self.project_out is not None and self.norm is not None:\n"
+        "    # Back to the embedding width for the LM head (on the stage that holds the final norm).\n"
+        "    h = self.project_out(h)\n",
     )
 
 
@@ -1152,6 +1243,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _embedding_multiplier,
     ),
     ModelEdit(
+        "embedding_projection",
+        "embeddings and LM head at the config's width, projected in and out where it is not dim",
+        lambda p: p.embedding_projection_field is not None,
+        _embedding_projection,
+    ),
+    ModelEdit(
         "learned_positions",
         "learned absolute-position embeddings added to the token embeddings",
         lambda p: p.positions == "learned",
@@ -1174,6 +1271,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "logits multiplied by a config factor",
         lambda p: p.logit_multiplier_field is not None,
         _logits_multiplier,
+    ),
+    ModelEdit(
+        "lm_head_bias",
+        "a bias on the LM head (output projection)",
+        lambda p: p.lm_head_bias,
+        _lm_head_bias,
     ),
     ModelEdit("final_softcap", "logits soft-capped by tanh", lambda p: p.final_softcap, _final_softcap),
 )
@@ -1265,6 +1368,10 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("scalar multipliers (" + ", ".join(profile.multipliers) + ")")
     if profile.final_softcap:
         extras.append("soft-capped logits")
+    if profile.embedding_projection_field is not None:
+        extras.append(f"embeddings projected to and from {profile.embedding_projection_field}")
+    if profile.lm_head_bias:
+        extras.append("an LM head with a bias")
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)

@@ -178,6 +178,11 @@ class PortPlan(BaseModel):
         default=None, description="config field naming the router's scoring function, if the config has one"
     )
     tied: bool
+    lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
+    embedding_projection_field: str | None = Field(
+        default=None,
+        description="config field of the embedding width; projections in/out where it differs from dim",
+    )
     moe_layer_types_field: str | None = Field(
         default=None,
         description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
@@ -347,6 +352,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         else None,
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         tied=sc.tie_word_embeddings,
+        lm_head_bias=sc.lm_head_bias,
+        embedding_projection_field=sc.embedding_projection_field,
         moe_layer_types_field=next(
             (
                 name

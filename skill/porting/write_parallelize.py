@@ -11,6 +11,7 @@ from pydantic import Field
 from skill.activations import ACTIVATIONS
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
+from skill.codemod.contract import append_to_if_block
 from skill.codemod.cst import (
     edit_dict_literal,
     ensure_import_line,
@@ -78,7 +79,13 @@ def _docstring(camel: str, profile: PortPlan) -> str:
         else f"{camel} attention has no QK norm, so every projection hands local tensors straight to the "
         "attention (``use_local_output=True``). "
     )
-    paragraph = "\n".join(textwrap.wrap(attention + bias_text, width=92, break_on_hyphens=False))
+    head_text = (
+        "The LM head's bias is sharded with its vocabulary rows (``ColwiseParallel`` on ``output``), "
+        "so each rank adds the bias of its own slice of the logits. "
+        if profile.lm_head_bias
+        else ""
+    )
+    paragraph = "\n".join(textwrap.wrap(attention + bias_text + head_text, width=92, break_on_hyphens=False))
     return f"How a {camel} model is laid out over devices: {order}.\n\n{paragraph}\n" + (f"\n{moe}" if moe else "")
 
 
@@ -158,6 +165,7 @@ def _plan_without_rope(text: str) -> str:
     return text.replace(old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
 
 
+EMBEDDING_STAGE = "model.tok_embeddings is not None"
 POSITION_TABLE_PLAN = """# The position table is sharded like the token embedding: its rows over the ranks, the
 # sum reduce-scattered to the same sequence shard the token embeddings land on.
 root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -166,14 +174,7 @@ root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_
 
 def _plan_position_table(text: str) -> str:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
-    anchor = 'root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))'
-    return replace_in_function(
-        text,
-        None,
-        function,
-        f"if model.tok_embeddings is not None:\n    {anchor}",
-        f"if model.tok_embeddings is not None:\n    {anchor}\n{textwrap.indent(POSITION_TABLE_PLAN, '    ')}",
-    )
+    return append_to_if_block(text, None, function, EMBEDDING_STAGE, POSITION_TABLE_PLAN)
 
 
 EMBEDDING_NORM_PLAN = """# The embedding norm runs on the sequence shard the token embeddings land on; its weight
@@ -186,14 +187,27 @@ def _plan_embedding_norm(text: str) -> str:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
     if 'root_plan["embedding_norm"]' in text:
         return text
-    anchor = 'root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))'
-    return replace_in_function(
-        text,
-        None,
-        function,
-        f"if model.tok_embeddings is not None:\n    {anchor}",
-        f"if model.tok_embeddings is not None:\n    {anchor}\n{textwrap.indent(EMBEDDING_NORM_PLAN, '    ')}",
-    )
+    return append_to_if_block(text, None, function, EMBEDDING_STAGE, EMBEDDING_NORM_PLAN)
+
+
+PROJECT_IN_PLAN = """if model.project_in is not None:
+    # The embedding projections run on the sequence shard with replicated weights, whose
+    # gradients are summed over the ranks; project_in hands its output on local.
+    root_plan["project_in"] = SequenceParallel(use_local_output=True)
+"""
+PROJECT_OUT_PLAN = """if model.project_out is not None:
+    root_plan["project_out"] = SequenceParallel()
+"""
+
+
+def _plan_embedding_projection(text: str) -> str:
+    """``project_in`` after the token embedding, ``project_out`` after the final norm, both
+    where the model has them (the config's widths decide)."""
+    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+    if 'root_plan["project_in"]' in text:
+        return text
+    text = append_to_if_block(text, None, function, EMBEDDING_STAGE, PROJECT_IN_PLAN)
+    return append_to_if_block(text, None, function, "model.norm is not None", PROJECT_OUT_PLAN)
 
 
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
@@ -302,6 +316,8 @@ def apply_write_parallelize(
         text = _plan_position_table(text)
     if profile.embedding_norm_module is not None:
         text = _plan_embedding_norm(text)
+    if profile.embedding_projection_field is not None:
+        text = _plan_embedding_projection(text)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

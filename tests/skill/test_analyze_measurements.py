@@ -355,3 +355,43 @@ def test_nope_layers_without_a_config_rule_stay_unsupported() -> None:
     value = feature_values(checklist)[Feature.NOPE_LAYERS]
     assert value == "true"
     assert value not in SUPPORTED_EDITS[Feature.NOPE_LAYERS]
+
+
+# ------------------------------------------------------------------- LM head bias
+
+
+@pytest.mark.parametrize("model_type,bias", [("phi", True), ("gptj", True), ("codegen", True), ("llama", False)])
+def test_lm_head_bias_is_measured(model_type: str, bias: bool) -> None:
+    # PhiForCausalLM: nn.Linear(hidden_size, vocab_size, bias=True); GPTJForCausalLM and
+    # CodeGenForCausalLM: nn.Linear(n_embd, vocab_size) with its default bias; save_pretrained
+    # writes lm_head.bias. LlamaForCausalLM: bias=False.
+    report = report_for(model_type)
+    assert report.checklist.scalars.lm_head_bias is bias
+    assert feature_values(report.checklist)[Feature.LM_HEAD_BIAS] == ("true" if bias else "false")
+    assert not any("LM head" in line for line in report.unsupported)
+    assert "true" in SUPPORTED_EDITS[Feature.LM_HEAD_BIAS]
+
+
+# ----------------------------------------------------------- embedding projection
+
+
+def test_opt_embedding_projection_is_measured() -> None:
+    # OPTDecoder: project_in = nn.Linear(word_embed_proj_dim, hidden_size, bias=False) on the
+    # token embeddings before the positions are added, project_out after final_layer_norm,
+    # when the widths differ (the tiny config: 32 beside hidden 64; opt-350m: 512 beside 1024).
+    report = report_for("opt")
+    scalars = report.checklist.scalars
+    assert scalars.embedding_projection_field == "word_embed_proj_dim"
+    assert scalars.embedding_projection_in == "model.decoder.project_in"
+    assert scalars.embedding_projection_out == "model.decoder.project_out"
+    assert feature_values(report.checklist)[Feature.EMBEDDING_PROJECTION] == "in_out"
+    assert report.unsupported == []
+    assert report.checkpoint.module_map["model.decoder.project_in"] == "project_in"
+    assert report.checkpoint.module_map["model.decoder.project_out"] == "project_out"
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_no_embedding_projection_where_the_widths_agree(model_type: str) -> None:
+    scalars = report_for(model_type).checklist.scalars
+    assert scalars.embedding_projection_field is None
+    assert feature_values(report_for(model_type).checklist)[Feature.EMBEDDING_PROJECTION] == "none"

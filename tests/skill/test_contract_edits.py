@@ -111,6 +111,77 @@ def test_attention_sinks_compose_with_windows_and_block_edits(reference, model_c
     assert apply_model_edits(text, _ctx(plan, model_class), names) == text
 
 
+@pytest.mark.parametrize("reference,model_class", [("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model")])
+def test_lm_head_bias_composes_with_logit_transforms(reference, model_class):
+    """The LM head gains a bias (zero at init) whatever order it is named in beside the logit
+    transforms that rewrite the head's output; a critic's score head keeps none."""
+    plan = plan_for("llama").model_copy(
+        update={"lm_head_bias": True, "logit_multiplier_field": "logit_scale", "final_softcap": True}
+    )
+    names = ["lm_head_bias", "logits_multiplier", "final_softcap"]
+    texts = {
+        order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order))
+        for order in (tuple(names), tuple(reversed(names)), ("logits_multiplier", "lm_head_bias", "final_softcap"))
+    }
+    text = texts[tuple(names)]
+    for order, other in texts.items():
+        assert other == text, order
+    compile(text, "model.py", "exec")
+    assert "self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=True)" in text
+    assert "self.score = nn.Linear(model_args.dim, model_args.num_labels, bias=False)" in text
+    assert text.count("nn.init.zeros_(self.output.bias)") == 1
+    assert "logits = logits * self.model_args.logit_scale" in text
+    assert "logits = torch.tanh(logits / cap) * cap" in text
+    # Applied again, nothing changes; without the feature the head has no bias.
+    assert apply_model_edits(text, _ctx(plan, model_class), names) == text
+    plain = apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), names[1:])
+    assert "vocab_size, bias=False)" in plain and "self.output.bias" not in plain
+
+
+def test_lm_head_bias_runs_and_starts_at_zero():
+    """The edited qwen2 model builds, holds ``output.bias`` (zero after init_weights) and adds
+    it to every position's logits."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    from archon_models.qwen2.model.args import Qwen2ModelArgs
+
+    plan = plan_for("llama").model_copy(update={"lm_head_bias": True})
+    text = apply_model_edits(REFERENCES["qwen2"], _ctx(plan, "Qwen2Model"), ["lm_head_bias"])
+    spec = importlib.util.spec_from_loader("archon_models.qwen2.model._lm_head_bias_probe", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        exec(compile(text, "model.py", "exec"), module.__dict__)
+        args = Qwen2ModelArgs(
+            dim=32,
+            n_layers=1,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=64,
+            head_dim=8,
+            hidden_dim=64,
+            max_seq_len=16,
+            enable_weight_tying=False,
+            attn_type="sdpa",
+        )
+        model = module.Qwen2Model(args)
+        model.init_weights()
+        assert torch.equal(model.output.bias, torch.zeros(64))
+        tokens = torch.arange(6).unsqueeze(0)
+        positions = torch.arange(6).unsqueeze(0)
+        cu_seqlens = torch.tensor([0, 6], dtype=torch.int32)
+        base = model(tokens, positions, cu_seqlens, 6)
+        with torch.no_grad():
+            model.output.bias.copy_(torch.arange(64, dtype=torch.float32))
+        shifted = model(tokens, positions, cu_seqlens, 6)
+        torch.testing.assert_close(shifted - base, torch.arange(64, dtype=torch.float32).expand_as(base))
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
 def test_kernel_edits_insert_only_the_drivers_their_kernel_uses():
     """A soft-capped family's kernel runs per document on CPU and flex on CUDA: it gets no
     padded-batch driver; a sliding-window kernel gets both drivers."""
