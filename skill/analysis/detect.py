@@ -828,16 +828,22 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         # whether they are gated (an in-projection twice the down projection's width).
         tensors = expert_tensors(ctx)
         gated = tensors is not None and tensors.gated
+        constants: dict[str, str] = {}
         if ctx.source is not None and ctx.source.experts_clamped_glu():
             # No activation function: the experts clamp gate and up and gate by a sigmoid.
             activation = "clamped_swiglu"
-            ctx.evidence.append("experts' activation from the source scan: clamped SwiGLU (clamp + sigmoid gate)")
+            constants = ctx.source.clamped_glu_fields()
+            ctx.evidence.append(
+                "experts' activation from the source scan: clamped SwiGLU (clamp + sigmoid gate), constants "
+                + (", ".join(f"{k}={v}" for k, v in sorted(constants.items())) or "from no config field")
+            )
         fused = tensors is not None and tensors.layout is ExpertLayout.PER_EXPERT_2D and "gate_up" in tensors.up_key
         bias = tensors is not None and tensors.bias
         return FFNFeatures(
             kind=FFNKind.GATED if gated else FFNKind.PLAIN,
             activation=activation,
             activation_field=activation_field,
+            activation_fields=constants,
             bias=bias,
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
@@ -980,6 +986,8 @@ class ExpertTensors:
     bias: bool
     mixed_orientation: bool = False
     layer: int = 0  # the layer the keys were read from (the first with experts)
+    up_bias_key: str = ""  # fused layout: the [E, width] bias of the in-projection ({} for the layer)
+    down_bias_key: str = ""  # fused layout: the [E, hidden] bias of the down projection
 
 
 def _expert_template(key: str) -> str:
@@ -1056,6 +1064,9 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                     if (len(s) == 2 and s[0] == n_experts and k.rsplit(".", 1)[0] in (up, down, up.rsplit(".", 1)[0]))
                     or k in (up + "_bias", down + "_bias")
                 ]
+                # Which bias is whose, by its width: the in-projection's output or the hidden size.
+                up_bias = next((k for k in bias_keys if keys[k][-1] == width and width != hidden), "")
+                down_bias = next((k for k in bias_keys if keys[k][-1] == hidden and width != hidden), "")
                 return ExpertTensors(
                     ExpertLayout.FUSED_3D,
                     up_orientation,
@@ -1065,6 +1076,8 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                     bias=bool(bias_keys),
                     mixed_orientation=up_orientation is not down_orientation,
                     layer=index,
+                    up_bias_key=re.sub(r"\.\d+\.", ".{}.", up_bias, count=1),
+                    down_bias_key=re.sub(r"\.\d+\.", ".{}.", down_bias, count=1),
                 )
     return None
 
@@ -1101,10 +1114,13 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
     return False
 
 
-def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]:
+def _selection_bias_key(ctx: Context, num_experts: int, block: str | None = None) -> tuple[str, list[int]]:
     """The checkpoint key (inside a layer, ``{}`` for nothing else) of a per-expert
     selection bias, and its shape: a saved tensor of the MoE block with one entry per
-    expert that is neither a projection's weight nor its bias nor an expert's."""
+    expert that is neither a projection's weight nor its bias nor an expert's.
+
+    ``block``: the layer's child holding the experts (``mlp``), when the module tree shows
+    it; only its keys count (an attention's per-head sinks may have as many entries)."""
     if num_experts <= 0:
         return "", []
     # Any layer: the first layers of a family with leading dense layers have no router.
@@ -1114,6 +1130,8 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
         if match is None or ".experts." in key or "shared" in key:
             continue
         if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
+            continue
+        if block is not None and not key[match.end() :].startswith(f"{block}."):
             continue
         if any(n != 1 for n in shape[:-1]):
             continue
@@ -1170,10 +1188,11 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     moe_layers, n_layers = _moe_layers(ctx)
     moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
     ffn = None
+    ffn_name: str | None = None
     if moe_layer is not None:
-        for child in moe_layer.children():
+        for name, child in moe_layer.named_children():
             if mt.experts_module(child) is not None and not mt.is_norm(child):
-                ffn = child
+                ffn, ffn_name = child, name
                 break
     scoring_field = next((v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None)
     if scoring_field in ("sigmoid", "softmax"):
@@ -1193,7 +1212,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         else:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
-    correction_key, correction_shape = _selection_bias_key(ctx, expert_count(ctx.tiny) or 0)
+    correction_key, correction_shape = _selection_bias_key(ctx, expert_count(ctx.tiny) or 0, ffn_name)
     correction = (
         bool(correction_key)
         or any("correction" in k for k in ctx.saved_keys)
@@ -1238,10 +1257,12 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     if not rule:
         ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
     tensors = expert_tensors(ctx)
+    bias_keys: list[str] = []
     if tensors is None:
         ctx.other.append("routed experts whose checkpoint tensors the analyser cannot place")
         layout, orientation, up, down, order, bias = ExpertLayout.NONE, WeightOrientation.OUT_IN, "", "", None, False
     else:
+        bias_keys = [tensors.up_bias_key, tensors.down_bias_key] if tensors.bias else []
         layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
         order, bias = _gate_up_order(ctx, tensors), tensors.bias
         if tensors.mixed_orientation:
@@ -1284,6 +1305,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         expert_down_key_template=down,
         expert_gate_up=order or GateUpOrder.SEPARATE,
         expert_bias=bias,
+        expert_bias_key_templates=bias_keys,
         router_bias=router_bias,
         router_jitter_field=jitter,
         num_experts_field=_positive_field(ctx.config, _EXPERT_COUNT_FIELDS),

@@ -289,6 +289,17 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 jitter, "float", float(getattr(config, jitter)), f"hf_config.{jitter}", operator.attrgetter(jitter)
             )
         )
+    for field_name in profile.expert_activation_fields.values():
+        # The clamped SwiGLU experts' constants (alpha, limit), as the config sets them.
+        fields.append(
+            ArgField(
+                field_name,
+                "float",
+                float(getattr(config, field_name)),
+                f"hf_config.{field_name}",
+                operator.attrgetter(field_name),
+            )
+        )
     for name in profile.multipliers:
         fields.append(
             ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
@@ -467,11 +478,9 @@ def _rope_scaling_of(config: Any) -> dict[str, float] | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") == "default":
         return None
-    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and _numeric(v)}
-
-
-def _numeric(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Flags (YaRN's truncate) as 0.0 / 1.0: the RoPE reads their truth value.
+    skip = ("rope_type", "rope_theta")
+    return {k: float(v) for k, v in rope.items() if k not in skip and isinstance(v, (int, float))}
 
 
 def _literal(value: Any) -> str:
