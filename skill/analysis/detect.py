@@ -1114,13 +1114,14 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
     return False
 
 
-def _selection_bias_key(ctx: Context, num_experts: int, block: str | None = None) -> tuple[str, list[int]]:
+def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]:
     """The checkpoint key (inside a layer, ``{}`` for nothing else) of a per-expert
     selection bias, and its shape: a saved tensor of the MoE block with one entry per
     expert that is neither a projection's weight nor its bias nor an expert's.
 
-    ``block``: the layer's child holding the experts (``mlp``), when the module tree shows
-    it; only its keys count (an attention's per-head sinks may have as many entries)."""
+    Keys of the layer's attention never count: its per-head sinks may have as many
+    entries. (The MoE block may be saved under another name than its module's.)"""
+    attention = ctx.anatomy.attention_name
     if num_experts <= 0:
         return "", []
     # Any layer: the first layers of a family with leading dense layers have no router.
@@ -1131,7 +1132,7 @@ def _selection_bias_key(ctx: Context, num_experts: int, block: str | None = None
             continue
         if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
             continue
-        if block is not None and not key[match.end() :].startswith(f"{block}."):
+        if attention is not None and key[match.end() :].startswith(f"{attention}."):
             continue
         if any(n != 1 for n in shape[:-1]):
             continue
@@ -1188,11 +1189,10 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     moe_layers, n_layers = _moe_layers(ctx)
     moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
     ffn = None
-    ffn_name: str | None = None
     if moe_layer is not None:
-        for name, child in moe_layer.named_children():
+        for child in moe_layer.children():
             if mt.experts_module(child) is not None and not mt.is_norm(child):
-                ffn, ffn_name = child, name
+                ffn = child
                 break
     scoring_field = next((v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None)
     if scoring_field in ("sigmoid", "softmax"):
@@ -1212,7 +1212,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         else:
             norm_topk = bool(ctx.source.router_renormalises()) if ctx.source else False
             ctx.evidence.append(f"top-k renormalisation from the source scan: {norm_topk}")
-    correction_key, correction_shape = _selection_bias_key(ctx, expert_count(ctx.tiny) or 0, ffn_name)
+    correction_key, correction_shape = _selection_bias_key(ctx, expert_count(ctx.tiny) or 0)
     correction = (
         bool(correction_key)
         or any("correction" in k for k in ctx.saved_keys)
