@@ -290,14 +290,16 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             )
         )
     for field_name in profile.expert_activation_fields.values():
-        # The clamped SwiGLU experts' constants (alpha, limit), as the config sets them.
+        # The clamped SwiGLU experts' constants (alpha, limit), as the config sets them; a
+        # config without the field (transformers 5.3 hard-codes the constants) gets the default.
+        default = float(getattr(config, field_name))
         fields.append(
             ArgField(
                 field_name,
                 "float",
-                float(getattr(config, field_name)),
-                f"hf_config.{field_name}",
-                operator.attrgetter(field_name),
+                default,
+                f'float(getattr(hf_config, "{field_name}", cls.{field_name}))',
+                functools.partial(_float_or, name=field_name, default=default),
             )
         )
     for name in profile.multipliers:
@@ -472,6 +474,10 @@ def _moe_args_field(plan: PortPlan, config: Any, expected: Callable[[Any], Any])
 def _partial_factor(config: Any) -> float:
     rope = getattr(config, "rope_parameters", None) or {}
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+
+
+def _float_or(config: Any, name: str, default: float) -> float:
+    return float(getattr(config, name, default))
 
 
 def _rope_scaling_of(config: Any) -> dict[str, float] | None:
