@@ -478,6 +478,10 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.OTHER: "other",
 }
 
+# Activations only routed experts compute (two inputs, gate and up): the MoE edits write
+# them (model_edits.clamped_swiglu_experts), the one activation table has no entry for them.
+EXPERT_ACTIVATIONS = frozenset({"clamped_swiglu"})
+
 # Target values a port can reach without hand-written code: what the reference code
 # (qwen2, qwen3/qwen3_moe and the shared MoE module they use) implements behind a
 # config switch, plus what a committed edit of the porting engine produces. The porting
