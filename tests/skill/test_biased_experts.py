@@ -17,6 +17,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssRotaryEmbedding, GptOssTopKRouter
 
+from archon_models.gpt_oss.model.rope import precompute_rope_cache
 from archon_models.moe import MoEArgs
 from archon_models.moe.router import TokenChoiceTopKRouter
 from skill.analysis.reference import engine_limits
@@ -32,7 +33,6 @@ from skill.porting.snippets.experts import (
     clamped_swiglu,
     split_interleaved_gate_up,
 )
-from skill.porting.snippets.rope import precompute_rope_cache
 from skill.porting.snippets.router import BiasedRouterGate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -297,6 +297,7 @@ def test_expert_bias_alone_keeps_swiglu_and_router_bias_composes_with_the_sparse
 
 
 def test_yarn_truncate_flag_reaches_the_rope_cache() -> None:
+    """The generated gpt_oss RoPE, fed what the generated args read from the config."""
     rope = {
         "rope_type": "yarn",
         "rope_theta": 150000.0,
@@ -313,7 +314,8 @@ def test_yarn_truncate_flag_reaches_the_rope_cache() -> None:
     seq = 64
     cache = precompute_rope_cache(16, seq, rope["rope_theta"], scaling)
     cos, sin = GptOssRotaryEmbedding(config)(torch.zeros(1), torch.arange(seq)[None])
+    # The cache holds cos and sin over the whole head (halves repeated); gpt-oss's over one half.
     torch.testing.assert_close(cache[:, :8], cos[0])
-    torch.testing.assert_close(cache[:, 8:], sin[0])
+    torch.testing.assert_close(cache[:, 16:24], sin[0])
     truncated = precompute_rope_cache(16, seq, rope["rope_theta"], {**scaling, "truncate": 1.0})
     assert not torch.allclose(truncated, cache)
