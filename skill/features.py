@@ -248,6 +248,10 @@ class FFNFeatures(_Frozen):
     kind: FFNKind = FFNKind.GATED
     activation: str = Field("silu", description="an entry of skill.activations.ACTIVATIONS, else the name as found")
     activation_field: str | None = Field(None, description="config field that names the activation, if any")
+    activation_fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="the activation's constants -> the config fields setting them (clamped_swiglu: alpha, limit)",
+    )
     bias: bool = False
     fused_gate_up: bool = False
     intermediate_size: int | None = None
@@ -310,6 +314,10 @@ class MoEFeatures(_Frozen):
         GateUpOrder.SEPARATE, description="fused layout: how one tensor stacks gate and up (probed)"
     )
     expert_bias: bool = Field(False, description="the routed experts' projections have biases")
+    expert_bias_key_templates: list[str] = Field(
+        default_factory=list,
+        description="fused layout: the gate/up (or up) and down biases' keys ({} for the layer), '' where unplaced",
+    )
     router_bias: bool = Field(False, description="the router's linear layer has a bias")
     num_experts_field: str | None = Field(None, description="config field of the routed expert count")
     top_k_field: str | None = Field(None, description="config field of the experts per token")
@@ -512,6 +520,10 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.OTHER: "other",
 }
 
+# Activations only routed experts compute (two inputs, gate and up): the MoE edits write
+# them (model_edits.clamped_swiglu_experts), the one activation table has no entry for them.
+EXPERT_ACTIVATIONS = frozenset({"clamped_swiglu"})
+
 # Target values a port can reach without hand-written code: what the reference code
 # (qwen2, qwen3/qwen3_moe and the shared MoE module they use) implements behind a
 # config switch, plus what a committed edit of the porting engine produces. The porting
@@ -556,6 +568,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Layer-rule edits (edit_args.py is_moe_layer): the config rule the analysis names.
     Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved", "leading_dense"}),
     Feature.EXPERT_LAYOUT: frozenset({ExpertLayout.PER_EXPERT_2D, ExpertLayout.FUSED_3D}),
+    # model_edits.expert_bias (snippets/experts.py BiasedGroupedExperts, sharded with the
+    # experts under EP by the package's expert-parallel styles) and model_edits.router_bias.
+    Feature.EXPERT_BIAS: frozenset({"true", "false"}),
+    Feature.ROUTER_BIAS: frozenset({"true", "false"}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
@@ -579,7 +595,11 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     # Entries of the one activation table (skill/activations.py) the activation edit writes.
     # xielu (learned, module=True): proven by apertus, its scalars replicated over TP.
-    Feature.ACTIVATION: frozenset({"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu"}),
+    # clamped_swiglu: routed experts only (model_edits.clamped_swiglu_experts; engine_limits
+    # refuses it on a dense MLP, shared experts or experts without biases).
+    Feature.ACTIVATION: frozenset(
+        {"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu", "clamped_swiglu"}
+    ),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
     Feature.NORM_KIND: frozenset(
         {

@@ -865,16 +865,22 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         # whether they are gated (an in-projection twice the down projection's width).
         tensors = expert_tensors(ctx)
         gated = tensors is not None and tensors.gated
+        constants: dict[str, str] = {}
         if ctx.source is not None and ctx.source.experts_clamped_glu():
             # No activation function: the experts clamp gate and up and gate by a sigmoid.
             activation = "clamped_swiglu"
-            ctx.evidence.append("experts' activation from the source scan: clamped SwiGLU (clamp + sigmoid gate)")
+            constants = ctx.source.clamped_glu_fields()
+            ctx.evidence.append(
+                "experts' activation from the source scan: clamped SwiGLU (clamp + sigmoid gate), constants "
+                + (", ".join(f"{k}={v}" for k, v in sorted(constants.items())) or "from no config field")
+            )
         fused = tensors is not None and tensors.layout is ExpertLayout.PER_EXPERT_2D and "gate_up" in tensors.up_key
         bias = tensors is not None and tensors.bias
         return FFNFeatures(
             kind=FFNKind.GATED if gated else FFNKind.PLAIN,
             activation=activation,
             activation_field=activation_field,
+            activation_fields=constants,
             bias=bias,
             fused_gate_up=fused,
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
@@ -1017,6 +1023,8 @@ class ExpertTensors:
     bias: bool
     mixed_orientation: bool = False
     layer: int = 0  # the layer the keys were read from (the first with experts)
+    up_bias_key: str = ""  # fused layout: the [E, width] bias of the in-projection ({} for the layer)
+    down_bias_key: str = ""  # fused layout: the [E, hidden] bias of the down projection
 
 
 def _expert_template(key: str) -> str:
@@ -1093,6 +1101,9 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                     if (len(s) == 2 and s[0] == n_experts and k.rsplit(".", 1)[0] in (up, down, up.rsplit(".", 1)[0]))
                     or k in (up + "_bias", down + "_bias")
                 ]
+                # Which bias is whose, by its width: the in-projection's output or the hidden size.
+                up_bias = next((k for k in bias_keys if keys[k][-1] == width and width != hidden), "")
+                down_bias = next((k for k in bias_keys if keys[k][-1] == hidden and width != hidden), "")
                 return ExpertTensors(
                     ExpertLayout.FUSED_3D,
                     up_orientation,
@@ -1102,6 +1113,8 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                     bias=bool(bias_keys),
                     mixed_orientation=up_orientation is not down_orientation,
                     layer=index,
+                    up_bias_key=re.sub(r"\.\d+\.", ".{}.", up_bias, count=1),
+                    down_bias_key=re.sub(r"\.\d+\.", ".{}.", down_bias, count=1),
                 )
     return None
 
@@ -1141,7 +1154,11 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
 def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]:
     """The checkpoint key (inside a layer, ``{}`` for nothing else) of a per-expert
     selection bias, and its shape: a saved tensor of the MoE block with one entry per
-    expert that is neither a projection's weight nor its bias nor an expert's."""
+    expert that is neither a projection's weight nor its bias nor an expert's.
+
+    Keys of the layer's attention never count: its per-head sinks may have as many
+    entries. (The MoE block may be saved under another name than its module's.)"""
+    attention = ctx.anatomy.attention_name
     if num_experts <= 0:
         return "", []
     # Any layer: the first layers of a family with leading dense layers have no router.
@@ -1151,6 +1168,8 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
         if match is None or ".experts." in key or "shared" in key:
             continue
         if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
+            continue
+        if attention is not None and key[match.end() :].startswith(f"{attention}."):
             continue
         if any(n != 1 for n in shape[:-1]):
             continue
@@ -1275,10 +1294,12 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     if not rule:
         ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
     tensors = expert_tensors(ctx)
+    bias_keys: list[str] = []
     if tensors is None:
         ctx.other.append("routed experts whose checkpoint tensors the analyser cannot place")
         layout, orientation, up, down, order, bias = ExpertLayout.NONE, WeightOrientation.OUT_IN, "", "", None, False
     else:
+        bias_keys = [tensors.up_bias_key, tensors.down_bias_key] if tensors.bias else []
         layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
         order, bias = _gate_up_order(ctx, tensors), tensors.bias
         if tensors.mixed_orientation:
@@ -1321,6 +1342,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         expert_down_key_template=down,
         expert_gate_up=order or GateUpOrder.SEPARATE,
         expert_bias=bias,
+        expert_bias_key_templates=bias_keys,
         router_bias=router_bias,
         router_jitter_field=jitter,
         num_experts_field=_positive_field(ctx.config, _EXPERT_COUNT_FIELDS),

@@ -21,8 +21,10 @@ from skill.features import (
     FEATURE_TITLES,
     MLA_SUPPORTED_EDITS,
     Checklist,
+    ExpertLayout,
     Feature,
     FeatureDelta,
+    FFNKind,
     PositionKind,
     QKNormKind,
     QKNormPlacement,
@@ -213,9 +215,28 @@ def engine_limits(checklist: Checklist) -> list[str]:
                 f"learned position table sized by {pos.table_rows_field or 'no config field'}"
                 " (the port sizes it by max_position_embeddings)"
             )
+    ffn = checklist.ffn
+    if ffn.activation == "clamped_swiglu":
+        # The clamped SwiGLU is an experts' activation: the edit subclasses the biased experts.
+        if moe is None:
+            limits.append("clamped SwiGLU in a dense MLP (only routed experts get it)")
+        elif not moe.expert_bias:
+            limits.append("clamped SwiGLU experts without projection biases")
+        elif moe.shared_experts:
+            limits.append("clamped SwiGLU experts beside shared experts (shared experts run SiLU)")
+        elif moe.n_layers and len(moe.moe_layers) != moe.n_layers:
+            limits.append("clamped SwiGLU experts beside dense layers (the dense MLP's activation is unmeasured)")
+        if set(ffn.activation_fields) != {"alpha", "limit"}:
+            limits.append("clamped SwiGLU whose alpha and limit no config field sets")
     if moe is not None:
-        if checklist.ffn.activation != "silu":
-            limits.append(f"MoE experts with the {checklist.ffn.activation!r} activation (shared experts run SiLU)")
+        if ffn.activation not in ("silu", "clamped_swiglu"):
+            limits.append(f"MoE experts with the {ffn.activation!r} activation (shared experts run SiLU)")
+        if moe.expert_bias and moe.expert_layout is not ExpertLayout.FUSED_3D:
+            limits.append("expert projection biases stored per expert (the adapter maps fused 3D ones)")
+        elif moe.expert_bias and checklist.ffn.kind is not FFNKind.GATED:
+            limits.append("expert projection biases on ungated experts")
+        elif moe.expert_bias and (len(moe.expert_bias_key_templates) != 2 or not all(moe.expert_bias_key_templates)):
+            limits.append("expert projection biases the analyser cannot place on the in- and down projection")
         template = moe.expert_key_template
         if template and not any(f".{{}}.{block}." in template for block in ("mlp", "block_sparse_moe")):
             limits.append(f"MoE experts stored under another module than mlp or block_sparse_moe ({template})")

@@ -129,6 +129,22 @@ class SourceFacts:
         code = "\n".join(self.class_code(name) for name in self.classes if "Experts" in name)
         return bool(re.search(r"\.clamp\(", code) and re.search(r"\bsigmoid\(", code))
 
+    def clamped_glu_fields(self) -> dict[str, str]:
+        """The config fields a clamped-GLU experts class reads for its constants:
+        ``{"limit": field}`` for the attribute its ``.clamp(`` calls take, ``{"alpha": field}``
+        for the one that scales the ``sigmoid(`` argument (``self.x = config.field`` in
+        ``__init__``); empty where the class sets neither from the config."""
+        code = "\n".join(self.class_code(name) for name in self.classes if "Experts" in name)
+        assigned = dict(re.findall(r"self\.(\w+)\s*=\s*config\.(\w+)", code))
+        fields: dict[str, str] = {}
+        for attr, field_name in assigned.items():
+            used = rf"self\.{re.escape(attr)}\b"
+            if re.search(rf"\.clamp\([^)]*{used}", code):
+                fields["limit"] = field_name
+            elif re.search(rf"\bsigmoid\([^)]*{used}", code):
+                fields["alpha"] = field_name
+        return fields
+
     def router_renormalises(self) -> bool:
         """Whether the router divides its top-k weights by their sum (unconditionally or by a flag)."""
         return bool(re.search(r"/=?\s*\(?[\w.]*\.?sum\(|/=?\s*[\w.]*denominator", self.router_code()))

@@ -660,6 +660,12 @@ EXPERT_PARTS = {
     "up": ["layers.{}.moe.experts.w3"],
     "down": ["layers.{}.moe.experts.w2"],
 }
+# Their biases ([E, n], no transpose): BiasedGroupedExperts' w1_bias/w3_bias and w2_bias.
+EXPERT_BIAS_PARTS = {
+    "gate_up": ["layers.{}.moe.experts.w1_bias", "layers.{}.moe.experts.w3_bias"],
+    "up": ["layers.{}.moe.experts.w3_bias"],
+    "down": ["layers.{}.moe.experts.w2_bias"],
+}
 
 
 def fused_expert_keys(moe: MoEFeatures | None) -> dict[str, list[str]]:
@@ -668,7 +674,11 @@ def fused_expert_keys(moe: MoEFeatures | None) -> dict[str, list[str]]:
     if moe is None or moe.expert_layout is not ExpertLayout.FUSED_3D:
         return {}
     up = "gate_up" if moe.expert_gate_up is not GateUpOrder.SEPARATE else "up"
-    return {moe.expert_key_template: EXPERT_PARTS[up], moe.expert_down_key_template: EXPERT_PARTS["down"]}
+    keys = {moe.expert_key_template: EXPERT_PARTS[up], moe.expert_down_key_template: EXPERT_PARTS["down"]}
+    if moe.expert_bias and len(moe.expert_bias_key_templates) == 2:
+        up_bias, down_bias = moe.expert_bias_key_templates
+        keys.update({up_bias: EXPERT_BIAS_PARTS[up], down_bias: EXPERT_BIAS_PARTS["down"]})
+    return keys
 
 
 _EXPERTS_INIT = """
@@ -783,7 +793,7 @@ def apply_fused_experts_adapter(
     camel = layout.names.camel
     transposed = moe.expert_orientation is WeightOrientation.IN_OUT
     order = moe.expert_gate_up
-    gate_up = next((k for k, parts in experts.items() if len(parts) == 2), "")
+    gate_up = next((k for k, parts in experts.items() if parts == EXPERT_PARTS["gate_up"]), "")
     down = next(k for k, parts in experts.items() if parts == EXPERT_PARTS["down"])
     stacking = {
         GateUpOrder.CONCATENATED: "the gate rows first, then the up rows",
@@ -806,7 +816,13 @@ def apply_fused_experts_adapter(
                     f"Checkpoints store all experts of a layer's projection in one 3D tensor: {described}"
                     f"``{down.replace('{}', '{L}')}`` (down), {orientation}. Archon holds them as "
                     "``layers.{L}.moe.experts.w1``/``w3`` ``[E, hidden, dim]`` and ``w2`` ``[E, dim, hidden]``; "
-                    f"the adapter splits{', transposes' if transposed else ''} and fuses them back, changing no value.",
+                    f"the adapter splits{', transposes' if transposed else ''} and fuses them back, changing no value."
+                    + (
+                        " The experts' biases ``[E, n]`` are split and fused the same way (no transpose) into "
+                        "``w1_bias``/``w3_bias`` and ``w2_bias``."
+                        if moe.expert_bias and len(experts) > 2
+                        else ""
+                    ),
                     width=88,
                     break_on_hyphens=False,
                 ),
@@ -866,6 +882,10 @@ def apply_fused_experts_adapter(
         if transposed
         else "    return weight.contiguous()\n"
     )
+    if transposed and moe.expert_bias:
+        # The experts' biases ([E, n]) have no (in, out) to swap.
+        convert_in = "    weight = value.transpose(1, 2) if value.dim() == 3 else value  # 3D: each expert (in, out)\n"
+        convert_out = "    if weight.dim() == 2:\n        return weight.contiguous()  # a bias [E, n]\n" + convert_out
     text = upsert_method(
         text,
         cls,

@@ -298,6 +298,19 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 jitter, "float", float(getattr(config, jitter)), f"hf_config.{jitter}", operator.attrgetter(jitter)
             )
         )
+    for field_name in profile.expert_activation_fields.values():
+        # The clamped SwiGLU experts' constants (alpha, limit), as the config sets them; a
+        # config without the field (transformers 5.3 hard-codes the constants) gets the default.
+        default = float(getattr(config, field_name))
+        fields.append(
+            ArgField(
+                field_name,
+                "float",
+                default,
+                f'float(getattr(hf_config, "{field_name}", cls.{field_name}))',
+                functools.partial(_float_or, name=field_name, default=default),
+            )
+        )
     fields += [scalar_arg(profile, name, config) for name in profile.multipliers]
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
@@ -469,15 +482,17 @@ def _partial_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
 
 
+def _float_or(config: Any, name: str, default: float) -> float:
+    return float(getattr(config, name, default))
+
+
 def _rope_scaling_of(config: Any) -> dict[str, float] | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") == "default":
         return None
-    return {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta") and _numeric(v)}
-
-
-def _numeric(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Flags (YaRN's truncate) as 0.0 / 1.0: the RoPE reads their truth value.
+    skip = ("rope_type", "rope_theta")
+    return {k: float(v) for k, v in rope.items() if k not in skip and isinstance(v, (int, float))}
 
 
 def _literal(value: Any) -> str:

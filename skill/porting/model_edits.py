@@ -1065,6 +1065,102 @@ def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
     )
 
 
+EXPERTS_IMPORTS = (
+    "import math",
+    "import torch.nn.functional as F",
+    "from torch.distributed.tensor import DTensor, Partial, Shard",
+    "from archon_models.moe import GroupedExperts",
+    "from archon_models.moe.utils import indices_padding_wrapper",
+)
+
+
+def _expert_bias(text: str, ctx: EditContext) -> str:
+    """The MoE's routed experts get gate, up and down biases (``w1_bias``, ``w3_bias``,
+    ``w2_bias``): the package's own experts class, replacing AReaL's ``GroupedExperts``."""
+    if "class BiasedGroupedExperts(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("experts", "_expert_sharded"))
+        text = insert_before_class(text, "TransformerBlock", snippet("experts", "BiasedGroupedExperts"))
+    for line in EXPERTS_IMPORTS:
+        text = ensure_import_line(text, line)
+    if "self.moe.experts = " in text:
+        return text
+    return insert_after_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe",
+        "# The routed experts' projections have biases.\n"
+        "self.moe.experts = BiasedGroupedExperts(\n"
+        "    model_args.dim,\n"
+        "    model_args.moe_inter_dim,\n"
+        "    model_args.moe_args.num_experts,\n"
+        "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
+        ")\n",
+    )
+
+
+def _clamped_swiglu_experts(text: str, ctx: EditContext) -> str:
+    """The biased experts activate by the clamped SwiGLU with the config's alpha and limit."""
+    fields = ctx.profile.expert_activation_fields
+    if "class BiasedGroupedExperts(" not in text:
+        raise ValueError("clamped SwiGLU experts subclass the biased experts: apply expert_bias first")
+    if "class ClampedSwiGLUExperts(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("experts", "clamped_swiglu"))
+        text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUExperts"))
+    text = text.replace(
+        "# The routed experts' projections have biases.\n",
+        "# The routed experts' projections have biases; they activate by the clamped SwiGLU.\n",
+    )
+    return replace_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe.experts",
+        "self.moe.experts = ClampedSwiGLUExperts(\n"
+        "    model_args.dim,\n"
+        "    model_args.moe_inter_dim,\n"
+        "    model_args.moe_args.num_experts,\n"
+        f"    alpha=model_args.{fields['alpha']},\n"
+        f"    limit=model_args.{fields['limit']},\n"
+        "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
+        ")\n",
+    )
+
+
+def _router_bias(text: str, ctx: EditContext) -> str:
+    """The router's gate has a bias: it joins the logits before scoring and top-k, whatever
+    router picks the experts. Zero at init, as the other biases."""
+    if "class BiasedRouterGate(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("router", "BiasedRouterGate"))
+    text = ensure_import_line(text, "import torch.nn.functional as F")
+    if "self.moe.router.gate = " not in text:
+        # On the router the block ends up with: after one an earlier edit put in (sparse mixer).
+        anchor = "self.moe.router" if "self.moe.router = " in text else "self.moe"
+        text = insert_after_statement_assigning(
+            text,
+            "TransformerBlock",
+            "__init__",
+            anchor,
+            "# The router's logits have a bias.\n"
+            "self.moe.router.gate = BiasedRouterGate(\n"
+            "    model_args.dim, model_args.moe_args.num_experts, router_dtype=model_args.moe_args.router_dtype\n"
+            ")\n",
+        )
+    if "nn.init.zeros_(self.moe.router.gate.bias)" in text:
+        return text
+    init = (
+        "self.moe.init_weights(self.weight_init_std)"
+        if "self.moe.init_weights(self.weight_init_std)" in text
+        else "mlp.init_weights(self.weight_init_std)"
+    )
+    zero = (
+        "nn.init.zeros_(self.moe.router.gate.bias)"
+        if init.startswith("self.moe")
+        else "if self.moe is not None:\n    nn.init.zeros_(self.moe.router.gate.bias)"
+    )
+    return replace_in_function(text, "TransformerBlock", "init_weights", init, f"{init}\n{zero}\n")
+
+
 # The canonical order: where two edits touch one place, the inner one comes first
 # (norms wrap a residual branch before the multiplier scales it; the logit divisor
 # before the soft-cap; the MLP's shape before its activation and bias).
@@ -1197,6 +1293,24 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "sparse-mixer routing (two successive masked-softmax picks)",
         lambda p: p.router_scoring == "sparsemixer",
         _sparse_mixer_router,
+    ),
+    ModelEdit(
+        "expert_bias",
+        "biases on the routed experts' gate, up and down projections",
+        lambda p: p.expert_bias,
+        _expert_bias,
+    ),
+    ModelEdit(
+        "clamped_swiglu_experts",
+        "routed experts activated by the clamped SwiGLU (alpha, limit from the config)",
+        lambda p: bool(p.expert_activation_fields),
+        _clamped_swiglu_experts,
+    ),
+    ModelEdit(
+        "router_bias",
+        "a bias on the router's gate logits",
+        lambda p: p.router_bias,
+        _router_bias,
     ),
     ModelEdit(
         "norm_offset",
@@ -1338,7 +1452,13 @@ def describe(profile: PortPlan, camel: str) -> str:
         attention.append("attention sinks")
     norm = NORM_TITLES[profile.norm]
     mlp = (
-        ("SwiGLU" if profile.activation == "silu" else f"gated {_activation_name(profile)}")
+        (
+            "SwiGLU"
+            if profile.activation == "silu"
+            else "clamped-SwiGLU"
+            if profile.expert_activation_fields
+            else f"gated {_activation_name(profile)}"
+        )
         if profile.mlp == "gated"
         else f"two-layer {_activation_name(profile)}"
     )
@@ -1359,6 +1479,8 @@ def describe(profile: PortPlan, camel: str) -> str:
             + (" routed by per-expert sigmoid scores" if profile.router_scoring == "sigmoid" else "")
             + (" routed by a sparse mixer" if profile.router_scoring == "sparsemixer" else "")
             + (" with a gated shared expert" if profile.shared_expert else "")
+            + (" whose experts have biases" if profile.expert_bias else "")
+            + (" and a biased router" if profile.router_bias else "")
         )
     if profile.embedding_scale == "sqrt_dim":
         extras.append("sqrt(dim)-scaled embeddings")

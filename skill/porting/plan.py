@@ -177,6 +177,15 @@ class PortPlan(BaseModel):
     router_scoring_field: str | None = Field(
         default=None, description="config field naming the router's scoring function, if the config has one"
     )
+    expert_bias: bool = Field(
+        default=False, description="the routed experts' gate, up and down projections have biases"
+    )
+    router_bias: bool = Field(default=False, description="the router's linear gate has a bias")
+    expert_activation_fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
+        "empty for SwiGLU experts",
+    )
     tied: bool
     lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
     embedding_projection_field: str | None = Field(
@@ -351,6 +360,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)
         else None,
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
+        expert_bias=moe is not None and moe.expert_bias,
+        router_bias=moe is not None and moe.router_bias,
+        expert_activation_fields=dict(ffn.activation_fields)
+        if moe is not None and ffn.activation == "clamped_swiglu"
+        else {},
         tied=sc.tie_word_embeddings,
         lm_head_bias=sc.lm_head_bias,
         embedding_projection_field=sc.embedding_projection_field,

@@ -15,6 +15,7 @@ from skill.codemod.contract import append_to_if_block
 from skill.codemod.cst import (
     edit_dict_literal,
     ensure_import_line,
+    insert_before_class,
     read_dict_literal,
     replace_in_function,
     set_docstring,
@@ -29,6 +30,7 @@ from skill.porting.common import (
     write_if_changed,
 )
 from skill.porting.plan import PortPlan, plan_for
+from skill.porting.snippets import snippet
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +212,37 @@ def _plan_embedding_projection(text: str) -> str:
     return append_to_if_block(text, None, function, "model.norm is not None", PROJECT_OUT_PLAN)
 
 
+# AReaL's expert styles -> the package's, which shard the experts' biases with their weights.
+BIASED_EXPERT_STYLES = {
+    "TensorParallel()": "BiasedTensorParallel()",
+    "ExpertParallel()": "BiasedExpertParallel()",
+    "ExpertTensorParallel()": "BiasedExpertTensorParallel()",
+}
+
+
+def _plan_biased_experts(text: str) -> str:
+    """Routed experts with biases: the package's expert-parallel styles (snippets/
+    expert_parallel.py) shard ``w1_bias``/``w2_bias``/``w3_bias`` with the weights."""
+    if "class BiasedExpertParallel(" in text:
+        return text
+    for name in ("shard_expert_parameters", *(v[: -len("()")] for v in BIASED_EXPERT_STYLES.values())):
+        text = insert_before_class(text, "ReplicateParallel", snippet("expert_parallel", name))
+    # The reference imports AReaL's styles and the placements already.
+    text = ensure_import_line(text, "from torch.distributed.tensor import distribute_tensor")
+    for old, new in BIASED_EXPERT_STYLES.items():
+        text = replace_in_function(
+            text,
+            None,
+            "apply_moe_ep_tp",
+            f"experts_mesh, experts_plan = {_EXPERTS_MESH[old]}, {old}",
+            f"experts_mesh, experts_plan = {_EXPERTS_MESH[old]}, {new}",
+        )
+    return text
+
+
+_EXPERTS_MESH = {"TensorParallel()": "tp_mesh", "ExpertParallel()": "ep_mesh", "ExpertTensorParallel()": "ep_tp_mesh"}
+
+
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
     """Make archon_models/<model_name>/infra/parallelize.py's TP plan match the model: plan
     entries only for modules the family has (e.g. no w3 for a two-layer MLP), local outputs
@@ -279,7 +312,10 @@ def apply_write_parallelize(
             raw_values=True,
         )
     text = edit_dict_literal(text, PLAN_TARGET, remove=remove)
-    if ACTIVATIONS[profile.activation].module and not profile.all_layers_moe:
+    if profile.expert_bias:
+        text = _plan_biased_experts(text)
+    activation = ACTIVATIONS.get(profile.activation)
+    if activation is not None and activation.module and not profile.all_layers_moe:
         # A learned activation sees w1's feature shard: its parameters are replicated DTensors
         # whose gradients are summed over the TP ranks; local output for w2.
         text = edit_dict_literal(

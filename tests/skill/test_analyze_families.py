@@ -161,6 +161,12 @@ FACTS: dict[str, dict[str, Any]] = {
         "moe.expert_orientation": "in_out",
         "moe.norm_topk_prob": True,
         "attention.sliding_window.kind": "per_layer_pattern",
+        # The sinks (as many as the tiny model's experts) are not a router selection bias.
+        "moe.score_correction_bias": False,
+        "moe.expert_bias": True,
+        "moe.router_bias": True,
+        "ffn.activation": "clamped_swiglu",
+        "unsupported": [],
     },
     # Qwen2-MoE: one shared expert scaled by sigmoid(shared_expert_gate); q/k/v bias.
     "qwen2_moe": {

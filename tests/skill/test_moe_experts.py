@@ -83,16 +83,14 @@ def test_granite_fused_experts_are_not_reported_missing() -> None:
     assert not report.unsupported
 
 
-def test_gpt_oss_names_expert_and_router_biases_unsupported() -> None:
+def test_gpt_oss_expert_and_router_biases_and_clamped_swiglu_are_supported() -> None:
     values = feature_values(report_for("gpt_oss").checklist)
     assert values[Feature.EXPERT_BIAS] == "true" and values[Feature.ROUTER_BIAS] == "true"
-    assert "true" not in SUPPORTED_EDITS.get(Feature.EXPERT_BIAS, frozenset())
     # GptOssExperts calls no activation function: clamp, sigmoid gate, (up + 1).
     assert values[Feature.ACTIVATION] == "clamped_swiglu"
-    unsupported = report_for("gpt_oss").unsupported
-    assert "unsupported: activation = clamped_swiglu" in unsupported
-    assert "unsupported: expert projection biases" in unsupported
-    assert "unsupported: router linear bias" in unsupported
+    for feature in (Feature.EXPERT_BIAS, Feature.ROUTER_BIAS, Feature.ACTIVATION):
+        assert values[feature] in SUPPORTED_EDITS[feature]
+    assert report_for("gpt_oss").unsupported == []
 
 
 def test_phimoe_router_is_a_sparse_mixer_with_its_margin_field() -> None:
@@ -279,3 +277,44 @@ def test_sparse_mixer_edit_composes_with_the_moe_block_edits(others) -> None:
     assert "class SparseMixerRouter(TokenChoiceTopKRouter):" in first
     assert first.index("self.moe = MoE(") < first.index("self.moe.router = SparseMixerRouter(")
     compile(first, "model.py", "exec")
+
+
+@pytest.mark.parametrize("order", [GateUpOrder.INTERLEAVED, GateUpOrder.CONCATENATED])
+def test_generated_adapter_splits_and_fuses_expert_biases(tmp_path, order) -> None:
+    """[E, 2 * hidden] gate/up biases split in the weights' order, [E, dim] down biases kept,
+    neither transposed (the weights are stored (in, out)); both fused back exactly."""
+    moe = _moe(order, WeightOrientation.IN_OUT).model_copy(
+        update={
+            "expert_bias": True,
+            "expert_bias_key_templates": [
+                "model.layers.{}.mlp.experts.gate_up_proj_bias",
+                "model.layers.{}.mlp.experts.down_proj_bias",
+            ],
+        }
+    )
+    adapter = _generated_adapter(tmp_path, moe)
+    torch.manual_seed(2)
+    gate_up_bias, down_bias = torch.randn(E, 2 * HIDDEN), torch.randn(E, DIM)
+    key, down_key = "model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"
+    parts = adapter._experts_from_hf(key, "model.layers.{}.mlp.experts.gate_up_proj_bias", ["0"], gate_up_bias)
+    b1, b3 = parts["layers.0.moe.experts.w1_bias"], parts["layers.0.moe.experts.w3_bias"]
+    gate = slice(0, None, 2) if order is GateUpOrder.INTERLEAVED else slice(0, HIDDEN)
+    up = slice(1, None, 2) if order is GateUpOrder.INTERLEAVED else slice(HIDDEN, None)
+    assert torch.equal(b1, gate_up_bias[:, gate]) and torch.equal(b3, gate_up_bias[:, up])
+    (b2,) = adapter._experts_from_hf(down_key, "model.layers.{}.mlp.experts.down_proj_bias", ["0"], down_bias).values()
+    assert torch.equal(b2, down_bias)
+    assert torch.equal(adapter._experts_to_hf(key, {0: b1, 1: b3}), gate_up_bias)
+    assert torch.equal(adapter._experts_to_hf(down_key, {0: b2}), down_bias)
+    # The 3D weights are still transposed.
+    weight = torch.randn(E, DIM, 2 * HIDDEN)
+    parts = adapter._experts_from_hf(
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.{}.mlp.experts.gate_up_proj", ["0"], weight
+    )
+    assert parts["layers.0.moe.experts.w1"].shape == (E, HIDDEN, DIM)
+    assert torch.equal(
+        adapter._experts_to_hf(
+            "model.layers.0.mlp.experts.gate_up_proj",
+            {0: parts["layers.0.moe.experts.w1"], 1: parts["layers.0.moe.experts.w3"]},
+        ),
+        weight,
+    )

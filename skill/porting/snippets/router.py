@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from archon_models.moe import TokenChoiceTopKRouter
 
@@ -58,3 +60,18 @@ class SparseMixerRouter(TokenChoiceTopKRouter):
         # histc counts floats only on CPU; indices are exact in fp32 up to 2**24.
         counts = torch.histc(selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts)
         return top_scores, selected, counts.to(torch.int64)
+
+
+class BiasedRouterGate(nn.Linear):
+    """A router gate with a bias: ``x @ weight.T + bias``, computed in ``router_dtype`` when
+    given (the bias joins the logits before any top-k or softmax)."""
+
+    def __init__(self, in_features: int, out_features: int, router_dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=True)
+        self.router_dtype = router_dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.router_dtype is None:
+            return F.linear(input, self.weight, self.bias)
+        dtype = self.router_dtype
+        return F.linear(input.to(dtype), self.weight.to(dtype), self.bias.to(dtype))
