@@ -364,6 +364,8 @@ def test_learned_activation_is_replicated_over_tp_with_summed_gradients() -> Non
     from skill.porting.write_parallelize import PLAN_TARGET
 
     repo = Path(__file__).resolve().parents[2]
-    plan = read_dict_literal((repo / "archon_models/apertus/infra/parallelize.py").read_text(), PLAN_TARGET)
-    assert plan["feed_forward.act_fn"] == "SequenceParallel(sequence_dim=-1, use_local_output=True)"
-    assert plan["feed_forward.w1"] == "ColwiseParallel()" and "feed_forward.w3" not in plan
+    text = (repo / "archon_models/apertus/infra/parallelize.py").read_text()
+    plan = read_dict_literal(text, PLAN_TARGET)  # keys (values that are calls read as None)
+    assert "feed_forward.act_fn" in plan and "feed_forward.w1" in plan and "feed_forward.w3" not in plan
+    assert '"feed_forward.act_fn": SequenceParallel(sequence_dim=-1, use_local_output=True),' in text
+    assert '"feed_forward.w1": ColwiseParallel(),' in text
