@@ -7,6 +7,7 @@ The spec modules are imported directly, so no model package's ``__init__`` runs 
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
+from archon_models.bloom import spec as bloom_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
@@ -59,3 +60,4 @@ from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401
 from archon_models.vaultgemma import spec as vaultgemma_spec  # noqa: F401
+from archon_models.xglm import spec as xglm_spec  # noqa: F401
