@@ -374,6 +374,11 @@ class Checklist(_Frozen):
         default_factory=list,
         description="layer checkpoint keys ({} for the layer) stored as [in, out] (transformers' Conv1D), probed",
     )
+    pinned_nested_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
+        "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
+    )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 

@@ -240,6 +240,64 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     return found
 
 
+def _nested_config(config: PretrainedConfig, parent: str) -> Any:
+    return getattr(config, parent, None)
+
+
+def _nested_value(config: PretrainedConfig, parent: str, key: str) -> Any:
+    sub = _nested_config(config, parent)
+    return sub.get(key) if isinstance(sub, dict) else getattr(sub, key, None)
+
+
+def nested_forward_fields(ctx: Context) -> list[str]:
+    """Scalar fields of nested configs (MPT's ``attn_config``) that the forward reads, found
+    by moving each one as :func:`config_scalars` moves the top-level ones. No edit reads a
+    nested field: one the family leaves unset (None) is pinned there (the port refuses a
+    config that sets it); one set is named in ``other``."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    base = probes.logits(ctx.model, tokens)
+    pinned: list[str] = []
+    for parent, sub in sorted(ctx.tiny.to_dict().items()):
+        if not isinstance(sub, dict) or any(w in parent for w in _NOT_FORWARD_SCALARS):
+            continue  # (RoPE parameters are measured as positions)
+        for key, value in sorted((k, v) for k, v in sub.items() if isinstance(k, str)):
+            if not any(w in key for w in _SCALAR_ROLE_WORDS) or any(w in key for w in _NOT_FORWARD_SCALARS):
+                continue
+            if not (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+                continue
+            if not _nested_moves_logits(ctx, parent, key, value, tokens, base):
+                continue
+            full = _nested_value(ctx.config, parent, key)
+            if full is None:
+                ctx.evidence.append(f"nested config field {parent}.{key}: the forward reads it; unset here (probe)")
+                pinned.append(f"{parent}.{key}")
+            else:
+                ctx.other.append(
+                    f"nested config field {parent}.{key}={full!r} the forward reads (no edit reads nested fields)"
+                )
+    return pinned
+
+
+def _nested_moves_logits(
+    ctx: Context, parent: str, key: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
+) -> bool:
+    for new_value in probes.perturbed_values(value):
+        config = copy.deepcopy(ctx.tiny)
+        sub = _nested_config(config, parent)
+        try:
+            if isinstance(sub, dict):
+                sub[key] = new_value
+            else:
+                setattr(sub, key, new_value)
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            out = probes.logits(model, tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("moving %s.%s to %r failed: %s", parent, key, new_value, exc)
+            continue
+        return out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5)
+    return False
+
+
 def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
 ) -> tuple[PreTrainedModel, Any] | None:
@@ -1452,7 +1510,7 @@ def _alibi_slopes(ctx: Context) -> list[float]:
         ctx.other.append(f"ALiBi slopes ({shown}) other than the standard 2**(-8 / n) sequence (probe)")
     else:
         ctx.evidence.append(f"ALiBi slopes {', '.join(f'{x:.4g}' for x in slopes)}: the standard sequence (probe)")
-    return [round(x, 7) for x in slopes]
+    return [float(f"{x:.6g}") for x in slopes]  # six significant digits: probe noise stays out of reports
 
 
 PER_LAYER_ROPE_TYPES = ("full_attention", "sliding_attention")

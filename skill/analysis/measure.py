@@ -178,6 +178,7 @@ def _inspect(
     norm = detect.norm_features(ctx)
     scalars = detect.scalar_features(ctx)
     ctx.other.extend(detect.per_layer_differences(ctx))
+    pinned = detect.nested_forward_fields(ctx)
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -186,6 +187,7 @@ def _inspect(
         norm=norm,
         scalars=scalars,
         transposed_weights=detect.transposed_weights(ctx),
+        pinned_nested_fields=pinned,
         other=sorted(set(ctx.other)),
     )
     return Analysis(resolved, checklist, ctx)

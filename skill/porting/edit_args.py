@@ -599,6 +599,17 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 f'            "is not supported by {camel} in Archon, whose attention normalises q and k."',
                 "        )",
             ]
+    for path in profile.pinned_nested_fields:
+        parent, key = path.split(".", 1)
+        lines += [
+            f'    {parent} = getattr(hf_config, "{parent}", None)',
+            f'    {key} = {parent}.get("{key}") if isinstance({parent}, dict) else getattr({parent}, "{key}", None)',
+            f"    if {key} is not None:",
+            "        raise ValueError(",
+            f'            f"{path}={{{key}!r}} is not supported by {camel} in Archon, "',
+            '            "which reproduces it unset (None)."',
+            "        )",
+        ]
     if profile.mqa_flag is not None:
         lines += [
             f'    if not getattr(hf_config, "{profile.mqa_flag}", True):',

@@ -192,6 +192,9 @@ class PortPlan(BaseModel):
         description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
         "layers are chosen that way",
     )
+    pinned_nested_fields: list[str] = Field(
+        default_factory=list, description="nested config fields the forward reads, reproduced unset (refused if set)"
+    )
     single_kv_head: bool = Field(
         default=False,
         description="multi-query attention no config field sets: one KV head whatever the head counts say",
@@ -345,6 +348,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         )
         if moe is not None
         else None,
+        pinned_nested_fields=list(cl.pinned_nested_fields),
         single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
     )
 
