@@ -8,6 +8,7 @@ from archon_models.apertus import spec as apertus_spec  # noqa: F401
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
+from archon_models.bloom import spec as bloom_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
@@ -48,6 +49,7 @@ from archon_models.model_spec import (  # noqa: F401
     is_supported_model,
     register_model_spec,
 )
+from archon_models.mpt import spec as mpt_spec  # noqa: F401
 from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
@@ -65,4 +67,5 @@ from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
 from archon_models.starcoder2 import spec as starcoder2_spec  # noqa: F401
 from archon_models.vaultgemma import spec as vaultgemma_spec  # noqa: F401
+from archon_models.xglm import spec as xglm_spec  # noqa: F401
 from archon_models.youtu import spec as youtu_spec  # noqa: F401

@@ -9,6 +9,7 @@ kernels' own math and is checked against the per-document one before it is timed
 
     python bench/attention_kernels.py
     python bench/attention_kernels.py --lengths 300,120,512,64,200,400,90,362 --repeats 5
+    python bench/attention_kernels.py --variants alibi
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from skill.porting.snippets.attention import (
+    AlibiAttention,
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
+    alibi_slopes,
     padded_documents,
     per_document,
 )
@@ -35,8 +38,10 @@ logger = logging.getLogger("bench.attention_kernels")
 Kernel = Callable[..., torch.Tensor]
 
 
-def _kernel(window=None, softcap=None, sinks=None):
+def _kernel(window=None, softcap=None, sinks=None, slopes=None):
     """The snippet kernel for a variant, and the keyword arguments its ``attend`` takes."""
+    if slopes is not None:
+        return AlibiAttention(), {"slopes": slopes}
     if sinks is not None:
         return SinkAttention(window), {"sinks": sinks}
     if softcap is not None or window is None:
@@ -44,20 +49,21 @@ def _kernel(window=None, softcap=None, sinks=None):
     return SlidingWindowAttention(window), {}
 
 
-def loop(q, k, v, cu, window=None, softcap=None, sinks=None):
+def loop(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
     """One call per document (the snippets' CPU path)."""
-    kernel, kw = _kernel(window, softcap, sinks)
+    kernel, kw = _kernel(window, softcap, sinks, slopes)
     return per_document(kernel.attend, q, k, v, cu, scale=q.shape[-1] ** -0.5, **kw)
 
 
-def padded(q, k, v, cu, window=None, softcap=None, sinks=None):
+def padded(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
     """The documents as one zero-padded batch, one call (the snippets' CUDA path for sinks)."""
-    kernel, kw = _kernel(window, softcap, sinks)
+    kernel, kw = _kernel(window, softcap, sinks, slopes)
     return padded_documents(kernel.attend, q, k, v, cu, scale=q.shape[-1] ** -0.5, **kw)
 
 
-def dense_mask(q, k, v, cu, window=None, softcap=None, sinks=None):
-    """One SDPA call with a ``[T, T]`` boolean document (and window) mask."""
+def dense_mask(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
+    """One SDPA call with a ``[T, T]`` boolean document (and window) mask; with ALiBi an
+    additive ``[H, T, T]`` bias (in-document distance times the slope, -inf elsewhere)."""
     if softcap is not None or sinks is not None:
         raise NotImplementedError("SDPA can neither soft-cap nor take a sink")
     pos = torch.arange(q.shape[2])
@@ -66,14 +72,19 @@ def dense_mask(q, k, v, cu, window=None, softcap=None, sinks=None):
     m = (doc[:, None] == doc[None, :]) & (d >= 0)
     if window is not None:
         m = m & (d < window)
+    if slopes is not None:
+        bias = (slopes.view(-1, 1, 1) * -d.float()).masked_fill(~m, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def flex(q, k, v, cu, window=None, softcap=None, sinks=None):
+def flex(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
     """Flex attention with a block mask from the document ids (the snippets' CUDA path for
-    soft-caps; forward only on CPU)."""
+    soft-caps and ALiBi; forward only on CPU)."""
     if sinks is not None:
         raise NotImplementedError("flex attention has no sink")
+    if slopes is not None:
+        return AlibiAttention().flex(q, k, v, slopes, cu, q.shape[-1] ** -0.5)
     return EagerAttention(softcap, window).flex(q, k, v, cu, scale=q.shape[-1] ** -0.5)
 
 
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--variants", default="", help="comma-separated variants to time (default: all)")
     opts = p.parse_args(argv)
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
@@ -119,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         "window+softcap": {"window": opts.window, "softcap": 50.0},
         "sinks": {"sinks": sinks},
         "window+sinks": {"window": opts.window, "sinks": sinks},
+        "alibi": {"slopes": alibi_slopes(opts.heads)},
     }
     logger.info(
         "%d documents, %d tokens, %d/%d heads of %d", len(lengths), total, opts.heads, opts.kv_heads, opts.head_dim
     )
     rows = [f"{'variant':<16} {'path':<11} {'fwd ms':>9} {'fwd+bwd ms':>11}  max diff vs loop"]
-    for variant, kw in variants.items():
+    chosen = [v for v in opts.variants.split(",") if v] or list(variants)
+    for variant, kw in ((v, variants[v]) for v in chosen):
         expected = loop(q, k, v, cu, **kw).detach()
         for name, fn in KERNELS.items():
             try:

@@ -259,7 +259,12 @@ class FFNFeatures(_Frozen):
         None, description="config field of the FFN width (intermediate_size, ffn_dim, n_inner)"
     )
     intermediate_multiple: int | None = Field(
-        None, description="width = multiple * hidden_size when that field is None (GPT-2's n_inner: 4)"
+        None,
+        description="width = multiple * hidden_size when that field is None (GPT-2's n_inner: 4), or when no "
+        "config field sets the width (Bloom: 4)",
+    )
+    intermediate_ratio_field: str | None = Field(
+        None, description="config field whose value times hidden_size is the FFN width (MPT's expansion_ratio)"
     )
 
 
@@ -344,7 +349,15 @@ class PositionFeatures(_Frozen):
     table_key: str | None = Field(
         None, description="checkpoint key of a learned absolute-position table (transformer.wpe.weight)"
     )
-    table_offset: int = Field(0, description="position p reads row p + offset of the table (OPT: 2), probed")
+    table_offset: int = Field(
+        0, description="position p reads row p + offset of the learned or sinusoidal table (OPT, XGLM: 2), probed"
+    )
+    table_zero_row_field: str | None = Field(
+        None, description="config field naming the sinusoidal table's row that is zeroed (XGLM: pad_token_id), probed"
+    )
+    alibi_slopes: list[float] = Field(
+        default_factory=list, description="ALiBi: the per-head slopes of the tiny model's layer-0 score bias, probed"
+    )
     table_rows_field: str | None = Field(
         None, description="config field whose value plus the offset is the table's row count"
     )
@@ -406,6 +419,11 @@ class Checklist(_Frozen):
     transposed_weights: list[str] = Field(
         default_factory=list,
         description="layer checkpoint keys ({} for the layer) stored as [in, out] (transformers' Conv1D), probed",
+    )
+    pinned_nested_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
+        "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
     )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
@@ -634,8 +652,12 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
     # RoPE left out per layer as the config says (model_edits.py nope_layers).
     Feature.NOPE_LAYERS: frozenset({"false", "per_layer_field", "layer_type"}),
-    # Learned absolute positions (model_edits.py: remove_rope, learned_positions).
-    Feature.POSITION_KIND: frozenset({PositionKind.ROPE, PositionKind.LEARNED}),
+    # Learned absolute positions (model_edits.py: remove_rope, learned_positions); ALiBi
+    # (remove_rope, alibi_attention: snippets/attention.py AlibiAttention); a fixed sinusoidal
+    # table (remove_rope, sinusoidal_positions: snippets/positions.py).
+    Feature.POSITION_KIND: frozenset(
+        {PositionKind.ROPE, PositionKind.LEARNED, PositionKind.ALIBI, PositionKind.SINUSOIDAL}
+    ),
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),

@@ -48,6 +48,8 @@ from skill.features import (
     SlidingWindowKind,
     WeightOrientation,
 )
+from skill.porting.snippets.attention import alibi_slopes
+from skill.porting.snippets.positions import sinusoidal_positions
 from skill.tiny_model import build_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -243,6 +245,64 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
         if role == "unknown":
             ctx.other.append(f"config scalar {name} changes the forward in a way the checklist cannot name")
     return found
+
+
+def _nested_config(config: PretrainedConfig, parent: str) -> Any:
+    return getattr(config, parent, None)
+
+
+def _nested_value(config: PretrainedConfig, parent: str, key: str) -> Any:
+    sub = _nested_config(config, parent)
+    return sub.get(key) if isinstance(sub, dict) else getattr(sub, key, None)
+
+
+def nested_forward_fields(ctx: Context) -> list[str]:
+    """Scalar fields of nested configs (MPT's ``attn_config``) that the forward reads, found
+    by moving each one as :func:`config_scalars` moves the top-level ones. No edit reads a
+    nested field: one the family leaves unset (None) is pinned there (the port refuses a
+    config that sets it); one set is named in ``other``."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    base = probes.logits(ctx.model, tokens)
+    pinned: list[str] = []
+    for parent, sub in sorted(ctx.tiny.to_dict().items()):
+        if not isinstance(sub, dict) or any(w in parent for w in _NOT_FORWARD_SCALARS):
+            continue  # (RoPE parameters are measured as positions)
+        for key, value in sorted((k, v) for k, v in sub.items() if isinstance(k, str)):
+            if not any(w in key for w in _SCALAR_ROLE_WORDS) or any(w in key for w in _NOT_FORWARD_SCALARS):
+                continue
+            if not (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+                continue
+            if not _nested_moves_logits(ctx, parent, key, value, tokens, base):
+                continue
+            full = _nested_value(ctx.config, parent, key)
+            if full is None:
+                ctx.evidence.append(f"nested config field {parent}.{key}: the forward reads it; unset here (probe)")
+                pinned.append(f"{parent}.{key}")
+            else:
+                ctx.other.append(
+                    f"nested config field {parent}.{key}={full!r} the forward reads (no edit reads nested fields)"
+                )
+    return pinned
+
+
+def _nested_moves_logits(
+    ctx: Context, parent: str, key: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
+) -> bool:
+    for new_value in probes.perturbed_values(value):
+        config = copy.deepcopy(ctx.tiny)
+        sub = _nested_config(config, parent)
+        try:
+            if isinstance(sub, dict):
+                sub[key] = new_value
+            else:
+                setattr(sub, key, new_value)
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            out = probes.logits(model, tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("moving %s.%s to %r failed: %s", parent, key, new_value, exc)
+            continue
+        return out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5)
+    return False
 
 
 def _moved_model(
@@ -819,16 +879,19 @@ def _layer_ffn_projections(ctx: Context) -> list[mt.Projection]:
 
 
 _WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
+_RATIO_WORDS = ("ratio", "expansion")
 
 
-def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None]:
+def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None, str | None]:
     """The FFN width at full size and the config field that sets it: ``intermediate_size``,
     else the width field whose tiny value is the up projection's width (``ffn_dim``,
     ``n_inner``, ...), else a width field left ``None`` when the width is a multiple of the
-    hidden size (GPT-2's ``n_inner=None``: 4 * hidden). (size, field, multiple)."""
+    hidden size (GPT-2's ``n_inner=None``: 4 * hidden), else a ratio field whose value is
+    that multiple (MPT's ``expansion_ratio``), else, with no field at all, the multiple
+    alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
     declared = ctx.get("intermediate_size")
     if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared, "intermediate_size", None
+        return declared, "intermediate_size", None, None
     widths = {p.out_features for p in ups}
     tiny_fields = sorted(ctx.tiny.to_dict().items())
     for name, value in tiny_fields:
@@ -840,15 +903,30 @@ def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | No
         ):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
-                return full, name, None
+                return full, name, None, None
     hidden = ctx.tiny.hidden_size
     if len(widths) == 1 and next(iter(widths)) % hidden == 0:
         multiple = next(iter(widths)) // hidden
         unset = [n for n, v in tiny_fields if v is None and any(w in n for w in _WIDTH_WORDS)]
         if len(unset) == 1 and ctx.get(unset[0]) is None:
             ctx.evidence.append(f"FFN width: {unset[0]}=None gives {multiple} * hidden_size")
-            return multiple * int(ctx.config.hidden_size), unset[0], multiple
-    return None, None, None
+            return multiple * int(ctx.config.hidden_size), unset[0], multiple, None
+        ratios = [
+            n
+            for n, v in tiny_fields
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and v == multiple
+            and any(w in n for w in _RATIO_WORDS)
+        ]
+        if len(ratios) == 1:
+            full_ratio = ctx.get(ratios[0])
+            ctx.evidence.append(f"FFN width: {ratios[0]} * hidden_size (probed: {multiple} * hidden_size)")
+            return int(full_ratio * ctx.config.hidden_size), None, None, ratios[0]
+        if not ratios and not unset:
+            ctx.evidence.append(f"FFN width: {multiple} * hidden_size, no config field sets it")
+            return multiple * int(ctx.config.hidden_size), None, multiple, None
+    return None, None, None, None
 
 
 def ffn_features(ctx: Context) -> FFNFeatures:
@@ -903,7 +981,7 @@ def _plain_or_gated(
     )
     gated = len(ups) >= 2 or fused
     bias = any(p.bias for p in projs)
-    size, size_field, multiple = _intermediate_size(ctx, ups)
+    size, size_field, multiple, ratio_field = _intermediate_size(ctx, ups)
     return FFNFeatures(
         kind=FFNKind.GATED if gated else FFNKind.PLAIN,
         activation=activation,
@@ -913,6 +991,7 @@ def _plain_or_gated(
         intermediate_size=size,
         intermediate_size_field=size_field,
         intermediate_multiple=multiple,
+        intermediate_ratio_field=ratio_field,
     )
 
 
@@ -1402,6 +1481,13 @@ def position_features(ctx: Context) -> PositionFeatures:
         return PositionFeatures(
             kind=kind, rope_type=None, theta=None, table_key=key, table_offset=offset, table_rows_field=rows_field
         )
+    if kind is PositionKind.ALIBI:
+        return PositionFeatures(kind=kind, rope_type=None, theta=None, alibi_slopes=_alibi_slopes(ctx))
+    if kind is PositionKind.SINUSOIDAL:
+        offset, zero_field = _sinusoidal_table(ctx, sinusoidal[0])
+        return PositionFeatures(
+            kind=kind, rope_type=None, theta=None, table_offset=offset, table_zero_row_field=zero_field
+        )
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
     per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
@@ -1429,6 +1515,61 @@ def position_features(ctx: Context) -> PositionFeatures:
         per_layer_type_rope=per_layer,
         rope_layer_types=sorted(rope) if per_layer else [],
     )
+
+
+def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
+    """A fixed sinusoidal position table: the row offset position ``p`` reads (probed through
+    layer 0's input), and the config field naming a row the module zeroes (XGLM zeroes row
+    ``pad_token_id``; read off the module's table against the formula). What is not the
+    ``[sin | cos]`` table the port builds is named."""
+    width = int(ctx.tiny.hidden_size)
+    offset = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, sinusoidal_positions)
+    if offset is None:
+        ctx.other.append(f"sinusoidal positions that are no [sin | cos] table rows (probe of {name})")
+        return 0, None
+    module = dict(ctx.model.named_modules())[name]
+    tables = [b for b in module.buffers(recurse=False) if b.ndim == 2 and b.shape[-1] == width]
+    zero_rows: list[int] = []
+    if tables:
+        table = tables[0].detach().double()
+        expected = sinusoidal_positions(table.shape[0], width).double()
+        zeroed = (table.abs().sum(-1) == 0) & (expected.abs().sum(-1) != 0)
+        zero_rows = [int(i) for i in torch.nonzero(zeroed).flatten()]
+        rest = ~zeroed
+        if not torch.allclose(table[rest], expected[rest], rtol=1e-5, atol=1e-5):
+            ctx.other.append(f"sinusoidal position table {name} other than the [sin | cos] one")
+    ctx.evidence.append(f"sinusoidal positions: position p reads row p + {offset} of {name} (probe)")
+    if not zero_rows:
+        return offset, None
+    fields = [
+        n
+        for n, v in sorted(ctx.tiny.to_dict().items())
+        if isinstance(v, int) and not isinstance(v, bool) and v == zero_rows[0] and n.endswith("token_id")
+    ]
+    field = "pad_token_id" if "pad_token_id" in fields else (fields[0] if fields else None)
+    if len(zero_rows) > 1 or field is None:
+        ctx.other.append(f"sinusoidal position table with zeroed rows {zero_rows} no config field names")
+        return offset, None
+    ctx.evidence.append(f"sinusoidal positions: row {field} of {name} is zero")
+    return offset, field
+
+
+def _alibi_slopes(ctx: Context) -> list[float]:
+    """The ALiBi slopes of the tiny model (probed); what is not ALiBi's standard geometric
+    sequence for the head count (the one the port computes) is named."""
+    slopes = probes.probe_alibi_slopes(ctx.model, ctx.anatomy, ctx.tiny)
+    if slopes is None:
+        ctx.other.append("ALiBi whose score bias no probe reads (no linear bias in the attention weights)")
+        return []
+    expected = alibi_slopes(ctx.tiny.num_attention_heads).tolist()
+    if len(slopes) != len(expected) or not all(
+        math.isclose(got, want, rel_tol=1e-4) for got, want in zip(slopes, expected, strict=False)
+    ):
+        shown = ", ".join(f"{x:.4g}" for x in slopes)
+        ctx.other.append(f"ALiBi slopes ({shown}) other than the standard 2**(-8 / n) sequence (probe)")
+    else:
+        ctx.evidence.append(f"ALiBi slopes {', '.join(f'{x:.4g}' for x in slopes)}: the standard sequence (probe)")
+    return [float(f"{x:.6g}") for x in slopes]  # six significant digits: probe noise stays out of reports
 
 
 PER_LAYER_ROPE_TYPES = ("full_attention", "sliding_attention")

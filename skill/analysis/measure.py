@@ -179,6 +179,7 @@ def _inspect(
     scalars = detect.scalar_features(ctx)
     ctx.other.extend(detect.per_layer_differences(ctx))
     ctx.other.extend(detect.layer_stack_structure(ctx))
+    pinned = detect.nested_forward_fields(ctx)
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -187,6 +188,7 @@ def _inspect(
         norm=norm,
         scalars=scalars,
         transposed_weights=detect.transposed_weights(ctx),
+        pinned_nested_fields=pinned,
         other=sorted(set(ctx.other)),
     )
     return Analysis(resolved, checklist, ctx)

@@ -216,7 +216,8 @@ def probe_block_norms(
     for name, (n_in, n_out) in norm_records.items():
         if same(n_in, x) and same(n_out, attn_in):
             roles[name] = "pre_attention"
-        elif same(n_in, attn_out):
+        elif same(n_in, attn_out) and not (ffn_in is not None and same(n_out, ffn_in)):
+            # (Bloom's attention returns the residual sum: the norm of it feeds the FFN.)
             roles[name] = "post_attention"
         elif ffn_in is not None and same(n_out, ffn_in):
             roles[name] = "pre_ffn"
@@ -256,10 +257,15 @@ def probe_is_causal(model: nn.Module, config: Any) -> bool:
     return bool(torch.allclose(a, b, atol=1e-6, rtol=0))
 
 
+def _zero_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    return torch.zeros_like(output) if isinstance(output, torch.Tensor) else output
+
+
 def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
     """Ratio of layer 0's input to the raw embedding rows; ``None`` when not a constant.
 
-    Other embeddings (learned positions) are zeroed for the probe, so only the token
+    Other embeddings (learned positions) are zeroed for the probe, and fixed position
+    tables (sinusoidal: :func:`position_table_modules`) give zeros, so only the token
     embedding and any factor on it reach the layer.
     """
     embedding = anatomy.embedding
@@ -276,6 +282,10 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
 
     others = [m for m in model.modules() if isinstance(m, nn.Embedding) and m is not embedding]
     handle = anatomy.layers[0].register_forward_pre_hook(on_layer, with_kwargs=True)
+    silenced = [
+        module.register_forward_hook(_zero_output)
+        for module in position_table_modules(model, anatomy, int(weight.shape[-1]))
+    ]
     try:
         saved = [m.weight.detach().clone() for m in others]
         with torch.no_grad():
@@ -284,6 +294,8 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
         logits(model, tokens)
     finally:
         handle.remove()
+        for hook in silenced:
+            hook.remove()
         with torch.no_grad():
             for m, w in zip(others, saved, strict=True):
                 m.weight.copy_(w)
@@ -299,6 +311,58 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
         return None
     return mean
+
+
+def position_table_modules(model: nn.Module, anatomy: LayerAnatomy, width: int) -> list[nn.Module]:
+    """Modules outside the layer stack that hold a fixed ``[rows, width]`` table as a buffer
+    and no parameter (a sinusoidal position table), in module order."""
+    layers = set(anatomy.layers.modules())
+    return [
+        module
+        for module in model.modules()
+        if module not in layers
+        and not any(True for _ in module.parameters(recurse=False))
+        and any(b.ndim == 2 and b.shape[-1] == width and b.is_floating_point() for b in module.buffers(recurse=False))
+    ]
+
+
+def probe_sinusoidal_offset(
+    model: nn.Module,
+    anatomy: LayerAnatomy,
+    config: Any,
+    table: Callable[[int, int], torch.Tensor],
+    length: int = 6,
+    max_offset: int = 8,
+) -> int | None:
+    """The row offset of a fixed position table: with the token embeddings zeroed, layer 0's
+    input for a fresh sequence is the position rows alone; position ``p`` reads row
+    ``p + offset`` of ``table(rows, width)``. ``None`` when no offset explains them."""
+    embedding = anatomy.embedding
+    weight = getattr(embedding, "weight", None)
+    if embedding is None or not isinstance(weight, torch.Tensor):
+        return None
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(first, torch.Tensor):
+            captured.setdefault("x", first.detach())
+
+    handle = anatomy.layers[0].register_forward_pre_hook(on_layer, with_kwargs=True)
+    try:
+        with _preserved(embedding), torch.no_grad():
+            weight.zero_()
+            logits(model, tokens_for(config, length))
+    finally:
+        handle.remove()
+    if "x" not in captured:
+        return None
+    rows = captured["x"][0].double()
+    expected = table(length + max_offset, rows.shape[-1]).double()
+    for offset in range(max_offset + 1):
+        if torch.allclose(rows, expected[offset : offset + length], rtol=1e-5, atol=1e-5):
+            return offset
+    return None
 
 
 def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> list[str]:
@@ -368,6 +432,36 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
         if torch.equal(rows, weight[offset : offset + rows.shape[0]]):
             return offset
     return None
+
+
+def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, length: int = 8) -> list[float] | None:
+    """Per-head slopes of a bias linear in the key position on layer 0's attention scores.
+
+    With every parameter of layer 0's attention zeroed, its scores are the position bias
+    alone, so in each head the last query's weights on keys ``j`` and ``j + 1`` differ by a
+    factor ``exp(slope)``. ``None`` when the model returns no attention weights, or the
+    log-ratios are not one constant per head (no linear bias)."""
+    attention = anatomy.attention
+    if attention is None:
+        return None
+    with _preserved(attention), torch.no_grad():
+        for param in attention.parameters():
+            param.zero_()
+        try:
+            out = model(input_ids=tokens_for(config, length), use_cache=False, output_attentions=True)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    attentions = getattr(out, "attentions", None)
+    if not attentions or not isinstance(attentions[0], torch.Tensor):
+        return None
+    last = attentions[0][0, :, -1].double()  # [H, L]: the last query's weights on every key
+    if bool((last <= 0).any()):
+        return None
+    steps = last[:, 1:].log() - last[:, :-1].log()
+    slopes = steps[:, :1]
+    if not torch.allclose(steps, slopes.expand_as(steps), rtol=1e-4, atol=1e-5):
+        return None
+    return [float(x) for x in slopes[:, 0]]
 
 
 def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
@@ -589,6 +683,7 @@ __all__ = [
     "matching_field",
     "norm_is_centred",
     "perturbed_values",
+    "position_table_modules",
     "probe_block_norms",
     "probe_embedding_scale",
     "probe_is_causal",
@@ -598,6 +693,7 @@ __all__ = [
     "probe_qk_norm_kind",
     "probe_residual_multiplier",
     "probe_rotary_layers",
+    "probe_sinusoidal_offset",
     "probe_value_rows",
     "probe_window_reaches_all_layers",
     "relation_of",

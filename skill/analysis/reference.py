@@ -28,6 +28,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    SlidingWindowKind,
     feature_values,
     is_supported,
 )
@@ -194,6 +195,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
+    if checklist.positions.kind is PositionKind.ALIBI and (
+        att.sinks or att.logit_softcap is not None or att.sliding_window.kind is not SlidingWindowKind.NONE
+    ):
+        limits.append("ALiBi together with sinks, soft-capped scores or a sliding window (no kernel has both)")
     if att.sinks and att.logit_softcap is not None:
         limits.append("attention sinks together with soft-capped scores (no kernel has both)")
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm not in (

@@ -51,6 +51,8 @@ from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
 
+# max_seq_len of a family whose config has no max_position_embeddings (qwen2's default).
+UNBOUNDED_MAX_SEQ_LEN = 131072
 CORE_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Config flags that change which parameters exist; a port is specialised to one value.
 STRUCTURAL_FLAGS = {
@@ -129,9 +131,26 @@ def _norm_eps_arg(profile: PortPlan, config: Any) -> ArgField:
 
 def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
     """``hidden_dim``: the config's width field, or, where that field may be ``None``
-    (GPT-2's ``n_inner``), that many times the hidden size."""
-    dense = dense_width_field(profile, config)
+    (GPT-2's ``n_inner``) or there is none (Bloom), that many times the hidden size, or a
+    ratio field times the hidden size (MPT's ``expansion_ratio``)."""
+    ratio = profile.ffn_width_ratio_field
+    if ratio is not None:
+
+        def scaled(c: Any) -> int:
+            return int(getattr(c, ratio) * c.hidden_size)
+
+        return ArgField("hidden_dim", "int", scaled(config), f"int(hf_config.{ratio} * hf_config.hidden_size)", scaled)
     multiple = profile.ffn_width_multiple
+    if multiple is not None and profile.ffn_width_field is None:
+        # No config field sets the width: the modeling code's fixed multiple of the hidden size.
+        return ArgField(
+            "hidden_dim",
+            "int",
+            multiple * config.hidden_size,
+            f"{multiple} * hf_config.hidden_size",
+            lambda c: multiple * c.hidden_size,
+        )
+    dense = dense_width_field(profile, config)
     if multiple is None:
         return ArgField("hidden_dim", "int", getattr(config, dense), f"hf_config.{dense}", lambda c: getattr(c, dense))
 
@@ -150,6 +169,9 @@ def _dense_width_arg(profile: PortPlan, config: Any) -> ArgField:
 def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """The fields of the family's args, defaults from ``config`` (the config class defaults)."""
     eos_default = _eos(config, 0)
+    # A family whose positions no table bounds (ALiBi: Bloom) may have no such field; the
+    # reference's default stands then.
+    max_len = getattr(config, "max_position_embeddings", None) or UNBOUNDED_MAX_SEQ_LEN
     fields = [
         ArgField("dim", "int", config.hidden_size, "hf_config.hidden_size", lambda c: c.hidden_size),
         ArgField(
@@ -173,9 +195,9 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ArgField(
             "max_seq_len",
             "int",
-            config.max_position_embeddings,
+            max_len,
             'getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len',
-            lambda c: c.max_position_embeddings,
+            lambda c: getattr(c, "max_position_embeddings", None) or max_len,
         ),
         ArgField("depth_init", "bool", True, "", lambda c: True),
     ]
@@ -212,6 +234,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 f"hf_config.{clip}",
                 operator.attrgetter(clip),
             )
+        )
+    if profile.position_zero_row_field is not None:
+        # The row of the sinusoidal table the checkpoint's code zeroes (XGLM: pad_token_id).
+        zero = profile.position_zero_row_field
+        fields.append(
+            ArgField(zero, "int | None", getattr(config, zero), f"hf_config.{zero}", operator.attrgetter(zero))
         )
     if profile.sliding_window:
         fields.append(
@@ -522,7 +550,7 @@ def required_fields(profile: PortPlan, config: Any) -> tuple[str, ...]:
     if profile.moe:
         moe = ("moe_intermediate_size",) if hasattr(config, "moe_intermediate_size") else ()
         moe += (profile.top_k_field or "num_experts_per_tok",)
-    width = () if profile.ffn_width_multiple else (dense_width_field(profile, config),)
+    width = () if profile.ffn_width_multiple or profile.ffn_width_ratio_field else (dense_width_field(profile, config),)
     eps = () if profile.norm_eps_fixed is not None else (profile.norm_eps_field,)
     return tuple(dict.fromkeys((*CORE_REQUIRED, *width, *eps, *moe)))
 
@@ -592,6 +620,17 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
                 f'            "is not supported by {camel} in Archon, whose attention normalises q and k."',
                 "        )",
             ]
+    for path in profile.pinned_nested_fields:
+        parent, key = path.split(".", 1)
+        lines += [
+            f'    {parent} = getattr(hf_config, "{parent}", None)',
+            f'    {key} = {parent}.get("{key}") if isinstance({parent}, dict) else getattr({parent}, "{key}", None)',
+            f"    if {key} is not None:",
+            "        raise ValueError(",
+            f'            f"{path}={{{key}!r}} is not supported by {camel} in Archon, "',
+            '            "which reproduces it unset (None)."',
+            "        )",
+        ]
     if profile.mqa_flag is not None:
         lines += [
             f'    if not getattr(hf_config, "{profile.mqa_flag}", True):',

@@ -88,8 +88,11 @@ KERNEL_HELPERS = {
     "SlidingWindowAttention": ("per_document", "padded_documents"),
     "EagerAttention": ("per_document",),
     "SinkAttention": ("per_document", "padded_documents"),
+    "AlibiAttention": ("alibi_slopes", "per_document"),
 }
 HELPER_IMPORTS = ("from collections.abc import Callable", "from itertools import pairwise", "from typing import Any")
+# Imports a kernel's helpers need beyond those.
+KERNEL_IMPORTS = {"AlibiAttention": ("import math",)}
 
 
 def _insert_kernel(text: str, kernel: str) -> str:
@@ -97,7 +100,7 @@ def _insert_kernel(text: str, kernel: str) -> str:
     for helper in KERNEL_HELPERS[kernel]:
         if f"def {helper}(" not in text:
             text = insert_before_class(text, "Attention", snippet("attention", helper))
-    for line in HELPER_IMPORTS:
+    for line in (*HELPER_IMPORTS, *KERNEL_IMPORTS.get(kernel, ())):
         text = ensure_import_line(text, line)
     return insert_before_class(text, "Attention", snippet("attention", kernel))
 
@@ -211,6 +214,34 @@ def _output_gate(text: str, ctx: EditContext) -> str:
         text = insert_before_class(text, "Attention", snippet("attention", "gate_per_head"))
         return replace_call(text, "Attention", "forward", "self.wo", f"self.wo(gate_per_head({{}}, {gate}))")
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
+
+
+def _alibi_attention(text: str, ctx: EditContext) -> str:
+    """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
+    the document) to its scores. The slopes are no checkpoint tensor: each rank computes
+    those of the heads it attends with (``head_offset``: its tensor-parallel block, which
+    ``parallelize`` sets)."""
+    if "AlibiAttention()" in text:
+        return text
+    text = _insert_kernel(text, "AlibiAttention")
+    text = replace_statement_assigning(
+        text, "Attention", "__init__", "self.packed_attn", "self.packed_attn = AlibiAttention()\n"
+    )
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# The first of this rank's heads among all n_heads (tensor parallelism sets it): ALiBi's\n"
+        "# slope is a function of the head's index.\n"
+        "self.head_offset = 0\n",
+    )
+    text = upsert_method(
+        text, "Attention", "local_alibi_slopes", snippet("attention", "local_alibi_slopes"), after="init_weights"
+    )
+    return set_call_kwarg(
+        text, "self.packed_attn", "slopes", "self.local_alibi_slopes(xq.shape[2], xq.device)", target="out"
+    )
 
 
 def _clip_qkv(text: str, ctx: EditContext) -> str:
@@ -494,11 +525,15 @@ def _post_norm(text: str, ctx: EditContext) -> str:
 
 
 ROPE_ARGS = ("rope_cache", "positions")
+# init_buffers of a family without RoPE (until an edit adds a buffer).
+NO_BUFFERS = '"""No buffers: positions enter through the embeddings, nothing is precomputed."""'
 
 
 def _remove_rope(text: str, ctx: EditContext) -> str:
     """No rotary embedding: the RoPE cache, its rotation and the arguments that carry it
     (and the positions, which only RoPE read inside a block) go."""
+    if "apply_rotary_emb(" not in text and "_precompute_rope_cache" not in text:
+        return text  # applied (a position edit may have given init_buffers a body since)
     text = replace_in_function(
         text, "Attention", "forward", "xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)", ""
     )
@@ -519,7 +554,7 @@ def _remove_rope(text: str, ctx: EditContext) -> str:
         ctx.model_class,
         "init_buffers",
         "with torch.device(buffer_device):\n    self.rope_cache = self._precompute_rope_cache()",
-        '"""No buffers: positions enter through the embeddings, nothing is precomputed."""\n',
+        f"{NO_BUFFERS}\n",
     )
 
 
@@ -622,6 +657,48 @@ def _embedding_projection(text: str, ctx: EditContext) -> str:
         "if self.project_out is not None and self.norm is not None:\n"
         "    # Back to the embedding width for the LM head (on the stage that holds the final norm).\n"
         "    h = self.project_out(h)\n",
+    )
+
+
+def _sinusoidal_positions(text: str, ctx: EditContext) -> str:
+    """A fixed sinusoidal table (no checkpoint tensor) added to the (scaled) token embeddings;
+    each token reads the row of its position within its own document, after the table's
+    leading rows; the row the config's field names is zero, as the checkpoint's code has it."""
+    if "self.pos_embeddings(" in text:
+        return text
+    plan = ctx.profile
+    offset, zero = plan.position_offset, plan.position_zero_row_field
+    text = insert_before_class(text, ctx.model_class, snippet("positions", "sinusoidal_positions"))
+    text = insert_before_class(text, ctx.model_class, snippet("positions", "SinusoidalPositions"))
+    text = ensure_import_line(text, "import math")
+    arguments = ["model_args.max_seq_len", "model_args.dim"]
+    if offset:
+        arguments.append(f"offset={offset}")
+    if zero is not None:
+        arguments.append(f"zero_row=model_args.{zero}")
+    comment = (
+        f"# Fixed sinusoidal positions: position p reads row p + {offset}"
+        + (f"; row {zero} is zero" if zero is not None else "")
+        + ".\n"
+    )
+    text = insert_after_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.tok_embeddings",
+        f"{comment}self.pos_embeddings = SinusoidalPositions({', '.join(arguments)})\n",
+    )
+    text = replace_in_function(
+        text,
+        ctx.model_class,
+        "init_buffers",
+        NO_BUFFERS,
+        "with torch.device(buffer_device):\n    self.pos_embeddings.table = self.pos_embeddings.build()\n",
+    )
+    return append_to_embedding_stage(
+        text,
+        ctx.model_class,
+        "# Positions restart at 0 in every packed document.\nh = h + self.pos_embeddings(positions).to(h.dtype)\n",
     )
 
 
@@ -1229,6 +1306,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _output_gate,
     ),
     ModelEdit(
+        "alibi_attention",
+        "ALiBi: a fixed per-head linear bias on the scores by in-document distance",
+        lambda p: p.positions == "alibi",
+        _alibi_attention,
+    ),
+    ModelEdit(
         "attention_scale",
         "attention scores scaled by a config field",
         lambda p: p.attn_scale is not None,
@@ -1369,6 +1452,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _learned_positions,
     ),
     ModelEdit(
+        "sinusoidal_positions",
+        "a fixed sinusoidal position table added to the token embeddings",
+        lambda p: p.positions == "sinusoidal",
+        _sinusoidal_positions,
+    ),
+    ModelEdit(
         "embedding_norm",
         "a norm on the embeddings before the first block",
         lambda p: p.embedding_norm_module is not None,
@@ -1432,7 +1521,12 @@ BLOCK_NAMES = {
     "post_norm": "post-norm",
     "parallel": "parallel attention/MLP",
 }
-POSITION_NAMES = {"rope": "RoPE", "learned": "learned absolute positions"}
+POSITION_NAMES = {
+    "rope": "RoPE",
+    "learned": "learned absolute positions",
+    "alibi": "ALiBi position biases",
+    "sinusoidal": "sinusoidal absolute positions",
+}
 
 
 def describe(profile: PortPlan, camel: str) -> str:
@@ -1539,6 +1633,10 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append(
             f"``wg``, a projection of the block input, gates the output before ``wo``: {function} of one "
             f"value per {granularity}."
+        )
+    if profile.positions == "alibi":
+        sentences.append(
+            "No RoPE: each head adds ``slope * (key - query)`` (ALiBi, positions within the document) to its scores."
         )
     if profile.qk_norm == "full":
         sentences.append(

@@ -54,6 +54,13 @@ NORM_VARIANTS: dict[NormKind, NormVariant] = {
     NormKind.LAYER_NORM_ONE_PLUS_W: "layernorm_offset",
 }
 
+# What each position encoding becomes (RoPE for the kinds no edit writes: they are refused).
+POSITION_PLANS: dict[PositionKind, Literal["rope", "learned", "alibi", "sinusoidal"]] = {
+    PositionKind.LEARNED: "learned",
+    PositionKind.ALIBI: "alibi",
+    PositionKind.SINUSOIDAL: "sinusoidal",
+}
+
 # The fields AReaL 1.0.4's MoEArgs.from_hf_config reads for the expert count and top-k.
 AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
 AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
@@ -99,7 +106,10 @@ class PortPlan(BaseModel):
     activation_field: str | None = Field(description="config field naming the activation (none: probed)")
     ffn_width_field: str | None = Field(default=None, description="config field of the dense FFN width")
     ffn_width_multiple: int | None = Field(
-        default=None, description="the width is this multiple of hidden_size when that field is None"
+        default=None, description="the width is this multiple of hidden_size when that field is None (or absent)"
+    )
+    ffn_width_ratio_field: str | None = Field(
+        default=None, description="config field whose value times hidden_size is the width (expansion_ratio)"
     )
     norm_eps_field: str
     norm_eps_fixed: float | None = Field(
@@ -125,8 +135,13 @@ class PortPlan(BaseModel):
     )
     residual_multiplier_field: str | None
     logit_divisor_field: str | None = Field(description="config field the logits are divided by")
-    positions: Literal["rope", "learned"] = Field(
-        default="rope", description="rotary positions, or a learned absolute table added to the embeddings"
+    positions: Literal["rope", "learned", "alibi", "sinusoidal"] = Field(
+        default="rope",
+        description="rotary positions, a learned or fixed sinusoidal absolute table added to the embeddings, "
+        "or ALiBi score biases",
+    )
+    position_zero_row_field: str | None = Field(
+        default=None, description="config field naming the sinusoidal table's zeroed row (pad_token_id)"
     )
     position_offset: int = Field(default=0, description="position p reads row p + offset of the learned table")
     position_table_key: str | None = Field(default=None, description="checkpoint key of the learned table")
@@ -196,6 +211,9 @@ class PortPlan(BaseModel):
         default=None,
         description="config field listing each layer's MLP as 'dense' or 'sparse', when the family's MoE "
         "layers are chosen that way",
+    )
+    pinned_nested_fields: list[str] = Field(
+        default_factory=list, description="nested config fields the forward reads, reproduced unset (refused if set)"
     )
     single_kv_head: bool = Field(
         default=False,
@@ -306,6 +324,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         activation_field=ffn.activation_field,
         ffn_width_field=ffn.intermediate_size_field,
         ffn_width_multiple=ffn.intermediate_multiple,
+        ffn_width_ratio_field=ffn.intermediate_ratio_field,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         clip_qkv_field=att.clip_qkv_field,
@@ -324,9 +343,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         embedding_norm_module=sc.embedding_norm_module,
         residual_multiplier_field=residual_field,
         logit_divisor_field=logit_divisor,
-        positions="learned" if pos.kind is PositionKind.LEARNED else "rope",
+        positions=POSITION_PLANS.get(pos.kind, "rope"),
         position_offset=pos.table_offset,
         position_table_key=pos.table_key,
+        position_zero_row_field=pos.table_zero_row_field,
         logit_multiplier_field=logit_multiplier,
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
@@ -378,6 +398,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         )
         if moe is not None
         else None,
+        pinned_nested_fields=list(cl.pinned_nested_fields),
         single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
         scalar_sources=derived,
         rotary_style_field="rope_interleave" if "rope_interleave" in values else None,

@@ -104,7 +104,8 @@ def _last_error(stderr: str) -> str:
 
 
 class _ProbeMesh:
-    """A one-rank stand-in for a device mesh: the plan functions only ask its size."""
+    """A one-rank stand-in for a device mesh: the plan functions only ask its size and this
+    rank's place in it (an ALiBi family's head offset)."""
 
     ndim = 1
 
@@ -113,6 +114,9 @@ class _ProbeMesh:
 
     def size(self, mesh_dim: int | None = None) -> int:
         return 1
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        return 0
 
 
 @dataclass

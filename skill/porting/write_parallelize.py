@@ -101,6 +101,9 @@ PARALLELIZE_BLOCK = "parallelize_module(block, tp_mesh, layer_plan)"
 SINKS_COMMENT = "# Each rank attends with its own heads, so it holds their sink logits (and their gradient)."
 SHARD_SINKS = "block.attention.sinks = nn.Parameter(distribute_tensor(block.attention.sinks.data, tp_mesh, [Shard(0)]))"
 
+ALIBI_COMMENT = "# Each rank attends with its own block of heads, so it takes the ALiBi slopes of that block."
+ALIBI_OFFSET = "block.attention.head_offset = tp_mesh.get_local_rank() * (block.attention.n_heads // tp_mesh.size())"
+
 
 def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]) -> str:
     """Rewrite a module-level function's docstring through ``edit`` (str -> str)."""
@@ -174,9 +177,17 @@ root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_
 """
 
 
-def _plan_position_table(text: str) -> str:
+SINUSOIDAL_TABLE_PLAN = """# Every rank computes the fixed position rows of the whole sequence and keeps the sequence
+# shard the token embeddings land on.
+root_plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+"""
+
+
+def _plan_position_table(text: str, plan: str = POSITION_TABLE_PLAN) -> str:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
-    return append_to_if_block(text, None, function, EMBEDDING_STAGE, POSITION_TABLE_PLAN)
+    if 'root_plan["pos_embeddings"]' in text:
+        return text
+    return append_to_if_block(text, None, function, EMBEDDING_STAGE, plan)
 
 
 EMBEDDING_NORM_PLAN = """# The embedding norm runs on the sequence shard the token embeddings land on; its weight
@@ -346,10 +357,18 @@ def apply_write_parallelize(
             text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{SINKS_COMMENT}\n{SHARD_SINKS}\n"
         )
         text = ensure_import_line(text, "from torch.distributed.tensor import distribute_tensor")
+    if profile.positions == "alibi" and ALIBI_OFFSET not in text:
+        function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+        text = replace_in_function(
+            text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{ALIBI_COMMENT}\n{ALIBI_OFFSET}\n"
+        )
     if profile.positions != "rope":
         text = _plan_without_rope(text)
     if profile.positions == "learned":
         text = _plan_position_table(text)
+    if profile.positions == "sinusoidal":
+        text = _plan_position_table(text, SINUSOIDAL_TABLE_PLAN)
+        text = ensure_import_line(text, "from torch.distributed.tensor.parallel import PrepareModuleOutput")
     if profile.embedding_norm_module is not None:
         text = _plan_embedding_norm(text)
     if profile.embedding_projection_field is not None:

@@ -395,3 +395,71 @@ def test_no_embedding_projection_where_the_widths_agree(model_type: str) -> None
     scalars = report_for(model_type).checklist.scalars
     assert scalars.embedding_projection_field is None
     assert feature_values(report_for(model_type).checklist)[Feature.EMBEDDING_PROJECTION] == "none"
+
+
+# ------------------------------------------------- ALiBi and fixed sinusoidal positions
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mpt"])
+def test_alibi_slopes_by_probe(model_type: str) -> None:
+    # BloomModel: build_alibi_tensor (slopes from _get_alibi_slopes); MptModel:
+    # build_mpt_alibi_tensor (alibi_bias_max=8): both the standard 2**(-8 i / n) sequence.
+    from skill.porting.snippets.attention import alibi_slopes
+
+    report = report_for(model_type)
+    positions = report.checklist.positions
+    assert positions.kind == "alibi"
+    n_heads = len(positions.alibi_slopes)
+    assert n_heads > 1
+    assert positions.alibi_slopes == pytest.approx(alibi_slopes(n_heads).tolist(), rel=1e-5)
+    assert feature_values(report.checklist)[Feature.POSITION_KIND] == "alibi"
+    assert not [line for line in report.unsupported if "position" in line or "ALiBi" in line]
+
+
+def test_bloom_ffn_width_and_the_norm_before_its_mlp() -> None:
+    # BloomMLP: dense_h_to_4h = Linear(hidden, 4 * hidden), no config field; BloomBlock feeds
+    # post_attention_layernorm(attention output incl. the residual) to the MLP: a pre-FFN norm.
+    checklist = report_for("bloom").checklist
+    assert checklist.ffn.intermediate_size_field is None and checklist.ffn.intermediate_multiple == 4
+    assert checklist.ffn.intermediate_size == 4 * AutoConfig.for_model("bloom").hidden_size
+    assert checklist.norm.block_norms == {
+        "input_layernorm": "pre_attention",
+        "post_attention_layernorm": "pre_ffn",
+    }
+
+
+def test_mpt_ffn_width_is_its_expansion_ratio() -> None:
+    # MptMLP: up_proj = Linear(hidden, config.expansion_ratio * hidden).
+    ffn = report_for("mpt").checklist.ffn
+    assert ffn.intermediate_ratio_field == "expansion_ratio"
+    assert ffn.intermediate_size == 4 * AutoConfig.for_model("mpt").hidden_size
+
+
+def test_xglm_sinusoidal_table_offset_zero_row_and_embedding_scale() -> None:
+    # XGLMSinusoidalPositionalEmbedding: offset 2, row padding_idx (pad_token_id) zeroed;
+    # XGLMScaledWordEmbedding: embed_scale = sqrt(d_model), applied before the positions add.
+    report = report_for("xglm")
+    positions, scalars = report.checklist.positions, report.checklist.scalars
+    assert positions.kind == "sinusoidal"
+    assert positions.table_offset == 2
+    assert positions.table_zero_row_field == "pad_token_id"
+    assert scalars.embedding_scale_kind == "sqrt_dim"
+    assert not [line for line in report.unsupported if "embeddings transformed" in line]
+    assert Feature.POSITION_KIND in SUPPORTED_EDITS and not report.unsupported
+
+
+def test_mpt_nested_attention_fields_are_pinned_unset() -> None:
+    # MptAttention reads config.attn_config.clip_qkv (clamps the fused qkv) and softmax_scale
+    # (None: head_dim**-0.5); both default to None. No edit reads a nested field: the analysis
+    # pins them unset and the port refuses a config that sets them.
+    from transformers import MptConfig
+
+    from archon_models.mpt.model.args import MptModelArgs
+
+    report = report_for("mpt")
+    assert report.checklist.pinned_nested_fields == ["attn_config.clip_qkv", "attn_config.softmax_scale"]
+    assert not report.unsupported
+    MptModelArgs.from_hf_config(MptConfig())
+    for field, value in (("clip_qkv", 6.0), ("softmax_scale", 0.1)):
+        with pytest.raises(ValueError, match=f"attn_config.{field}="):
+            MptModelArgs.from_hf_config(MptConfig(attn_config={field: value}))

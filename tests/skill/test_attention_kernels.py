@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from skill.porting.snippets.attention import (
+    AlibiAttention,
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
+    alibi_slopes,
     padded_documents,
     per_document,
 )
@@ -150,3 +152,81 @@ def test_sliding_window_counts_the_query_itself():
     q, k, v, cu, _ = _inputs()
     out = SlidingWindowAttention(1)(q, k, v, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
     torch.testing.assert_close(out, v.repeat_interleave(HEADS // KV_HEADS, 1))
+
+
+ALIBI_HEADS, ALIBI_KV_HEADS = 6, 3  # not a power of two: the slopes' second sequence is used
+
+
+def _alibi_inputs(trailing: int = 0):
+    g = torch.Generator().manual_seed(1)
+    total = sum(DOC_LENS) + trailing
+    q = torch.randn(1, ALIBI_HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(1, ALIBI_KV_HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(1, ALIBI_KV_HEADS, total, HEAD_DIM, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+def _alibi_reference(q, k, v, cu, slopes):
+    """The whole packed row: same document, causal, and each head's slope times the key's
+    position within its document (Bloom's form: the query's own position is a per-row
+    constant softmax ignores)."""
+    total = q.shape[2]
+    pos = torch.arange(total)
+    bounds = torch.cat([cu.long(), torch.tensor([total])]) if int(cu[-1]) < total else cu.long()
+    doc = torch.searchsorted(bounds, pos, right=True) - 1
+    in_doc = pos - bounds[doc]
+    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    n_rep = ALIBI_HEADS // ALIBI_KV_HEADS
+    scores = q @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * SCALE
+    scores = scores + slopes.double().view(1, -1, 1, 1) * in_doc.double().view(1, 1, 1, -1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ v.repeat_interleave(n_rep, 1)
+
+
+@pytest.mark.parametrize("n_heads", range(1, 65))
+def test_alibi_slopes_are_bloom_and_mpt_slopes(n_heads):
+    """One formula is both families' slopes, for every head count (powers of two and not)."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
+    slopes = alibi_slopes(n_heads)
+    torch.testing.assert_close(slopes, bloom._get_alibi_slopes(n_heads, torch.device("cpu")), rtol=0, atol=0)
+    # MPT's tensor is slope * (key - (L - 1)): the key one before the last has -slope.
+    mpt_slopes = -mpt.build_mpt_alibi_tensor(n_heads, 3)[:, 0, -2]
+    torch.testing.assert_close(slopes, mpt_slopes, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("trailing", [0, 3], ids=["exact", "trailing-padding"])
+@pytest.mark.parametrize("driver", ["forward", "per_document", "flex"])
+def test_alibi_matches_whole_row_reference(driver, trailing):
+    """Positions restart at every document: each document alone gets the bias it would get
+    unpacked. The flex path (CUDA's) runs forward on CPU here."""
+    q, k, v, cu = _alibi_inputs(trailing)
+    slopes = alibi_slopes(ALIBI_HEADS)
+    kernel = AlibiAttention()
+    if driver == "forward":
+        got = kernel(q, k, v, slopes=slopes, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
+    elif driver == "per_document":
+        got = per_document(kernel.attend, q, k, v, cu, slopes=slopes, scale=SCALE)
+    else:
+        got = kernel.flex(q.float(), k.float(), v.float(), slopes, cu, SCALE).double()
+    want = _alibi_reference(q, k, v, cu, slopes)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if driver == "flex" else {}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_alibi_matches_bloom_attention_on_one_document():
+    """Against Bloom's own alibi tensor (slope * key position) added to the scores."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    q, k, v, _ = _alibi_inputs()
+    n = DOC_LENS[0]
+    q, k, v = (t[:, :, :n].float() for t in (q, k, v))
+    alibi = bloom.build_alibi_tensor(torch.ones(1, n), ALIBI_HEADS, torch.float32).view(1, ALIBI_HEADS, 1, n)
+    n_rep = ALIBI_HEADS // ALIBI_KV_HEADS
+    scores = q @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * SCALE + alibi
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(scores, -1) @ v.repeat_interleave(n_rep, 1)
+    got = AlibiAttention()(
+        q, k, v, slopes=alibi_slopes(ALIBI_HEADS), scale=SCALE, cu_seqlens=torch.tensor([0, n]), max_seqlen=n
+    )
+    torch.testing.assert_close(got, want)

@@ -338,3 +338,83 @@ def test_derived_scalar_expression_matches_its_value():
         assert value == pytest.approx(source_value(source, config))
     assert source_value(residual, config) == pytest.approx(config.scale_depth / config.num_hidden_layers**0.5)
     assert source_value(logits, config) == pytest.approx(1 / config.logits_scaling)
+
+
+POSITION_EDIT_ORDERS = {
+    "alibi": ["remove_rope", "alibi_attention", "clip_qkv", "parallel_block", "residual_multiplier", "layer_norm"],
+    "sinusoidal": ["remove_rope", "embedding_sqrt_dim", "sinusoidal_positions", "embedding_norm", "layer_norm"],
+}
+
+
+def _position_plan(kind: str, reference: str):
+    update: dict = {"reference": reference, "positions": kind, "norm": "layernorm"}
+    if kind == "alibi":
+        update |= {
+            "clip_qkv_field": "clip_qkv",
+            "block": "parallel",
+            "residual_multiplier_field": "residual_multiplier",
+        }
+    else:
+        update |= {
+            "embedding_scale": "sqrt_dim",
+            "position_offset": 2,
+            "position_zero_row_field": "pad_token_id",
+            "embedding_norm_module": "model.embed_norm",
+        }
+    return plan_for("llama").model_copy(update=update)
+
+
+@pytest.mark.parametrize("kind", sorted(POSITION_EDIT_ORDERS))
+@pytest.mark.parametrize("reference,model_class", [("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model")])
+def test_position_edits_compose_in_any_order(kind, reference, model_class):
+    """ALiBi (a kernel with per-rank slopes) and a fixed sinusoidal table (a buffer module
+    in the embedding stage) compose with the block, norm and embedding edits on either
+    reference, named in any order, and applying them again changes nothing."""
+    plan = _position_plan(kind, reference)
+    names = POSITION_EDIT_ORDERS[kind]
+    if reference == "qwen3":
+        names = ["remove_qk_norm", *names]
+    orders = [tuple(names), tuple(reversed(names)), (*names[2:], *names[:2])]
+    results = {
+        order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order)) for order in orders
+    }
+    canonical = results[tuple(names)]
+    for order, text in results.items():
+        assert text == canonical, order
+    compile(canonical, "<generated>", "exec")
+    assert "apply_rotary_emb(" not in canonical and "rope_cache" not in canonical
+    if kind == "alibi":
+        assert "self.packed_attn = AlibiAttention()" in canonical
+        assert "slopes=self.local_alibi_slopes(xq.shape[2], xq.device)" in canonical
+        assert "self.head_offset = 0" in canonical and "def alibi_slopes(" in canonical
+        assert canonical.count("def per_document(") == 1 and "def padded_documents(" not in canonical
+        assert "clamp_projection(self.wq(x), self.clip_qkv)" in canonical
+    else:
+        model_forward = _forward_of(canonical, model_class)
+        # The table's rows are added after the sqrt(dim) scale and before the embedding norm.
+        scale = model_forward.index("h = h * torch.tensor(self.model_args.dim**0.5")
+        positions = model_forward.index("h = h + self.pos_embeddings(positions).to(h.dtype)")
+        assert scale < positions < model_forward.index("h = self.embedding_norm(h)")
+        assert (
+            "self.pos_embeddings = SinusoidalPositions(model_args.max_seq_len, model_args.dim, offset=2, "
+            "zero_row=model_args.pad_token_id)"
+        ) in canonical
+        assert "self.pos_embeddings.table = self.pos_embeddings.build()" in canonical
+        assert "No buffers" not in canonical
+    assert apply_model_edits(canonical, _ctx(plan, model_class), names) == canonical
+
+
+def test_alibi_slopes_follow_the_tensor_parallel_head_block():
+    """Each rank attends with its block of the heads: the slopes it passes the kernel are
+    that block's (head_offset, which parallelize sets), then the Ulysses slice of it."""
+    import types
+
+    import torch
+
+    from skill.porting.snippets.attention import alibi_slopes, local_alibi_slopes
+
+    slopes = alibi_slopes(12)
+    for head_offset, cp_rank, sp, n_local, start in [(0, 0, False, 12, 0), (6, 0, False, 6, 6), (6, 1, True, 3, 9)]:
+        attention = types.SimpleNamespace(n_heads=12, head_offset=head_offset, _cp_rank=cp_rank, _sp_enabled=sp)
+        got = local_alibi_slopes(attention, n_local, torch.device("cpu"))
+        torch.testing.assert_close(got, slopes[start : start + n_local])

@@ -13,6 +13,8 @@ its ``forward``:
 - CUDA otherwise (sinks, fp32): the documents scattered into one zero-padded
   ``[n_docs, H, L, D]`` batch by index, attended with one batched call, gathered back
   (:func:`padded_documents`). No Python loop over documents on the GPU.
+- CUDA, ALiBi: flex attention, the per-head linear bias as its ``score_mod`` and the
+  document/causal rule as a block mask (no Python loop over documents).
 - CPU: one call per document (:func:`per_document`). Measured fastest there
   (``bench/attention_kernels.py``): CPU attention is bound by arithmetic, and a padded
   batch or a ``[T, T]`` document mask spends it on masked-out blocks (2-10x slower for
@@ -25,6 +27,7 @@ additive score bias (ALiBi) serves every document, whichever of the two drivers 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -283,6 +286,95 @@ class SinkAttention(nn.Module):
         return torch.matmul(probs[..., :-1].to(q.dtype), values)
 
 
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's fixed per-head slopes (Press et al.), fp32 ``[n_heads]``.
+
+    With ``n`` the largest power of two not above ``n_heads``, the first ``n`` heads get
+    ``r, r**2, ..., r**n`` for ``r = 2**(-8 / n)``; the remaining heads take the odd powers
+    ``s, s**3, ...`` of ``s = 2**(-4 / n)`` (the slopes of ``2n`` heads that the first ``n``
+    skipped). Bloom's ``build_alibi_tensor`` and MPT's ``build_mpt_alibi_tensor`` give
+    these slopes for every head count.
+    """
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = torch.full((), 2.0 ** (-8.0 / closest), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, closest + 1, dtype=torch.int32))
+    if closest != n_heads:
+        extra = torch.full((), 2.0 ** (-4.0 / closest), dtype=torch.float32)
+        powers = torch.arange(1, 1 + 2 * (n_heads - closest), 2, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra, powers)])
+    return slopes
+
+
+class AlibiAttention(nn.Module):
+    """Causal attention over packed documents with ALiBi: head ``h`` adds
+    ``slopes[h] * (key - query)`` to its scores, both positions counted within their
+    document (only tokens of one document attend to each other, so the packed indices'
+    difference is the in-document one). Softmax ignores a per-row constant, so this is
+    HF's ``slope * key_position`` (Bloom) and ``slope * (key_position - L + 1)`` (MPT).
+
+    Archon's shared wrappers take no score bias, so it lives in this package: flex
+    attention on CUDA (the bias as ``score_mod``, a block mask from the document ids, no
+    loop over documents); on CPU SDPA with the bias as an additive mask, one document at a
+    time (:func:`per_document`, measured fastest there; flex attention has no CPU backward).
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        slopes: torch.Tensor,
+        scale: float | None = None,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]``, ``slopes`` ``[H]`` -> ``[1, H, T, D]``."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if q.is_cuda:
+            return self.flex(q, k, v, slopes, cu_seqlens, scale)
+        return per_document(self.attend, q, k, v, cu_seqlens, slopes=slopes, scale=scale)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = (index[None, :] - index[:, None]).to(torch.float32)  # key - query
+        bias = slopes.to(q.device, torch.float32).view(-1, 1, 1) * distance
+        bias = bias.masked_fill(distance > 0, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the ALiBi bias as ``score_mod``;
+        documents and causality as a block mask, so masked blocks are skipped."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        total = q.shape[2]
+        positions = torch.arange(total, device=q.device)
+        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
+        head_slopes = slopes.to(q.device, torch.float32)
+
+        def causal_document(batch, head, query, key):
+            return (documents[query] == documents[key]) & (query >= key)
+
+        def alibi(score, batch, head, query, key):
+            return score + head_slopes[head] * (key - query)
+
+        block_mask = create_block_mask(causal_document, None, None, total, total, device=q.device)
+        return flex_attention(
+            q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
 # A method of the family's ``Attention``: the ``attention_sinks`` edit adds it there.
 def local_sinks(self, n_heads: int) -> torch.Tensor:
     """The sink logits of the ``n_heads`` heads this rank attends with: its tensor-parallel
@@ -290,6 +382,15 @@ def local_sinks(self, n_heads: int) -> torch.Tensor:
     sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
     start = self._cp_rank * n_heads if self._sp_enabled else 0
     return sinks[start : start + n_heads]
+
+
+# A method of the family's ``Attention``: the ``alibi_attention`` edit adds it there.
+def local_alibi_slopes(self, n_heads: int, device: torch.device) -> torch.Tensor:
+    """The ALiBi slopes of the ``n_heads`` heads this rank attends with: under tensor
+    parallelism its block of the heads (``head_offset``, set by ``parallelize``), and
+    under Ulysses the slice of those its all-to-all gave it."""
+    start = self.head_offset + (self._cp_rank * n_heads if self._sp_enabled else 0)
+    return alibi_slopes(self.n_heads).to(device)[start : start + n_heads]
 
 
 def maybe_to_local(x: torch.Tensor) -> torch.Tensor:
