@@ -12,6 +12,7 @@ from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
+from archon_models.ernie4_5_moe import spec as ernie4_5_moe_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
 from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
@@ -29,6 +30,7 @@ from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
+from archon_models.hunyuan_v1_moe import spec as hunyuan_v1_moe_spec  # noqa: F401
 from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
