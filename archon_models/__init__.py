@@ -51,6 +51,7 @@ from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
+from archon_models.olmoe import spec as olmoe_spec  # noqa: F401
 from archon_models.persimmon import spec as persimmon_spec  # noqa: F401
 from archon_models.phi3 import spec as phi3_spec  # noqa: F401
 from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
