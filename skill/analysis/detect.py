@@ -1139,9 +1139,14 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
         return "", []
     # Any layer: the first layers of a family with leading dense layers have no router.
     layer = re.compile(re.escape(ctx.layer_prefix).replace(r"0\.", r"\d+\.", 1) if ctx.layer_prefix else "^$")
+    # Not the attention's per-head tensors (Flint's sinks, saved as self_attn.softmax_offset),
+    # which a tiny model with as many heads as experts shapes alike.
+    attention = ctx.anatomy.attention_name
     for key, shape in sorted(ctx.saved_keys.items()):
         match = layer.match(key)
         if match is None or ".experts." in key or "shared" in key:
+            continue
+        if attention and key[match.end() :].startswith(f"{attention}."):
             continue
         if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
             continue

@@ -94,6 +94,7 @@ CORRECTION_BIAS_TARGET = "moe.expert_bias"
 # Parameters held by a layer's module itself, not by a Linear or norm inside it.
 LAYER_PARAMETERS: dict[str, str] = {
     "self_attn.sinks": "attention.sinks",
+    "self_attn.softmax_offset": "attention.sinks",  # Flint's sinks, as its checkpoints name them
 }
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.

@@ -361,7 +361,15 @@ SHARED_FACTS: dict[str, dict[str, Any]] = {
         "shared_expert_width": "experts_multiple",
         "shared_expert_gate": False,
     },
-    "flint": {"shared_expert_width": "own_field", "shared_expert_gate": False},
+    # FlintTopKRouter: "Sigmoid scores without expert bias". Its attention sinks, saved as
+    # self_attn.softmax_offset, are one value per head: as many as the tiny model's experts,
+    # and no selection bias.
+    "flint": {
+        "shared_expert_width": "own_field",
+        "shared_expert_gate": False,
+        "score_correction_bias": False,
+        "score_correction_key": "",
+    },
     "kolibri1": {"shared_expert_width": "own_field", "shared_expert_gate": False},
     "cohere2_moe": {"shared_experts": 0, "shared_experts_field": "num_shared_experts", "shared_expert_width": ""},
 }
