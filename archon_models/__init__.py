@@ -17,6 +17,7 @@ from archon_models.ernie4_5_moe import spec as ernie4_5_moe_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
 from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
+from archon_models.flint import spec as flint_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.gemma3_text import spec as gemma3_text_spec  # noqa: F401
