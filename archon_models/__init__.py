@@ -11,12 +11,15 @@ from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.bloom import spec as bloom_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
+from archon_models.cohere2_moe import spec as cohere2_moe_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
+from archon_models.ernie4_5_moe import spec as ernie4_5_moe_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
 from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
+from archon_models.flint import spec as flint_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
 from archon_models.gemma2 import spec as gemma2_spec  # noqa: F401
 from archon_models.gemma3_text import spec as gemma3_text_spec  # noqa: F401
@@ -33,6 +36,7 @@ from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
+from archon_models.hunyuan_v1_moe import spec as hunyuan_v1_moe_spec  # noqa: F401
 from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
@@ -54,6 +58,7 @@ from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
+from archon_models.olmoe import spec as olmoe_spec  # noqa: F401
 from archon_models.opt import spec as opt_spec  # noqa: F401
 from archon_models.persimmon import spec as persimmon_spec  # noqa: F401
 from archon_models.phi import spec as phi_spec  # noqa: F401

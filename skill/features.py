@@ -242,6 +242,11 @@ class AttentionFeatures(_Frozen):
     clip_qkv_field: str | None = Field(
         None, description="config field that clamps q/k/v; set when the forward reads it, even if the default is None"
     )
+    clip_qkv_after_qk_norm: bool | None = Field(
+        None,
+        description="with a QK norm too: q and k clamped after it (OLMoE) or before it (probed); None when "
+        "there is no such pair or the probe could not tell",
+    )
 
 
 class FFNFeatures(_Frozen):
@@ -293,11 +298,15 @@ class MoEFeatures(_Frozen):
         "max (DeepSeek-V2 group_limited_greedy)",
     )
     shared_experts: int = 0
-    shared_experts_field: str | None = Field(None, description="config field of the shared-expert count")
+    shared_experts_field: str | None = Field(
+        None,
+        description="config field of the shared-expert count (also when it is 0: a config setting it has some)",
+    )
     shared_expert_width: str = Field(
         "",
         description="experts_multiple: the shared MLP is shared_experts times an expert's width (AReaL's "
-        "num_shared_experts); own_field: shared_expert_intermediate_size; empty when none or unmeasured",
+        "num_shared_experts; one such MLP when no field counts them); own_field: "
+        "shared_expert_intermediate_size; empty when none or unmeasured",
     )
     shared_expert_gate: bool = False
     moe_layers: list[int] = Field(default_factory=list, description="0-based layers with routed experts")
@@ -577,10 +586,13 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Router edits (skill/porting/edit_args.py router_setup): the config's routed scaling
     # factor -> MoEArgs.route_scale; n_group/topk_group -> num_expert_groups /
     # num_limited_groups (groups scored by their two best experts, as AReaL's router does);
-    # a 1-D score-correction bias -> MoE.expert_bias (selection only, AReaL's semantics).
+    # a score-correction bias -> MoE.expert_bias (selection only, AReaL's semantics); one
+    # stored [1, E] is reshaped both ways by the adapter (edit_adapter_map.apply_unit_axes_adapter).
     Feature.ROUTED_SCALING: frozenset({"none", "constant"}),
     Feature.GROUPED_TOPK: frozenset({"false", "true"}),
-    Feature.SCORE_CORRECTION_BIAS: frozenset({"false", "true"}),
+    Feature.SCORE_CORRECTION_BIAS: frozenset({"false", "true", "true, stored with unit axes"}),
+    # Shared experts: AReaL's num_shared_experts (a count field, or one MLP an expert wide
+    # when no field counts it), or shared_expert_intermediate_size, gated or not.
     Feature.SHARED_EXPERTS: frozenset({"true", "false"}),
     Feature.SHARED_EXPERT_GATE: frozenset({"true", "false"}),
     # Layer-rule edits (edit_args.py is_moe_layer): the config rule the analysis names.
@@ -733,17 +745,17 @@ def _correction_bias(moe: MoEFeatures) -> str:
     if not moe.score_correction_key:
         return "true, no checkpoint key"  # seen in the module tree only: nothing to map
     if len(moe.score_correction_shape) > 1:
-        return "true, shape " + "x".join(str(n) for n in moe.score_correction_shape)
+        # Leading axes of size 1 only (the analysis takes no other key): [1, E] on disk.
+        return "true, stored with unit axes"
     return "true"
 
 
 def _shared_experts(moe: MoEFeatures) -> str:
     if moe.shared_experts <= 0:
         return "false"
-    width = moe.shared_expert_width
-    if width == "experts_multiple" or (width == "own_field" and moe.shared_expert_gate):
+    if moe.shared_expert_width in ("experts_multiple", "own_field"):
         return "true"
-    return "true, width " + (moe.shared_expert_width or "unmeasured") + ("" if moe.shared_expert_gate else ", no gate")
+    return "true, width unmeasured"
 
 
 def _grouped_topk(moe: MoEFeatures) -> str:

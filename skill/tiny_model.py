@@ -238,7 +238,8 @@ def _tiny_value(
     if name in _VOCAB or ("vocab" in name and isinstance(value, int) and value > TINY_VOCAB):
         return TINY_VOCAB if isinstance(value, int) else value
     if name in _EXPERT_COUNT and isinstance(value, int):
-        return min(value, TINY_EXPERTS) if value > 0 else value
+        # A one-expert default (HunYuan-MoE's) routes nothing and splits over no EP ranks.
+        return TINY_EXPERTS if value == 1 else min(value, TINY_EXPERTS) if value > 0 else value
     if name in _TOP_K and isinstance(value, int):
         return min(value, TINY_TOP_K)
     if "expert" in name and ("num" in name or name.startswith("n_")) and isinstance(value, int) and value > 0:

@@ -42,6 +42,7 @@ ARCHON_FIELDS: dict[str, str] = {
     "num_shared_experts": "moe_args.num_shared_experts",
     "shared_expert_intermediate_size": "moe_args.shared_expert_intermediate_size",
     "scoring_func": "moe_args.score_func",
+    "expert_selection_fn": "moe_args.score_func",  # Cohere2-MoE
     "n_group": "moe_args.num_expert_groups",
     "topk_group": "moe_args.num_limited_groups",
     "num_labels": "num_labels",

@@ -662,6 +662,32 @@ def _clip_qkv(ctx: Context) -> tuple[float | None, str | None]:
     return (float(value) if isinstance(value, (int, float)) else None), found.name
 
 
+# A clamp far below what a tiny model's projections output, so that clamping changes them.
+_CLIP_PROBE_LIMIT = 1e-4
+
+
+def _clip_after_qk_norm(ctx: Context, clip_field: str) -> bool | None:
+    """Whether the forward clamps q/k after the QK norm (OLMoE) or before it: probed on a
+    tiny model whose config sets the clamp (the default config may leave it unset)."""
+    attention = ctx.anatomy.attention
+    path = next((name for name, module in ctx.model.named_modules() if module is attention), None)
+    if attention is None or path is None:
+        return None
+    config = copy.deepcopy(ctx.tiny)
+    setattr(config, clip_field, _CLIP_PROBE_LIMIT)
+    try:
+        model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        q_norm, _ = mt.qk_norms(model.get_submodule(path))
+    except Exception as exc:
+        logger.debug("clip/QK-norm order probe failed: %s", exc)
+        return None
+    if q_norm is None:
+        return None
+    after = probes.probe_clip_after_qk_norm(model, q_norm[1], config, _CLIP_PROBE_LIMIT)
+    ctx.evidence.append(f"q/k clamp {'after' if after else 'before'} the QK norm, from the clamp probe: {after}")
+    return after
+
+
 def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> FusedQKVLayout:
     """The row order of a fused q/k/v projection, from the rows that feed each head's values.
 
@@ -723,6 +749,9 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         (n for n, v in sorted(ctx.config.to_dict().items()) if v is True and "multi_query" in n and kv == 1), None
     )
     clip_value, clip_field = _clip_qkv(ctx)
+    clip_after_norm = (
+        _clip_after_qk_norm(ctx, clip_field) if clip_field is not None and qk.kind is not QKNormKind.NONE else None
+    )
     mla = None
     if isinstance(ctx.get("kv_lora_rank"), int):
         mla = MLA(
@@ -795,6 +824,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         nope_layer_type=nope_type,
         clip_qkv=clip_value,
         clip_qkv_field=clip_field,
+        clip_qkv_after_qk_norm=clip_after_norm,
     )
 
 
@@ -1237,18 +1267,20 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
 
     Keys of the layer's attention never count: its per-head sinks may have as many
     entries. (The MoE block may be saved under another name than its module's.)"""
-    attention = ctx.anatomy.attention_name
     if num_experts <= 0:
         return "", []
     # Any layer: the first layers of a family with leading dense layers have no router.
     layer = re.compile(re.escape(ctx.layer_prefix).replace(r"0\.", r"\d+\.", 1) if ctx.layer_prefix else "^$")
+    # Not the attention's per-head tensors (gpt-oss's sinks, Flint's saved as
+    # self_attn.softmax_offset), which a tiny model with as many heads as experts shapes alike.
+    attention = ctx.anatomy.attention_name
     for key, shape in sorted(ctx.saved_keys.items()):
         match = layer.match(key)
         if match is None or ".experts." in key or "shared" in key:
             continue
-        if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
+        if attention and key[match.end() :].startswith(f"{attention}."):
             continue
-        if attention is not None and key[match.end() :].startswith(f"{attention}."):
+        if key.endswith((".weight", ".bias")) or not shape or shape[-1] != num_experts:
             continue
         if any(n != 1 for n in shape[:-1]):
             continue
@@ -1291,6 +1323,9 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
         return count_field, "experts_multiple"
     if tiny.get("shared_expert_intermediate_size") == width:
         return count_field, "own_field"
+    if count_field is None and width == expert_width:
+        # One shared MLP as wide as a routed expert, no field counting it (HunYuan-MoE's shared_mlp).
+        return None, "experts_multiple"
     return count_field, ""
 
 
@@ -1363,6 +1398,17 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     # the sum of its two best; the config's topk_method names which the forward takes.
     group_scoring = "max" if ctx.get("topk_method") == "group_limited_greedy" else "sum_top2"
     shared_field, shared_width = _shared_expert_width(ctx, ffn) if shared else (None, "")
+    if not shared:
+        # A count field at 0 (Cohere2-MoE's num_shared_experts): this config has none, one
+        # setting it has; the port names the field so it can refuse such a config.
+        shared_field = next(
+            (
+                k
+                for k, v in _fields_matching(ctx.config, "shared", "expert").items()
+                if isinstance(v, int) and not isinstance(v, bool) and v == 0 and "size" not in k and "dim" not in k
+            ),
+            None,
+        )
     scaling = next(
         (v for v in _fields_matching(ctx.config, "rout", "scal").values() if isinstance(v, (int, float))), None
     )

@@ -1103,3 +1103,26 @@ def count_calls(model: nn.Module, module: nn.Module, config: Any) -> int:
     finally:
         handle.remove()
     return calls[0]
+
+
+def probe_clip_after_qk_norm(model: nn.Module, q_norm: nn.Module, config: Any, limit: float) -> bool | None:
+    """Whether q is clamped after its QK norm (OLMoE) rather than before it, on a tiny model
+    whose config sets the clamp to ``limit`` (pass one far below the projection's values):
+    clamped first, the norm never sees a value beyond ``limit``; normalised first, it sees
+    the raw projection. ``None`` when the norm never runs."""
+    seen: list[float] = []
+
+    def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = _first_tensor(args, kwargs)
+        if x is not None:
+            seen.append(float(x.detach().abs().max()))
+
+    handle = q_norm.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(tokens_for(config, 5))
+    finally:
+        handle.remove()
+    if not seen:
+        return None
+    return max(seen) > limit * (1 + 1e-6)

@@ -176,9 +176,13 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append(
             f"QK norm computing {att.qk_norm_computation.value} while the block norms compute {norm.kind.value}"
         )
-    if (att.clip_qkv is not None or att.clip_qkv_field is not None) and att.qk_norm is not QKNormKind.NONE:
-        # The clip edit clamps the projections' outputs; whether a QK norm comes first is not measured.
-        limits.append("q/k/v clipping together with a QK norm (their order is not measured)")
+    clipped = att.clip_qkv is not None or att.clip_qkv_field is not None
+    if clipped and att.qk_norm is not QKNormKind.NONE:
+        # The clip edit clamps q/k before or after the QK norm, in the order the probe measured.
+        if att.clip_qkv_after_qk_norm is None:
+            limits.append("q/k/v clipping together with a QK norm (their order is not measured)")
+        elif att.clip_qkv_after_qk_norm and att.qk_norm_placement is QKNormPlacement.AFTER_ROPE:
+            limits.append("q/k clipped after a QK norm that follows RoPE")
     if norm.eps_field is None and norm.eps is None:
         limits.append("norm epsilon with no config field that no probe measured")
     if sc.embedding_scale_kind == "constant" and sc.embedding_scale_source is None:

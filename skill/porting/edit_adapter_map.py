@@ -75,6 +75,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.router.gate": "moe.router.gate",
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.router": "moe.router.gate",
+    "mlp.gate.wg": "moe.router.gate",  # HunYuan-MoE's router Linear inside its gate module
     "block_sparse_moe.router.layer": "moe.router.gate",
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
@@ -94,6 +95,7 @@ CORRECTION_BIAS_TARGET = "moe.expert_bias"
 # Parameters held by a layer's module itself, not by a Linear or norm inside it.
 LAYER_PARAMETERS: dict[str, str] = {
     "self_attn.sinks": "attention.sinks",
+    "self_attn.softmax_offset": "attention.sinks",  # Flint's sinks, as its checkpoints name them
 }
 # Per-expert 2D checkpoint tensors; Archon stacks a layer's experts into one 3D parameter
 # (named without ".weight"), so these map layer and expert index to that parameter.
@@ -470,6 +472,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             text = expect_init_buffers(text, layout)
         if plan.lm_head_bias:
             text = apply_head_bias_adapter(text, layout)
+        moe = checklist.moe
+        if plan.score_correction_key and moe is not None and len(moe.score_correction_shape) > 1:
+            axes = len(moe.score_correction_shape) - 1
+            text = apply_unit_axes_adapter(text, layout, {prefix + plan.score_correction_key: axes})
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -1008,6 +1014,58 @@ def apply_head_bias_adapter(text: str, layout: PackageLayout) -> str:
         return replace_in_function(text, layout.adapter_class, "from_hf", CRITIC_DROP, CRITIC_DROP_WITH_BIAS)
     except CodemodError as e:
         raise CodemodError(f"an LM head bias needs the reference adapter's critic branch in from_hf: {e}") from e
+
+
+# --- tensors stored with leading unit axes ([1, E]) -----------------------------------------
+
+UNIT_AXES = "unit_axes_hf_keys"
+
+_FROM_HF_UNIT_AXES = """
+# Tensors the checkpoint stores with leading unit axes ([1, E]) are held without them ([E]).
+hf_state_dict = {
+    key: _drop_unit_axes(value, self.unit_axes_hf_keys.get(_abstract(key)[0], 0))
+    for key, value in hf_state_dict.items()
+}
+"""
+
+
+def apply_unit_axes_adapter(text: str, layout: PackageLayout, keys: dict[str, int]) -> str:
+    """Teach a copied adapter the checkpoint keys stored with leading axes of size 1
+    (``{key template: axes}``; ERNIE-4.5's ``[1, E]`` score-correction bias, which
+    AReaL's ``expert_bias`` holds as ``[E]``): ``from_hf`` drops the axes before anything
+    else, ``convert_single_to_hf`` (and so ``to_hf``) puts them back, after a Conv1D
+    transpose when that edit is there too."""
+    if not keys:
+        return text
+    cls = layout.adapter_class
+    literal = (
+        "# Checkpoint keys stored with leading unit axes -> how many ([1, E] on disk, [E] in Archon).\n"
+        f"{UNIT_AXES}: ClassVar[dict[str, int]] = {{\n"
+        + "".join(f'    "{key}": {axes},\n' for key, axes in sorted(keys.items()))
+        + "}\n"
+    )
+    anchor = next((name for name in (TRANSPOSED, FUSED_MAP) if name in text), "from_hf_map")
+    text = insert_class_statement_after(text, cls, anchor, literal)
+    restore = "_add_unit_axes({}, self.unit_axes_hf_keys.get(_abstract(hf_key)[0], 0))"
+    try:
+        text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_UNIT_AXES.strip() + "\n")
+        if "_add_unit_axes(" in text:
+            pass  # already taught (a second run changes nothing)
+        else:
+            if "return [(hf_key, self._oriented(hf_key, tensor))]" in text:
+                old, value = "return [(hf_key, self._oriented(hf_key, tensor))]", "self._oriented(hf_key, tensor)"
+                new = f"return [(hf_key, {restore.format(value)})]"
+            else:
+                old = "return [(self._hf_key(name), tensor)]"
+                new = f"hf_key = self._hf_key(name)\nreturn [(hf_key, {restore.format('tensor')})]\n"
+            text = replace_in_function(text, cls, "convert_single_to_hf", old, new)
+    except CodemodError as e:
+        raise CodemodError(
+            f"keys stored with unit axes {sorted(keys)} need the reference adapter's conversion methods: {e}"
+        ) from e
+    for helper in ("_drop_unit_axes", "_add_unit_axes"):
+        text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
+    return text
 
 
 def _indent(block: str) -> str:

@@ -291,6 +291,10 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 moe_args.top_k = getattr(c, profile.top_k_field)
             if profile.shared_experts_field is not None:
                 moe_args.num_shared_experts = getattr(c, profile.shared_experts_field) or 0
+            if profile.shared_experts_fixed is not None:
+                moe_args.num_shared_experts = profile.shared_experts_fixed
+            if profile.shared_expert_width_field is not None:
+                moe_args.shared_expert_intermediate_size = getattr(c, profile.shared_expert_width_field)
             if profile.router_scoring_field is not None:
                 moe_args.score_func = getattr(c, profile.router_scoring_field)
             elif profile.router_scoring == "sigmoid":
@@ -631,6 +635,15 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
             '            "which reproduces it unset (None)."',
             "        )",
         ]
+    if profile.absent_shared_experts_field is not None:
+        field = profile.absent_shared_experts_field
+        lines += [
+            f'    if getattr(hf_config, "{field}", 0):',
+            "        raise ValueError(",
+            f'            f"{field}={{hf_config.{field}!r}} is not supported: {camel} in Archon has no "',
+            '            "shared experts; port that variant as its own family."',
+            "        )",
+        ]
     if profile.mqa_flag is not None:
         lines += [
             f'    if not getattr(hf_config, "{profile.mqa_flag}", True):',
@@ -768,6 +781,16 @@ def router_setup(plan: PortPlan) -> str:
         lines += [
             f"# {plan.shared_experts_field} always-active shared experts, each as wide as a routed one.",
             f"moe_args.num_shared_experts = hf_config.{plan.shared_experts_field} or 0",
+        ]
+    if plan.shared_experts_fixed is not None:
+        lines += [
+            "# An always-active shared MLP as wide as a routed expert; no config field counts it.",
+            f"moe_args.num_shared_experts = {plan.shared_experts_fixed}",
+        ]
+    if plan.shared_expert_width_field is not None:
+        lines += [
+            f"# An always-active shared MLP, {plan.shared_expert_width_field} wide, its output added ungated.",
+            f"moe_args.shared_expert_intermediate_size = hf_config.{plan.shared_expert_width_field}",
         ]
     return "".join(f"{line}\n" for line in lines)
 

@@ -31,6 +31,7 @@ from skill.codemod.contract import (
     wrap_residual_branch,
 )
 from skill.codemod.cst import (
+    CodemodError,
     add_parameter,
     ensure_import_line,
     insert_after_statement_assigning,
@@ -246,7 +247,8 @@ def _alibi_attention(text: str, ctx: EditContext) -> str:
 
 def _clip_qkv(text: str, ctx: EditContext) -> str:
     """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
-    linear layers (before any view, norm or RoPE), when the checkpoint sets the field."""
+    linear layers (before any view, norm or RoPE), when the checkpoint sets the field; q and
+    k after their QK norm instead where the analysis measured that order (OLMoE)."""
     if "self.clip_qkv =" in text:
         return text
     text = insert_before_class(text, "Attention", snippet("attention", "clamp_projection"))
@@ -258,10 +260,12 @@ def _clip_qkv(text: str, ctx: EditContext) -> str:
         f"# The checkpoint's {ctx.profile.clip_qkv_field} bounds q, k and v (None: unbounded).\n"
         f"self.clip_qkv = model_args.{ctx.profile.clip_qkv_field}\n",
     )
-    for projection in ("self.wq", "self.wk", "self.wv"):
-        text = replace_call(
-            text, "Attention", "forward", projection, f"clamp_projection({projection}({{}}), self.clip_qkv)"
-        )
+    after_norm = ctx.profile.clip_after_qk_norm
+    if after_norm and not ("self.q_norm(" in text and "self.k_norm(" in text):
+        raise CodemodError("q/k are clamped after their QK norm, but the attention has no q_norm/k_norm calls")
+    clamped = ("self.q_norm", "self.k_norm", "self.wv") if after_norm else ("self.wq", "self.wk", "self.wv")
+    for call in clamped:
+        text = replace_call(text, "Attention", "forward", call, f"clamp_projection({call}({{}}), self.clip_qkv)")
     return text
 
 
@@ -462,6 +466,8 @@ def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
     """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE.
 
     On a copy that carries per-head QK norms (qwen3), those go first."""
+    if "self.q_norm = RMSNorm(self.n_heads * self.head_dim" in text:
+        return text  # already applied (the q/k lines may carry a clamp since)
     if "self.q_norm = RMSNorm(self.head_dim" in text:
         text = _remove_qk_norm(text, ctx)
     text = insert_after_statement_assigning(

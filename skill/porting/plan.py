@@ -116,6 +116,9 @@ class PortPlan(BaseModel):
         default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
     )
     clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
+    clip_after_qk_norm: bool = Field(
+        default=False, description="q and k are clamped after the QK norm (OLMoE), not as they leave wq/wk"
+    )
     sliding_window: bool
     sliding_layer_types: bool
     attn_softcap: bool
@@ -161,6 +164,17 @@ class PortPlan(BaseModel):
     shared_experts_field: str | None = Field(
         default=None,
         description="config field counting shared experts each an expert wide (AReaL's num_shared_experts)",
+    )
+    shared_expert_width_field: str | None = Field(
+        default=None,
+        description="config field of an ungated shared MLP's own width (AReaL's shared_expert_intermediate_size)",
+    )
+    shared_experts_fixed: int | None = Field(
+        default=None, description="shared MLPs, each an expert wide, when no config field counts them (HunYuan-MoE)"
+    )
+    absent_shared_experts_field: str | None = Field(
+        default=None,
+        description="config field counting shared experts that is 0 here: the port has none and refuses more",
     )
     moe_layer_rule: str = Field(
         default="all", description="the config rule naming the MoE layers (the analysis' moe_layer_rule)"
@@ -328,6 +342,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         clip_qkv_field=att.clip_qkv_field,
+        clip_after_qk_norm=bool(att.clip_qkv_after_qk_norm) and att.qk_norm is not QKNormKind.NONE,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
         attn_softcap=att.logit_softcap is not None,
@@ -363,6 +378,13 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         shared_experts_field=moe.shared_experts_field
         if moe is not None and moe.shared_expert_width == "experts_multiple"
         else None,
+        shared_expert_width_field="shared_expert_intermediate_size"
+        if moe is not None and moe.shared_expert_width == "own_field" and not moe.shared_expert_gate
+        else None,
+        shared_experts_fixed=moe.shared_experts
+        if moe is not None and moe.shared_expert_width == "experts_multiple" and moe.shared_experts_field is None
+        else None,
+        absent_shared_experts_field=moe.shared_experts_field if moe is not None and moe.shared_experts == 0 else None,
         moe_layer_rule=moe.moe_layer_rule if moe is not None else "all",
         moe_layer_fields=list(moe.moe_layer_fields) if moe is not None else [],
         routed_scaling_field=moe.routed_scaling_field if moe is not None else None,

@@ -369,3 +369,51 @@ def test_learned_activation_is_replicated_over_tp_with_summed_gradients() -> Non
     assert "feed_forward.act_fn" in plan and "feed_forward.w1" in plan and "feed_forward.w3" not in plan
     assert '"feed_forward.act_fn": SequenceParallel(sequence_dim=-1, use_local_output=True),' in text
     assert '"feed_forward.w1": ColwiseParallel(),' in text
+
+
+@pytest.mark.parametrize(("reference", "qk_norm"), [("qwen2", "full"), ("qwen3", "per_head"), ("qwen3", "full")])
+@pytest.mark.parametrize("after_norm", [False, True])
+def test_clip_qkv_clamps_q_and_k_on_the_measured_side_of_the_qk_norm(reference, qk_norm, after_norm) -> None:
+    # OlmoeAttention: `q = self.q_norm(self.q_proj(x))`, then `q.clamp_(-clip, clip)`: the
+    # clamp must see the norm's output; OLMo-style clipping (after_norm False) sees wq's.
+    plan = plan_for("llama").model_copy(
+        update={"clip_qkv_field": "clip_qkv", "qk_norm": qk_norm, "clip_after_qk_norm": after_norm}
+    )
+    names = select_edits(plan, REFERENCES[reference])
+    text = apply_model_edits(REFERENCES[reference], _ctx(plan, reference), names)
+    assert apply_model_edits(REFERENCES[reference], _ctx(plan, reference), list(reversed(names))) == text
+    assert apply_model_edits(text, _ctx(plan, reference), names) == text
+    assert text.count("clamp_projection(self.wv(x), self.clip_qkv)") == 1
+    assert ("clamp_projection(self.q_norm(" in text) is after_norm
+    assert ("clamp_projection(self.wq(x)" in text) is not after_norm
+    module = _load(text, f"_clip_side_{reference}_{qk_norm}_{after_norm}")
+    torch.manual_seed(0)
+    model = _tiny_model(module, reference, clip_qkv=1e-3)
+    model.init_weights()
+    attention = model.layers["0"].attention
+    seen: list[torch.Tensor] = []
+    produced: dict[str, torch.Tensor] = {}
+    clamp = module.clamp_projection
+
+    def recording(x, limit):
+        seen.append(x.detach().clone())
+        return clamp(x, limit)
+
+    hooks = [
+        getattr(attention, name).register_forward_hook(
+            lambda _m, _a, out, name=name: produced.__setitem__(name, out.detach().clone())
+        )
+        for name in ("q_norm", "wq")
+    ]
+    module.clamp_projection = recording
+    try:
+        tokens = torch.arange(8).unsqueeze(0)
+        model(tokens, tokens, torch.tensor([0, 8]), 8)
+    finally:
+        module.clamp_projection = clamp
+        for hook in hooks:
+            hook.remove()
+    clamped_q = produced["q_norm" if after_norm else "wq"]
+    assert any(x.shape == clamped_q.shape and torch.equal(x, clamped_q) for x in seen)
+    other_q = produced["wq" if after_norm else "q_norm"]
+    assert not any(x.shape == other_q.shape and torch.equal(x, other_q) for x in seen)

@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoConfig
 
 from skill.features import SUPPORTED_EDITS, Feature, NormKind, feature_values
+from skill.porting.plan import plan_for
 from tests.skill.test_analyze_families import report_for
 
 # ----------------------------------------------------------- 1. layers without RoPE
@@ -161,16 +162,25 @@ def test_hyperclovax_multiplies_the_logits() -> None:
 def test_clip_qkv_defaulting_to_none_is_reported(model_type: str) -> None:
     # OlmoAttention / OlmoeAttention: `if self.config.clip_qkv is not None: states.clamp_(...)`;
     # the config default is None, OLMo checkpoints set 8.0. The clip_qkv edit ports it; OLMoE
-    # clamps after its QK norm, an order the analysis does not measure, so it stays refused.
+    # clamps q and k after its QK norm (`q = self.q_norm(self.q_proj(x))`, then clamp_), an
+    # order the probe measures on a tiny model whose config sets the clamp. OLMo has no QK norm.
     report = report_for(model_type)
-    assert report.checklist.attention.clip_qkv_field == "clip_qkv"
-    assert report.checklist.attention.clip_qkv is None
+    attention = report.checklist.attention
+    assert attention.clip_qkv_field == "clip_qkv"
+    assert attention.clip_qkv is None
     assert "true" in SUPPORTED_EDITS[Feature.QKV_CLIP]
-    clip_lines = [line for line in report.unsupported if "clipping" in line]
-    if model_type == "olmo":
-        assert clip_lines == []
-    else:
-        assert clip_lines == ["unsupported: q/k/v clipping together with a QK norm (their order is not measured)"]
+    assert [line for line in report.unsupported if "clipping" in line] == []
+    assert attention.clip_qkv_after_qk_norm is (None if model_type == "olmo" else True)
+    assert plan_for(model_type).clip_after_qk_norm is (model_type == "olmoe")
+
+
+def test_clip_with_a_qk_norm_whose_order_the_probe_could_not_tell_is_refused() -> None:
+    from skill.analysis.reference import engine_limits
+
+    checklist = report_for("olmoe").checklist
+    unmeasured = checklist.attention.model_copy(update={"clip_qkv_after_qk_norm": None})
+    limits = engine_limits(checklist.model_copy(update={"attention": unmeasured}))
+    assert "q/k/v clipping together with a QK norm (their order is not measured)" in limits
 
 
 def test_query_pre_attn_scalar_sets_the_scale() -> None:

@@ -121,10 +121,10 @@ def test_router_features_are_supported_or_named() -> None:
     ]:
         assert values[feature] == value
         assert is_supported(feature, value)
-    # A bias stored with a leading group axis has no adapter edit: named, not ported wrongly.
+    # A bias stored [1, E] (a leading unit axis) is reshaped by the adapter both ways.
     ernie = feature_values(report_for("ernie4_5_moe").checklist)
-    assert ernie[Feature.SCORE_CORRECTION_BIAS] == "true, shape 1x4"
-    assert not is_supported(Feature.SCORE_CORRECTION_BIAS, ernie[Feature.SCORE_CORRECTION_BIAS])
+    assert ernie[Feature.SCORE_CORRECTION_BIAS] == "true, stored with unit axes"
+    assert is_supported(Feature.SCORE_CORRECTION_BIAS, ernie[Feature.SCORE_CORRECTION_BIAS])
 
 
 def _moe(**changes: Any) -> MoEFeatures:
@@ -346,3 +346,142 @@ def test_router_setup_is_empty_for_a_plain_softmax_router() -> None:
     qwen2_moe = plan_from_report(report_for("qwen2_moe"), "qwen2_moe")
     assert "load_balance_coeff" not in router_setup(qwen2_moe)
     assert "num_shared_experts" not in router_setup(qwen2_moe)  # its shared expert has its own width
+
+
+# --- shared experts: every width rule the analysis measures, built as AReaL's MoE builds it ---
+
+# Facts from the HF sources (transformers 5.23): HunYuanMoEV1Moe.shared_mlp =
+# HunYuanMoEV1MLP(config) (intermediate_size wide, as each expert; no field counts it);
+# FlintSparseMoeBlock / Kolibri1 add an ungated shared MLP of shared_expert_intermediate_size;
+# Cohere2MoeSparseMoeBlock builds shared_experts only when num_shared_experts > 0 (default 0).
+SHARED_FACTS: dict[str, dict[str, Any]] = {
+    "hunyuan_v1_moe": {
+        "shared_experts": 1,
+        "shared_experts_field": None,
+        "shared_expert_width": "experts_multiple",
+        "shared_expert_gate": False,
+    },
+    # FlintTopKRouter: "Sigmoid scores without expert bias". Its attention sinks, saved as
+    # self_attn.softmax_offset, are one value per head: as many as the tiny model's experts,
+    # and no selection bias.
+    "flint": {
+        "shared_expert_width": "own_field",
+        "shared_expert_gate": False,
+        "score_correction_bias": False,
+        "score_correction_key": "",
+    },
+    "kolibri1": {"shared_expert_width": "own_field", "shared_expert_gate": False},
+    "cohere2_moe": {"shared_experts": 0, "shared_experts_field": "num_shared_experts", "shared_expert_width": ""},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SHARED_FACTS))
+def test_shared_expert_width_is_measured_and_supported(model_type: str) -> None:
+    report = report_for(model_type)
+    moe = report.checklist.moe
+    assert moe is not None
+    assert {name: getattr(moe, name) for name in SHARED_FACTS[model_type]} == SHARED_FACTS[model_type]
+    value = feature_values(report.checklist)[Feature.SHARED_EXPERTS]
+    assert value == ("false" if model_type == "cohere2_moe" else "true")
+    assert is_supported(Feature.SHARED_EXPERTS, value)
+    assert not [line for line in report.unsupported if "shared" in line]
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_moe", "flint", "kolibri1", "qwen2_moe", "glm4_moe"])
+def test_router_setup_builds_the_hf_shared_mlp(model_type: str) -> None:
+    # The MoE AReaL builds from the generated MoEArgs holds a shared MLP exactly as wide as
+    # HF's, gated only where HF gates it; a wrong width fails here, not only at stage 3.
+    from archon_models.moe import MoE
+
+    config = tiny_config(model_type)  # its leading dense layers (flint, glm4_moe) stay: any MoE layer will do
+    block = next(
+        m
+        for m in build_tiny_model(config).modules()
+        if any("shared" in n for n, _ in m.named_children()) and any("expert" in n for n, _ in m.named_children())
+    )
+    hf_shared = next(c for n, c in block.named_children() if "shared" in n and "gate" not in n)
+    width = next(m.out_features for n, m in hf_shared.named_modules() if n.endswith(("gate_proj", "up_proj")))
+    plan = plan_from_report(report_for(model_type), model_type)
+    moe_args = _run_setup(router_setup(plan), config)
+    if plan.shared_expert:  # a gated shared expert: the args' fixed lines (SHARED_EXPERT_SETUP)
+        moe_args.shared_expert_intermediate_size = config.shared_expert_intermediate_size
+        moe_args.use_shared_expert_gate = True
+    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    moe = MoE(moe_args, dim=config.hidden_size, hidden_dim=expert_width)
+    assert moe.shared_experts is not None and moe.shared_experts.w1.out_features == width
+    assert (moe.shared_expert_gate is not None) == any("gate" in n and "shared" in n for n, _ in block.named_children())
+
+
+def test_a_zero_shared_expert_count_is_refused_when_a_config_sets_it() -> None:
+    # Cohere2-MoE's default has no shared experts; its port has none and must refuse a config
+    # that adds them (their "average" combination is no MoEArgs setting).
+    from skill.porting.edit_args import check_supported_source
+    from skill.porting.hf_source import load_config
+
+    plan = plan_from_report(report_for("cohere2_moe"), "cohere2_moe")
+    assert plan.absent_shared_experts_field == "num_shared_experts"
+    assert plan.shared_experts_field is None and plan.shared_experts_fixed is None
+    source = check_supported_source(plan, load_config("cohere2_moe"), "Cohere2Moe")
+    namespace: dict[str, Any] = {"Any": Any, "logger": __import__("logging").getLogger("t")}
+    exec(compile(source, "<check>", "exec"), namespace)
+    namespace["_check_supported"](tiny_config("cohere2_moe"))
+    with pytest.raises(ValueError, match="num_shared_experts=1 is not supported"):
+        namespace["_check_supported"](tiny_config("cohere2_moe", num_shared_experts=1))
+    # A family with shared experts has no such refusal.
+    assert plan_from_report(report_for("glm4_moe"), "glm4_moe").absent_shared_experts_field is None
+
+
+# --- a score-correction bias stored [1, E]: the adapter reshapes it both ways --------------
+
+
+def _glm4_moe_adapter_with_unit_axes(transposed: list[str]) -> type:
+    """The committed glm4_moe adapter taught that its correction bias is stored [1, E]
+    (as ERNIE-4.5 stores it), after the Conv1D edit when ``transposed`` names keys."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from skill.porting.common import PackageLayout
+    from skill.porting.edit_adapter_map import apply_transposed_adapter, apply_unit_axes_adapter
+
+    layout = PackageLayout.for_name("glm4_moe")
+    text = (Path(__file__).parents[2] / "archon_models/glm4_moe/model/state_dict_adapter.py").read_text()
+    text = apply_transposed_adapter(text, layout, transposed)
+    keys = {"model.layers.{}.mlp.gate.e_score_correction_bias": 1}
+    edited = apply_unit_axes_adapter(text, layout, keys)
+    assert apply_unit_axes_adapter(edited, layout, keys) == edited  # idempotent
+    name = "_unit_axes_adapter"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        exec(compile(edited, "<adapter>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return module.Glm4MoeStateDictAdapter
+
+
+@pytest.mark.parametrize("transposed", [[], ["model.layers.{}.self_attn.o_proj.weight"]])
+def test_unit_axes_adapter_roundtrips_a_bias_stored_with_a_leading_axis(transposed: list[str]) -> None:
+    from archon_models.glm4_moe.model.args import Glm4MoeModelArgs
+    from archon_models.glm4_moe.model.model import Glm4MoeModel
+
+    args = Glm4MoeModelArgs.from_hf_config(tiny_config("glm4_moe", num_hidden_layers=2, first_k_dense_replace=1))
+    torch.manual_seed(0)
+    model = Glm4MoeModel(args)
+    model.init_buffers(buffer_device="cpu")
+    for module in model.modules():
+        if isinstance(getattr(module, "expert_bias", None), torch.Tensor):
+            module.expert_bias.normal_()
+    archon = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    adapter = _glm4_moe_adapter_with_unit_axes(transposed)(args)
+    hf = adapter.to_hf(archon)
+    stored = hf["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert stored.shape == (1, args.moe_args.num_experts)
+    assert torch.equal(stored[0], archon["layers.1.moe.expert_bias"])
+    if transposed:
+        o_proj = archon["layers.1.attention.wo.weight"]
+        assert torch.equal(hf["model.layers.1.self_attn.o_proj.weight"], o_proj.t())
+    back = adapter.from_hf(hf)
+    assert set(back) == set(archon)
+    for key, value in archon.items():
+        assert back[key].shape == value.shape and torch.equal(back[key], value), key

@@ -28,3 +28,14 @@ def _group_qkv(value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int
     k = k.reshape(n_kv_heads, 1, head_dim, *rest)
     v = v.reshape(n_kv_heads, 1, head_dim, *rest)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _drop_unit_axes(value: torch.Tensor, axes: int) -> torch.Tensor:
+    """A tensor the checkpoint stores with ``axes`` leading axes of size 1 (ERNIE-4.5's
+    ``[1, E]`` score-correction bias) -> the shape Archon holds (``[E]``)."""
+    return value.reshape(value.shape[axes:]) if axes else value
+
+
+def _add_unit_axes(value: torch.Tensor, axes: int) -> torch.Tensor:
+    """The inverse of :func:`_drop_unit_axes`: Archon's ``[E]`` -> the checkpoint's ``[1, E]``."""
+    return value.reshape((1,) * axes + tuple(value.shape)) if axes else value
