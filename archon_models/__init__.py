@@ -32,6 +32,7 @@ from archon_models.helium import spec as helium_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
 from archon_models.hy_v3 import spec as hy_v3_spec  # noqa: F401
 from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
+from archon_models.internlm3 import spec as internlm3_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
@@ -56,6 +57,7 @@ from archon_models.phimoe import spec as phimoe_spec  # noqa: F401
 from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
+from archon_models.seed_oss import spec as seed_oss_spec  # noqa: F401
 from archon_models.smollm3 import spec as smollm3_spec  # noqa: F401
 from archon_models.solar_open import spec as solar_open_spec  # noqa: F401
 from archon_models.stablelm import spec as stablelm_spec  # noqa: F401
