@@ -222,10 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("size", "docs", "min_len", "max_len", "warmup", "iters", "threads", "seed", "clock")
     opts = {k: getattr(args, k) for k in keys}
     load_start = os.getloadavg()
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write_json() -> None:
+        if args.json_path:
+            payload = {"settings": opts, "load_average": [load_start, os.getloadavg()], "cpus": os.cpu_count()}
+            args.json_path.write_text(json.dumps(payload | {"rows": rows}, indent=1) + "\n", encoding="utf-8")
+
     for family in families:
         row = run_family(family, opts, args.timeout)
         rows.append(row)
+        write_json()  # after every family: a long table run that is stopped keeps what it measured
         if "error" in row:
             logger.info("%-20s error: %s", family, row["error"])
         else:
@@ -242,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f"on {os.cpu_count()} CPUs"
     )
     sys.stdout.write(table + "\n" + footer + "\n")
-    if args.json_path:
-        payload = {"settings": opts, "load_average": [load_start, load_end], "cpus": os.cpu_count(), "rows": rows}
-        args.json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    write_json()
     return 1 if any("error" in r or r["ratio"] < args.min_ratio for r in rows) else 0
 
 
