@@ -75,6 +75,7 @@ LAYER_MODULES: dict[str, str] = {
     "block_sparse_moe.gate": "moe.router.gate",
     "mlp.router": "moe.router.gate",
     "block_sparse_moe.router.layer": "moe.router.gate",
+    "block_sparse_moe.router": "moe.router.gate",  # a router holding its weight itself (GraniteMoeSWA)
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",

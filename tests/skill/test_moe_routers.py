@@ -346,3 +346,21 @@ def test_router_setup_is_empty_for_a_plain_softmax_router() -> None:
     qwen2_moe = plan_from_report(report_for("qwen2_moe"), "qwen2_moe")
     assert "load_balance_coeff" not in router_setup(qwen2_moe)
     assert "num_shared_experts" not in router_setup(qwen2_moe)  # its shared expert has its own width
+
+
+def test_a_router_holding_its_own_weight_maps_to_the_gate() -> None:
+    # GraniteMoeSWATopKRouter: self.weight = nn.Parameter(num_experts, hidden) on the router
+    # itself (granitemoe's router holds a Linear, router.layer.weight). Its checkpoint key
+    # block_sparse_moe.router.weight had no rule: edit_adapter_map failed with UnmappedKeyError.
+    from skill.porting.edit_adapter_map import derive_from_hf_map
+
+    keys = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.{}.block_sparse_moe.router.weight",
+        "model.layers.{}.block_sparse_moe.router.layer.weight",
+    ]
+    mapping = derive_from_hf_map(keys, dense_layers=False)
+    assert mapping["model.layers.{}.block_sparse_moe.router.weight"] == "layers.{}.moe.router.gate.weight"
+    assert mapping["model.layers.{}.block_sparse_moe.router.layer.weight"] == "layers.{}.moe.router.gate.weight"
