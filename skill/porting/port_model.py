@@ -169,12 +169,12 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             # is an alias of a type a package registers: nothing to write, its own stages prove it.
             state.update(model_name=served_by, reference=served_by)
             name = served_by
-            detail = (
+            served_detail = (
                 f"{request.source} is transformers' {model_type}: by archon_models/{served_by}"
                 if alias
                 else f"by the {served_by} reference"
             )
-            runner._record(StepReport(step="served", ok=True, seconds=0.0, detail=detail))
+            runner._record(StepReport(step="served", ok=True, seconds=0.0, detail=served_detail))
         else:
             # A model_type such as "gpt-sw3" names the package gpt_sw3.
             name = request.model_name or validate_model_name(model_type.replace("-", "_"))
