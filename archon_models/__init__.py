@@ -13,6 +13,7 @@ from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.exaone4 import spec as exaone4_spec  # noqa: F401
+from archon_models.exaone_moe import spec as exaone_moe_spec  # noqa: F401
 from archon_models.falcon import spec as falcon_spec  # noqa: F401
 from archon_models.flex_olmo import spec as flex_olmo_spec  # noqa: F401
 from archon_models.gemma import spec as gemma_spec  # noqa: F401
