@@ -9,6 +9,7 @@ from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
+from archon_models.cwm import spec as cwm_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
