@@ -68,8 +68,10 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
 
     sizes: dict[str, Any] = dict(SIZES[size])
     probe = tiny_config(model_type)
-    if not hasattr(probe, "head_dim"):
-        sizes.pop("head_dim")  # the family derives it from hidden_size / heads
+    derived = isinstance(getattr(type(probe), "head_dim", None), property)  # FalconConfig: a read-only property
+    if not hasattr(probe, "head_dim") or derived or hasattr(probe, "qk_rope_head_dim"):
+        # The family derives it from hidden_size / heads, or (MLA) its head widths are their own fields.
+        sizes.pop("head_dim")
     if getattr(probe, "num_key_value_heads", None) in (None, probe.num_attention_heads):
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # no GQA in the family: keep MHA
     if isinstance(getattr(probe, "sliding_window", None), int):

@@ -437,10 +437,33 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
     if all_layers:
         ctx.evidence.append(f"sliding window: config {field_name}={size}; the mask probe shows it on every layer")
         return SlidingWindow(kind=SlidingWindowKind.ALL_LAYERS, size=size, evidence="config + mask probe")
+    if window and tiny_window and _window_reaches_some_layer(ctx, field_name, int(tiny_window)):
+        # GPT-Neo: the window applies on the layers another field (attention_types) names.
+        ctx.evidence.append(f"sliding window: config {field_name}={size} on some layers, chosen without layer_types")
+        ctx.other.append(f"sliding window ({field_name}) on some layers only, chosen by a field other than layer_types")
+        return SlidingWindow(evidence=f"config {field_name} set, mask probe: some layers only")
     ctx.evidence.append(
         f"sliding window: config {field_name}={size}, but the mask probe shows full attention; treated as none"
     )
     return SlidingWindow(evidence=f"config {field_name} set, mask probe: not applied")
+
+
+def _window_reaches_some_layer(ctx: Context, field_name: str, tiny_window: int) -> bool:
+    """Whether the config's window changes the logits at all: a seeded tiny model whose
+    window covers the whole probe sequence must give the same logits when no layer is
+    windowed. Called when the window does not reach every layer."""
+    length = ctx.tiny.num_hidden_layers * tiny_window + 4
+    tokens = probes.tokens_for(ctx.tiny, length)
+    config = copy.deepcopy(ctx.tiny)
+    setattr(config, field_name, length + 1)
+    try:
+        windowless = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        moved = probes.logits(windowless, tokens)
+        base = probes.logits(ctx.model, tokens)
+    except Exception as exc:
+        logger.debug("the window probe on %s failed: %s", field_name, exc)
+        return False
+    return moved.shape == base.shape and not torch.allclose(moved, base, atol=1e-6, rtol=1e-5)
 
 
 def _scalar_source(ctx: Context, role: str) -> ConfigScalar | None:

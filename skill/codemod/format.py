@@ -14,10 +14,12 @@ between steps, so they apply to formatted text as they do to the reference's.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import subprocess
 import sys
+import textwrap
 
 # Equal to [tool.ruff] in pyproject.toml (checked by tests/skill/test_format.py).
 LINE_LENGTH = 120
@@ -80,9 +82,53 @@ def format_python(text: str, filename: str = "generated.py") -> str:
 
     Only import hygiene and ``__all__`` order are fixed automatically: imports sorted,
     imports an edit left unused (a reference's ``F`` once its MLP is replaced) removed, and
-    ``__all__`` sorted (a renamed model class can move past ``RMSNorm``). Every other lint finding
-    in generated code is a bug in a reference, a snippet or an edit, fixed there."""
+    ``__all__`` sorted (a renamed model class can move past ``RMSNorm``), and docstring lines that
+    renaming made longer than the line length wrapped (:func:`wrap_docstrings`). Every other lint
+    finding in generated code is a bug in a reference, a snippet or an edit, fixed there."""
     known = ["--config", "lint.isort.known-first-party = [" + ", ".join(f'"{n}"' for n in KNOWN_FIRST_PARTY) + "]"]
     fixes = ["check", "--select", "I,F401,RUF022", "--fix", "--exit-zero", "--quiet", *known]
     sorted_text = _ruff(fixes, text, filename)
-    return _ruff(["format"], sorted_text, filename)
+    formatted = _ruff(["format"], sorted_text, filename)
+    wrapped = wrap_docstrings(formatted)
+    return formatted if wrapped == formatted else _ruff(["format"], wrapped, filename)
+
+
+def wrap_docstrings(text: str, line_length: int = LINE_LENGTH) -> str:
+    """``text`` with every docstring line longer than ``line_length`` wrapped at spaces.
+
+    ``ruff format`` never reflows a docstring, so a line that renaming lengthened (a copied
+    reference's ``Qwen3`` becoming a long family name, three times on one line) would fail
+    E501. Continuation lines take the docstring's own indentation; lines that fit, code and
+    other strings are left as they are. A line with no space to break at stays long.
+    """
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    lines = text.splitlines(keepends=True)
+    owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    spans: list[tuple[int, int, int]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, owners) or not node.body:
+            continue
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            spans.append((first.lineno - 1, (first.end_lineno or first.lineno) - 1, first.col_offset))
+    for start, end, column in sorted(spans, reverse=True):
+        for index in range(end, start - 1, -1):
+            line = lines[index]
+            body = line.rstrip("\r\n")
+            if len(body) <= line_length:
+                continue
+            ending = line[len(body) :]
+            lead = body[: len(body) - len(body.lstrip())]
+            wrapper = textwrap.TextWrapper(
+                width=line_length,
+                initial_indent=lead,
+                subsequent_indent=" " * column,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            pieces = wrapper.wrap(body.lstrip())
+            lines[index : index + 1] = [piece + (ending or "\n") for piece in pieces[:-1]] + [pieces[-1] + ending]
+    return "".join(lines)

@@ -77,6 +77,7 @@ LAYER_MODULES: dict[str, str] = {
     "mlp.router": "moe.router.gate",
     "mlp.gate.wg": "moe.router.gate",  # HunYuan-MoE's router Linear inside its gate module
     "block_sparse_moe.router.layer": "moe.router.gate",
+    "block_sparse_moe.router": "moe.router.gate",  # a router holding its weight itself (GraniteMoeSWA)
     "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
     "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
     "mlp.shared_expert.down_proj": "moe.shared_experts.w2",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from skill.codemod import StagedTree, Workspace, validate_model_name
 from skill.errors import step_error_message
@@ -160,13 +161,20 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         )
         model_type = profile.model_type
         state.update(model_types=[model_type], unsupported=list(profile.unsupported))
-        served_by = _reference_serving(workspace, model_type) if request.model_name is None else None
+        served_by, alias = (
+            _package_serving(workspace, model_type, request.source) if request.model_name is None else (None, False)
+        )
         if served_by is not None:
-            # A hand-written reference already serves this model_type: nothing to write, its
-            # own stages prove it.
+            # A hand-written reference already serves this model_type, or the type asked for
+            # is an alias of a type a package registers: nothing to write, its own stages prove it.
             state.update(model_name=served_by, reference=served_by)
             name = served_by
-            runner._record(StepReport(step="served", ok=True, seconds=0.0, detail=f"by the {served_by} reference"))
+            served_detail = (
+                f"{request.source} is transformers' {model_type}: by archon_models/{served_by}"
+                if alias
+                else f"by the {served_by} reference"
+            )
+            runner._record(StepReport(step="served", ok=True, seconds=0.0, detail=served_detail))
         else:
             # A model_type such as "gpt-sw3" names the package gpt_sw3.
             name = request.model_name or validate_model_name(model_type.replace("-", "_"))
@@ -312,10 +320,20 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
     return result(True, changed_files=changed, stage_results=stage_results, max_abs_logit_diff=max_logit)
 
 
-def _reference_serving(workspace: Workspace, model_type: str) -> str | None:
-    """The reference package that registers ``model_type``, if one does."""
+def _package_serving(workspace: Workspace, model_type: str, source: str) -> tuple[str | None, bool]:
+    """The package that already serves ``model_type`` (or ``None``), and whether ``source`` is
+    an alias of it.
+
+    A reference serves the types it registers. Any package serves a ``source`` that is
+    another model_type transformers maps to this one's config class (``gpt-sw3`` builds a
+    ``GPT2Config``, model_type ``gpt2``): a checkpoint of it says ``gpt2``, which is what
+    the registry is asked for.
+    """
     owner = registered_types(StagedTree(workspace)).get(model_type)
-    return owner if owner in REFERENCES else None
+    if owner in REFERENCES:
+        return owner, False
+    alias = source != model_type and source in CONFIG_MAPPING_NAMES
+    return (owner, True) if owner is not None and alias else (None, False)
 
 
 def _stage_detail(stage_result: RunTestStageResult) -> str:

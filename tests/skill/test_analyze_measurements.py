@@ -98,6 +98,24 @@ def test_uniform_layers_have_no_per_layer_difference(model_type: str) -> None:
     assert not [item for item in report.checklist.other if item.startswith("per-layer difference")]
 
 
+def test_window_on_some_layers_without_layer_types_is_named() -> None:
+    # GPTNeoSelfAttention: a "local" layer (config.attention_types) masks keys further back
+    # than window_size; "global" layers do not. No layer_types field says which layer is
+    # which, so the window reaches some layers but not all: named, never dropped silently.
+    report = report_for("gpt_neo")
+    line = "sliding window (window_size) on some layers only, chosen by a field other than layer_types"
+    assert f"unsupported: {line}" in report.unsupported
+    assert report.checklist.attention.sliding_window.evidence.endswith("some layers only")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_window_that_reaches_every_layer_or_none_is_not_refused(model_type: str) -> None:
+    # Qwen2Config drops its window unless use_sliding_window (no layer windowed);
+    # MistralConfig windows every layer.
+    report = report_for(model_type)
+    assert not any("sliding window" in line for line in report.unsupported)
+
+
 # ------------------------------------------------------------ 3. parameter-less norms
 
 

@@ -75,3 +75,49 @@ def test_the_ruff_binary_runs_directly_and_results_are_kept(monkeypatch):
         with pytest.raises(FormatError):
             format_python("def (:\n", "broken.py")
     assert len(calls) == 2 + 2 * 2  # both failures reached ruff (check, then the failing format)
+
+
+def test_wraps_docstring_lines_renaming_made_too_long():
+    # qwen3's spec.py docstring renamed for granitemoeshared is 131 characters: ruff format
+    # never reflows docstrings, so the engine wraps it (E501 failed the lint gate before).
+    qwen3_spec = (ROOT / "archon_models/qwen3/spec.py").read_text()
+    renamed = qwen3_spec.replace("Qwen3", "Granitemoeshared").replace("qwen3", "granitemoeshared")
+    assert max(len(line) for line in renamed.splitlines()) > fmt.LINE_LENGTH
+    out = format_python(renamed, "archon_models/granitemoeshared/spec.py")
+    assert max(len(line) for line in out.splitlines()) <= fmt.LINE_LENGTH
+    assert format_python(out, "archon_models/granitemoeshared/spec.py") == out
+    lint = subprocess.run(
+        [
+            "python",
+            "-m",
+            "ruff",
+            "check",
+            "--isolated",
+            "--line-length",
+            str(fmt.LINE_LENGTH),
+            "--select",
+            "E501",
+            "--stdin-filename",
+            "spec.py",
+            "-",
+        ],
+        input=out,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert lint.returncode == 0, lint.stdout
+    # Only whitespace moved: the docstring says the same words.
+    assert out.split('"""')[1].split() == renamed.split('"""')[1].split()
+
+
+def test_wraps_class_docstrings_at_their_indentation_and_leaves_code_alone():
+    long_code = '    s = "' + "a " * 60 + '"\n'
+    source = (
+        'class A:\n    """' + "word " * 30 + 'end."""\n\n    def f(self):\n' + "    " + long_code + "        return s\n"
+    )
+    out = format_python(source)
+    doc_lines = out.split('"""')[1].splitlines()
+    assert len(doc_lines) == 2 and doc_lines[1].startswith("    word") and not doc_lines[1].startswith("     ")
+    assert long_code.strip() in out  # a string that is not a docstring is never touched
+    assert fmt.wrap_docstrings(out) == out

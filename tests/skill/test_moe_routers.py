@@ -485,3 +485,21 @@ def test_unit_axes_adapter_roundtrips_a_bias_stored_with_a_leading_axis(transpos
     assert set(back) == set(archon)
     for key, value in archon.items():
         assert back[key].shape == value.shape and torch.equal(back[key], value), key
+
+
+def test_a_router_holding_its_own_weight_maps_to_the_gate() -> None:
+    # GraniteMoeSWATopKRouter: self.weight = nn.Parameter(num_experts, hidden) on the router
+    # itself (granitemoe's router holds a Linear, router.layer.weight). Its checkpoint key
+    # block_sparse_moe.router.weight had no rule: edit_adapter_map failed with UnmappedKeyError.
+    from skill.porting.edit_adapter_map import derive_from_hf_map
+
+    keys = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.{}.block_sparse_moe.router.weight",
+        "model.layers.{}.block_sparse_moe.router.layer.weight",
+    ]
+    mapping = derive_from_hf_map(keys, dense_layers=False)
+    assert mapping["model.layers.{}.block_sparse_moe.router.weight"] == "layers.{}.moe.router.gate.weight"
+    assert mapping["model.layers.{}.block_sparse_moe.router.layer.weight"] == "layers.{}.moe.router.gate.weight"

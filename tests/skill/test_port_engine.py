@@ -105,6 +105,19 @@ def test_port_model_of_a_type_a_reference_serves_writes_nothing(workspace, model
     assert _snapshot(workspace) == before
 
 
+def test_port_model_of_an_alias_type_is_served_by_the_package_of_its_config(workspace):
+    # transformers maps gpt-sw3 to GPT2Config (model_type gpt2): its checkpoints say gpt2, which
+    # archon_models/gpt2 registers. add gpt-sw3 writes nothing (before: it regenerated gpt2 with
+    # a different header and failed "exists and differs").
+    before = _snapshot(workspace)
+    result = port_model(PortModelRequest(source="gpt-sw3", stages=[], workspace=workspace))
+    assert result.passed, result.error
+    assert (result.model_name, result.model_types, result.changed_files) == ("gpt2", ["gpt2"], [])
+    served = [s for s in result.steps if s.step == "served"]
+    assert served and served[0].detail == "gpt-sw3 is transformers' gpt2: by archon_models/gpt2"
+    assert _snapshot(workspace) == before
+
+
 def test_port_model_reproduces_the_committed_glm4_moe_lite_from_the_mla_reference(workspace):
     # glm4_moe_lite is copied from deepseek_v3 with no model edit; its dense/sparse MoE layer
     # list (mlp_layer_types) replaces the reference's leading-dense rule in the args.
