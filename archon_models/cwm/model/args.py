@@ -55,17 +55,14 @@ def _eos_id(hf_config: Any, default: int) -> int:
 
 
 def _rope_freq_scaling(hf_config: Any) -> dict[str, float] | None:
-    """The RoPE frequency-scaling parameters (``rope_parameters`` less its type and theta);
-    ``None`` for the unscaled default RoPE."""
+    """The RoPE frequency-scaling parameters (``rope_parameters`` less its type and theta,
+    flags as 0.0 / 1.0); ``None`` for the unscaled default RoPE."""
     rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
     if rope_parameters.get("rope_type", "default") == "default":
         return None
     skip = ("rope_type", "rope_theta")
-    return {
-        k: float(v)
-        for k, v in rope_parameters.items()
-        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+    # A flag (YaRN's truncate) travels as 0.0 / 1.0: the RoPE reads its truth value.
+    return {k: float(v) for k, v in rope_parameters.items() if k not in skip and isinstance(v, (int, float))}
 
 
 @dataclass
