@@ -437,9 +437,6 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     ]
 
 
-_layer_scaling_of = _layer_rope_freq_scaling
-
-
 def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     """``rope_freq_scaling`` (``None`` for unscaled RoPE); with per-layer-type RoPE, one
     for the full-attention layers and ``sliding_rope_freq_scaling`` for the others."""
@@ -460,8 +457,8 @@ def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             "dict[str, float] | None",
             None,
             f'_layer_rope_freq_scaling(hf_config, "{kind}")',
-            functools.partial(_layer_scaling_of, layer_type=kind),
-            default_source=f"field(default_factory=lambda: {_literal(_layer_scaling_of(config, kind))})",
+            functools.partial(_layer_rope_freq_scaling, layer_type=kind),
+            default_source=f"field(default_factory=lambda: {_literal(_layer_rope_freq_scaling(config, kind))})",
         )
         for name, kind in (("rope_freq_scaling", "full_attention"), ("sliding_rope_freq_scaling", "sliding_attention"))
     ]
