@@ -294,8 +294,8 @@ class MoEFeatures(_Frozen):
     topk_group_field: str | None = Field(None, description="config field of the groups kept per token, if any")
     group_scoring: str = Field(
         "sum_top2",
-        description="how grouped top-k scores a group: sum_top2 (DeepSeek-V3 noaux_tc) or "
-        "max (DeepSeek-V2 group_limited_greedy)",
+        description="how grouped top-k scores a group, probed on HF's MoE block: sum_top2 (DeepSeek-V3 "
+        "noaux_tc) or max (DeepSeek-V2 group_limited_greedy)",
     )
     shared_experts: int = 0
     shared_experts_field: str | None = Field(
@@ -337,6 +337,19 @@ class MoEFeatures(_Frozen):
     top_k_field: str | None = Field(None, description="config field of the experts per token")
     router_jitter_field: str | None = Field(
         None, description="sparsemixer: config field of the threshold epsilon (router_jitter_noise)"
+    )
+    norm_topk_prob_ignored: bool = Field(
+        False,
+        description="the config has norm_topk_prob but the forward never reads it: flipping it leaves the "
+        "routing weights HF's MoE block computes unchanged (DeepSeek-V2)",
+    )
+    group_switch_field: str | None = Field(
+        None,
+        description="config field whose value turns the group limit on (topk_method), when n_group alone does not",
+    )
+    group_switch_value: str | None = Field(None, description="the value of that field that limits the groups")
+    group_switch_values: list[str] = Field(
+        default_factory=list, description="every value of that field the forward implements (others fail there)"
     )
 
     @property
@@ -692,6 +705,14 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.EMBEDDING_SCALE: frozenset({"constant"}),
     Feature.RESIDUAL_MULTIPLIER: frozenset({"constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"constant"}),
+    # skill/porting/mla_router.py rewrites the copied _moe_args: softmax scores (AReaL's
+    # score_func="softmax"), no score-correction bias (no load_balance_coeff, no adapter key),
+    # a norm_topk_prob HF never reads fixed as HF applies it; groups scored by their best expert
+    # (DeepSeek-V2's group_limited_greedy, switched by topk_method) are the package's router
+    # (model_edits.max_group_router, snippets/router.py MaxGroupTopKRouter).
+    Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX}),
+    Feature.SCORE_CORRECTION_BIAS: frozenset({"false"}),
+    Feature.GROUPED_TOPK: frozenset({"max_group_score"}),
 }
 
 

@@ -1418,8 +1418,13 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     n_group = ctx.get(group_field) if group_field else None
     topk_group = ctx.get("topk_group")
     # DeepSeek-V2's group_limited_greedy scores a group by its best expert, V3's noaux_tc by
-    # the sum of its two best; the config's topk_method names which the forward takes.
-    group_scoring = "max" if ctx.get("topk_method") == "group_limited_greedy" else "sum_top2"
+    # the sum of its two best: probed on HF's MoE block with the groups turned on.
+    group_scoring, switch = "sum_top2", None
+    if group_field is not None and topk_group_field is not None:
+        group_scoring, switch = _group_rule(ctx, group_field, topk_group_field)
+    norm_ignored = isinstance(ctx.get("norm_topk_prob"), bool) and _norm_topk_prob_ignored(ctx)
+    if norm_ignored:
+        ctx.evidence.append("norm_topk_prob: flipping it leaves HF's routing weights unchanged (never read)")
     shared_field, shared_width = _shared_expert_width(ctx, ffn) if shared else (None, "")
     if not shared:
         # A count field at 0 (Cohere2-MoE's num_shared_experts): this config has none, one
@@ -1495,7 +1500,97 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         router_jitter_field=jitter,
         num_experts_field=_positive_field(ctx.config, _EXPERT_COUNT_FIELDS),
         top_k_field=_positive_field(ctx.config, _TOP_K_FIELDS),
+        norm_topk_prob_ignored=norm_ignored,
+        group_switch_field=switch[0] if switch else None,
+        group_switch_value=switch[1] if switch else None,
+        group_switch_values=list(switch[2]) if switch else [],
     )
+
+
+# The routing probes' variant: 8 experts in 2 groups of 4, one group kept, top-2.
+_GROUP_PROBE = {"experts": 8, "groups": 2, "kept": 1, "top_k": 2}
+
+
+def _routing_variant(ctx: Context, **fields: Any) -> PreTrainedModel | None:
+    """A seeded tiny model with config fields set (an expert-count or top-k field by the name
+    the config uses); ``None`` when the config or the model refuses them."""
+    config = copy.deepcopy(ctx.tiny)
+    try:
+        for name, value in fields.items():
+            setattr(config, name, value)
+        return build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+    except Exception as exc:  # config validators and model builds raise several exception types
+        logger.debug("the routing variant %s failed: %s", fields, exc)
+        return None
+
+
+def _group_switches(ctx: Context) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Config fields the router code compares with string literals (``self.topk_method ==
+    "group_limited_greedy"`` where ``self.topk_method = config.topk_method``): the field,
+    one value, and every value compared, for each value."""
+    if ctx.source is None:
+        return []
+    code = ctx.source.router_code()
+    assigned = dict(re.findall(r"self\.(\w+)\s*=\s*config\.(\w+)", code))
+    found: dict[str, list[str]] = {}
+    for attr, value in re.findall(r"self\.(\w+)\s*==\s*[\"'](\w+)[\"']", code):
+        field_name = assigned.get(attr)
+        if field_name is not None and isinstance(ctx.get(field_name), str):
+            found.setdefault(field_name, [])
+            if value not in found[field_name]:
+                found[field_name].append(value)
+    return [(f, v, tuple(values)) for f, values in found.items() for v in values]
+
+
+def _group_rule(
+    ctx: Context, group_field: str, topk_group_field: str
+) -> tuple[str, tuple[str, str, tuple[str, ...]] | None]:
+    """How HF's router scores an expert group (``"max"`` or ``"sum_top2"``), probed with the
+    groups on, and the config switch (field, value, all values) that turns them on where
+    the group fields alone do not. ``"sum_top2"`` and no switch when no probe sees a limit."""
+    count_field = _positive_field(ctx.tiny, _EXPERT_COUNT_FIELDS)
+    top_k_field = _positive_field(ctx.tiny, _TOP_K_FIELDS)
+    if count_field is None or top_k_field is None:
+        return "sum_top2", None
+    fields = {
+        count_field: _GROUP_PROBE["experts"],
+        group_field: _GROUP_PROBE["groups"],
+        topk_group_field: _GROUP_PROBE["kept"],
+        top_k_field: _GROUP_PROBE["top_k"],
+    }
+    for switch in [None, *_group_switches(ctx)]:
+        extra = {switch[0]: switch[1]} if switch else {}
+        model = _routing_variant(ctx, **fields, **extra)
+        if model is None:
+            continue
+        rule = probes.probe_group_rule(mt.anatomy(model, ctx.tiny.num_hidden_layers))
+        if rule is not None:
+            ctx.evidence.append(
+                f"group-limited routing probed on HF's MoE block: {rule}"
+                + (f" ({switch[0]}={switch[1]!r})" if switch else "")
+            )
+            return rule, switch
+    return "sum_top2", None
+
+
+def _norm_topk_prob_ignored(ctx: Context) -> bool:
+    """Whether flipping the config's ``norm_topk_prob`` leaves the routing weights HF's MoE
+    block computes unchanged (the forward never reads it). False when a probe cannot run."""
+    count = expert_count(ctx.tiny) or 0
+    top_k = _top_k(ctx.tiny) or 0
+    if count < 2 or top_k < 1:
+        return False
+    flag = bool(ctx.get("norm_topk_prob"))
+    weights = []
+    for value in (flag, not flag):
+        model = _routing_variant(ctx, norm_topk_prob=value)
+        measured = (
+            probes.routing_weights(mt.anatomy(model, ctx.tiny.num_hidden_layers), count, top_k) if model else None
+        )
+        if measured is None:
+            return False
+        weights.append(measured)
+    return bool(torch.allclose(weights[0], weights[1], atol=1e-6, rtol=1e-5))
 
 
 # ------------------------------------------------------------------ positions

@@ -1126,3 +1126,111 @@ def probe_clip_after_qk_norm(model: nn.Module, q_norm: nn.Module, config: Any, l
     if not seen:
         return None
     return max(seen) > limit * (1 + 1e-6)
+
+
+# --------------------------------------------------------------- grouped routing
+
+
+def _moe_block(anatomy: LayerAnatomy) -> nn.Module | None:
+    """The first layer's MoE block: the child of a layer that holds the routed experts."""
+    from skill.analysis.modules import experts_module, layer_has_experts
+
+    layer = next((layer for layer in anatomy.layers if layer_has_experts(layer)), None)
+    if layer is None:
+        return None
+    return next((c for c in layer.children() if experts_module(c) is not None and not is_norm(c)), None)
+
+
+def route_designed_logits(
+    anatomy: LayerAnatomy, num_experts: int, top_k: int, designed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The experts (``[tokens, top_k]`` indices) and weights HF's MoE block hands its experts
+    when the router's logits are ``designed`` (``[tokens, num_experts]``).
+
+    The router's 2D weight is set so that one-hot hidden states give exactly those logits;
+    any other per-expert vector of the block (a score-correction bias, the router's own
+    bias) is zeroed, so the logits alone decide. The model's weights are changed: call it
+    on a model built for the probe. ``None`` when the block, its router or the experts'
+    arguments are not found.
+    """
+    from skill.analysis.modules import experts_module, router_module
+
+    block = _moe_block(anatomy)
+    if block is None:
+        return None
+    router = router_module(block, num_experts)
+    experts = experts_module(block)
+    if router is None or experts is None:
+        return None
+    weight = router[1].weight
+    if not isinstance(weight, torch.Tensor):
+        return None
+    tokens, width = designed.shape[0], int(weight.shape[1])
+    if tokens > width:
+        return None
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        values = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() == 2]
+        index = next((v for v in values if _is_integer(v) and v.shape[-1] == top_k), None)
+        weights = next((v for v in values if v.is_floating_point() and v.shape[-1] == top_k), None)
+        if index is not None and weights is not None and not captured:
+            captured.extend([index.detach().clone(), weights.detach().clone()])
+
+    with torch.no_grad():
+        for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+            if tensor.dim() == 1 and tensor.numel() == num_experts and not name.startswith(experts[0]):
+                tensor.zero_()
+        weight.zero_()
+        weight[:, :tokens] = designed.T.to(weight.dtype)
+        hidden = torch.eye(tokens, width).unsqueeze(0)
+        handle = experts[1].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            block(hidden)
+        except Exception as exc:  # forwards raise several exception types on odd inputs
+            logger.debug("the MoE block refused the designed routing input: %s", exc)
+            return None
+        finally:
+            handle.remove()
+    return (captured[0], captured[1]) if captured else None
+
+
+# Two groups of four experts, logits chosen so the rules disagree: group 0 holds the single
+# best expert, group 1 the better pair. Scored by its best expert group 0 wins, by the sum of
+# its two best group 1 wins (softmax or sigmoid scores alike); with no group limit the top-2
+# takes one expert of each.
+GROUP_RULE_LOGITS = (3.0, 0.0, 0.0, 0.0, 2.5, 2.5, 0.0, 0.0)
+
+
+def probe_group_rule(anatomy: LayerAnatomy) -> str | None:
+    """How a group-limited router scores a group, read off the experts HF's MoE block picks.
+
+    Call it on a model whose config has 8 experts in 2 groups, 1 group kept and top-2
+    routing. ``"max"`` (the group's best expert, DeepSeek-V2's group_limited_greedy),
+    ``"sum_top2"`` (its two best, DeepSeek-V3's noaux_tc), ``None`` when the picks show no
+    group limit (or the probe cannot run).
+    """
+    routed = route_designed_logits(anatomy, 8, 2, torch.tensor([GROUP_RULE_LOGITS]))
+    if routed is None:
+        return None
+    chosen = set(routed[0][0].tolist())
+    if 0 in chosen and chosen <= {0, 1, 2, 3}:
+        return "max"
+    if chosen == {4, 5}:
+        return "sum_top2"
+    return None
+
+
+def routing_weights(anatomy: LayerAnatomy, num_experts: int, top_k: int) -> torch.Tensor | None:
+    """The weights HF's MoE block gives its top-k experts for a fixed set of designed router
+    logits (distinct, spread values), in expert order; ``None`` when the probe cannot run."""
+    # Asymmetric: no two sigmoid scores sum to one, no two softmax rows renormalise alike.
+    logits = torch.stack(
+        [torch.linspace(-1.7, 1.3, num_experts).roll(1), torch.linspace(-0.9, 2.1, num_experts).flip(-1)]
+    )
+    routed = route_designed_logits(anatomy, num_experts, top_k, logits)
+    if routed is None:
+        return None
+    index, weights = routed
+    order = index.argsort(dim=-1)
+    return weights.gather(-1, order)

@@ -194,6 +194,9 @@ def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, labe
             rec.check(name, True, f"not read from the config (= {value!r})")
             continue
         attr = next((a for a in source.attrs if _get_path(config, a) is not _MISSING), None)
+        if attr is not None and attr in unread_fields(config):
+            rec.add(_stays_check(name, args_class, config, path, attr, value))
+            continue
         if attr is None:
             if source.derive is None:
                 rec.check(name, True, f"config has none of {list(source.attrs)}; keeps {value!r}")
@@ -263,6 +266,30 @@ def _follow_check(
     return CheckResult(name=name, passed=True, detail=f"= config.{attr} ({value!r}){why}")
 
 
+def unread_fields(config: PretrainedConfig) -> tuple[str, ...]:
+    """Config fields the family's args module declares HF never reads (``_UNREAD_HF_FIELDS``)."""
+    module = sys.modules[get_spec(config.model_type).model_args_class.__module__]
+    return tuple(getattr(module, "_UNREAD_HF_FIELDS", ()))
+
+
+def _stays_check(
+    name: str, args_class: type[BaseModelArgs], config: PretrainedConfig, path: str, attr: str, value: Any
+) -> CheckResult:
+    """Passes when the field keeps its value whatever ``config.<attr>`` (HF never reads it;
+    the parity stage proves that against HF with the field set otherwise)."""
+    for new_value in _perturbations(_get_path(config, attr)):
+        changed = copy.deepcopy(config)
+        _set_path(changed, attr, new_value)
+        moved = _read_path(args_class.from_hf_config(changed), path)
+        if not _same(moved, value):
+            return CheckResult(
+                name=name,
+                passed=False,
+                detail=f"HF never reads config.{attr}, yet with {attr}={new_value!r} the field is {moved!r}",
+            )
+    return CheckResult(name=name, passed=True, detail=f"= {value!r}, not config.{attr}: HF never reads it")
+
+
 def _check_caller_fields(rec: StageRecorder, config: PretrainedConfig) -> None:
     args_class = get_spec(config.model_type).model_args_class
     for attn_type in ("sdpa", "varlen"):
@@ -281,7 +308,8 @@ def unset_required_fields(config: PretrainedConfig) -> list[str]:
     """Required fields of the family's args that ``config`` leaves ``None`` (a config class
     whose defaults are no model, such as Dots1Config's expert counts)."""
     module = sys.modules[get_spec(config.model_type).model_args_class.__module__]
-    required = getattr(module, "_REQUIRED_HF_FIELDS", ())
+    # An MoE family's own required fields (DeepseekV2Config leaves num_experts_per_tok unset).
+    required = (*getattr(module, "_REQUIRED_HF_FIELDS", ()), *getattr(module, "_REQUIRED_MOE_HF_FIELDS", ()))
     return [name for name in required if getattr(config, name, None) is None]
 
 

@@ -37,6 +37,7 @@ from skill.porting.common import (
 )
 from skill.porting.dense_mla import dense_adapter, is_moe_entry
 from skill.porting.hf_source import checkpoint_keys, generalise_key, load_config
+from skill.porting.mla_router import is_correction_bias_entry, no_correction_bias_adapter
 from skill.porting.snippets import snippet
 from skill.tiny_model import tiny_config
 
@@ -424,10 +425,15 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
                 f"no Archon parameter for HF checkpoint key(s) {unmapped}: the reference's from_hf_map lacks them, "
                 "and no adapter edit targets that reference."
             )
-        if not plan_for(request.source, request.trust_remote_code).moe:
+        mla_plan = plan_for(request.source, request.trust_remote_code)
+        if not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)
             remove |= {k for k, v in current.items() if is_moe_entry(v)}
+        elif mla_plan.score_correction_key is None:
+            # A router without a score-correction bias (skill/porting/mla_router.py).
+            text = no_correction_bias_adapter(text)
+            remove |= {k for k, v in current.items() if is_correction_bias_entry(v)}
     elif request.source is not None:
         config = load_config(request.source, request.trust_remote_code)
         report = report_for(request.source, request.trust_remote_code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -42,6 +43,7 @@ from skill.porting.common import (
 )
 from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
+from skill.porting.mla_router import router_args
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.snippets import snippet, snippet_method
@@ -1105,6 +1107,33 @@ def _exec_args_class(text: str, class_name: str) -> Any:
     return getattr(module, class_name)
 
 
+def _missing_moe_fields(text: str, class_name: str, config: Any) -> list[str]:
+    """The MoE fields the copied args require (``_REQUIRED_MOE_HF_FIELDS``) that ``config``
+    leaves unset; a missing field of any other kind is no config the package serves."""
+    name = f"_archon_port_args_check_{class_name}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        exec(compile(text, f"<generated {class_name}>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    moe_fields = tuple(getattr(module, "_REQUIRED_MOE_HF_FIELDS", ()))
+    return [n for n in moe_fields if getattr(config, n, None) is None]
+
+
+def _moe_fields_filled(config: Any, missing: list[str]) -> Any:
+    """``config`` with its unset MoE fields taken from its tiny config, only to read the
+    args' literal defaults: those fields reach ``moe_args`` alone, which has no literal
+    default (checked by the caller's field-by-field comparison on the tiny config)."""
+    if not missing:
+        return config
+    filled = copy.deepcopy(config)
+    tiny = tiny_config(config)
+    for name in missing:
+        setattr(filled, name, getattr(tiny, name))
+    return filled
+
+
 # The deepseek_v3 reference's MoE layer rule (leading dense layers) and what replaces it when
 # the family lists each layer's MLP kind instead.
 _LEADING_DENSE_RULE = (
@@ -1152,13 +1181,15 @@ def _reference_mapping_args(
     if not profile.moe:
         # A dense family keeps none of the reference's MoE machinery.
         text = dense_args(text, layout.args_class)
+    text = router_args(text, profile, layout.names.camel)
     text = mla_scalar_fields(text, layout.args_class, profile, config)
     if profile.rotary_style_field is None:
         # The config has no switch of the rotation's pairing: the measured one is fixed.
         interleaved = "True" if profile.rotary_interleaved else "False"
         text = set_call_kwarg(text, "cls", "rope_interleave", interleaved)
     args_class = _exec_args_class(text, layout.args_class)
-    defaults = args_class.from_hf_config(config)
+    missing = _missing_moe_fields(text, layout.args_class, config)
+    defaults = args_class.from_hf_config(_moe_fields_filled(config, missing))
     own_fields = class_field_names(text, layout.args_class)
     spec: dict[str, str] = {}
     for f in dataclasses.fields(args_class):
@@ -1172,7 +1203,10 @@ def _reference_mapping_args(
     text = set_docstring(text, layout.args_class, doc + ("\n" + rest if rest.strip() else ""))
     written = _exec_args_class(text, layout.args_class)
     checks: list[FieldCheck] = []
-    for label, cfg in (("default", config), ("tiny", tiny_config(config))):
+    # The config class's defaults lack an MoE field from_hf_config requires (DeepseekV2Config
+    # leaves num_experts_per_tok unset): it refuses them, and stage 1 proves that it does.
+    configs = (("tiny", tiny_config(config)),) if missing else (("default", config), ("tiny", tiny_config(config)))
+    for label, cfg in configs:
         expected, actual = args_class.from_hf_config(cfg), written.from_hf_config(cfg)
         for f in dataclasses.fields(written):
             want, got = getattr(expected, f.name), getattr(actual, f.name)

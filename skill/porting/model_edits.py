@@ -1148,6 +1148,41 @@ def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
     )
 
 
+# The statement of the block's __init__ that builds the MoE, on both references.
+_BUILD_MOE = "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)"
+
+
+def _max_group_router(text: str, ctx: EditContext) -> str:
+    """The MoE's router scores an expert group by its best expert, not AReaL's sum of its two best."""
+    if "class MaxGroupTopKRouter(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("router", "MaxGroupTopKRouter"))
+    text = ensure_import_line(text, "from archon_models.moe import TokenChoiceTopKRouter")
+    text = ensure_import_line(text, "import torch.nn.functional as F")
+    if "self.moe.router = " in text:
+        return text
+    # After the block builds its MoE, wherever that is (under the reference's MoE-layer switch).
+    return replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        _BUILD_MOE,
+        f"{_BUILD_MOE}\n"
+        "# Grouped top-k keeps the groups whose best expert scores highest.\n"
+        "moe_args = model_args.moe_args\n"
+        "self.moe.router = MaxGroupTopKRouter(\n"
+        "    model_args.dim,\n"
+        "    moe_args.num_experts,\n"
+        "    moe_args.top_k,\n"
+        "    score_func=moe_args.score_func,\n"
+        "    route_norm=moe_args.route_norm,\n"
+        "    route_scale=moe_args.route_scale,\n"
+        "    router_dtype=moe_args.router_dtype,\n"
+        "    num_expert_groups=moe_args.num_expert_groups,\n"
+        "    num_limited_groups=moe_args.num_limited_groups,\n"
+        ")\n",
+    )
+
+
 EXPERTS_IMPORTS = (
     "import math",
     "import torch.nn.functional as F",
@@ -1384,6 +1419,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _sparse_mixer_router,
     ),
     ModelEdit(
+        "max_group_router",
+        "grouped top-k whose groups are scored by their best expert",
+        lambda p: p.moe and p.group_scoring == "max",
+        _max_group_router,
+    ),
+    ModelEdit(
         "expert_bias",
         "biases on the routed experts' gate, up and down projections",
         lambda p: p.expert_bias,
@@ -1492,10 +1533,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
 
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # The edits written against the block, embedding and logits contract that the deepseek_v3
-# reference shares; its MLA attention, router and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
+# reference shares, and the router that replaces its MoE's (max_group_router); its MLA attention
+# and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
     "residual_multiplier",
     "dense_layers",
+    "max_group_router",
     "embedding_multiplier",
     "logits_scaling",
     "logits_multiplier",

@@ -189,6 +189,21 @@ class PortPlan(BaseModel):
     score_correction_key: str | None = Field(
         default=None, description="checkpoint key, inside a layer, of the router's score-correction bias"
     )
+    group_scoring: Literal["sum_top2", "max"] = Field(
+        default="sum_top2",
+        description="grouped top-k: a group scored by the sum of its two best experts (AReaL's router) or by "
+        "its best one (the package's MaxGroupTopKRouter)",
+    )
+    expert_group_switch: tuple[str, str] | None = Field(
+        default=None, description="config field and value that turn the group limit on (topk_method), if any"
+    )
+    expert_group_switch_values: list[str] = Field(
+        default_factory=list, description="every value of that field HF implements (the port refuses others)"
+    )
+    route_norm_fixed: bool | None = Field(
+        default=None,
+        description="the config's norm_topk_prob is never read: HF always (True) or never (False) renormalises",
+    )
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
     router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
         default="softmax",
@@ -392,6 +407,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None and moe.n_group_field and moe.topk_group_field
         else None,
         score_correction_key=moe.score_correction_key or None if moe is not None else None,
+        group_scoring="max" if moe is not None and moe.group_scoring == "max" else "sum_top2",
+        expert_group_switch=(moe.group_switch_field, moe.group_switch_value)
+        if moe is not None and moe.group_switch_field and moe.group_switch_value
+        else None,
+        expert_group_switch_values=list(moe.group_switch_values) if moe is not None else [],
+        route_norm_fixed=moe.norm_topk_prob if moe is not None and moe.norm_topk_prob_ignored else None,
         route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,

@@ -142,6 +142,15 @@ def test_file_source(
         groups, kept = profile.expert_group_fields
         overrides[groups], overrides[kept] = 2, 1
         comments.append("# Two expert groups of which one is kept, so grouped top-k routing is exercised.")
+    if profile.expert_group_switch is not None:
+        switch, method = profile.expert_group_switch
+        overrides[switch] = method
+        comments.append(f"# {switch}={method!r} turns the group limit on.")
+    if profile.route_norm_fixed is not None and profile.reference == "deepseek_v3":
+        # (skill/porting/mla_router.py fixes route_norm; on the other references
+        # MoEArgs.from_hf_config reads norm_topk_prob as AReaL's does.)
+        overrides["norm_topk_prob"] = not profile.route_norm_fixed
+        comments.append("# HF never reads norm_topk_prob: set against what HF does, it must change nothing.")
     if profile.moe_layer_rule == "first_k_dense":
         overrides["first_k_dense_replace"] = 1
         comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")

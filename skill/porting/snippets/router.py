@@ -75,3 +75,72 @@ class BiasedRouterGate(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         dtype = self.router_dtype
         return F.linear(input.to(dtype), self.weight.to(dtype), self.bias.to(dtype))
+
+
+class MaxGroupTopKRouter(TokenChoiceTopKRouter):
+    """Group-limited top-k whose groups are scored by their best expert.
+
+    With ``num_expert_groups`` the experts fall into that many equal groups; each token
+    keeps the ``num_limited_groups`` groups whose best expert scores highest and takes its
+    top-k among their experts only (DeepSeek-V2's ``group_limited_greedy``; AReaL's router
+    scores a group by the sum of its two best experts instead). Scores, renormalisation and
+    scale are the shared router's: softmax or sigmoid over every expert, ``route_norm``,
+    ``route_scale``. Without groups it is the shared router's plain top-k.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        router_dtype: torch.dtype | None = None,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+    ):
+        super().__init__(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,  # type: ignore[arg-type]
+            route_norm=route_norm,
+            route_scale=route_scale,
+            router_dtype=router_dtype,
+        )
+        if num_expert_groups is not None:
+            if num_limited_groups is None or num_experts % num_expert_groups != 0:
+                raise ValueError(
+                    f"{num_experts} experts need num_expert_groups dividing them and num_limited_groups, got "
+                    f"{num_expert_groups} and {num_limited_groups}"
+                )
+            if top_k > num_limited_groups * (num_experts // num_expert_groups):
+                # HF would pick masked experts at weight 0; -inf scores here would not match.
+                raise ValueError(f"top_k={top_k} exceeds the experts of the {num_limited_groups} kept groups")
+        self.num_expert_groups = num_expert_groups
+        self.num_limited_groups = num_limited_groups
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x`` ``[num_tokens, dim]``: weights ``[num_tokens, top_k]`` (fp32), expert
+        indices ``[num_tokens, top_k]`` and tokens per expert ``[num_experts]``."""
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        scores = F.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        for_choice = scores if expert_bias is None else scores + expert_bias
+        if self.num_expert_groups is not None and self.num_limited_groups is not None:
+            grouped = for_choice.view(-1, self.num_expert_groups, self.num_experts // self.num_expert_groups)
+            best = grouped.amax(dim=-1).topk(self.num_limited_groups, dim=-1, sorted=False).indices
+            dropped = torch.ones(best.shape[0], self.num_expert_groups, dtype=torch.bool, device=best.device)
+            dropped = dropped.scatter(1, best, False)
+            for_choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
+        selected = torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False).indices
+        top_scores = scores.gather(dim=1, index=selected)
+        if self.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        top_scores = top_scores * self.route_scale
+        # histc counts floats only on CPU; indices are exact in fp32 up to 2**24.
+        counts = torch.histc(selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected, counts.to(torch.int64)
