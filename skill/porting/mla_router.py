@@ -179,15 +179,16 @@ def router_args(text: str, plan: PortPlan, camel: str) -> str:
             f'grouped = hf_config.{field} == "{value}"\n'
             f'n_group = (getattr(hf_config, "n_group", None) or 1) if grouped else 1',
         )
-        text = replace_in_function(
-            text,
-            None,
-            "_check_supported",
-            _REFERENCE_CHECK_TAIL
-            + '\n    logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", '
-            "hf_config.attention_dropout)",
-            _switch_check(plan),
-        )
+        if f'getattr(hf_config, "{field}", None) not in' not in text:  # the refusal, once
+            text = replace_in_function(
+                text,
+                None,
+                "_check_supported",
+                _REFERENCE_CHECK_TAIL
+                + '\n    logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", '
+                "hf_config.attention_dropout)",
+                _switch_check(plan),
+            )
     if plan.route_norm_fixed is not None and _UNREAD_FIELDS not in text:
         if _REQUIRED_MOE_LINE not in text:
             raise CodemodError("the copied args do not hold the reference's _REQUIRED_MOE_HF_FIELDS.")
