@@ -154,6 +154,21 @@ def test_file_source(
     if profile.moe_layer_rule == "first_k_dense":
         overrides["first_k_dense_replace"] = 1
         comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")
+    extra_cases = []
+    if profile.expert_group_switch is not None:
+        # The switch's other values (topk_method="greedy": every expert competes) get a case each.
+        switch, method = profile.expert_group_switch
+        for other in profile.expert_group_switch_values:
+            if other != method:
+                extra_cases.append(
+                    {
+                        "model_type": model_type,
+                        "config_overrides": {**overrides, switch: other},
+                        "name": f"{model_type}-{switch}-{_slug(other)}",
+                    }
+                )
+        if extra_cases:
+            comments.append(f"# A case for each other {switch}, whose routing ignores the groups.")
     entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
     remote = ""
     if remote_source is not None:
@@ -161,7 +176,10 @@ def test_file_source(
         comments.append("# The HF side comes from the checkpoint folder's own code (trust_remote_code).")
         remote = f"source={_render(remote_source, 8)}, trust_remote_code=True, "
     one_line = f'CASES = [ModelCase(model_type="{model_type}", {remote}config_overrides={{{", ".join(entries)}}})]'
-    if len(one_line) <= 100:
+    if extra_cases and remote_source is None:
+        main = {"model_type": model_type, "config_overrides": overrides}
+        cases = "CASES = [\n" + "".join(_render_case(c) for c in [main, *extra_cases]) + "]"
+    elif len(one_line) <= 100:
         cases = one_line
     else:
         inner = "".join(f"            {e},\n" for e in entries)

@@ -27,6 +27,7 @@ from skill.harness.distributed import run_stage5
 # topk_method='group_limited_greedy' turns the group limit on.
 # HF never reads norm_topk_prob: set against what HF does, it must change nothing.
 # One leading dense layer before the MoE layers, so both kinds are exercised.
+# A case for each other topk_method, whose routing ignores the groups.
 CASES = [
     ModelCase(
         model_type="deepseek_v2",
@@ -38,7 +39,19 @@ CASES = [
             "norm_topk_prob": True,
             "first_k_dense_replace": 1,
         },
-    )
+    ),
+    ModelCase(
+        model_type="deepseek_v2",
+        config_overrides={
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "topk_method": "greedy",
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,
+        },
+        name="deepseek_v2-topk_method-greedy",
+    ),
 ]
 
 
