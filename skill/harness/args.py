@@ -308,9 +308,18 @@ def unset_required_fields(config: PretrainedConfig) -> list[str]:
     """Required fields of the family's args that ``config`` leaves ``None`` (a config class
     whose defaults are no model, such as Dots1Config's expert counts)."""
     module = sys.modules[get_spec(config.model_type).model_args_class.__module__]
-    # An MoE family's own required fields (DeepseekV2Config leaves num_experts_per_tok unset).
-    required = (*getattr(module, "_REQUIRED_HF_FIELDS", ()), *getattr(module, "_REQUIRED_MOE_HF_FIELDS", ()))
-    return [name for name in required if getattr(config, name, None) is None]
+    required = getattr(module, "_REQUIRED_HF_FIELDS", ())
+    unset = [name for name in required if getattr(config, name, None) is None]
+    # The MoE fields are required of a config with routed experts only (a dense Qwen3Config
+    # needs none; DeepseekV2Config's defaults have 64 experts and no num_experts_per_tok).
+    moe_unset = [name for name in getattr(module, "_REQUIRED_MOE_HF_FIELDS", ()) if getattr(config, name, None) is None]
+    if unset or not moe_unset:
+        return unset
+    try:
+        get_spec(config.model_type).model_args_class.from_hf_config(config)
+    except ValueError:
+        return moe_unset
+    return []
 
 
 def check_refuses_unset_fields(rec: StageRecorder, config: PretrainedConfig, unset: list[str]) -> None:
