@@ -706,7 +706,8 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.RESIDUAL_MULTIPLIER: frozenset({"constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"constant"}),
     # skill/porting/mla_router.py rewrites the copied _moe_args: softmax scores (AReaL's
-    # score_func="softmax"), no score-correction bias (no load_balance_coeff, no adapter key),
+    # score_func="softmax"), no score-correction bias (no load_balance_coeff, no adapter key;
+    # model_edits.no_correction_bias drops the block's expert_bias set-up),
     # a norm_topk_prob HF never reads fixed as HF applies it; groups scored by their best expert
     # (DeepSeek-V2's group_limited_greedy, switched by topk_method) are the package's router
     # (model_edits.max_group_router, snippets/router.py MaxGroupTopKRouter).

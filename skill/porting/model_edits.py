@@ -1183,6 +1183,15 @@ def _max_group_router(text: str, ctx: EditContext) -> str:
     )
 
 
+# The deepseek_v3 reference builds the MoE's buffers at construction, for its score-correction bias.
+_BIAS_AT_CONSTRUCTION = "self.moe.init_buffers(self.moe.router.gate.weight.device)"
+
+
+def _no_correction_bias(text: str, ctx: EditContext) -> str:
+    """No score-correction bias: the MoE's buffers wait for ``init_buffers``, as AReaL's do."""
+    return replace_in_function(text, "TransformerBlock", "__init__", _BIAS_AT_CONSTRUCTION, "")
+
+
 EXPERTS_IMPORTS = (
     "import math",
     "import torch.nn.functional as F",
@@ -1419,6 +1428,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _sparse_mixer_router,
     ),
     ModelEdit(
+        "no_correction_bias",
+        "no score-correction bias: no expert_bias buffer built with the block",
+        lambda p: p.moe and p.score_correction_key is None,
+        _no_correction_bias,
+        needed=lambda text: _BIAS_AT_CONSTRUCTION in text,
+    ),
+    ModelEdit(
         "max_group_router",
         "grouped top-k whose groups are scored by their best expert",
         lambda p: p.moe and p.group_scoring == "max",
@@ -1533,11 +1549,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
 
 EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # The edits written against the block, embedding and logits contract that the deepseek_v3
-# reference shares, and the router that replaces its MoE's (max_group_router); its MLA attention
+# reference shares, and those of its MoE's router (no_correction_bias, max_group_router); its MLA attention
 # and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
     "residual_multiplier",
     "dense_layers",
+    "no_correction_bias",
     "max_group_router",
     "embedding_multiplier",
     "logits_scaling",
