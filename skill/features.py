@@ -434,6 +434,11 @@ class Checklist(_Frozen):
         description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
         "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
     )
+    forward_switches: dict[str, bool] = Field(
+        default_factory=dict,
+        description="boolean config fields (not mapped to Archon args) whose other value changes the logits, with "
+        "the family's value: a port reproduces that value and refuses a config that flips it (probed)",
+    )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 

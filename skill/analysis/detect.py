@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
+from skill.analysis.config_fields import mapped_field
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
     MLA,
@@ -283,6 +284,59 @@ def nested_forward_fields(ctx: Context) -> list[str]:
                     f"nested config field {parent}.{key}={full!r} the forward reads (no edit reads nested fields)"
                 )
     return pinned
+
+
+def forward_switches(ctx: Context) -> dict[str, bool]:
+    """Boolean config fields whose other value changes the logits, with the family's value.
+
+    Each boolean top-level field of the tiny config is flipped, a model is built with the
+    tiny model's (perturbed) weights wherever names and shapes agree, and run once; when the
+    logits move, the forward reads the switch (OPT's
+    ``do_layer_norm_before``, XGLM's ``scale_embedding``). Left out: ``PretrainedConfig``'s
+    own bookkeeping (``return_dict``, ``output_attentions``, ...) and the fields Archon args
+    map (``tie_word_embeddings``, ``attention_bias``): the port reads those. A port
+    reproduces the measured value only, so it pins every switch found to it."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    # Every weight moved off its initial value (HF starts biases at zero and norm weights at
+    # one, which would hide a switch that drops them), then shared with each flipped model.
+    generator = torch.Generator().manual_seed(0)
+    base_model = copy.deepcopy(ctx.model)
+    with torch.no_grad():
+        for param in base_model.parameters():
+            if param.is_floating_point():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    base = probes.logits(base_model, tokens)
+    base_state = base_model.state_dict()
+    bookkeeping = set(PretrainedConfig().to_dict())
+    found: dict[str, bool] = {}
+    for name, value in sorted(ctx.tiny.to_dict().items()):
+        if not isinstance(value, bool) or name in bookkeeping or mapped_field(ctx.tiny, name) is not None:
+            continue
+        full = getattr(ctx.config, name, value)
+        if not isinstance(full, bool):
+            continue
+        config = copy.deepcopy(ctx.tiny)
+        try:
+            setattr(config, name, not value)
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            # The base model's weights wherever the names and shapes agree: a switch that
+            # only adds parameters the forward never uses (add_cross_attention) moves nothing.
+            own = model.state_dict()
+            shared = {k: v for k, v in base_state.items() if k in own and own[k].shape == v.shape}
+            model.load_state_dict(shared, strict=False)
+            with torch.no_grad():  # parameters only the flipped value has: moved off their init too
+                for key, param in model.named_parameters():
+                    if key not in shared and param.is_floating_point():
+                        param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+            out = probes.logits(model, tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("flipping %s failed: %s", name, exc)
+            continue
+        if out.shape == base.shape and torch.allclose(out, base, atol=1e-6, rtol=1e-5):
+            continue
+        ctx.evidence.append(f"config switch {name}={full}: flipping it changes the logits (probe)")
+        found[name] = full
+    return found
 
 
 def _nested_moves_logits(

@@ -180,6 +180,7 @@ def _inspect(
     ctx.other.extend(detect.per_layer_differences(ctx))
     ctx.other.extend(detect.layer_stack_structure(ctx))
     pinned = detect.nested_forward_fields(ctx)
+    switches = detect.forward_switches(ctx)
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -189,6 +190,7 @@ def _inspect(
         scalars=scalars,
         transposed_weights=detect.transposed_weights(ctx),
         pinned_nested_fields=pinned,
+        forward_switches=switches,
         other=sorted(set(ctx.other)),
     )
     return Analysis(resolved, checklist, ctx)

@@ -229,6 +229,10 @@ class PortPlan(BaseModel):
     pinned_nested_fields: list[str] = Field(
         default_factory=list, description="nested config fields the forward reads, reproduced unset (refused if set)"
     )
+    pinned_switches: dict[str, bool] = Field(
+        default_factory=dict,
+        description="boolean config fields that change the forward, with the ported value (refused if flipped)",
+    )
     single_kv_head: bool = Field(
         default=False,
         description="multi-query attention no config field sets: one KV head whatever the head counts say",
@@ -421,6 +425,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None
         else None,
         pinned_nested_fields=list(cl.pinned_nested_fields),
+        pinned_switches=dict(cl.forward_switches),
         single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
         scalar_sources=derived,
         rotary_style_field="rope_interleave" if "rope_interleave" in values else None,
