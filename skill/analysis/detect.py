@@ -1825,6 +1825,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         eps_field=eps_field,
         placement=placement,
         block_norms=block_norms,
+        final_norm=ctx.anatomy.final_norm is not None,
     )
 
 
@@ -2278,6 +2279,16 @@ def layer_stack_structure(ctx: Context) -> list[str]:
     calls = probes.count_calls(ctx.model, layers[0], ctx.tiny)
     if calls > 1:
         found.append(f"layer 0 runs {calls} times per forward (a recurrent layer stack)")
+    held = {
+        name: child
+        for name, child in layers[0].named_children()
+        if any(f"{ctx.layer_prefix}{name}.{param}" in ctx.saved_keys for param, _ in child.named_parameters())
+    }
+    idle = probes.modules_not_run(ctx.model, held, ctx.tiny)
+    if idle:
+        # TrOCR's and BART's decoders keep cross-attention (encoder_attn) for an encoder the
+        # causal LM never has: Archon has nothing to load those weights into or write back.
+        found.append(f"layer modules the causal forward never runs, held by the checkpoint: {', '.join(idle)}")
     if found:
         ctx.evidence.append(f"layer stack: {'; '.join(found)}")
     return found

@@ -158,6 +158,7 @@ def _inspect(
             f"{config.model_type!r} attends to later tokens with this config (bidirectional, an encoder); Archon "
             "ports causal decoders. Use a decoder config of the family (e.g. is_decoder=True) or another family"
         )
+    anatomy.final_norm = probes.final_norm_after_stack(model, anatomy, tiny)
     keys = saved_checkpoint_keys(model)
     prefix = layer_prefix(list(keys), tiny.num_hidden_layers)
     ctx = detect.Context(

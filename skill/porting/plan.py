@@ -97,7 +97,8 @@ class PortPlan(BaseModel):
     )
     qk_norm: Literal["none", "per_head", "full"]
     norm: NormVariant
-    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"]
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"]
+    final_norm: bool = Field(default=True, description="a final norm before the LM head (post-LN stacks have none)")
     shared_block_norm: bool = Field(
         default=False, description="a parallel block's attention and feed-forward read one norm of the input"
     )
@@ -281,10 +282,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     )
     norm_kind = NORM_VARIANTS.get(norm.kind, "rms")
     plan_kv_field = next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None)
-    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"] = {
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"] = {
         NormPlacement.SANDWICH: "sandwich",
         NormPlacement.POST_SUBLAYER: "post_norm",
         NormPlacement.PARALLEL: "parallel",
+        NormPlacement.POST_LN: "post_ln",
     }.get(norm.placement, "pre_norm")  # type: ignore[assignment]
     embedding: Literal["none", "sqrt_dim", "multiplier"] = "none"
     if sc.embedding_scale_kind == "sqrt_dim":
@@ -336,6 +338,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
+        final_norm=norm.final_norm,
         shared_block_norm=block == "parallel" and "pre_ffn" not in norm.block_norms.values(),
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,

@@ -291,6 +291,18 @@ def apply_write_parallelize(
             },
             raw_values=True,
         )
+    if profile.block == "post_ln":
+        # The norms read the residual sums (local sequence shards, as the row-wise output
+        # projections reduce-scatter them) and hand the next sub-layer and residual a local shard.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "attention_norm": "SequenceParallel(use_local_output=True)",
+                "ffn_norm": "SequenceParallel(use_local_output=True)",
+            },
+            raw_values=True,
+        )
     if profile.qk_norm == "per_head" and "has_qk_norm" not in text:
         # Per-head QK norm on a copy without qwen3's per-block rule: wq/wk hand DTensors
         # whose heads are sharded to norms that run sequence-parallel over the heads dim.
