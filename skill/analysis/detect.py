@@ -1955,10 +1955,12 @@ def embedding_projection(ctx: Context) -> EmbeddingProjection | str | None:
     The width's config field is the one that sets it. ``None`` when the embeddings are not
     projected like that; a string naming what did not fit when they nearly are."""
     anatomy = ctx.anatomy
-    embedding, head, final_norm = anatomy.embedding, anatomy.lm_head, anatomy.final_norm
+    embedding, head = anatomy.embedding, anatomy.lm_head
+    # What the head reads last: the final norm, or the last layer in a post-LN stack without one.
+    final_norm = anatomy.final_norm if anatomy.final_norm is not None else anatomy.layers[-1]
     weight = getattr(embedding, "weight", None)
     hidden = int(ctx.tiny.hidden_size)
-    if embedding is None or head is None or final_norm is None or not isinstance(weight, torch.Tensor):
+    if embedding is None or head is None or not isinstance(weight, torch.Tensor):
         return None
     width = int(weight.shape[1])
     found = probes.modules_before_first_layer(ctx.model, anatomy, ctx.tiny)
@@ -1979,7 +1981,7 @@ def embedding_projection(ctx: Context) -> EmbeddingProjection | str | None:
 
     def keep(key: str, what: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            seen[key] = args[0] if what == "input" else output
+            seen[key] = args[0] if what == "input" else output[0] if isinstance(output, tuple) else output
 
         return hook
 

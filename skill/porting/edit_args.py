@@ -689,8 +689,8 @@ def _pinned_switch_lines(profile: PortPlan, camel: str, read: str, written: str)
         lines += [
             f'    if bool(getattr(hf_config, "{name}", {value})) is not {value}:',
             "        raise ValueError(",
-            f'            "{name}={not value} is not supported: {camel} in Archon reproduces {name}={value} "',
-            '            "(the forward differs); port that variant as its own family."',
+            f'            "{name}={not value} is not supported: {camel} in Archon reproduces "',
+            f'            "{name}={value} (the forward differs); port that variant as its own family."',
             "        )",
         ]
     return lines
