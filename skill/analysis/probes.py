@@ -214,10 +214,20 @@ def probe_block_norms(
         for n_in, n_out in norm_records.values()
     )
     layer_out = layer_input.get("out")
+
+    def residual_sum(n_in: torch.Tensor) -> bool:
+        """``n_in == x + c * attn_out`` for a constant ``c`` (1, or a residual multiplier)."""
+        if n_in.shape != x.shape or attn_out.shape != x.shape:
+            return False
+        branch = (n_in - x).flatten().double()
+        ref = attn_out.flatten().double()
+        scale = float(branch @ ref / (ref @ ref).clamp_min(1e-30))
+        return abs(scale) > 1e-6 and same(n_in, x + scale * attn_out)
+
     # Post-LN: a norm reads the residual sum after attention, and the layer ends on a norm's
     # output (a pre-norm block whose first norm is an identity returns a plain residual sum).
     post_ln = (
-        any(same(n_in, x + attn_out) for n_in, _ in norm_records.values())
+        any(residual_sum(n_in) for n_in, _ in norm_records.values())
         and layer_out is not None
         and any(same(n_out, layer_out) for _, n_out in norm_records.values())
         and not pre
@@ -230,7 +240,7 @@ def probe_block_norms(
     ffn_out = records.get(anatomy.ffn_name or "", (None, None))[1]
     roles: dict[str, str] = {}
     for name, (n_in, n_out) in norm_records.items():
-        if post_ln and same(n_in, x + attn_out):
+        if post_ln and residual_sum(n_in):
             # Post-LN: the norm of the residual sum after attention (its output feeds the
             # FFN and is the residual), then the norm of the sum after the FFN.
             roles[name] = "attention_residual"
