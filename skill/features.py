@@ -148,7 +148,7 @@ class NormPlacement(StrEnum):
     POST_SUBLAYER = "post_sublayer"  # x + norm(f(x))  (OLMo2)
     SANDWICH = "sandwich"  # x + norm(f(norm(x)))  (Gemma2/3)
     PARALLEL = "parallel"  # x + attn(norm(x)) + mlp(norm'(x))
-    POST_LN = "post_ln"  # norm(x + f(x))  (original Transformer)
+    POST_LN = "post_ln"  # norm(x + f(x))  (original Transformer, TrOCR)
 
 
 # ----------------------------------------------------------------- checklist models
@@ -392,7 +392,11 @@ class NormFeatures(_Frozen):
     placement: NormPlacement = NormPlacement.PRE
     block_norms: dict[str, str] = Field(
         default_factory=dict,
-        description="layer-0 norm module name -> role (pre_attention, post_attention, pre_ffn, post_ffn), probed",
+        description="layer-0 norm module name -> role (pre_attention, post_attention, pre_ffn, post_ffn; post-LN: "
+        "attention_residual, ffn_residual), probed",
+    )
+    final_norm: bool = Field(
+        True, description="a norm runs on the last layer's output before the LM head (post-LN stacks have none)"
     )
 
 
@@ -447,6 +451,11 @@ class Checklist(_Frozen):
         description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
         "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
     )
+    forward_switches: dict[str, bool] = Field(
+        default_factory=dict,
+        description="boolean config fields (not mapped to Archon args) whose other value changes the logits, with "
+        "the family's value: a port reproduces that value and refuses a config that flips it (probed)",
+    )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 
@@ -495,6 +504,7 @@ class Feature(StrEnum):
     PER_LAYER_ROPE = "per_layer_rope"
     NORM_KIND = "norm_kind"
     NORM_PLACEMENT = "norm_placement"
+    FINAL_NORM = "final_norm"
     EMBEDDING_SCALE = "embedding_scale"
     EMBEDDING_NORM = "embedding_norm"
     RESIDUAL_MULTIPLIER = "residual_multiplier"
@@ -548,6 +558,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.PER_LAYER_ROPE: "per-layer-type RoPE",
     Feature.NORM_KIND: "norm kind",
     Feature.NORM_PLACEMENT: "norm placement",
+    Feature.FINAL_NORM: "final norm",
     Feature.EMBEDDING_SCALE: "embedding scale",
     Feature.EMBEDDING_NORM: "embedding norm",
     Feature.RESIDUAL_MULTIPLIER: "residual multiplier",
@@ -655,9 +666,18 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
             NormKind.LAYER_NORM_ONE_PLUS_W,
         }
     ),
+    # post_ln: model_edits.post_ln (each residual sum normalised, x = norm(x + f(x))).
     Feature.NORM_PLACEMENT: frozenset(
-        {NormPlacement.PRE, NormPlacement.POST_SUBLAYER, NormPlacement.SANDWICH, NormPlacement.PARALLEL}
+        {
+            NormPlacement.PRE,
+            NormPlacement.POST_SUBLAYER,
+            NormPlacement.SANDWICH,
+            NormPlacement.PARALLEL,
+            NormPlacement.POST_LN,
+        }
     ),
+    # false: model_edits.no_final_norm (the last block's output goes straight to the LM head).
+    Feature.FINAL_NORM: frozenset({"true", "false"}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
     # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).
     Feature.EMBEDDING_NORM: frozenset({"none", NormKind.RMS, NormKind.LAYER_NORM}),
@@ -831,6 +851,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.POSITION_KIND: pos.kind.value,
         Feature.NORM_KIND: norm.kind.value,
         Feature.NORM_PLACEMENT: norm.placement.value,
+        Feature.FINAL_NORM: _flag(norm.final_norm),
         Feature.EMBEDDING_SCALE: sc.embedding_scale_kind,
         Feature.EMBEDDING_NORM: sc.embedding_norm.value if sc.embedding_norm is not None else "none",
         Feature.RESIDUAL_MULTIPLIER: _multiplier(sc.residual_multiplier, sc.residual_multiplier_field),

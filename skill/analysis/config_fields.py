@@ -60,18 +60,24 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def mapped_field(config: PretrainedConfig, name: str) -> str | None:
+    """The Archon args field a config field maps to, or None."""
+    inverse = {stored: canonical for canonical, stored in (getattr(type(config), "attribute_map", {}) or {}).items()}
+    canonical = inverse.get(name, name)
+    archon = ARCHON_FIELDS.get(canonical)
+    if archon is None and canonical.endswith(_EPS_SUFFIXES) and "norm" in canonical:
+        archon = "norm_eps"
+    return archon
+
+
 def config_fields(config: PretrainedConfig) -> list[ConfigField]:
     """All fields of ``config`` sorted by name, each with its Archon field or ``unmapped``."""
-    inverse = {stored: canonical for canonical, stored in (getattr(type(config), "attribute_map", {}) or {}).items()}
     rows = []
     data = config.to_dict()
     data["num_labels"] = config.num_labels
     for name in sorted(data):
         if name in _SKIP:
             continue
-        canonical = inverse.get(name, name)
-        archon = ARCHON_FIELDS.get(canonical)
-        if archon is None and canonical.endswith(_EPS_SUFFIXES) and "norm" in canonical:
-            archon = "norm_eps"
+        archon = mapped_field(config, name)
         rows.append(ConfigField(name=name, value=_jsonable(data[name]), archon_field=archon or UNMAPPED))
     return rows

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
+from skill.analysis.config_fields import mapped_field
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
     MLA,
@@ -283,6 +284,59 @@ def nested_forward_fields(ctx: Context) -> list[str]:
                     f"nested config field {parent}.{key}={full!r} the forward reads (no edit reads nested fields)"
                 )
     return pinned
+
+
+def forward_switches(ctx: Context) -> dict[str, bool]:
+    """Boolean config fields whose other value changes the logits, with the family's value.
+
+    Each boolean top-level field of the tiny config is flipped, a model is built with the
+    tiny model's (perturbed) weights wherever names and shapes agree, and run once; when the
+    logits move, the forward reads the switch (OPT's
+    ``do_layer_norm_before``, XGLM's ``scale_embedding``). Left out: ``PretrainedConfig``'s
+    own bookkeeping (``return_dict``, ``output_attentions``, ...) and the fields Archon args
+    map (``tie_word_embeddings``, ``attention_bias``): the port reads those. A port
+    reproduces the measured value only, so it pins every switch found to it."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    # Every weight moved off its initial value (HF starts biases at zero and norm weights at
+    # one, which would hide a switch that drops them), then shared with each flipped model.
+    generator = torch.Generator().manual_seed(0)
+    base_model = copy.deepcopy(ctx.model)
+    with torch.no_grad():
+        for param in base_model.parameters():
+            if param.is_floating_point():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    base = probes.logits(base_model, tokens)
+    base_state = base_model.state_dict()
+    bookkeeping = set(PretrainedConfig().to_dict())
+    found: dict[str, bool] = {}
+    for name, value in sorted(ctx.tiny.to_dict().items()):
+        if not isinstance(value, bool) or name in bookkeeping or mapped_field(ctx.tiny, name) is not None:
+            continue
+        full = getattr(ctx.config, name, value)
+        if not isinstance(full, bool):
+            continue
+        config = copy.deepcopy(ctx.tiny)
+        try:
+            setattr(config, name, not value)
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            # The base model's weights wherever the names and shapes agree: a switch that
+            # only adds parameters the forward never uses (add_cross_attention) moves nothing.
+            own = model.state_dict()
+            shared = {k: v for k, v in base_state.items() if k in own and own[k].shape == v.shape}
+            model.load_state_dict(shared, strict=False)
+            with torch.no_grad():  # parameters only the flipped value has: moved off their init too
+                for key, param in model.named_parameters():
+                    if key not in shared and param.is_floating_point():
+                        param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+            out = probes.logits(model, tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("flipping %s failed: %s", name, exc)
+            continue
+        if out.shape == base.shape and torch.allclose(out, base, atol=1e-6, rtol=1e-5):
+            continue
+        ctx.evidence.append(f"config switch {name}={full}: flipping it changes the logits (probe)")
+        found[name] = full
+    return found
 
 
 def _nested_moves_logits(
@@ -1866,6 +1920,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         eps_field=eps_field,
         placement=placement,
         block_norms=block_norms,
+        final_norm=ctx.anatomy.final_norm is not None,
     )
 
 
@@ -1995,10 +2050,12 @@ def embedding_projection(ctx: Context) -> EmbeddingProjection | str | None:
     The width's config field is the one that sets it. ``None`` when the embeddings are not
     projected like that; a string naming what did not fit when they nearly are."""
     anatomy = ctx.anatomy
-    embedding, head, final_norm = anatomy.embedding, anatomy.lm_head, anatomy.final_norm
+    embedding, head = anatomy.embedding, anatomy.lm_head
+    # What the head reads last: the final norm, or the last layer in a post-LN stack without one.
+    final_norm = anatomy.final_norm if anatomy.final_norm is not None else anatomy.layers[-1]
     weight = getattr(embedding, "weight", None)
     hidden = int(ctx.tiny.hidden_size)
-    if embedding is None or head is None or final_norm is None or not isinstance(weight, torch.Tensor):
+    if embedding is None or head is None or not isinstance(weight, torch.Tensor):
         return None
     width = int(weight.shape[1])
     found = probes.modules_before_first_layer(ctx.model, anatomy, ctx.tiny)
@@ -2019,7 +2076,7 @@ def embedding_projection(ctx: Context) -> EmbeddingProjection | str | None:
 
     def keep(key: str, what: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            seen[key] = args[0] if what == "input" else output
+            seen[key] = args[0] if what == "input" else output[0] if isinstance(output, tuple) else output
 
         return hook
 
@@ -2319,6 +2376,16 @@ def layer_stack_structure(ctx: Context) -> list[str]:
     calls = probes.count_calls(ctx.model, layers[0], ctx.tiny)
     if calls > 1:
         found.append(f"layer 0 runs {calls} times per forward (a recurrent layer stack)")
+    held = {
+        name: child
+        for name, child in layers[0].named_children()
+        if any(f"{ctx.layer_prefix}{name}.{param}" in ctx.saved_keys for param, _ in child.named_parameters())
+    }
+    idle = probes.modules_not_run(ctx.model, held, ctx.tiny)
+    if idle:
+        # TrOCR's and BART's decoders keep cross-attention (encoder_attn) for an encoder the
+        # causal LM never has: Archon has nothing to load those weights into or write back.
+        found.append(f"layer modules the causal forward never runs, held by the checkpoint: {', '.join(idle)}")
     if found:
         ctx.evidence.append(f"layer stack: {'; '.join(found)}")
     return found

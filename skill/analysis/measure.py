@@ -158,6 +158,7 @@ def _inspect(
             f"{config.model_type!r} attends to later tokens with this config (bidirectional, an encoder); Archon "
             "ports causal decoders. Use a decoder config of the family (e.g. is_decoder=True) or another family"
         )
+    anatomy.final_norm = probes.final_norm_after_stack(model, anatomy, tiny)
     keys = saved_checkpoint_keys(model)
     prefix = layer_prefix(list(keys), tiny.num_hidden_layers)
     ctx = detect.Context(
@@ -180,6 +181,7 @@ def _inspect(
     ctx.other.extend(detect.per_layer_differences(ctx))
     ctx.other.extend(detect.layer_stack_structure(ctx))
     pinned = detect.nested_forward_fields(ctx)
+    switches = detect.forward_switches(ctx)
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -189,6 +191,7 @@ def _inspect(
         scalars=scalars,
         transposed_weights=detect.transposed_weights(ctx),
         pinned_nested_fields=pinned,
+        forward_switches=switches,
         other=sorted(set(ctx.other)),
     )
     return Analysis(resolved, checklist, ctx)

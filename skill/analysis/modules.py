@@ -174,7 +174,7 @@ def anatomy(model: PreTrainedModel, n_layers: int) -> LayerAnatomy:
     parent = model.get_submodule(layers_parent_path) if layers_parent_path else model
     for child in parent.children():
         if is_norm(child):
-            final_norm = child  # the last norm after the stack
+            final_norm = child  # the last norm beside the stack (the probes check it runs after it)
     return LayerAnatomy(
         path, layers, attention_name, attention, ffn_name, ffn, norms, embedding, lm_head, final_norm, others
     )

@@ -154,7 +154,9 @@ def probe_block_norms(
 
     Roles, by the norm module's name in the layer: ``pre_attention`` (reads the layer
     input, feeds the attention), ``post_attention`` (reads the attention output),
-    ``pre_ffn`` (feeds the feed-forward), ``post_ffn`` (reads the feed-forward output).
+    ``pre_ffn`` (feeds the feed-forward), ``post_ffn`` (reads the feed-forward output);
+    post-LN: ``attention_residual`` (reads the layer input plus the attention output) and
+    ``ffn_residual`` (reads the feed-forward's input plus its output).
     """
     if anatomy.attention is None:
         return None, {}
@@ -178,7 +180,13 @@ def probe_block_norms(
         if isinstance(first, torch.Tensor):
             layer_input.setdefault("x", first.detach())
 
+    def layer_out_hook(module: nn.Module, args: tuple, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor):
+            layer_input.setdefault("out", out.detach())
+
     handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
+    handles.append(layer.register_forward_hook(layer_out_hook))
     for name, child in layer.named_children():
         handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
     try:
@@ -205,7 +213,25 @@ def probe_block_norms(
         same(n_in, attn_out) and not (ffn_in is not None and same(n_out, ffn_in))
         for n_in, n_out in norm_records.values()
     )
-    post_ln = any(same(n_in, x + attn_out) for n_in, _ in norm_records.values()) and not pre
+    layer_out = layer_input.get("out")
+
+    def residual_sum(n_in: torch.Tensor) -> bool:
+        """``n_in == x + c * attn_out`` for a constant ``c`` (1, or a residual multiplier)."""
+        if n_in.shape != x.shape or attn_out.shape != x.shape:
+            return False
+        branch = (n_in - x).flatten().double()
+        ref = attn_out.flatten().double()
+        scale = float(branch @ ref / (ref @ ref).clamp_min(1e-30))
+        return abs(scale) > 1e-6 and same(n_in, x + scale * attn_out)
+
+    # Post-LN: a norm reads the residual sum after attention, and the layer ends on a norm's
+    # output (a pre-norm block whose first norm is an identity returns a plain residual sum).
+    post_ln = (
+        any(residual_sum(n_in) for n_in, _ in norm_records.values())
+        and layer_out is not None
+        and any(same(n_out, layer_out) for _, n_out in norm_records.values())
+        and not pre
+    )
     parallel = False
     if ffn_in is not None and pre:
         parallel = same(ffn_in, attn_in) or any(
@@ -214,7 +240,17 @@ def probe_block_norms(
     ffn_out = records.get(anatomy.ffn_name or "", (None, None))[1]
     roles: dict[str, str] = {}
     for name, (n_in, n_out) in norm_records.items():
-        if same(n_in, x) and same(n_out, attn_in):
+        if post_ln and residual_sum(n_in):
+            # Post-LN: the norm of the residual sum after attention (its output feeds the
+            # FFN and is the residual), then the norm of the sum after the FFN.
+            roles[name] = "attention_residual"
+        elif post_ln and (
+            (ffn_in is not None and ffn_out is not None and same(n_in, ffn_in + ffn_out))
+            or (layer_out is not None and same(n_out, layer_out))
+        ):
+            # (Its output is the layer's: the FFN's projections may sit on the layer itself.)
+            roles[name] = "ffn_residual"
+        elif same(n_in, x) and same(n_out, attn_in):
             roles[name] = "pre_attention"
         elif same(n_in, attn_out) and not (ffn_in is not None and same(n_out, ffn_in)):
             # (Bloom's attention returns the residual sum: the norm of it feeds the FFN.)
@@ -363,6 +399,30 @@ def probe_sinusoidal_offset(
         if torch.allclose(rows, expected[offset : offset + length], rtol=1e-5, atol=1e-5):
             return offset
     return None
+
+
+def final_norm_after_stack(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> nn.Module | None:
+    """The anatomy's final-norm candidate if it runs after the last layer, else None: a norm
+    beside the layer stack may be the embedding norm (TrOCR's ``layernorm_embedding``), and
+    a post-LN stack (TrOCR, OPT with ``do_layer_norm_before=False``) has no final norm."""
+    norm = anatomy.final_norm
+    if norm is None:
+        return None
+    state = {"after_last": False, "ran_after": False}
+
+    def on_last(module: nn.Module, args: tuple, output: Any) -> None:
+        state["after_last"] = True
+
+    def on_norm(module: nn.Module, args: tuple, output: Any) -> None:
+        state["ran_after"] = state["ran_after"] or state["after_last"]
+
+    handles = [anatomy.layers[-1].register_forward_hook(on_last), norm.register_forward_hook(on_norm)]
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return norm if state["ran_after"] else None
 
 
 def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> list[str]:
@@ -1103,6 +1163,25 @@ def count_calls(model: nn.Module, module: nn.Module, config: Any) -> int:
     finally:
         handle.remove()
     return calls[0]
+
+
+def modules_not_run(model: nn.Module, modules: dict[str, nn.Module], config: Any) -> list[str]:
+    """The names of ``modules`` whose forward never runs in one forward of ``model``."""
+    ran: set[str] = set()
+
+    def seen(name: str):
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            ran.add(name)
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(seen(name)) for name, module in modules.items()]
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [name for name in modules if name not in ran]
 
 
 def probe_clip_after_qk_norm(model: nn.Module, q_norm: nn.Module, config: Any, limit: float) -> bool | None:

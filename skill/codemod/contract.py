@@ -42,6 +42,18 @@ def _branch_of(value: cst.BaseExpression) -> tuple[Branch, cst.BaseExpression] |
     return None
 
 
+def _normalised_sum(value: cst.BaseExpression) -> cst.BaseExpression | None:
+    """``self.<norm>(x + E)`` (a post-LN block's normalised residual sum) -> ``x + E``."""
+    if (
+        isinstance(value, cst.Call)
+        and len(value.args) == 1
+        and m.matches(value.func, m.Attribute(value=m.Name("self")))
+        and _is_residual_sum(value.args[0].value)
+    ):
+        return value.args[0].value
+    return None
+
+
 class _BranchEdit(cst.CSTTransformer):
     def __init__(self, branch: Branch, edit):
         self.branch = branch
@@ -49,6 +61,10 @@ class _BranchEdit(cst.CSTTransformer):
         self.hits = 0
 
     def _rewrite(self, value: cst.BaseExpression) -> cst.BaseExpression:
+        inner = _normalised_sum(value)
+        if inner is not None:
+            assert isinstance(value, cst.Call)
+            return value.with_changes(args=[value.args[0].with_changes(value=self._rewrite(inner))])
         found = _branch_of(value)
         if found is None:
             return value
@@ -100,6 +116,40 @@ def wrap_residual_branch(source: str, branch: Branch, template: str, *, applied_
         return cst.parse_expression(template.replace("{}", code))
 
     return _edit_branch(source, branch, edit)
+
+
+def normalise_residual_sum(source: str, branch: Branch, norm: str) -> str:
+    """Post-LN: the residual sum of a branch, ``x + E``, becomes ``self.<norm>(x + E)`` (the
+    statement assigning ``x`` or returning it). The branches inside keep whatever other
+    edits write there (:func:`wrap_residual_branch` sees through the norm); a sum already
+    normalised is left alone."""
+    module = _parse(source)
+    forward = _find_function(module, "TransformerBlock", "forward")
+    hits = [0]
+
+    def wrap(value: cst.BaseExpression) -> cst.BaseExpression:
+        inner = _normalised_sum(value)
+        found = _branch_of(inner if inner is not None else value)
+        if found is None or found[0] != branch:
+            return value
+        hits[0] += 1
+        return value if inner is not None else cst.parse_expression(f"self.{norm}({_code(value)})")
+
+    class _Wrap(cst.CSTTransformer):
+        def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+            if len(updated_node.targets) == 1 and m.matches(updated_node.targets[0].target, m.Name(RESIDUAL)):
+                return updated_node.with_changes(value=wrap(updated_node.value))
+            return updated_node
+
+        def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
+            if updated_node.value is not None:
+                return updated_node.with_changes(value=wrap(updated_node.value))
+            return updated_node
+
+    new_forward = forward.visit(_Wrap())
+    if hits[0] == 0:
+        raise CodemodError(f"TransformerBlock.forward has no residual add 'x + ...' for the {branch} branch")
+    return replaced_code(module, forward, new_forward)
 
 
 def replace_in_residual_branch(source: str, branch: Branch, old: str, new: str) -> str:

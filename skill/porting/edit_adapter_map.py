@@ -250,6 +250,9 @@ NORM_ROLE_NAMES = {
     "post_attention": "post_attention_norm",
     "pre_ffn": "ffn_norm",
     "post_ffn": "post_ffn_norm",
+    # Post-LN: the norm of each residual sum keeps the pre-norm block's name.
+    "attention_residual": "attention_norm",
+    "ffn_residual": "ffn_norm",
 }
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import operator
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -565,8 +566,11 @@ if router_dtype is not None:
 """
 
 
-def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
-    """``_check_supported``: refuse configs whose math the port does not reproduce."""
+def check_supported_source(profile: PortPlan, config: Any, camel: str, read: str = "") -> str:
+    """``_check_supported``: refuse configs whose math the port does not reproduce.
+
+    ``read``: the code of ``from_hf_config``'s field expressions; a forward switch it reads
+    is mapped, not pinned."""
     lines = [
         "def _check_supported(hf_config: Any) -> None:",
         '    """Refuse configs whose math this implementation does not reproduce."""',
@@ -634,6 +638,7 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
             '            "which reproduces it unset (None)."',
             "        )",
         ]
+    lines += _pinned_switch_lines(profile, camel, read, "\n".join(lines))
     if profile.absent_shared_experts_field is not None:
         field = profile.absent_shared_experts_field
         lines += [
@@ -673,6 +678,24 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str) -> str:
         '        logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _pinned_switch_lines(profile: PortPlan, camel: str, read: str, written: str) -> list[str]:
+    """Pin each boolean config switch the analysis found to change the forward to the value
+    the family is ported from; a switch another check already guards (a bias flag, a
+    feature switch) or that ``from_hf_config`` reads is left to that."""
+    lines: list[str] = []
+    for name, value in sorted(profile.pinned_switches.items()):
+        if f'"{name}"' in written or re.search(rf"\b{re.escape(name)}\b", read) or name == profile.mqa_flag:
+            continue
+        lines += [
+            f'    if bool(getattr(hf_config, "{name}", {value})) is not {value}:',
+            "        raise ValueError(",
+            f'            "{name}={not value} is not supported: {camel} in Archon reproduces "',
+            f'            "{name}={value} (the forward differs); port that variant as its own family."',
+            "        )",
+        ]
+    return lines
 
 
 def _check_rope_type(profile: PortPlan, camel: str) -> list[str]:
@@ -921,7 +944,10 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
     text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
     text = upsert_function(
-        text, "_check_supported", check_supported_source(profile, config, camel), before_class=layout.args_class
+        text,
+        "_check_supported",
+        check_supported_source(profile, config, camel, read=" ".join(f.expression for f in fields)),
+        before_class=layout.args_class,
     )
     if profile.partial_rotary:
         helper = snippet("args", "_partial_rotary_factor")

@@ -22,6 +22,7 @@ from skill.activations import ACTIVATIONS
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod.contract import (
     append_to_embedding_stage,
+    normalise_residual_sum,
     parallel_branches,
     prepend_to_block_forward,
     remove_arguments,
@@ -332,6 +333,8 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
         sentence = f"Sandwich norms: ``x + post_norm(attention(norm(x))){mult}``, then the same around the {mlp}."
     elif plan.block == "post_norm":
         sentence = f"Post-norm: ``x + norm(attention(x)){mult}``, then ``x + norm({call}(x)){mult}``."
+    elif plan.block == "post_ln":
+        sentence = f"Post-LN: ``x = norm(x + attention(x){mult})``, then ``norm(x + {call}(x){mult})``."
     else:
         sentence = f"``x + attention(norm(x)){mult}``, then ``x + {call}(norm(x)){mult}``."
     if plan.all_layers_moe:
@@ -528,6 +531,45 @@ def _post_norm(text: str, ctx: EditContext) -> str:
                 f"self.{new}.reset_parameters()\n",
             )
     return _post_branches(text)
+
+
+def _post_ln(text: str, ctx: EditContext) -> str:
+    """Post-LN (the original Transformer's block): each sub-layer reads the residual stream
+    itself and the sum is normalised, ``x = attention_norm(x + attention(x))``, then
+    ``ffn_norm(x + feed_forward(x))``. The norms keep their names; only where they sit moves."""
+    for branch, norm in (("attention", "attention_norm"), ("ffn", "ffn_norm")):
+        if f"self.{norm}(x)" in text:
+            text = replace_in_residual_branch(text, branch, f"self.{norm}(x)", "x")  # type: ignore[arg-type]
+        text = normalise_residual_sum(text, branch, norm)  # type: ignore[arg-type]
+    return text
+
+
+NORM_INIT = "if self.norm is not None:\n    self.norm.reset_parameters()\n"
+LAST_STAGE_PROJECTION = "self.project_out is not None and self.norm is not None"
+
+
+def _no_final_norm(text: str, ctx: EditContext) -> str:
+    """No norm after the last block (a post-LN stack ends normalised): ``norm`` stays
+    ``None``, as on a pipeline stage without it, and the hidden states go to the head."""
+    if "self.norm: nn.Module | None = None" in text:
+        return text
+    text = replace_statement_assigning(
+        text,
+        ctx.model_class,
+        "__init__",
+        "self.norm",
+        "# The blocks end normalised (post-LN): no final norm before the LM head.\n"
+        "self.norm: nn.Module | None = None\n",
+    )
+    text = replace_in_function(text, ctx.model_class, "init_weights", NORM_INIT, "")
+    text = replace_in_function(text, ctx.model_class, "forward", NORM_LINE, "")
+    if LAST_STAGE_PROJECTION in text:
+        # The stage holding the head (there is no final norm to mark it) projects back out.
+        text = text.replace(
+            LAST_STAGE_PROJECTION,
+            "self.project_out is not None and (self.output is not None or self.score is not None)",
+        ).replace("(on the stage that holds the final norm)", "(on the stage that holds the head)")
+    return text
 
 
 ROPE_ARGS = ("rope_cache", "positions")
@@ -1395,6 +1437,7 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
     ),
+    ModelEdit("post_ln", "each residual sum normalised (post-LN)", lambda p: p.block == "post_ln", _post_ln),
     ModelEdit(
         "parallel_block",
         "attention and feed-forward in parallel on the block input",
@@ -1509,6 +1552,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _embedding_projection,
     ),
     ModelEdit(
+        "no_final_norm",
+        "no norm after the last block",
+        lambda p: not p.final_norm,
+        _no_final_norm,
+        needed=lambda text: "self.norm: nn.Module | None = None" not in text,
+    ),
+    ModelEdit(
         "learned_positions",
         "learned absolute-position embeddings added to the token embeddings",
         lambda p: p.positions == "learned",
@@ -1586,6 +1636,7 @@ BLOCK_NAMES = {
     "sandwich": "sandwich-norm",
     "post_norm": "post-norm",
     "parallel": "parallel attention/MLP",
+    "post_ln": "post-LN",
 }
 POSITION_NAMES = {
     "rope": "RoPE",
@@ -1654,6 +1705,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append(f"embeddings projected to and from {profile.embedding_projection_field}")
     if profile.lm_head_bias:
         extras.append("an LM head with a bias")
+    if not profile.final_norm:
+        extras.append("no final norm")
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)

@@ -97,7 +97,8 @@ class PortPlan(BaseModel):
     )
     qk_norm: Literal["none", "per_head", "full"]
     norm: NormVariant
-    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"]
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"]
+    final_norm: bool = Field(default=True, description="a final norm before the LM head (post-LN stacks have none)")
     shared_block_norm: bool = Field(
         default=False, description="a parallel block's attention and feed-forward read one norm of the input"
     )
@@ -244,6 +245,10 @@ class PortPlan(BaseModel):
     pinned_nested_fields: list[str] = Field(
         default_factory=list, description="nested config fields the forward reads, reproduced unset (refused if set)"
     )
+    pinned_switches: dict[str, bool] = Field(
+        default_factory=dict,
+        description="boolean config fields that change the forward, with the ported value (refused if flipped)",
+    )
     single_kv_head: bool = Field(
         default=False,
         description="multi-query attention no config field sets: one KV head whatever the head counts say",
@@ -292,10 +297,11 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
     )
     norm_kind = NORM_VARIANTS.get(norm.kind, "rms")
     plan_kv_field = next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None)
-    block: Literal["pre_norm", "sandwich", "post_norm", "parallel"] = {
+    block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"] = {
         NormPlacement.SANDWICH: "sandwich",
         NormPlacement.POST_SUBLAYER: "post_norm",
         NormPlacement.PARALLEL: "parallel",
+        NormPlacement.POST_LN: "post_ln",
     }.get(norm.placement, "pre_norm")  # type: ignore[assignment]
     embedding: Literal["none", "sqrt_dim", "multiplier"] = "none"
     if sc.embedding_scale_kind == "sqrt_dim":
@@ -347,6 +353,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,
+        final_norm=norm.final_norm,
         shared_block_norm=block == "parallel" and "pre_ffn" not in norm.block_norms.values(),
         mlp="plain" if ffn.kind is FFNKind.PLAIN else "gated",
         activation=ffn.activation,
@@ -442,6 +449,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None
         else None,
         pinned_nested_fields=list(cl.pinned_nested_fields),
+        pinned_switches=dict(cl.forward_switches),
         single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
         scalar_sources=derived,
         rotary_style_field="rope_interleave" if "rope_interleave" in values else None,

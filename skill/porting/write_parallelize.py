@@ -213,14 +213,39 @@ PROJECT_OUT_PLAN = """if model.project_out is not None:
 """
 
 
-def _plan_embedding_projection(text: str) -> str:
-    """``project_in`` after the token embedding, ``project_out`` after the final norm, both
-    where the model has them (the config's widths decide)."""
-    function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+FINAL_NORM_PLAN = """if model.norm is not None:
+    root_plan["norm"] = SequenceParallel()
+"""
+# Without a final norm, project_out reads the last block's local sequence shard.
+PROJECT_OUT_NO_NORM_PLAN = """if model.project_out is not None:
+    # No final norm: project_out reads the last block's sequence shard itself.
+    root_plan["project_out"] = SequenceParallel()
+"""
+
+
+def _plan_embedding_projection(text: str, final_norm: bool = True) -> str:
+    """``project_in`` after the token embedding, ``project_out`` after the final norm (or the
+    last block, without one), both where the model has them (the config's widths decide)."""
+    function = _tp_function(text)
     if 'root_plan["project_in"]' in text:
         return text
     text = append_to_if_block(text, None, function, EMBEDDING_STAGE, PROJECT_IN_PLAN)
+    if not final_norm:
+        return text  # _plan_no_final_norm put project_out where the norm's entry was
     return append_to_if_block(text, None, function, "model.norm is not None", PROJECT_OUT_PLAN)
+
+
+def _tp_function(text: str) -> str:
+    return next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
+
+
+def _plan_no_final_norm(text: str, projection: bool) -> str:
+    """No final norm: its plan entry goes (``project_out``'s takes its place, when there is one)."""
+    if FINAL_NORM_PLAN.splitlines()[1].strip() not in text:
+        return text
+    return replace_in_function(
+        text, None, _tp_function(text), FINAL_NORM_PLAN, PROJECT_OUT_NO_NORM_PLAN if projection else ""
+    )
 
 
 # AReaL's expert styles -> the package's, which shard the experts' biases with their weights.
@@ -288,6 +313,18 @@ def apply_write_parallelize(
             {
                 "post_attention_norm": "SequenceParallel(use_local_output=True)",
                 "post_ffn_norm": "SequenceParallel(use_local_output=True)",
+            },
+            raw_values=True,
+        )
+    if profile.block == "post_ln":
+        # The norms read the residual sums (local sequence shards, as the row-wise output
+        # projections reduce-scatter them) and hand the next sub-layer and residual a local shard.
+        text = edit_dict_literal(
+            text,
+            PLAN_TARGET,
+            {
+                "attention_norm": "SequenceParallel(use_local_output=True)",
+                "ffn_norm": "SequenceParallel(use_local_output=True)",
             },
             raw_values=True,
         )
@@ -371,8 +408,10 @@ def apply_write_parallelize(
         text = ensure_import_line(text, "from torch.distributed.tensor.parallel import PrepareModuleOutput")
     if profile.embedding_norm_module is not None:
         text = _plan_embedding_norm(text)
+    if not profile.final_norm:
+        text = _plan_no_final_norm(text, projection=profile.embedding_projection_field is not None)
     if profile.embedding_projection_field is not None:
-        text = _plan_embedding_projection(text)
+        text = _plan_embedding_projection(text, final_norm=profile.final_norm)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

@@ -17,6 +17,8 @@ from those files through the adapter).
 | capscale | qwen2     | embedding multiplier + final logit soft-cap + tied LM head             |
 | sigate   | qwen2     | gated attention output: sigmoid, per element, biased gate projection   |
 | headgate | qwen2     | gated attention output: softplus, per head + per-head QK RMSNorm + GQA |
+| postqk   | qwen2     | post-LN blocks + no final norm + per-head QK RMSNorm + tied LM head    |
+| postmoe  | qwen3     | MoE + post-LN blocks + no final norm + full-width QK RMSNorm + residual multiplier |
 """
 
 from __future__ import annotations
@@ -89,6 +91,28 @@ FAMILIES: dict[str, dict] = {
                 "torch.sigmoid(self.wg(x))",
             ],
             "infra/parallelize.py": ['"attention.wg": ColwiseParallel()'],
+        },
+    },
+    "postmoe": {
+        "reference": "qwen3",
+        "edits": {"post_ln", "no_final_norm", "full_width_qk_norm", "residual_multiplier", "all_layers_moe"},
+        "files": {
+            "model/model.py": [
+                "x = self.attention_norm(\n",
+                "x + self.attention(x, rope_cache, positions, cu_seqlens, max_seqlen) * self.residual_multiplier",
+                "self.norm: nn.Module | None = None",
+            ],
+        },
+    },
+    "postqk": {
+        "reference": "qwen2",
+        "edits": {"post_ln", "no_final_norm", "per_head_qk_norm"},
+        "files": {
+            "model/model.py": [
+                "x = self.attention_norm(x + self.attention(x, rope_cache, positions, cu_seqlens, max_seqlen))",
+                "self.norm: nn.Module | None = None",
+            ],
+            "infra/parallelize.py": ['"ffn_norm": SequenceParallel(use_local_output=True)'],
         },
     },
     "headgate": {

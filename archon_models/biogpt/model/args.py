@@ -36,6 +36,11 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by Biogpt in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "scale_embedding", True)) is not True:
+        raise ValueError(
+            "scale_embedding=False is not supported: Biogpt in Archon reproduces "
+            "scale_embedding=True (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

@@ -33,6 +33,11 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by Bloom in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "apply_residual_connection_post_layernorm", False)) is not False:
+        raise ValueError(
+            "apply_residual_connection_post_layernorm=True is not supported: Bloom in Archon reproduces "
+            "apply_residual_connection_post_layernorm=False (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

@@ -54,6 +54,11 @@ def _check_supported(hf_config: Any) -> None:
             "new_decoder_architecture=True (separate attention and MLP input norms with grouped KV heads) "
             "is not supported by Falcon in Archon."
         )
+    if bool(getattr(hf_config, "bias", False)) is not False:
+        raise ValueError(
+            "bias=True is not supported: Falcon in Archon reproduces "
+            "bias=False (the forward differs); port that variant as its own family."
+        )
     if not getattr(hf_config, "multi_query", True):
         raise ValueError(
             "multi_query=False is not supported: Falcon in Archon reads the fused q/k/v "

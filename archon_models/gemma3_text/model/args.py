@@ -46,6 +46,11 @@ def _check_supported(hf_config: Any) -> None:
             "attention_bias=True is not supported: Gemma3Text checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if bool(getattr(hf_config, "use_bidirectional_attention", False)) is not False:
+        raise ValueError(
+            "use_bidirectional_attention=True is not supported: Gemma3Text in Archon reproduces "
+            "use_bidirectional_attention=False (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

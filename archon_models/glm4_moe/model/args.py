@@ -47,6 +47,11 @@ def _check_supported(hf_config: Any) -> None:
             "attention_bias=True is not supported: Glm4Moe checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if bool(getattr(hf_config, "use_qk_norm", False)) is not False:
+        raise ValueError(
+            "use_qk_norm=True is not supported: Glm4Moe in Archon reproduces "
+            "use_qk_norm=False (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

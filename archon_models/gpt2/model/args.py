@@ -38,6 +38,16 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by Gpt2 in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "scale_attn_by_inverse_layer_idx", False)) is not False:
+        raise ValueError(
+            "scale_attn_by_inverse_layer_idx=True is not supported: Gpt2 in Archon reproduces "
+            "scale_attn_by_inverse_layer_idx=False (the forward differs); port that variant as its own family."
+        )
+    if bool(getattr(hf_config, "scale_attn_weights", True)) is not True:
+        raise ValueError(
+            "scale_attn_weights=False is not supported: Gpt2 in Archon reproduces "
+            "scale_attn_weights=True (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

@@ -39,6 +39,11 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by GptBigcode in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "scale_attn_weights", True)) is not True:
+        raise ValueError(
+            "scale_attn_weights=False is not supported: GptBigcode in Archon reproduces "
+            "scale_attn_weights=True (the forward differs); port that variant as its own family."
+        )
     if not getattr(hf_config, "multi_query", True):
         raise ValueError(
             "multi_query=False is not supported: GptBigcode in Archon reads the fused q/k/v "

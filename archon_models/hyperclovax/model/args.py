@@ -47,6 +47,11 @@ def _check_supported(hf_config: Any) -> None:
             "mlp_bias=True is not supported: Hyperclovax checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if bool(getattr(hf_config, "use_post_norm", True)) is not True:
+        raise ValueError(
+            "use_post_norm=False is not supported: Hyperclovax in Archon reproduces "
+            "use_post_norm=True (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

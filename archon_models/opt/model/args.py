@@ -36,6 +36,26 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by Opt in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "_remove_final_layer_norm", False)) is not False:
+        raise ValueError(
+            "_remove_final_layer_norm=True is not supported: Opt in Archon reproduces "
+            "_remove_final_layer_norm=False (the forward differs); port that variant as its own family."
+        )
+    if bool(getattr(hf_config, "do_layer_norm_before", True)) is not True:
+        raise ValueError(
+            "do_layer_norm_before=False is not supported: Opt in Archon reproduces "
+            "do_layer_norm_before=True (the forward differs); port that variant as its own family."
+        )
+    if bool(getattr(hf_config, "enable_bias", True)) is not True:
+        raise ValueError(
+            "enable_bias=False is not supported: Opt in Archon reproduces "
+            "enable_bias=True (the forward differs); port that variant as its own family."
+        )
+    if bool(getattr(hf_config, "layer_norm_elementwise_affine", True)) is not True:
+        raise ValueError(
+            "layer_norm_elementwise_affine=False is not supported: Opt in Archon reproduces "
+            "layer_norm_elementwise_affine=True (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

@@ -46,6 +46,11 @@ def _check_supported(hf_config: Any) -> None:
             "attention_bias=True is not supported: Phimoe checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if bool(getattr(hf_config, "lm_head_bias", False)) is not False:
+        raise ValueError(
+            "lm_head_bias=True is not supported: Phimoe in Archon reproduces "
+            "lm_head_bias=False (the forward differs); port that variant as its own family."
+        )
     if getattr(hf_config, "sliding_window", None):
         raise ValueError(
             "sliding-window attention is not supported by Phimoe in Archon, which attends over whole documents."

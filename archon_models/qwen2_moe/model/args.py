@@ -42,6 +42,11 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by Qwen2Moe in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if bool(getattr(hf_config, "qkv_bias", True)) is not True:
+        raise ValueError(
+            "qkv_bias=False is not supported: Qwen2Moe in Archon reproduces "
+            "qkv_bias=True (the forward differs); port that variant as its own family."
+        )
     if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
         raise ValueError(
             "sliding-window attention is not supported by Qwen2Moe in Archon, which attends over whole documents."

@@ -46,6 +46,11 @@ def _check_supported(hf_config: Any) -> None:
             "mlp_bias=True is not supported: SeedOss checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if bool(getattr(hf_config, "attention_out_bias", False)) is not False:
+        raise ValueError(
+            "attention_out_bias=True is not supported: SeedOss in Archon reproduces "
+            "attention_out_bias=False (the forward differs); port that variant as its own family."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)
