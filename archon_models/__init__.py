@@ -37,6 +37,7 @@ from archon_models.gptj import spec as gptj_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
+from archon_models.granitemoe_swa import spec as granitemoe_swa_spec  # noqa: F401
 from archon_models.granitemoeshared import spec as granitemoeshared_spec  # noqa: F401
 from archon_models.helium import spec as helium_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
