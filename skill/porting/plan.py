@@ -190,6 +190,14 @@ class PortPlan(BaseModel):
         default=None, description="checkpoint key, inside a layer, of the router's score-correction bias"
     )
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
+    route_norm_field_ignored: str | None = Field(
+        default=None,
+        description="the renormalisation field (norm_topk_prob) the router ignores for this config's scoring: "
+        "route_norm is set whatever it says, and a config turning it off under another scoring is refused",
+    )
+    per_layer_list_fields: list[str] = Field(
+        default_factory=list, description="MoE config fields the config class accepts as per-layer lists: refused"
+    )
     router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
         default="softmax",
         description="how the router scores experts: softmax over them, a sigmoid each, or sparse-mixer picks",
@@ -210,6 +218,9 @@ class PortPlan(BaseModel):
         default=False, description="the routed experts' gate, up and down projections have biases"
     )
     router_bias: bool = Field(default=False, description="the router's linear gate has a bias")
+    logit_selection_bias: bool = Field(
+        default=False, description="the selection bias joins the router logits before the score function"
+    )
     expert_activation_fields: dict[str, str] = Field(
         default_factory=dict,
         description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
@@ -392,7 +403,13 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None and moe.n_group_field and moe.topk_group_field
         else None,
         score_correction_key=moe.score_correction_key or None if moe is not None else None,
-        route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
+        route_norm=moe is not None
+        and moe.norm_topk_prob
+        and ("norm_topk_prob" not in values or moe.norm_topk_prob_ignored),
+        route_norm_field_ignored="norm_topk_prob"
+        if moe is not None and moe.norm_topk_prob_ignored and "norm_topk_prob" in values
+        else None,
+        per_layer_list_fields=list(moe.per_layer_list_fields) if moe is not None else [],
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
         expert_count_field=moe.num_experts_field
@@ -404,6 +421,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         expert_bias=moe is not None and moe.expert_bias,
         router_bias=moe is not None and moe.router_bias,
+        logit_selection_bias=moe is not None and moe.selection_bias_placement == "logits",
         expert_activation_fields=dict(ffn.activation_fields)
         if moe is not None and ffn.activation == "clamped_swiglu"
         else {},
