@@ -1855,13 +1855,20 @@ def _saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from pathlib import Path
 
     from safetensors.torch import load_file
+    from transformers.utils import logging as hf_logging
 
-    with tempfile.TemporaryDirectory(prefix="archon-port-names-") as folder:
-        model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(Path(folder).glob("*.safetensors")):
-            state.update(load_file(str(file)))
-        return state
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory(prefix="archon-port-names-") as folder:
+            model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(Path(folder).glob("*.safetensors")):
+                state.update(load_file(str(file)))
+            return state
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def norm_features(ctx: Context) -> NormFeatures:

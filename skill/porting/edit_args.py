@@ -787,8 +787,9 @@ def router_setup(plan: PortPlan) -> str:
         ]
     if plan.score_correction_key is not None:
         key = plan.score_correction_key.rsplit(".", 1)[-1]
+        shifted = "logits (before the score function)" if plan.logit_selection_bias else "scores"
         lines += [
-            f"# The checkpoint's {key} shifts the scores that choose experts, not the",
+            f"# The checkpoint's {key} shifts the {shifted} that choose experts, not the",
             "# weights: AReaL's expert_bias buffer, which load_balance_coeff creates.",
             f"moe_args.load_balance_coeff = {CORRECTION_BIAS_COEFF}",
         ]

@@ -117,7 +117,7 @@ class Kolibri1ModelArgs(BaseModelArgs):
         moe_args = MoEArgs.from_hf_config(hf_config)
         # The router scores each expert with its own sigmoid; no config field says so.
         moe_args.score_func = "sigmoid"
-        # The checkpoint's expert_bias shifts the scores that choose experts, not the
+        # The checkpoint's expert_bias shifts the logits (before the score function) that choose experts, not the
         # weights: AReaL's expert_bias buffer, which load_balance_coeff creates.
         moe_args.load_balance_coeff = 0.001
         # An always-active shared MLP, shared_expert_intermediate_size wide, its output added ungated.
