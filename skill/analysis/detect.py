@@ -1328,9 +1328,10 @@ def _norm_topk_prob_ignored(ctx: Context, moe_layer: nn.Module | None, norm_topk
     return bool(probed)
 
 
-def _per_layer_list_fields(config: PretrainedConfig) -> list[str]:
+def _per_layer_list_fields(config: PretrainedConfig, source: SourceFacts | None = None) -> list[str]:
     """The expert-count and experts-per-token fields whose config class annotation accepts a
-    list (one value per layer, HunYuan-MoE's ``moe_topk``), by the config class's own names."""
+    list, or that the modeling code indexes by layer (one value per layer, HunYuan-MoE's
+    ``moe_topk`` and ``num_experts``), by the config class's own names."""
     cls = type(config)
     aliases = getattr(cls, "attribute_map", {}) or {}
     try:
@@ -1343,7 +1344,8 @@ def _per_layer_list_fields(config: PretrainedConfig) -> list[str]:
             continue
         own = aliases.get(name, name)
         hint = hints.get(own)
-        if hint is not None and "list" in str(hint).lower():
+        indexed = source is not None and source.indexes_config_by_layer(own)
+        if (hint is not None and "list" in str(hint).lower()) or indexed:
             fields.append(own)
     return fields
 
@@ -1567,7 +1569,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         top_k_field=_positive_field(ctx.config, _TOP_K_FIELDS),
         selection_bias_placement=placement,
         norm_topk_prob_ignored=_norm_topk_prob_ignored(ctx, moe_layer, bool(norm_topk)),
-        per_layer_list_fields=_per_layer_list_fields(ctx.config),
+        per_layer_list_fields=_per_layer_list_fields(ctx.config, ctx.source),
     )
 
 

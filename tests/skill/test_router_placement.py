@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 from archon_models.moe.router import TokenChoiceTopKRouter
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.analysis.detect import _per_layer_list_fields
+from skill.analysis.source_scan import scan_file
 from skill.features import SUPPORTED_EDITS, Feature, feature_values
 from skill.harness import ModelCase, run_parity_stage
 from skill.harness.args import hf_renormalises_regardless
@@ -203,11 +204,16 @@ def test_committed_cohere2_moe_sets_route_norm_for_softmax() -> None:
 # ------------------------------------------------------------- per-layer MoE fields
 
 
-def test_per_layer_moe_fields_are_measured_from_the_config_class() -> None:
+def test_per_layer_moe_fields_are_measured_from_the_config_class_and_the_code() -> None:
+    import transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe as hunyuan
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+
+    # The annotation says moe_topk may be a list; HunYuanMoEV1Gate indexes num_experts by layer too.
     assert _per_layer_list_fields(HunYuanMoEV1Config()) == ["moe_topk"]
-    assert _per_layer_list_fields(load_config("qwen3_moe")) == []
+    assert _per_layer_list_fields(HunYuanMoEV1Config(), scan_file(hunyuan.__file__)) == ["num_experts", "moe_topk"]
+    assert _per_layer_list_fields(load_config("qwen3_moe"), scan_file(qwen3_moe.__file__)) == []
     moe = report_for("hunyuan_v1_moe").checklist.moe
-    assert moe is not None and moe.per_layer_list_fields == ["moe_topk"]
+    assert moe is not None and moe.per_layer_list_fields == ["num_experts", "moe_topk"]
 
 
 def test_committed_hunyuan_v1_moe_refuses_a_per_layer_top_k() -> None:
@@ -216,6 +222,11 @@ def test_committed_hunyuan_v1_moe_refuses_a_per_layer_top_k() -> None:
     HunyuanV1MoeModelArgs.from_hf_config(tiny_config("hunyuan_v1_moe"))
     with pytest.raises(ValueError, match=r"moe_topk=\[2, 1\] \(one value per layer\) is not supported"):
         HunyuanV1MoeModelArgs.from_hf_config(tiny_config("hunyuan_v1_moe", moe_topk=[2, 1]))
+    # transformers 5.23's config refuses a list num_experts itself; 5.3's accepts it.
+    config = tiny_config("hunyuan_v1_moe")
+    object.__setattr__(config, "num_experts", [4, 4])
+    with pytest.raises(ValueError, match=r"num_experts=\[4, 4\] \(one value per layer\) is not supported"):
+        HunyuanV1MoeModelArgs.from_hf_config(config)
 
 
 # ------------------------------------------------------------- what no edit places
