@@ -38,6 +38,7 @@ from archon_models.gptj import spec as gptj_spec  # noqa: F401
 from archon_models.granite import spec as granite_spec  # noqa: F401
 from archon_models.granite_swa import spec as granite_swa_spec  # noqa: F401
 from archon_models.granitemoe import spec as granitemoe_spec  # noqa: F401
+from archon_models.granitemoe_swa import spec as granitemoe_swa_spec  # noqa: F401
 from archon_models.granitemoeshared import spec as granitemoeshared_spec  # noqa: F401
 from archon_models.helium import spec as helium_spec  # noqa: F401
 from archon_models.hunyuan_v1_dense import spec as hunyuan_v1_dense_spec  # noqa: F401
@@ -47,6 +48,7 @@ from archon_models.hyperclovax import spec as hyperclovax_spec  # noqa: F401
 from archon_models.internlm3 import spec as internlm3_spec  # noqa: F401
 from archon_models.iquestcoder import spec as iquestcoder_spec  # noqa: F401
 from archon_models.jais2 import spec as jais2_spec  # noqa: F401
+from archon_models.kolibri1 import spec as kolibri1_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.minicpm3 import spec as minicpm3_spec  # noqa: F401

@@ -341,7 +341,7 @@ class MoEFeatures(_Frozen):
     norm_topk_prob_ignored: bool = Field(
         False,
         description="the config has norm_topk_prob but the forward never reads it: flipping it leaves the "
-        "routing weights HF's MoE block computes unchanged (DeepSeek-V2)",
+        "routing weights HF's MoE block computes unchanged (DeepSeek-V2, Cohere2-MoE's softmax router)",
     )
     group_switch_field: str | None = Field(
         None,
@@ -350,6 +350,23 @@ class MoEFeatures(_Frozen):
     group_switch_value: str | None = Field(None, description="the value of that field that limits the groups")
     group_switch_values: list[str] = Field(
         default_factory=list, description="every value of that field the forward implements (others fail there)"
+    )
+    selection_bias_placement: str = Field(
+        "",
+        description="where a per-expert selection bias enters the top-k (probed): scores (added to the "
+        "scored experts, AReaL's expert_bias), logits (added to the router logits before the score "
+        "function, for selection only); empty when there is none or the probe cannot tell",
+    )
+    renormalises_when_ignored: bool | None = Field(
+        None,
+        description="when norm_topk_prob is ignored: whether HF's router still rescales its top-k weights "
+        "to one sum with the field False (probed on the router module; Cohere2-MoE's softmax over the "
+        "top-k logits: True; DeepSeek-V2: False); None when the field is read or the probe cannot tell",
+    )
+    per_layer_list_fields: list[str] = Field(
+        default_factory=list,
+        description="MoE config fields (experts, experts per token) whose config class accepts a per-layer "
+        "list; the port reads one value and refuses a list",
     )
 
     @property
@@ -497,6 +514,7 @@ class Feature(StrEnum):
     EXPERT_LAYOUT = "expert_layout"
     EXPERT_BIAS = "expert_bias"
     ROUTER_BIAS = "router_bias"
+    SELECTION_BIAS_PLACEMENT = "selection_bias_placement"
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
@@ -551,6 +569,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.EXPERT_LAYOUT: "expert layout on disk",
     Feature.EXPERT_BIAS: "expert projection biases",
     Feature.ROUTER_BIAS: "router linear bias",
+    Feature.SELECTION_BIAS_PLACEMENT: "router selection bias on the logits",
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
@@ -626,6 +645,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # experts under EP by the package's expert-parallel styles) and model_edits.router_bias.
     Feature.EXPERT_BIAS: frozenset({"true", "false"}),
     Feature.ROUTER_BIAS: frozenset({"true", "false"}),
+    # model_edits.logit_selection_bias (snippets/router.py LogitBiasRouter): the selection bias
+    # joins the logits before the score function (reported only then; on the scores it is
+    # AReaL's expert_bias, the score-correction bias above).
+    Feature.SELECTION_BIAS_PLACEMENT: frozenset({"logits"}),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
@@ -891,6 +914,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
                 Feature.ROUTER_BIAS: _flag(moe.router_bias),
             }
         )
+        if moe.selection_bias_placement == "logits":
+            values[Feature.SELECTION_BIAS_PLACEMENT] = "logits"
     return {feature: values[feature] for feature in Feature if feature in values}
 
 

@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -864,6 +865,15 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         ]
         if inner:
             ctx.other.append(f"norm inside the attention outside the vocabulary: {', '.join(inner)}")
+        # A child with parameters of its own that is no projection and no norm: a module the
+        # attention consults (DeepSeek-V3.2's sparse-attention indexer picking the keys to attend).
+        nested = [
+            f"{n} ({type(child).__name__})"
+            for n, child in attention.named_children()
+            if not mt.is_norm(child) and mt.weight_2d(child) is None and any(True for _ in child.parameters())
+        ]
+        if nested:
+            ctx.other.append(f"attention submodule outside the vocabulary: {', '.join(nested)}")
     nope, nope_field, nope_type = _nope_with_rule(ctx)
     gate = _output_gate(ctx, roles)
     if ctx.get("attention_chunk_size"):
@@ -1318,14 +1328,14 @@ def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
     return GateUpOrder(order) if order else None
 
 
-def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
+def _selection_bias(ffn: nn.Module, num_experts: int) -> torch.Tensor | None:
     """A per-expert vector in the MoE block that is not a projection's bias.
 
     Added to the scores only to pick experts (DeepSeek's ``e_score_correction_bias``,
     other families' ``expert_bias``); a router Linear's own bias does not count.
     """
     if num_experts <= 0:
-        return False
+        return None
     for _, module in ffn.named_modules():
         tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for name, tensor in tensors:
@@ -1333,8 +1343,66 @@ def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
                 continue
             if name == "bias" and mt.weight_2d(module) is not None:
                 continue
-            return True
-    return False
+            return tensor
+    return None
+
+
+def _has_selection_bias(ffn: nn.Module, num_experts: int) -> bool:
+    return _selection_bias(ffn, num_experts) is not None
+
+
+def _selection_bias_placement(ctx: Context, ffn: nn.Module | None, moe_layer: nn.Module | None) -> str:
+    """Where the MoE block's selection bias enters the top-k, probed (see
+    :func:`skill.analysis.probes.probe_selection_bias_placement`); names what no edit
+    reproduces: a bias on the logits before the score function."""
+    experts = expert_count(ctx.tiny) or 0
+    if ffn is None or moe_layer is None:
+        return ""
+    bias = _selection_bias(ffn, experts)
+    router = mt.router_module(ffn, experts)
+    if bias is None or router is None:
+        return ""
+    placement = probes.probe_selection_bias_placement(
+        ctx.model, moe_layer, router[1], bias, ctx.tiny, _top_k(ctx.tiny) or 0
+    )
+    ctx.evidence.append(f"selection bias placement from the top-k probe: {placement or 'unknown'}")
+    groups = next((ctx.get(f) for f in ("n_group", "num_expert_group") if isinstance(ctx.get(f), int)), None)
+    if placement == "logits" and isinstance(groups, int) and groups > 1:
+        ctx.other.append("grouped top-k routing with the selection bias on the logits before the score function")
+    return placement
+
+
+def _renormalises_with_field_off(ctx: Context, moe_layer: nn.Module | None) -> bool | None:
+    """For a ``norm_topk_prob`` the forward ignores: whether the router's top-k weights still
+    sum to one constant with the field False (probed on HF's router module), i.e. whether
+    HF always or never renormalises. ``None`` when the probe cannot tell."""
+    if moe_layer is None:
+        return None
+    probed = probes.probe_renormalises_without_field(ctx.model, moe_layer, ctx.tiny, _top_k(ctx.tiny) or 0)
+    ctx.evidence.append(f"top-k renormalisation with norm_topk_prob=False from the routing-weights probe: {probed}")
+    return probed
+
+
+def _per_layer_list_fields(config: PretrainedConfig, source: SourceFacts | None = None) -> list[str]:
+    """The expert-count and experts-per-token fields whose config class annotation accepts a
+    list, or that the modeling code indexes by layer (one value per layer, HunYuan-MoE's
+    ``moe_topk`` and ``num_experts``), by the config class's own names."""
+    cls = type(config)
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        hints = dict(getattr(cls, "__annotations__", {}))
+    fields = []
+    for name in (_positive_field(config, _EXPERT_COUNT_FIELDS), _positive_field(config, _TOP_K_FIELDS)):
+        if name is None:
+            continue
+        own = aliases.get(name, name)
+        hint = hints.get(own)
+        indexed = source is not None and source.indexes_config_by_layer(own)
+        if (hint is not None and "list" in str(hint).lower()) or indexed:
+            fields.append(own)
+    return fields
 
 
 def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]:
@@ -1446,6 +1514,11 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         or any("correction" in k for k in ctx.saved_keys)
         or (ffn is not None and _has_selection_bias(ffn, expert_count(ctx.tiny) or 0))
     )
+    placement = _selection_bias_placement(ctx, ffn, moe_layer) if correction else ""
+    if ffn is not None:
+        inner = [n for n, child in ffn.named_children() if mt.is_norm(child)]
+        if inner:
+            ctx.other.append(f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}")
     router_bias = False
     shared_gate = False
     shared = 0
@@ -1558,6 +1631,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         group_switch_field=switch[0] if switch else None,
         group_switch_value=switch[1] if switch else None,
         group_switch_values=list(switch[2]) if switch else [],
+        selection_bias_placement=placement,
+        renormalises_when_ignored=_renormalises_with_field_off(ctx, moe_layer) if norm_ignored else None,
+        per_layer_list_fields=_per_layer_list_fields(ctx.config, ctx.source),
     )
 
 
@@ -1883,6 +1959,70 @@ def _norms_eps(ctx: Context) -> float | None:
     return value
 
 
+def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[str, str]:
+    """``block_norms`` keyed by the names the checkpoint saves the norms under.
+
+    Some families save a module under another name than its attribute (Kolibri1's
+    ``post_self_attn_layernorm`` is written as ``post_attn_norm``): each norm of layer 0
+    whose name the checkpoint lacks is tagged with its own constant weight, the tiny model
+    saved once, and the saved key holding that constant names it."""
+    layers = ctx.anatomy.layers
+    missing = [n for n in block_norms if f"{ctx.layer_prefix}{n}.weight" not in ctx.saved_keys]
+    if not missing or not layers or not ctx.layer_prefix:
+        return block_norms
+    tags: dict[float, str] = {}
+    saved_weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for index, name in enumerate(missing):
+        weight = getattr(layers[0].get_submodule(name), "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        tag = 3.0 + 0.25 * index
+        saved_weights.append((weight, weight.detach().clone()))
+        tags[tag] = name
+        with torch.no_grad():
+            weight.fill_(tag)
+    try:
+        state = _saved_state(ctx.model)
+    finally:
+        with torch.no_grad():
+            for weight, original in saved_weights:
+                weight.copy_(original)
+    renamed: dict[str, str] = {}
+    for key, tensor in state.items():
+        if not key.startswith(ctx.layer_prefix) or not key.endswith(".weight") or not tensor.numel():
+            continue
+        value = float(tensor.reshape(-1)[0])
+        if value in tags and bool((tensor == value).all()):
+            renamed[tags[value]] = key[len(ctx.layer_prefix) : -len(".weight")]
+    if renamed:
+        ctx.evidence.append(
+            "block norms saved under other names: " + ", ".join(f"{a} -> {b}" for a, b in sorted(renamed.items()))
+        )
+    return {renamed.get(name, name): role for name, role in block_norms.items()}
+
+
+def _saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes for ``model``: its checkpoint tensors by saved key."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory(prefix="archon-port-names-") as folder:
+            model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(Path(folder).glob("*.safetensors")):
+                state.update(load_file(str(file)))
+            return state
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def norm_features(ctx: Context) -> NormFeatures:
     norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
@@ -1891,6 +2031,7 @@ def norm_features(ctx: Context) -> NormFeatures:
         None,
     )
     placement, block_norms = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
+    block_norms = _saved_block_norm_names(ctx, block_norms)
     if placement is None:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")

@@ -1313,3 +1313,123 @@ def routing_weights(anatomy: LayerAnatomy, num_experts: int, top_k: int) -> torc
     index, weights = routed
     order = index.argsort(dim=-1)
     return weights.gather(-1, order)
+
+
+# ------------------------------------------------------------------ MoE router probes
+
+
+def _expert_indices_and_weights(model: nn.Module, layer: nn.Module, config: Any, top_k: int, length: int = 6):
+    """The routed-experts module's ``[tokens, top_k]`` expert indices and float weights in
+    one forward of ``model`` (either ``None`` when no such argument is seen)."""
+    from skill.analysis.modules import experts_module
+
+    found = experts_module(layer)
+    if found is None:
+        return None, None
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for value in [*args, *kwargs.values()]:
+            if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] != top_k:
+                continue
+            kind = "weights" if value.is_floating_point() else "indices"
+            captured.setdefault(kind, value.detach().clone())
+
+    handle = found[1].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logits(model, tokens_for(config, length))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        logger.debug("expert routing probe failed: %s", exc)
+        return None, None
+    finally:
+        handle.remove()
+    return captured.get("indices"), captured.get("weights")
+
+
+def probe_selection_bias_placement(
+    model: nn.Module, layer: nn.Module, router: nn.Module, bias: torch.Tensor, config: Any, top_k: int
+) -> str:
+    """Where a per-expert selection bias enters the router's top-k: ``"scores"`` (added to the
+    scored experts, after the softmax or sigmoid: AReaL's ``expert_bias``) or ``"logits"``
+    (added to the router logits before the score function). ``""`` when the probe cannot tell.
+
+    The bias is set, for the first token, to ``-logits + eps * rank(logits)``: on the logits
+    it leaves ``eps * rank``, which picks the experts of the highest logits; on the scores it
+    leaves ``score(l) - l + eps * rank``, which decreases in ``l`` (a sigmoid's or softmax's
+    slope is below one), so it picks the experts of the lowest logits.
+    """
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or top_k <= 0 or 2 * top_k > bias.numel():
+        return ""
+    seen: dict[str, torch.Tensor] = {}
+
+    def on_router(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = _first_tensor(args, kwargs)
+        if first is not None:
+            seen.setdefault("x", first.detach().reshape(-1, first.shape[-1])[0].float())
+
+    saved = bias.detach().clone()
+    handle = router.register_forward_pre_hook(on_router, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            bias.zero_()
+            logits(model, tokens_for(config, 6))
+            handle.remove()
+            x = seen.get("x")
+            if x is None or x.shape[-1] != weight.shape[1]:
+                return ""
+            router_logits = weight.float() @ x
+            linear_bias = getattr(router, "bias", None)
+            if isinstance(linear_bias, torch.Tensor) and linear_bias.shape == router_logits.shape:
+                router_logits = router_logits + linear_bias.float()
+            spread = float(router_logits.max() - router_logits.min())
+            if spread <= 0:
+                return ""
+            ranks = router_logits.argsort().argsort().float()
+            eps = spread / (100.0 * bias.numel())
+            bias.copy_((-router_logits + eps * ranks).to(bias.dtype))
+            indices, _ = _expert_indices_and_weights(model, layer, config, top_k)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        logger.debug("selection-bias probe failed: %s", exc)
+        return ""
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            bias.copy_(saved)
+    if indices is None:
+        return ""
+    picked = set(indices[0].tolist())
+    order = router_logits.argsort(descending=True).tolist()
+    if picked == set(order[:top_k]):
+        return "logits"
+    if picked == set(order[-top_k:]):
+        return "scores"
+    return ""
+
+
+def probe_renormalises_without_field(
+    model: nn.Module, layer: nn.Module, config: Any, top_k: int, field: str = "norm_topk_prob"
+) -> bool | None:
+    """Whether the routed weights still sum to one constant per token with ``field`` set to
+    False on every module of ``layer`` that holds it (and on the model's config): ``True``
+    when the router renormalises whatever the field says for this config's scoring
+    (a softmax over the top-k logits), ``None`` when no module holds the field or no weights
+    are seen."""
+    holders = [m for m in layer.modules() if isinstance(getattr(m, field, None), bool)]
+    configs = [c for c in {id(c): c for c in (config, getattr(model, "config", None))}.values() if c is not None]
+    configs = [c for c in configs if isinstance(getattr(c, field, None), bool)]
+    if not holders:
+        return None
+    saved = [(m, getattr(m, field)) for m in (*holders, *configs)]
+    try:
+        for m, _ in saved:
+            setattr(m, field, False)
+        _, weights = _expert_indices_and_weights(model, layer, config, top_k)
+    finally:
+        for m, value in saved:
+            setattr(m, field, value)
+    if weights is None:
+        return None
+    sums = weights.float().sum(-1)
+    return bool(torch.allclose(sums, sums[:1].expand_as(sums), atol=1e-4) and sums[0].abs() > 1e-6)

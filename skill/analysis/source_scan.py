@@ -47,6 +47,11 @@ class SourceFacts:
         pattern = re.compile(rf"config\.{re.escape(field_name)}\b")
         return any(pattern.search(d.code) for methods in self.classes.values() for d in methods.values())
 
+    def indexes_config_by_layer(self, field_name: str) -> bool:
+        """Whether a method reads ``config.<field_name>[layer_idx]`` (one value per layer)."""
+        pattern = re.compile(rf"config\.{re.escape(field_name)}\[\s*(self\.)?layer_id(x)?\s*\]")
+        return any(pattern.search(d.code) for methods in self.classes.values() for d in methods.values())
+
     def rotary_interleaved(self) -> bool:
         """Whether the rotary helpers pair adjacent dimensions (``x[..., ::2]``, repeat_interleave)."""
         for name, definition in self.functions.items():

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from archon_models.base import BaseModelArgs
 
 from skill.harness.case import ModelCase
-from skill.harness.models import build_hf_config, get_spec
+from skill.harness.models import build_hf_config, build_hf_model, get_spec
 from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
 
 
@@ -183,12 +183,35 @@ def hf_norms_eps(config: PretrainedConfig) -> float | None:
     return values.pop() if len(values) == 1 else None
 
 
-def check_args_against_config(rec: StageRecorder, config: PretrainedConfig, label: str) -> None:
+def hf_renormalises_regardless(case: ModelCase, config: PretrainedConfig) -> bool:
+    """Whether HF's router, on the tiny model of ``config``, renormalises its top-k weights
+    with ``norm_topk_prob=False`` too (Cohere2-MoE's softmax over the top-k logits): the
+    field is then not the source of ``route_norm``, which must stay True."""
+    if not isinstance(getattr(config, "norm_topk_prob", None), bool):
+        return False
+    from skill.analysis.modules import anatomy, layer_has_experts
+    from skill.analysis.probes import probe_renormalises_without_field
+
+    model = build_hf_model(case, config)
+    layer = next((layer for layer in anatomy(model, config.num_hidden_layers).layers if layer_has_experts(layer)), None)
+    top_k = next((getattr(config, n) for n in ("num_experts_per_tok", "moe_topk", "top_k") if hasattr(config, n)), 0)
+    if layer is None or not isinstance(top_k, int):
+        return False
+    return bool(probe_renormalises_without_field(model, layer, config, top_k))
+
+
+def check_args_against_config(
+    rec: StageRecorder, config: PretrainedConfig, label: str, renormalises_regardless: bool = False
+) -> None:
     """One check per args field: right value, and it follows its source attribute."""
     args_class = get_spec(config.model_type).model_args_class
     args = args_class.from_hf_config(config)
     for path, value in iter_args_fields(args):
         name = f"{label}: {path}"
+        if leaf_of(path) == "route_norm" and renormalises_regardless:
+            detail = "HF's router renormalises whatever config.norm_topk_prob says (probed): expected True"
+            rec.check(name, value is True, f"{detail}, got {value!r}")
+            continue
         source = source_for(path, config)
         if source is None:
             rec.check(name, True, f"not read from the config (= {value!r})")
@@ -340,13 +363,15 @@ def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_
 
     def body(rec: StageRecorder) -> None:
         tiny = build_hf_config(case)
-        check_args_against_config(rec, tiny, "tiny")
+        # The router's semantics do not depend on sizes: measured once, on the tiny model.
+        regardless = hf_renormalises_regardless(case, tiny)
+        check_args_against_config(rec, tiny, "tiny", regardless)
         defaults = type(tiny)()
         unset = unset_required_fields(defaults)
         if unset:
             check_refuses_unset_fields(rec, defaults, unset)
         else:
-            check_args_against_config(rec, defaults, "defaults")
+            check_args_against_config(rec, defaults, "defaults", regardless)
         _check_caller_fields(rec, tiny)
 
     return run_stage(case, 1, body, raise_on_failure)

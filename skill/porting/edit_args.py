@@ -638,6 +638,24 @@ def check_supported_source(profile: PortPlan, config: Any, camel: str, read: str
             '            "which reproduces it unset (None)."',
             "        )",
         ]
+    for field in profile.per_layer_list_fields:
+        lines += [
+            f'    if isinstance(getattr(hf_config, "{field}", None), (list, tuple)):',
+            "        raise ValueError(",
+            f'            f"{field}={{hf_config.{field}!r}} (one value per layer) is not supported: "',
+            f'            "{camel} in Archon gives every MoE layer the same {field}."',
+            "        )",
+        ]
+    if profile.route_norm and profile.route_norm_field_ignored and profile.router_scoring_field is not None:
+        field, scoring = profile.route_norm_field_ignored, profile.router_scoring
+        lines += [
+            f'    scoring = getattr(hf_config, "{profile.router_scoring_field}", "{scoring}")',
+            f'    if not getattr(hf_config, "{field}", True) and scoring != "{scoring}":',
+            "        raise ValueError(",
+            f'            f"{field}=False with {profile.router_scoring_field}={{scoring!r}} is not supported: "',
+            f'            "{camel} in Archon always renormalises the top-k weights, as the {scoring} router does."',
+            "        )",
+        ]
     lines += _pinned_switch_lines(profile, camel, read, "\n".join(lines))
     if profile.absent_shared_experts_field is not None:
         field = profile.absent_shared_experts_field
@@ -794,8 +812,9 @@ def router_setup(plan: PortPlan) -> str:
         ]
     if plan.score_correction_key is not None:
         key = plan.score_correction_key.rsplit(".", 1)[-1]
+        shifted = "logits (before the score function)" if plan.logit_selection_bias else "scores"
         lines += [
-            f"# The checkpoint's {key} shifts the scores that choose experts, not the",
+            f"# The checkpoint's {key} shifts the {shifted} that choose experts, not the",
             "# weights: AReaL's expert_bias buffer, which load_balance_coeff creates.",
             f"moe_args.load_balance_coeff = {CORRECTION_BIAS_COEFF}",
         ]
@@ -823,6 +842,7 @@ def from_hf_config_source(
     config_class: str,
     moe: bool = False,
     route_norm: bool = False,
+    route_norm_field_ignored: str | None = None,
     shared_expert: bool = False,
     router: str = "",
     kv_heads_field: str | None = "num_key_value_heads",
@@ -848,11 +868,15 @@ def from_hf_config_source(
     )
     moe_setup = MOE_SETUP
     if route_norm:
+        reason = (
+            f"# The router rescales its top-k weights to sum to 1 whatever {route_norm_field_ignored} says\n"
+            "# (a softmax over the top-k logits).\n"
+            if route_norm_field_ignored
+            else "# The router always rescales its top-k weights to sum to 1; no config field says so.\n"
+        )
         moe_setup = moe_setup.replace(
             "moe_args = MoEArgs.from_hf_config(hf_config)\n",
-            "moe_args = MoEArgs.from_hf_config(hf_config)\n"
-            "# The router always rescales its top-k weights to sum to 1; no config field says so.\n"
-            "moe_args.route_norm = True\n",
+            "moe_args = MoEArgs.from_hf_config(hf_config)\n" + reason + "moe_args.route_norm = True\n",
         )
     if shared_expert:
         moe_setup += SHARED_EXPERT_SETUP
@@ -970,6 +994,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             profile.config_class,
             profile.moe,
             route_norm=profile.route_norm,
+            route_norm_field_ignored=profile.route_norm_field_ignored,
             shared_expert=profile.shared_expert,
             router=router_setup(profile),
             kv_heads_field=profile.kv_heads_field,

@@ -1234,6 +1234,35 @@ def _no_correction_bias(text: str, ctx: EditContext) -> str:
     return replace_in_function(text, "TransformerBlock", "__init__", _BIAS_AT_CONSTRUCTION, "")
 
 
+def _logit_selection_bias(text: str, ctx: EditContext) -> str:
+    """The MoE's selection bias joins the gate logits before the score function (the package's
+    ``LogitBiasRouter``), not the scores as AReaL's ``expert_bias`` does."""
+    if "self.moe.router = SparseMixerRouter(" in text:
+        raise ValueError("a selection bias on the logits and sparse-mixer routing are two routers: apply one")
+    if "class LogitBiasRouter(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("router", "LogitBiasRouter"))
+    text = ensure_import_line(text, "import torch.nn.functional as F")
+    text = ensure_import_line(text, "from archon_models.moe import TokenChoiceTopKRouter")
+    if "self.moe.router = LogitBiasRouter(" in text:
+        return text
+    return insert_after_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe",
+        "# The selection bias joins the logits before the score function picks experts.\n"
+        "self.moe.router = LogitBiasRouter(\n"
+        "    model_args.dim,\n"
+        "    model_args.moe_args.num_experts,\n"
+        "    model_args.moe_args.top_k,\n"
+        "    score_func=model_args.moe_args.score_func,\n"
+        "    route_norm=model_args.moe_args.route_norm,\n"
+        "    route_scale=model_args.moe_args.route_scale,\n"
+        "    router_dtype=model_args.moe_args.router_dtype,\n"
+        ")\n",
+    )
+
+
 EXPERTS_IMPORTS = (
     "import math",
     "import torch.nn.functional as F",
@@ -1482,6 +1511,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "grouped top-k whose groups are scored by their best expert",
         lambda p: p.moe and p.group_scoring == "max",
         _max_group_router,
+    ),
+    ModelEdit(
+        "logit_selection_bias",
+        "the router's selection bias added to the logits before the score function",
+        lambda p: p.logit_selection_bias,
+        _logit_selection_bias,
     ),
     ModelEdit(
         "expert_bias",

@@ -206,6 +206,14 @@ class PortPlan(BaseModel):
         description="the config's norm_topk_prob is never read: HF always (True) or never (False) renormalises",
     )
     route_norm: bool = Field(description="the router renormalises top-k weights though no config field says so")
+    route_norm_field_ignored: str | None = Field(
+        default=None,
+        description="the renormalisation field (norm_topk_prob) the router ignores for this config's scoring: "
+        "route_norm is set whatever it says, and a config turning it off under another scoring is refused",
+    )
+    per_layer_list_fields: list[str] = Field(
+        default_factory=list, description="MoE config fields the config class accepts as per-layer lists: refused"
+    )
     router_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = Field(
         default="softmax",
         description="how the router scores experts: softmax over them, a sigmoid each, or sparse-mixer picks",
@@ -226,6 +234,9 @@ class PortPlan(BaseModel):
         default=False, description="the routed experts' gate, up and down projections have biases"
     )
     router_bias: bool = Field(default=False, description="the router's linear gate has a bias")
+    logit_selection_bias: bool = Field(
+        default=False, description="the selection bias joins the router logits before the score function"
+    )
     expert_activation_fields: dict[str, str] = Field(
         default_factory=dict,
         description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
@@ -419,8 +430,21 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         if moe is not None and moe.group_switch_field and moe.group_switch_value
         else None,
         expert_group_switch_values=list(moe.group_switch_values) if moe is not None else [],
-        route_norm_fixed=moe.norm_topk_prob if moe is not None and moe.norm_topk_prob_ignored else None,
-        route_norm=moe is not None and moe.norm_topk_prob and "norm_topk_prob" not in values,
+        route_norm_fixed=moe.renormalises_when_ignored
+        if moe is not None and moe.norm_topk_prob_ignored and moe.renormalises_when_ignored is not None
+        else None,
+        # norm_topk_prob read by MoEArgs.from_hf_config unless ignored; the qwen3 path forces
+        # route_norm only where HF always renormalises.
+        route_norm=moe is not None
+        and (
+            moe.renormalises_when_ignored is True
+            if moe.norm_topk_prob_ignored
+            else moe.norm_topk_prob and "norm_topk_prob" not in values
+        ),
+        route_norm_field_ignored="norm_topk_prob"
+        if moe is not None and moe.norm_topk_prob_ignored and "norm_topk_prob" in values
+        else None,
+        per_layer_list_fields=list(moe.per_layer_list_fields) if moe is not None else [],
         router_scoring=scoring,
         router_scoring_field=scoring_field if moe is not None else None,
         expert_count_field=moe.num_experts_field
@@ -432,6 +456,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         router_jitter_field=moe.router_jitter_field if moe is not None and scoring == "sparsemixer" else None,
         expert_bias=moe is not None and moe.expert_bias,
         router_bias=moe is not None and moe.router_bias,
+        logit_selection_bias=moe is not None and moe.selection_bias_placement == "logits",
         expert_activation_fields=dict(ffn.activation_fields)
         if moe is not None and ffn.activation == "clamped_swiglu"
         else {},

@@ -27,6 +27,7 @@ from skill.harness.distributed import run_stage5
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # Multipliers away from 1.0 (and from each other), so each one is exercised.
+# Extra cases from run_test_stage(config_overrides=...): each proves a feature a default hides.
 CASES = [
     ModelCase(
         model_type="cohere2_moe",
@@ -34,7 +35,16 @@ CASES = [
             "num_key_value_heads": 2,
             "logit_scale": 1.5,
         },
-    )
+    ),
+    ModelCase(
+        model_type="cohere2_moe",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "logit_scale": 1.5,
+            "norm_topk_prob": False,
+        },
+        name="cohere2_moe-norm_topk_prob-false",
+    ),
 ]
 
 

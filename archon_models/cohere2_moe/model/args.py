@@ -46,6 +46,12 @@ def _check_supported(hf_config: Any) -> None:
             "attention_bias=True is not supported: Cohere2Moe checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    scoring = getattr(hf_config, "expert_selection_fn", "softmax")
+    if not getattr(hf_config, "norm_topk_prob", True) and scoring != "softmax":
+        raise ValueError(
+            f"norm_topk_prob=False with expert_selection_fn={scoring!r} is not supported: "
+            "Cohere2Moe in Archon always renormalises the top-k weights, as the softmax router does."
+        )
     if getattr(hf_config, "num_shared_experts", 0):
         raise ValueError(
             f"num_shared_experts={hf_config.num_shared_experts!r} is not supported: Cohere2Moe in Archon has no "
@@ -129,6 +135,9 @@ class Cohere2MoeModelArgs(BaseModelArgs):
         moe_args = MoEArgs.from_hf_config(hf_config)
         # The router scores experts as the config says: softmax over them, or a sigmoid each.
         moe_args.score_func = hf_config.expert_selection_fn
+        # The router rescales its top-k weights to sum to 1 whatever norm_topk_prob says
+        # (a softmax over the top-k logits).
+        moe_args.route_norm = True
         router_dtype: torch.dtype | None = kwargs.get("router_dtype")
         if router_dtype is not None:
             moe_args.router_dtype = router_dtype

@@ -46,6 +46,16 @@ def _check_supported(hf_config: Any) -> None:
             "attention_bias=True is not supported: HunyuanV1Moe checkpoints have no "
             "such bias; port that variant as its own family."
         )
+    if isinstance(getattr(hf_config, "num_experts", None), (list, tuple)):
+        raise ValueError(
+            f"num_experts={hf_config.num_experts!r} (one value per layer) is not supported: "
+            "HunyuanV1Moe in Archon gives every MoE layer the same num_experts."
+        )
+    if isinstance(getattr(hf_config, "moe_topk", None), (list, tuple)):
+        raise ValueError(
+            f"moe_topk={hf_config.moe_topk!r} (one value per layer) is not supported: "
+            "HunyuanV1Moe in Archon gives every MoE layer the same moe_topk."
+        )
     dropout = getattr(hf_config, "attention_dropout", 0.0)
     if dropout:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", dropout)

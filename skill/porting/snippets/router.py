@@ -144,3 +144,36 @@ class MaxGroupTopKRouter(TokenChoiceTopKRouter):
         # histc counts floats only on CPU; indices are exact in fp32 up to 2**24.
         counts = torch.histc(selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts)
         return top_scores, selected, counts.to(torch.int64)
+
+
+class LogitBiasRouter(TokenChoiceTopKRouter):
+    """Top-k routing whose selection bias joins the gate logits before the score function.
+
+    The experts are the top-k of ``logits + expert_bias``; their weights are the scores
+    (softmax or sigmoid) of the logits alone, renormalised and scaled as configured.
+    (AReaL's router adds ``expert_bias`` to the scores instead, which picks other experts.)
+    """
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x`` ``[num_tokens, dim]``: weights ``[num_tokens, top_k]`` (fp32), expert
+        indices ``[num_tokens, top_k]`` and tokens per expert ``[num_experts]``."""
+        if self.num_expert_groups is not None:
+            raise ValueError("a selection bias on the logits is implemented for plain top-k only (no expert groups)")
+        logits = self.gate(x).to(torch.float32)
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        elif self.score_func == "softmax":
+            scores = F.softmax(logits, dim=1)
+        else:
+            raise NotImplementedError(f"Unknown score function: {self.score_func}")
+        logits_for_choice = logits if expert_bias is None else logits + expert_bias
+        _, selected = torch.topk(logits_for_choice, k=self.top_k, dim=-1, sorted=False)
+        top_scores = scores.gather(dim=1, index=selected)
+        if self.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        top_scores = top_scores * self.route_scale
+        # histc counts floats only on CPU; indices are exact in fp32 up to 2**24.
+        counts = torch.histc(selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected, counts.to(torch.int64)
