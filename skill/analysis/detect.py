@@ -1372,17 +1372,6 @@ def _selection_bias_placement(ctx: Context, ffn: nn.Module | None, moe_layer: nn
     return placement
 
 
-def _renormalises_with_field_off(ctx: Context, moe_layer: nn.Module | None) -> bool | None:
-    """For a ``norm_topk_prob`` the forward ignores: whether the router's top-k weights still
-    sum to one constant with the field False (probed on HF's router module), i.e. whether
-    HF always or never renormalises. ``None`` when the probe cannot tell."""
-    if moe_layer is None:
-        return None
-    probed = probes.probe_renormalises_without_field(ctx.model, moe_layer, ctx.tiny, _top_k(ctx.tiny) or 0)
-    ctx.evidence.append(f"top-k renormalisation with norm_topk_prob=False from the routing-weights probe: {probed}")
-    return probed
-
-
 def _per_layer_list_fields(config: PretrainedConfig, source: SourceFacts | None = None) -> list[str]:
     """The expert-count and experts-per-token fields whose config class annotation accepts a
     list, or that the modeling code indexes by layer (one value per layer, HunYuan-MoE's
@@ -1549,9 +1538,9 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     group_scoring, switch = "sum_top2", None
     if group_field is not None and topk_group_field is not None:
         group_scoring, switch = _group_rule(ctx, group_field, topk_group_field)
-    norm_ignored = isinstance(ctx.get("norm_topk_prob"), bool) and _norm_topk_prob_ignored(ctx)
-    if norm_ignored:
-        ctx.evidence.append("norm_topk_prob: flipping it leaves HF's routing weights unchanged (never read)")
+    norm_ignored, renormalises_when_ignored = (
+        _norm_topk_prob_ignored(ctx) if isinstance(ctx.get("norm_topk_prob"), bool) else (False, None)
+    )
     shared_field, shared_width = _shared_expert_width(ctx, ffn) if shared else (None, "")
     if not shared:
         # A count field at 0 (Cohere2-MoE's num_shared_experts): this config has none, one
@@ -1632,7 +1621,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         group_switch_value=switch[1] if switch else None,
         group_switch_values=list(switch[2]) if switch else [],
         selection_bias_placement=placement,
-        renormalises_when_ignored=_renormalises_with_field_off(ctx, moe_layer) if norm_ignored else None,
+        renormalises_when_ignored=renormalises_when_ignored,
         per_layer_list_fields=_per_layer_list_fields(ctx.config, ctx.source),
     )
 
@@ -1703,13 +1692,16 @@ def _group_rule(
     return "sum_top2", None
 
 
-def _norm_topk_prob_ignored(ctx: Context) -> bool:
+def _norm_topk_prob_ignored(ctx: Context) -> tuple[bool, bool | None]:
     """Whether flipping the config's ``norm_topk_prob`` leaves the routing weights HF's MoE
-    block computes unchanged (the forward never reads it). False when a probe cannot run."""
+    block computes unchanged (the forward never reads it for this config's scoring), and
+    then whether those weights are renormalised anyway (each token's top-k weights sum to
+    one constant: Cohere2-MoE's softmax over the top-k logits) or never (DeepSeek-V2).
+    ``(False, None)`` when the field is read or a probe cannot run."""
     count = expert_count(ctx.tiny) or 0
     top_k = _top_k(ctx.tiny) or 0
     if count < 2 or top_k < 1:
-        return False
+        return False, None
     flag = bool(ctx.get("norm_topk_prob"))
     weights = []
     for value in (flag, not flag):
@@ -1718,9 +1710,17 @@ def _norm_topk_prob_ignored(ctx: Context) -> bool:
             probes.routing_weights(mt.anatomy(model, ctx.tiny.num_hidden_layers), count, top_k) if model else None
         )
         if measured is None:
-            return False
+            return False, None
         weights.append(measured)
-    return bool(torch.allclose(weights[0], weights[1], atol=1e-6, rtol=1e-5))
+    if not torch.allclose(weights[0], weights[1], atol=1e-6, rtol=1e-5):
+        return False, None
+    sums = weights[0].float().sum(-1)
+    renormalised = bool(torch.allclose(sums, sums[:1].expand_as(sums), atol=1e-4) and sums[0].abs() > 1e-6)
+    ctx.evidence.append(
+        "norm_topk_prob: flipping it leaves HF's routing weights unchanged (never read); "
+        f"they are {'always' if renormalised else 'never'} renormalised"
+    )
+    return True, renormalised
 
 
 # ------------------------------------------------------------------ positions
