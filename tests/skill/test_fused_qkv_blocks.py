@@ -122,3 +122,25 @@ def test_stage2_fails_when_the_join_is_not_the_splits_inverse(tmp_path, monkeypa
 def test_the_generated_codegen_adapter_passes_both(tmp_path) -> None:
     assert run_adapter_stage(CASE, workdir=tmp_path, raise_on_failure=False).passed
     assert run_parity_stage(CASE, workdir=tmp_path, raise_on_failure=False).passed
+
+
+@pytest.mark.parametrize("reference", ["qwen2"])
+def test_blocked_adapter_edit_applies_once(reference: str) -> None:
+    # The edit targets the adapter contract (the plain rename loops, _split_fused/_concat_fused);
+    # a second run changes nothing. (qwen3's adapter stacks per-expert keys in its from_hf loop:
+    # no fused on-disk layout applies there yet, stacked and grouped included.)
+    from skill.porting.common import PackageLayout
+    from skill.porting.edit_adapter_map import apply_fused_adapter
+
+    layout = PackageLayout.for_name("codegen")
+    camel = "Qwen2"
+    text = (REPO / f"archon_models/{reference}/model/state_dict_adapter.py").read_text()
+    text = text.replace(f"{camel}StateDictAdapter", layout.adapter_class).replace(f"{camel}Model", layout.model_class)
+    parts = ["layers.{}.attention.wq.weight", "layers.{}.attention.wk.weight", "layers.{}.attention.wv.weight"]
+    fused = {"transformer.h.{}.attn.qkv_proj.weight": parts}
+    once = apply_fused_adapter(text, layout, fused, blocked=(4, "qvk"))
+    assert apply_fused_adapter(once, layout, fused, blocked=(4, "qvk")) == once
+    compile(once, "state_dict_adapter.py", "exec")
+    assert 'value = _unblock_qkv(value, args.n_heads, args.n_kv_heads, args.head_dim, blocks=4, order="qvk")' in once
+    assert 'return _block_qkv(stacked, args.n_heads, args.n_kv_heads, args.head_dim, blocks=4, order="qvk")' in once
+    assert "_ungroup_qkv" not in once  # specialised: only the layout the family has
