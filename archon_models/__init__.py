@@ -9,6 +9,7 @@ from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.bloom import spec as bloom_spec  # noqa: F401
+from archon_models.codegen import spec as codegen_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
 from archon_models.cohere2_moe import spec as cohere2_moe_spec  # noqa: F401

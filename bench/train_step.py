@@ -72,8 +72,17 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
     if not hasattr(probe, "head_dim") or derived or hasattr(probe, "qk_rope_head_dim"):
         # The family derives it from hidden_size / heads, or (MLA) its head widths are their own fields.
         sizes.pop("head_dim")
-    if getattr(probe, "num_key_value_heads", None) in (None, probe.num_attention_heads):
+    kv_heads = getattr(probe, "num_key_value_heads", None)
+    if kv_heads in (None, probe.num_attention_heads):
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # no GQA in the family: keep MHA
+    elif kv_heads == 1:
+        # Multi-query (tiny_config keeps it as one KV head): a switch such as GPTBigCode's
+        # multi_query fixes one KV head whatever the count says, so the count must say one.
+        sizes["num_key_value_heads"] = 1
+    for name, value in probe.to_dict().items():
+        if "drop" in name and isinstance(value, float) and value:
+            # Both sides train; Archon applies no dropout, so HF must not either (GPTBigCode: 0.1).
+            sizes[name] = 0.0
     if isinstance(getattr(probe, "sliding_window", None), int):
         sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
     return tiny_config(probe, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)

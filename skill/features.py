@@ -111,6 +111,7 @@ class FusedQKVLayout(StrEnum):
     NONE = "none"  # separate q, k and v projections
     STACKED = "stacked"  # every query head, then every key head, then every value head (Phi-3, Falcon MQA)
     GROUPED = "grouped"  # per KV head: its query heads, its key, its value (GPT-NeoX, Bloom, Falcon new arch)
+    BLOCKED = "blocked"  # a fixed number of blocks, each a share of q, k, v in some order (CodeGen: 4 x q v k)
     OTHER = "other"
 
 
@@ -218,6 +219,12 @@ class AttentionFeatures(_Frozen):
     scaling_source: ConfigScalar | None = Field(None, description="the scale's config field and relation")
     fused_qkv: bool = Field(False, description="one projection yields q, k and v")
     fused_qkv_layout: FusedQKVLayout = Field(FusedQKVLayout.NONE, description="row order of the fused projection")
+    fused_qkv_blocks: int | None = Field(
+        None, description="blocked layout: the fixed number of blocks the fused rows form (CodeGen's mp_num = 4)"
+    )
+    fused_qkv_order: str | None = Field(
+        None, description="blocked layout: the order of the q, k and v shares inside each block (CodeGen: qvk)"
+    )
     mla: MLA | None = None
     sinks: bool = Field(False, description="learned per-head attention sink logits")
     output_gate: bool = Field(False, description="attention output multiplied by a gate of the input")
@@ -729,8 +736,11 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Adapter edits (skill/porting/edit_adapter_map.py): the model keeps wq/wk/wv and w1/w3,
     # the adapter splits a fused checkpoint tensor along dim 0 and concatenates it back.
     Feature.FUSED_QKV: frozenset({"true", "false"}),
-    # The adapter regroups a per-KV-head interleaved fused tensor (GPT-NeoX, Bloom, Falcon).
-    Feature.FUSED_QKV_LAYOUT: frozenset({FusedQKVLayout.NONE, FusedQKVLayout.STACKED, FusedQKVLayout.GROUPED}),
+    # The adapter regroups a per-KV-head interleaved fused tensor (GPT-NeoX, Bloom, Falcon) and
+    # unblocks a fixed-block one (CodeGen's 4 blocks of q, v, k).
+    Feature.FUSED_QKV_LAYOUT: frozenset(
+        {FusedQKVLayout.NONE, FusedQKVLayout.STACKED, FusedQKVLayout.GROUPED, FusedQKVLayout.BLOCKED}
+    ),
     Feature.FUSED_GATE_UP: frozenset({"true", "false"}),
     # The adapter transposes Conv1D-stored projections (edit_adapter_map.apply_transposed_adapter).
     Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),

@@ -766,41 +766,154 @@ def _clip_after_qk_norm(ctx: Context, clip_field: str) -> bool | None:
     return after
 
 
-def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> FusedQKVLayout:
-    """The row order of a fused q/k/v projection, from the rows that feed each head's values.
+_QKV_ORDERS = ("qkv", "qvk", "kqv", "kvq", "vqk", "vkq")
 
-    Candidates: ``stacked`` (all query heads, then the key heads, then the value heads)
-    and ``grouped`` (per KV head: its query heads, its key, its value; with as many KV
-    heads as query heads, GPT-NeoX's and Bloom's per-head interleaving). Where both give
-    the same rows (one KV head) the layout is ``stacked``.
-    """
+
+def qkv_rows(heads: int, kv: int, head_dim: int, blocks: int, order: str) -> dict[str, torch.Tensor]:
+    """Rows of a fused q/k/v projection that hold each query, key and value feature, for a
+    layout of ``blocks`` equal blocks, each holding its share of the query heads, key heads
+    and value heads in ``order`` (``"qkv"``: stacked with one block, grouped with one
+    block per KV head; CodeGen: four blocks of query, value, key). Per role, one row index
+    per (head, feature), heads in order."""
+    per_block = {"q": heads // blocks, "k": kv // blocks, "v": kv // blocks}
+    block_rows = (heads + 2 * kv) // blocks * head_dim
+    offset = 0
+    rows: dict[str, torch.Tensor] = {}
+    for role in order:
+        count = per_block[role]
+        head = torch.arange(count * blocks).repeat_interleave(head_dim)
+        feature = torch.arange(head_dim).repeat(count * blocks)
+        rows[role] = (head // count) * block_rows + offset + (head % count) * head_dim + feature
+        offset += count * head_dim
+    return rows
+
+
+@dataclass(frozen=True)
+class _QKVProbe:
+    """What the probes read from one fused q/k/v projection, per query head."""
+
+    values: torch.Tensor  # [heads, head_dim]: the row of each value feature
+    queries: list[set[int]]  # the rows feeding each head's query
+    keys: list[set[int]]  # the rows feeding each head's key
+
+
+def _probe_qkv(
+    model: nn.Module, attention: nn.Module, roles: dict[str, mt.Projection], config: Any
+) -> _QKVProbe | None:
     qkv, out = roles.get("qkv"), roles.get("o")
+    heads = config.num_attention_heads
+    if qkv is None or out is None:
+        return None
+    values = probes.probe_value_rows(model, attention, qkv, out, config)
+    rows = probes.probe_query_rows(model, attention, qkv, out, config, heads)
+    if values is None or rows is None or values.numel() % heads:
+        return None
+    values = values.reshape(heads, -1)
+    queries, keys_values = rows
+    keys = [kv_rows - set(values[h].tolist()) for h, kv_rows in enumerate(keys_values)]
+    return _QKVProbe(values=values, queries=queries, keys=keys)
+
+
+def _match_qkv(probe: _QKVProbe, heads: int, kv: int, head_dim: int) -> tuple[int, str] | None:
+    """The (blocks, order) layout whose rows the probe read: fewest blocks first."""
+    per_kv = heads // kv
+    for blocks in (b for b in range(1, kv + 1) if kv % b == 0 and heads % b == 0):
+        for order in _QKV_ORDERS:
+            rows = qkv_rows(heads, kv, head_dim, blocks, order)
+            q, k, v = (rows[r].reshape(-1, head_dim) for r in "qkv")
+            if all(
+                torch.equal(probe.values[h], v[h // per_kv])
+                and probe.queries[h] == set(q[h].tolist())
+                and probe.keys[h] == set(k[h // per_kv].tolist())
+                for h in range(heads)
+            ):
+                return blocks, order
+    return None
+
+
+def _doubled_heads(ctx: Context) -> tuple[nn.Module, nn.Module, dict[str, mt.Projection], Any] | None:
+    """A second tiny model with twice the heads (and KV heads, and width, so head_dim
+    stays): whether a block count follows the head count or stays fixed."""
+    attention = ctx.anatomy.attention
+    path = next((name for name, module in ctx.model.named_modules() if module is attention), None)
+    if path is None:
+        return None
+    config = copy.deepcopy(ctx.tiny)
+    try:
+        config.hidden_size = 2 * ctx.tiny.hidden_size
+        config.num_attention_heads = 2 * ctx.tiny.num_attention_heads
+        if "head_dim" in config.to_dict() and isinstance(config.head_dim, int):
+            config.head_dim = ctx.tiny_head_dim()
+        for name in _KV_HEAD_FIELDS:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                setattr(config, name, 2 * value)
+        model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        doubled = model.get_submodule(path)
+    except Exception as exc:
+        logger.debug("doubled-heads model failed: %s", exc)
+        return None
+    names = {role: p.name for role, p in _attention_projections(ctx).items()}
+    found = {p.name: p for p in mt.projections(doubled, recurse=False)}
+    roles = {role: found[name] for role, name in names.items() if name in found}
+    return model, doubled, roles, config
+
+
+def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[FusedQKVLayout, int | None, str | None]:
+    """The row layout of a fused q/k/v projection, from the rows that feed each head's
+    query, key and value (two probes on layer 0's attention). Returns the layout and, for
+    ``blocked``, its fixed block count and the order of q, k, v inside a block.
+
+    Every candidate is ``blocks`` equal blocks, each holding its share of the query, key
+    and value heads in some order (:func:`qkv_rows`). ``stacked``: one block, q k v
+    (Phi-3, Falcon MQA; also with one KV head, where the grouped rows are the same).
+    ``grouped``: one block per KV head, q k v (GPT-NeoX, Bloom, Falcon's new
+    architecture). ``blocked``: a block count that stays fixed when the heads double,
+    any order (CodeGen: 4 blocks of q, v, k). A second tiny model with twice the heads
+    tells a count that follows the KV heads from a fixed one.
+    """
+    qkv = roles.get("qkv")
     if qkv is None:
-        return FusedQKVLayout.NONE
+        return FusedQKVLayout.NONE, None, None
     hd, heads = ctx.tiny_head_dim(), ctx.tiny.num_attention_heads
     kv_float = (qkv.out_features / hd - heads) / 2
-    if out is None or ctx.anatomy.attention is None or kv_float != int(kv_float) or kv_float <= 0:
+    attention = ctx.anatomy.attention
+    if "o" not in roles or attention is None or kv_float != int(kv_float) or kv_float <= 0 or heads % kv_float:
         ctx.evidence.append("fused q/k/v layout: no output projection or no whole number of KV heads to probe")
-        return FusedQKVLayout.OTHER
+        return FusedQKVLayout.OTHER, None, None
     kv = int(kv_float)
-    rows = probes.probe_value_rows(ctx.model, ctx.anatomy.attention, qkv, out, ctx.tiny)
-    if rows is None or rows.numel() != heads * hd or heads % kv:
-        ctx.evidence.append("fused q/k/v layout: the value-row probe could not read the attention output")
-        return FusedQKVLayout.OTHER
-    per_kv = heads // kv
-    head = torch.arange(heads).repeat_interleave(hd)
-    feature = torch.arange(hd).repeat(heads)
-    group = head // per_kv
-    candidates = {
-        FusedQKVLayout.STACKED: (heads + kv) * hd + group * hd + feature,
-        FusedQKVLayout.GROUPED: group * (per_kv + 2) * hd + (per_kv + 1) * hd + feature,
-    }
-    for layout, expected in candidates.items():
-        if torch.equal(rows, expected):
-            ctx.evidence.append(f"fused q/k/v layout: value rows probed -> {layout.value} ({kv} KV heads)")
-            return layout
-    ctx.evidence.append("fused q/k/v layout: the value rows follow neither the stacked nor the grouped order")
-    return FusedQKVLayout.OTHER
+    probe = _probe_qkv(ctx.model, attention, roles, ctx.tiny)
+    if probe is None:
+        ctx.evidence.append("fused q/k/v layout: the row probes could not read the attention output")
+        return FusedQKVLayout.OTHER, None, None
+    match = _match_qkv(probe, heads, kv, hd)
+    if match is None:
+        ctx.evidence.append("fused q/k/v layout: the probed rows follow no block layout of q, k and v")
+        return FusedQKVLayout.OTHER, None, None
+    blocks, order = match
+    if blocks == 1:
+        layout = FusedQKVLayout.STACKED if order == "qkv" else FusedQKVLayout.OTHER
+        ctx.evidence.append(f"fused q/k/v layout: rows probed -> one block of {order} ({kv} KV heads): {layout.value}")
+        return layout, None, None
+    doubled = _doubled_heads(ctx)
+    second = None
+    if doubled is not None:
+        model, module, new_roles, config = doubled
+        probe2 = _probe_qkv(model, module, new_roles, config)
+        if probe2 is not None:
+            second = _match_qkv(probe2, 2 * heads, 2 * kv, hd)
+    if blocks == kv and order == "qkv" and second in ((2 * blocks, order), None):
+        # One block per KV head; unread at twice the heads, the value rows alone said so before.
+        layout, fixed = FusedQKVLayout.GROUPED, None
+    elif second == (blocks, order):
+        layout, fixed = FusedQKVLayout.BLOCKED, blocks
+    else:
+        layout, fixed = FusedQKVLayout.OTHER, None
+    ctx.evidence.append(
+        f"fused q/k/v layout: rows probed -> {blocks} blocks of {order} ({kv} KV heads); with twice the heads "
+        f"{second[0] if second else 'unread'} blocks: {layout.value}"
+    )
+    return layout, fixed, order if layout is FusedQKVLayout.BLOCKED else None
 
 
 def attention_features(ctx: Context) -> AttentionFeatures:
@@ -876,6 +989,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             ctx.other.append(f"attention submodule outside the vocabulary: {', '.join(nested)}")
     nope, nope_field, nope_type = _nope_with_rule(ctx)
     gate = _output_gate(ctx, roles)
+    qkv_layout, qkv_blocks, qkv_order = fused_qkv_layout(ctx, roles)
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
     return AttentionFeatures(
@@ -899,7 +1013,9 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         scaling_field=scaling_source.field if scaling_source else None,
         scaling_source=scaling_source,
         fused_qkv=qkv is not None,
-        fused_qkv_layout=fused_qkv_layout(ctx, roles),
+        fused_qkv_layout=qkv_layout,
+        fused_qkv_blocks=qkv_blocks,
+        fused_qkv_order=qkv_order,
         mla=mla,
         sinks=sinks,
         output_gate=gate is not None,

@@ -710,6 +710,74 @@ def probe_value_rows(
     return rows.long() - 1
 
 
+def probe_query_rows(
+    model: nn.Module, attention: nn.Module, fused: Any, out_proj: Any, config: Any, n_heads: int
+) -> tuple[list[set[int]], list[set[int]]] | None:
+    """Per query head: the rows of a fused q/k/v projection that feed its query, and those
+    that feed its keys or values.
+
+    Two tokens (positions 0 and 1); the attention input is replaced by the unit vectors
+    ``e_0`` and ``e_1`` and the fused weight by seeded random values (bias zeroed). The
+    gradient of one head's output at token 1 reaches column 0 of a row only through
+    token 0's key or value (token 0's query feeds token 0 alone), and column 1 of a row
+    through token 1's query, key or value: rows with a column-1 gradient and none in
+    column 0 are the head's query rows, rows with a column-0 gradient its key and value
+    rows. Returns ``(query rows, key-or-value rows)`` per head, or ``None`` when the probe
+    cannot run (fewer than two input columns, no output reached).
+    """
+    captured: dict[str, torch.Tensor] = {}
+
+    def unit_inputs(module: nn.Module, args: tuple, kwargs: dict):
+        first = _first_tensor(args, kwargs)
+        if first is None or first.shape[-1] < 2 or first.shape[-2] < 2:
+            return None
+        unit = torch.zeros_like(first)
+        unit[..., 0, 0] = 1.0
+        unit[..., 1, 1] = 1.0
+        if args and isinstance(args[0], torch.Tensor):
+            return (unit, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": unit}
+
+    def on_out(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            captured.setdefault("o", args[0])
+
+    weight = fused.module.weight
+    bias = getattr(fused.module, "bias", None)
+    queries: list[set[int]] = []
+    keys_values: list[set[int]] = []
+    with _preserved(attention):
+        with torch.no_grad():
+            weight.copy_(torch.randn(weight.shape, generator=_generator()))
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
+        handles = [
+            attention.register_forward_pre_hook(unit_inputs, with_kwargs=True),
+            out_proj.module.register_forward_pre_hook(on_out),
+        ]
+        try:
+            with torch.enable_grad():
+                model(input_ids=tokens_for(config, 2), use_cache=False)
+                out = captured.get("o")
+                if out is None or not out.requires_grad or out.shape[-1] % n_heads:
+                    return None
+                per_head = out.reshape(-1, out.shape[-2], n_heads, out.shape[-1] // n_heads)[0, 1]
+                mix = torch.randn(per_head.shape, generator=_generator())
+                for head in range(n_heads):
+                    (grad,) = torch.autograd.grad((per_head[head] * mix[head]).sum(), weight, retain_graph=True)
+                    rows = grad if fused.orientation == "out_in" else grad.T
+                    from_first, from_second = rows[:, 0] != 0, rows[:, 1] != 0
+                    queries.append(set((from_second & ~from_first).nonzero().flatten().tolist()))
+                    keys_values.append(set(from_first.nonzero().flatten().tolist()))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            logger.debug("fused q/k/v query-row probe failed: %s", exc)
+            return None
+        finally:
+            for handle in handles:
+                handle.remove()
+    return queries, keys_values
+
+
 def probe_qk_norm_kind(norm: nn.Module, width: int) -> NormKind:
     if not isinstance(getattr(norm, "weight", None), torch.Tensor):
         return NormKind.OTHER

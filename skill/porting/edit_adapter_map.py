@@ -473,8 +473,14 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             top_modules=report.checkpoint.top_modules,
             module_map=module_map,
         )
-        grouped = checklist.attention.fused_qkv_layout == "grouped"
-        text = apply_fused_adapter(text, layout, fused, grouped=grouped)
+        attention = checklist.attention
+        grouped = attention.fused_qkv_layout == "grouped"
+        blocked = (
+            (attention.fused_qkv_blocks, attention.fused_qkv_order)
+            if attention.fused_qkv_layout == "blocked" and attention.fused_qkv_blocks and attention.fused_qkv_order
+            else None
+        )
+        text = apply_fused_adapter(text, layout, fused, grouped=grouped, blocked=blocked)
         text = apply_transposed_adapter(text, layout, sorted(transposed))
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
@@ -616,12 +622,34 @@ if ".attention.wq." in self.fused_from_hf_map[template][0]:
 """
 
 
-def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[str]], grouped: bool = False) -> str:
+_BLOCKED_SPLIT = """
+if ".attention.wq." in parts[0]:
+    # The checkpoint holds {blocks} blocks of q/k/v rows ({order} in each); Archon's wq, wk, wv stack them in turn.
+    args = self.model_args
+    value = _unblock_qkv(value, args.n_heads, args.n_kv_heads, args.head_dim, blocks={blocks}, order="{order}")
+"""
+
+_BLOCKED_CONCAT = """
+if ".attention.wq." in self.fused_from_hf_map[template][0]:
+    args = self.model_args
+    return _block_qkv(stacked, args.n_heads, args.n_kv_heads, args.head_dim, blocks={blocks}, order="{order}")
+"""
+
+
+def apply_fused_adapter(
+    text: str,
+    layout: PackageLayout,
+    fused: dict[str, list[str]],
+    grouped: bool = False,
+    blocked: tuple[int, str] | None = None,
+) -> str:
     """Teach a copied adapter a fused on-disk layout: ``from_hf`` splits each fused key
     along dim 0 by its parts' sizes, ``to_hf`` concatenates them back, and
     ``convert_single_to_hf`` names, for one part, the fused key its slice belongs to.
     ``grouped``: the fused q/k/v rows are grouped by KV head (the analysis' probed
-    layout), so the split regroups them into q, k, v first and the concat back."""
+    layout), so the split regroups them into q, k, v first and the concat back.
+    ``blocked``: ``(blocks, order)``, the fused rows form that many blocks, each a share of
+    q, k, v in that order (CodeGen's 4 blocks of q, v, k); the split unblocks them."""
     if not fused:
         return text
     cls = layout.adapter_class
@@ -653,16 +681,27 @@ def apply_fused_adapter(text: str, layout: PackageLayout, fused: dict[str, list[
         after="_expected_archon_keys",
     )
     split, concat = _SPLIT.format().strip() + "\n", _CONCAT.format().strip() + "\n"
+    regroup: tuple[str, str, tuple[str, str]] | None = None
     if grouped:
+        regroup = (_GROUPED_SPLIT, _GROUPED_CONCAT, ("_ungroup_qkv", "_group_qkv"))
+    elif blocked is not None:
+        blocks, order = blocked
+        regroup = (
+            _BLOCKED_SPLIT.format(blocks=blocks, order=order),
+            _BLOCKED_CONCAT.format(blocks=blocks, order=order),
+            ("_unblock_qkv", "_block_qkv"),
+        )
+    if regroup is not None:
+        split_code, concat_code, helpers = regroup
         split_return = "    return dict(zip(parts, torch.split("
-        split = split.replace(split_return, _indent(_GROUPED_SPLIT) + split_return)
+        split = split.replace(split_return, _indent(split_code) + split_return)
         concat = concat.replace(
             "    return torch.cat([pieces[position] for position in range(count)], dim=0)",
             "    stacked = torch.cat([pieces[position] for position in range(count)], dim=0)\n"
-            + _indent(_GROUPED_CONCAT)
+            + _indent(concat_code)
             + "    return stacked",
         )
-        for helper in ("_ungroup_qkv", "_group_qkv"):
+        for helper in helpers:
             text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
     text = upsert_method(text, cls, "_split_fused", split, after="_check_complete")
     text = upsert_method(text, cls, "_concat_fused", concat, after="_split_fused")

@@ -28,6 +28,7 @@ from skill.errors import UnsupportedFeatureError
 from skill.features import (
     ConfigScalar,
     FFNKind,
+    FusedQKVLayout,
     NormKind,
     NormPlacement,
     PositionKind,
@@ -92,6 +93,9 @@ class PortPlan(BaseModel):
     o_bias: bool
     mlp_bias: bool
     mqa_flag: str | None = Field(default=None, description="config switch of multi-query attention, when set")
+    qkv_blocks: int | None = Field(
+        default=None, description="a fused q/k/v checkpoint tensor of this many fixed blocks (CodeGen: 4)"
+    )
     kv_heads_field: str | None = Field(
         default="num_key_value_heads", description="config field of the KV-head count; None when the family has none"
     )
@@ -361,6 +365,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         mlp_bias=ffn.bias,
         mqa_flag=att.mqa_flag,
         kv_heads_field=plan_kv_field,
+        qkv_blocks=att.fused_qkv_blocks if att.fused_qkv_layout is FusedQKVLayout.BLOCKED else None,
         qk_norm=qk_norm,
         norm=norm_kind,
         block=block,

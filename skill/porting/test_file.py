@@ -113,6 +113,16 @@ def test_file_source(
         comments.insert(0, "# Two KV heads for four query heads, so grouped-query attention is exercised.")
     else:
         comments.insert(0, "# Every query head has its own key/value head: the config has no KV-head count.")
+    if profile.qkv_blocks is not None:
+        # Two query heads (and, with a KV-head count, one KV head) per block: a block count
+        # equal to the head count would hide a block layout mistaken for a per-head one.
+        overrides["num_attention_heads"] = 2 * profile.qkv_blocks
+        if profile.kv_heads_field is not None:
+            overrides[profile.kv_heads_field] = profile.qkv_blocks
+        comments.append(
+            f"# {2 * profile.qkv_blocks} heads in the fused q/k/v tensor's {profile.qkv_blocks} blocks, "
+            "two per block, so the block layout is exercised."
+        )
     if profile.attn_softcap or profile.final_softcap:
         # Published caps (50, 30) are far above a tiny model's scores and logits, where tanh is
         # the identity; small caps put both in tanh's curved range.

@@ -30,6 +30,34 @@ def _group_qkv(value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def _unblock_qkv(
+    value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, blocks: int, order: str
+) -> torch.Tensor:
+    """A fused q/k/v tensor of ``blocks`` equal blocks, each holding its share of the query,
+    key and value heads in ``order`` (CodeGen: 4 blocks of query, value, key) -> all query
+    rows, then the key rows, then the value rows, as ``wq``, ``wk`` and ``wv`` stack."""
+    rest = value.shape[1:]
+    shares = {
+        "q": n_heads // blocks * head_dim,
+        "k": n_kv_heads // blocks * head_dim,
+        "v": n_kv_heads // blocks * head_dim,
+    }
+    parts = torch.split(value.reshape(blocks, -1, *rest), [shares[role] for role in order], dim=1)
+    by_role = {role: part.reshape(-1, *rest) for role, part in zip(order, parts, strict=True)}
+    return torch.cat([by_role["q"], by_role["k"], by_role["v"]], dim=0)
+
+
+def _block_qkv(
+    value: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int, blocks: int, order: str
+) -> torch.Tensor:
+    """The inverse of :func:`_unblock_qkv`: stacked q, k, v rows -> ``blocks`` blocks of ``order``."""
+    rest = value.shape[1:]
+    q, k, v = torch.split(value, [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=0)
+    by_role = {"q": q, "k": k, "v": v}
+    parts = [by_role[role].reshape(blocks, -1, *rest) for role in order]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
 def _drop_unit_axes(value: torch.Tensor, axes: int) -> torch.Tensor:
     """A tensor the checkpoint stores with ``axes`` leading axes of size 1 (ERNIE-4.5's
     ``[1, E]`` score-correction bias) -> the shape Archon holds (``[E]``)."""
