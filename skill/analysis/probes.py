@@ -1371,9 +1371,15 @@ def probe_group_rule(anatomy: LayerAnatomy) -> str | None:
 def routing_weights(anatomy: LayerAnatomy, num_experts: int, top_k: int) -> torch.Tensor | None:
     """The weights HF's MoE block gives its top-k experts for a fixed set of designed router
     logits (distinct, spread values), in expert order; ``None`` when the probe cannot run."""
-    # Asymmetric: no two sigmoid scores sum to one, no two softmax rows renormalise alike.
+    # Asymmetric: no two sigmoid scores sum to one, no two softmax rows renormalise alike;
+    # the third row is the first one sharpened, so its top-k holds more of the softmax mass
+    # (without renormalisation the rows' sums differ).
     logits = torch.stack(
-        [torch.linspace(-1.7, 1.3, num_experts).roll(1), torch.linspace(-0.9, 2.1, num_experts).flip(-1)]
+        [
+            torch.linspace(-1.7, 1.3, num_experts).roll(1),
+            torch.linspace(-0.9, 2.1, num_experts).flip(-1),
+            torch.linspace(-5.1, 3.9, num_experts).roll(2),
+        ]
     )
     routed = route_designed_logits(anatomy, num_experts, top_k, logits)
     if routed is None:
