@@ -129,13 +129,15 @@ def _hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     return model.train()
 
 
-def build_archon(config: PretrainedConfig, attn_type: str, seed: int) -> torch.nn.Module:
+def build_archon(
+    config: PretrainedConfig, attn_type: str, seed: int, hf: PreTrainedModel | None = None
+) -> torch.nn.Module:
     """The Archon model of ``config`` loaded, through the family's adapter, with the weights
-    ``save_pretrained`` writes for the seeded HF model."""
+    ``save_pretrained`` writes for the seeded HF model (``hf`` when given: it is that model)."""
     from skill.harness.models import load_archon_model, save_hf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
-        save_hf_checkpoint(_hf_model(config, seed), tmp)
+        save_hf_checkpoint(_hf_model(config, seed) if hf is None else hf, tmp)
         return load_archon_model(config, tmp, attn_type=attn_type).model.train()
 
 
