@@ -76,6 +76,11 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # no GQA in the family: keep MHA
     if isinstance(getattr(probe, "sliding_window", None), int):
         sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
+    # Archon applies no dropout; HF in training mode would (GPT-2's resid/embd/attn_pdrop, OPT's
+    # dropout, ...), spending time Archon does not and computing another loss. Both sides run without.
+    for name, value in probe.to_dict().items():
+        if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float) and value > 0:
+            sizes[name] = 0.0
     return tiny_config(probe, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
 
 
