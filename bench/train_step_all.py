@@ -1,14 +1,15 @@
 """The training-step table for every registered family: Archon (packed) vs HF (padded) tokens/s on CPU.
 
-For each model_type ``archon_models`` registers (or ``--families``), one spawned process
+For each model_type ``archon_models`` registers (or ``--families``), a spawned process
 builds both sides exactly as ``bench/train_step.py`` does (same weights, same documents,
 fp32) and times them in **pairs**: an HF step and an Archon step back to back, the order
 alternating from pair to pair. Whatever the machine does to one step of a pair (a load
 spike, a cold cache) it does to the other alike, so each pair gives one ratio and the
 table reports the median of those ratios and their spread (quartiles, extremes): a family
 at 1.45x whose pairs run 1.40-1.50 is below the bar, one whose pairs run 1.2-1.9 is noise.
-Each family's process is its own, so one family that fails (or runs out of time) is one
-row, not the end of the table.
+One worker process measures the families in turn (``--isolate``: a fresh one each); a
+family that fails is one row, one that crashes the process or runs out of time costs the
+process, not the table.
 
     nice -n 10 python bench/train_step_all.py --json bench/results/train_step_all.json
     python bench/train_step_all.py --families gemma2,granite_swa --iters 12
@@ -149,26 +150,68 @@ def measure(model_type: str, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _child(model_type: str, opts: dict[str, Any], out: mp.Queue) -> None:
-    try:
-        out.put(measure(model_type, opts))
-    except Exception as exc:
-        out.put({"family": model_type, "error": f"{type(exc).__name__}: {exc}"})
+def _worker(opts: dict[str, Any], todo: mp.Queue, out: mp.Queue) -> None:
+    """Measure each family ``todo`` names, one at a time, until it sends ``None``."""
+    while (model_type := todo.get()) is not None:
+        try:
+            row = measure(model_type, opts)
+        except Exception as exc:
+            row = {"family": model_type, "error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()
+        out.put(row)
 
 
-def run_family(model_type: str, opts: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``measure`` in a spawned process (spawned, not forked: OpenMP threads and fork deadlock)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(model_type, opts, out))
-    proc.start()
-    try:
-        row = out.get(timeout=timeout_s)
-    except queue_lib.Empty:
-        row = {"family": model_type, "error": f"ran past {timeout_s:.0f}s"}
-        proc.kill()
-    proc.join(timeout=30)
-    return row
+class Worker:
+    """A spawned process (spawned, not forked: OpenMP threads and fork deadlock) that measures
+    families in turn, so torch, transformers and ``archon_models`` are imported once, not once
+    per family (on a loaded machine that import takes a minute). Each family builds its own
+    models in a function scope; a family that crashes the process or runs out of time costs
+    the process, and the next family gets a fresh one."""
+
+    def __init__(self, opts: dict[str, Any]):
+        ctx = mp.get_context("spawn")
+        self.todo, self.out = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_worker, args=(opts, self.todo, self.out), daemon=True)
+        self.proc.start()
+
+    def run(self, model_type: str, timeout_s: float) -> dict[str, Any] | None:
+        """The family's row; ``None`` when the process died or ran past ``timeout_s`` (it is then killed)."""
+        self.todo.put(model_type)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return self.out.get(timeout=5.0)
+            except queue_lib.Empty:
+                if not self.proc.is_alive():
+                    return None
+        self.proc.kill()
+        self.proc.join(timeout=30)
+        return None
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.todo.put(None)
+            self.proc.join(timeout=30)
+
+
+def run_families(families: list[str], opts: dict[str, Any], timeout_s: float, isolate: bool):
+    """Yield each family's row, measured in a worker process (a fresh one per family with ``isolate``)."""
+    worker: Worker | None = None
+    for family in families:
+        if worker is None:
+            worker = Worker(opts)
+        row = worker.run(family, timeout_s)
+        if row is None:
+            alive = worker.proc.is_alive()
+            row = {"family": family, "error": f"ran past {timeout_s:.0f}s" if alive else "the process died"}
+            worker.proc.kill()
+            worker = None
+        elif isolate:
+            worker.close()
+            worker = None
+        yield row
+    if worker is not None:
+        worker.close()
 
 
 def format_table(rows: list[dict[str, Any]], min_ratio: float) -> str:
@@ -287,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one family may take")
+    p.add_argument(
+        "--isolate", action="store_true", help="a fresh process per family (default: one process measures them in turn)"
+    )
     p.add_argument("--min-ratio", type=float, default=1.5, help="exit 1 when a family's ratio is below it")
     p.add_argument("--json", dest="json_path", type=Path, help="also write the rows (step times included) as JSON")
     p.add_argument(
@@ -326,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             payload = {"settings": opts, "load_average": [load_start, os.getloadavg()], "cpus": os.cpu_count()}
             args.json_path.write_text(json.dumps(payload | {"rows": rows}, indent=1) + "\n", encoding="utf-8")
 
-    for family in families:
-        row = run_family(family, opts, args.timeout)
+    for row in run_families(families, opts, args.timeout, args.isolate):
+        family = row["family"]
         rows.append(row)
         write_json()  # after every family: a long table run that is stopped keeps what it measured
         if "error" in row:
