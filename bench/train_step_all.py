@@ -302,7 +302,9 @@ def merge(paths: list[Path]) -> dict[str, Any]:
         if workload(payload["settings"]) != workload(settings):
             raise SystemExit(f"{path}: measured with {payload['settings']}, not {settings}; not merging")
     settings = settings | {"iters": sorted({payload["settings"]["iters"] for payload in payloads})}
-    rows = {row["family"]: row for payload in payloads for row in payload["rows"]}
+    rows = {
+        row["family"]: {"pairs": payload["settings"]["iters"]} | row for payload in payloads for row in payload["rows"]
+    }
     return {
         "settings": settings,
         "load_average": [la for payload in payloads for la in payload["load_average"]],
