@@ -85,6 +85,11 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
             sizes[name] = 0.0
     if isinstance(getattr(probe, "sliding_window", None), int):
         sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
+    # Archon applies no dropout; HF in training mode would (GPT-2's resid/embd/attn_pdrop, OPT's
+    # dropout, ...), spending time Archon does not and computing another loss. Both sides run without.
+    for name, value in probe.to_dict().items():
+        if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float) and value > 0:
+            sizes[name] = 0.0
     return tiny_config(probe, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
 
 
@@ -138,13 +143,15 @@ def _hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     return model.train()
 
 
-def build_archon(config: PretrainedConfig, attn_type: str, seed: int) -> torch.nn.Module:
+def build_archon(
+    config: PretrainedConfig, attn_type: str, seed: int, hf: PreTrainedModel | None = None
+) -> torch.nn.Module:
     """The Archon model of ``config`` loaded, through the family's adapter, with the weights
-    ``save_pretrained`` writes for the seeded HF model."""
+    ``save_pretrained`` writes for the seeded HF model (``hf`` when given: it is that model)."""
     from skill.harness.models import load_archon_model, save_hf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
-        save_hf_checkpoint(_hf_model(config, seed), tmp)
+        save_hf_checkpoint(_hf_model(config, seed) if hf is None else hf, tmp)
         return load_archon_model(config, tmp, attn_type=attn_type).model.train()
 
 
