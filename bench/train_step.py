@@ -79,10 +79,6 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
         # Multi-query (tiny_config keeps it as one KV head): a switch such as GPTBigCode's
         # multi_query fixes one KV head whatever the count says, so the count must say one.
         sizes["num_key_value_heads"] = 1
-    for name, value in probe.to_dict().items():
-        if "drop" in name and isinstance(value, float) and value:
-            # Both sides train; Archon applies no dropout, so HF must not either (GPTBigCode: 0.1).
-            sizes[name] = 0.0
     if isinstance(getattr(probe, "sliding_window", None), int):
         sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
     # Archon applies no dropout; HF in training mode would (GPT-2's resid/embd/attn_pdrop, OPT's
