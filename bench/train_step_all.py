@@ -301,9 +301,16 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     for path, payload in zip(paths[1:], payloads[1:], strict=True):
         if workload(payload["settings"]) != workload(settings):
             raise SystemExit(f"{path}: measured with {payload['settings']}, not {settings}; not merging")
-    settings = settings | {"iters": sorted({payload["settings"]["iters"] for payload in payloads})}
+    def pair_counts(settings: dict[str, Any]) -> list[int]:
+        # A merged payload already lists its runs' counts (and its rows say their own).
+        iters = settings["iters"]
+        return list(iters) if isinstance(iters, list) else [iters]
+
+    settings = settings | {"iters": sorted({n for payload in payloads for n in pair_counts(payload["settings"])})}
     rows = {
-        row["family"]: {"pairs": payload["settings"]["iters"]} | row for payload in payloads for row in payload["rows"]
+        row["family"]: {"pairs": max(pair_counts(payload["settings"]))} | row
+        for payload in payloads
+        for row in payload["rows"]
     }
     return {
         "settings": settings,

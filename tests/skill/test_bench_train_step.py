@@ -126,6 +126,16 @@ def test_merge_later_row_wins_and_workloads_must_agree(table: dict[str, Any], tm
     assert [r["family"] for r in merged["rows"]] == ["x", "y"]
     assert merged["rows"][0]["ratio"] == 1.7
     assert merged["settings"]["iters"] == [3, 12]
+    # A merged table merges again (the committed table plus a run of newly ported families).
+    again = tmp_path / "merged.json"
+    again.write_text(json.dumps(merged))
+    third = tmp_path / "d.json"
+    third.write_text(
+        json.dumps({"settings": settings, "load_average": [[3, 3, 3]], "cpus": 2, "rows": [_row("z", 1.9, 1.8)]})
+    )
+    remerged = table["merge"]([again, third])
+    assert [r["family"] for r in remerged["rows"]] == ["x", "y", "z"]
+    assert remerged["settings"]["iters"] == [3, 12]
     other = tmp_path / "c.json"
     other.write_text(
         json.dumps({"settings": settings | {"size": "default"}, "load_average": [], "cpus": 2, "rows": []})
