@@ -301,6 +301,7 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     for path, payload in zip(paths[1:], payloads[1:], strict=True):
         if workload(payload["settings"]) != workload(settings):
             raise SystemExit(f"{path}: measured with {payload['settings']}, not {settings}; not merging")
+
     def pair_counts(settings: dict[str, Any]) -> list[int]:
         # A merged payload already lists its runs' counts (and its rows say their own).
         iters = settings["iters"]

@@ -287,11 +287,9 @@ def test_rope_interleave_field_decides_when_the_modeling_code_branches_on_it() -
         ("deepseek_v3", []),
         # Glm4MoeLite: DeepSeek-V3's MLA and router with one expert group (n_group=1).
         ("glm4_moe_lite", []),
-        # DeepseekV2Moe: softmax scores, no correction bias (edits the reference lacks).
-        (
-            "deepseek_v2",
-            ["unsupported: router scoring = softmax", "unsupported: router score-correction bias (absent)"],
-        ),
+        # DeepseekV2Moe: softmax scores, no correction bias, groups scored by their best
+        # expert (the mla_router args rewrite and the max_group_router edit).
+        ("deepseek_v2", []),
         # Dense MLA (no experts at all): the dense_layers edit on deepseek_v3.
         ("youtu", []),
         # Dense MLA with scale_emb, scale_depth / sqrt(num_hidden_layers) residuals and
