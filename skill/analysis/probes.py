@@ -1288,6 +1288,26 @@ def _moe_block(anatomy: LayerAnatomy) -> nn.Module | None:
     return next((c for c in layer.children() if experts_module(c) is not None and not is_norm(c)), None)
 
 
+def _routing_capture(top_k: int, captured: dict[str, torch.Tensor]):
+    """A forward pre-hook for the routed-experts module: keeps, from the first call handed
+    both, the ``[tokens, top_k]`` expert indices and float weights in ``captured``
+    (``"indices"``, ``"weights"``)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        values = [
+            v
+            for v in [*args, *kwargs.values()]
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[-1] == top_k
+        ]
+        index = next((v for v in values if _is_integer(v)), None)
+        weights = next((v for v in values if v.is_floating_point()), None)
+        if index is not None and weights is not None and not captured:
+            captured["indices"] = index.detach().clone()
+            captured["weights"] = weights.detach().clone()
+
+    return hook
+
+
 def route_designed_logits(
     anatomy: LayerAnatomy, num_experts: int, top_k: int, designed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -1315,14 +1335,8 @@ def route_designed_logits(
     tokens, width = designed.shape[0], int(weight.shape[1])
     if tokens > width:
         return None
-    captured: list[torch.Tensor] = []
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        values = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() == 2]
-        index = next((v for v in values if _is_integer(v) and v.shape[-1] == top_k), None)
-        weights = next((v for v in values if v.is_floating_point() and v.shape[-1] == top_k), None)
-        if index is not None and weights is not None and not captured:
-            captured.extend([index.detach().clone(), weights.detach().clone()])
+    captured: dict[str, torch.Tensor] = {}
+    hook = _routing_capture(top_k, captured)
 
     with torch.no_grad():
         for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
@@ -1339,7 +1353,7 @@ def route_designed_logits(
             return None
         finally:
             handle.remove()
-    return (captured[0], captured[1]) if captured else None
+    return (captured["indices"], captured["weights"]) if captured else None
 
 
 # Two groups of four experts, logits chosen so the rules disagree: group 0 holds the single
@@ -1401,15 +1415,7 @@ def _expert_indices_and_weights(model: nn.Module, layer: nn.Module, config: Any,
     if found is None:
         return None, None
     captured: dict[str, torch.Tensor] = {}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        for value in [*args, *kwargs.values()]:
-            if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] != top_k:
-                continue
-            kind = "weights" if value.is_floating_point() else "indices"
-            captured.setdefault(kind, value.detach().clone())
-
-    handle = found[1].register_forward_pre_hook(hook, with_kwargs=True)
+    handle = found[1].register_forward_pre_hook(_routing_capture(top_k, captured), with_kwargs=True)
     try:
         with torch.no_grad():
             logits(model, tokens_for(config, length))
