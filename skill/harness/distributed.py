@@ -105,6 +105,13 @@ SGD_LR = 0.1
 COLLECTIVE_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_S = 300.0
 ERROR_GRACE_S = 5.0
+# A launch whose ranks never all met (a forked worker stuck before the store: the
+# fork copied a lock another thread held, or a loaded machine starved it for a
+# minute) is started again with fresh processes, this many times in all.
+RENDEZVOUS_ATTEMPTS = 3
+# The phase a worker's error came from.
+_RENDEZVOUS = "rendezvous_error"
+_RUN = "error"
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -115,6 +122,16 @@ class WorkerFailure(RuntimeError):
     """A worker raised, died or timed out; the message carries its traceback."""
 
 
+def _rendezvous(rank: int, world_size: int, port: int) -> None:
+    """Join the parent's store and form the gloo group (every rank, or none, returns)."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # init returns per rank; without this barrier a fast rank can finish and close
+    # its connections while its peer is still in gloo's connectFullMesh.
+    dist.barrier()
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -123,21 +140,12 @@ def _worker_main(
     args: tuple[Any, ...],
     conn: Connection,
 ) -> None:
+    phase = _RENDEZVOUS
     try:
         # Two workers share the cores; more threads each only contend.
         torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
-        # init returns per rank; without this barrier a fast rank can finish and close
-        # its connections while its peer is still in gloo's connectFullMesh.
-        dist.barrier()
+        _rendezvous(rank, world_size, port)
+        phase = _RUN
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -147,7 +155,7 @@ def _worker_main(
         conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:
         message = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        conn.send_bytes(pickle.dumps(("error", message)))
+        conn.send_bytes(pickle.dumps((phase, message)))
     finally:
         conn.close()
 
@@ -164,9 +172,41 @@ def launch(
     ``args`` are inherited through fork, not pickled, so they may hold models. Raises
     :class:`WorkerFailure` with the worker's traceback if any rank raises, dies
     or runs past ``timeout_s``; the other workers are then terminated.
+
+    When the ranks never form their process group (no rank reached ``fn``), nothing
+    about ``fn`` is known yet: the launch starts again with fresh processes, up to
+    :data:`RENDEZVOUS_ATTEMPTS` times, and says so in the log.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _launch_once(fn, world_size, args, timeout_s)
+        except _RendezvousFailure as failure:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise WorkerFailure(
+                    f"the {world_size} workers did not form a process group in {attempt} attempts:\n{failure}"
+                ) from None
+            logger.warning(
+                "the %d workers did not form a process group (attempt %d of %d); starting them again:\n%s",
+                world_size,
+                attempt,
+                RENDEZVOUS_ATTEMPTS,
+                failure,
+            )
+    raise AssertionError("unreachable")
+
+
+class _RendezvousFailure(WorkerFailure):
+    """No rank got past the rendezvous: the launch may be started again."""
+
+
+def _launch_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> list[Any]:
     ctx = mp.get_context("fork")
     # The parent serves the rendezvous store on a port the OS picks while binding, so
     # concurrent launches (pytest-xdist) cannot race for a port.
@@ -196,11 +236,14 @@ def launch(
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
     errors: list[str] = []
+    # Whether every failure so far happened before the process group formed.
+    before_group = True
     try:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if not errors:
+                    before_group = False
                     errors.append(
                         f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
                         "(a hang in a collective, or a deadlock in a forked worker)"
@@ -213,17 +256,20 @@ def launch(
                     status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(timeout=1.0)
+                    before_group = False
                     errors.append(f"rank {rank} died without a result (exit code {procs[rank].exitcode})")
                     pending.discard(rank)
                     continue
                 pending.discard(rank)
                 if status == "ok":
+                    before_group = False
                     results[rank] = payload
                 else:
                     if not errors:
                         # The first failure usually breaks its peers' collectives too;
                         # wait briefly for their reports so the root cause is among them.
                         deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                    before_group = before_group and status == _RENDEZVOUS
                     errors.append(payload)
     finally:
         for worker in procs:
@@ -236,7 +282,8 @@ def launch(
         for parent in conns:
             parent.close()
     if errors:
-        raise WorkerFailure("distributed workers failed:\n" + "\n".join(errors))
+        failure = _RendezvousFailure if before_group else WorkerFailure
+        raise failure("distributed workers failed:\n" + "\n".join(errors))
     return results
 
 
