@@ -7,6 +7,12 @@ kills the whole group on any exception (Ctrl-C, SIGTERM turned into ``SystemExit
 the CLI, a timeout) and when the running call is cancelled. :func:`scratch_dir` names
 its folders after the process that made them and removes, first, those of processes
 that are gone (a SIGKILL runs no cleanup).
+
+:func:`run_python_module` runs ``python -m <module>`` the same way, but forks the child
+from a warm interpreter (:mod:`skill.porting.zygote`) that has torch, transformers and
+pytest imported already and nothing of the engine or the models: a child still imports
+the workspace's ``archon_models`` afresh, and starts in a fraction of a second instead of
+six. ``ARCHON_PORT_WARM_CHILDREN=0`` turns it off (every run then execs a new interpreter).
 """
 
 from __future__ import annotations
@@ -14,15 +20,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from skill.codemod.workspace import check_cancelled
 
@@ -30,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
+WARM_CHILDREN_ENV = "ARCHON_PORT_WARM_CHILDREN"
+_ZYGOTE_FILE = Path(__file__).with_name("zygote.py")
+# How long a killed child's exit may take to be reported before the call gives up on it.
+_REAP_WAIT_S = 10.0
 
 
 def _die_with_parent_hook():
@@ -93,6 +109,132 @@ def run_child(
         return subprocess.CompletedProcess(list(command), process.returncode, out.read(), err.read())
 
 
+def run_python_module(
+    module: str, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module *argv`` in ``cwd`` with ``env`` (its ``PYTHONPATH`` included), as
+    :func:`run_child` runs it: own process group, killed on timeout, exception or cancel."""
+    command = [sys.executable, "-m", module, *argv]
+    if os.environ.get(WARM_CHILDREN_ENV, "1") == "0" or not hasattr(socket, "send_fds"):
+        return run_child(command, cwd=cwd, env=env, timeout=timeout)
+    request = {"module": module, "argv": list(argv), "cwd": str(Path(cwd).resolve()), "env": dict(env)}
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        status = _ZYGOTE.start(request, out.fileno(), err.fileno())
+        with os.fdopen(status, "rb", buffering=0) as pipe:
+            reader = _StatusReader(pipe)
+            pid: int | None = None
+            try:
+                pid = reader.number("pid", deadline=None)
+                returncode = reader.number("rc", deadline=deadline, command=command, timeout=timeout)
+            except BaseException as e:
+                logger.info("stopping %s (%s)", module, type(e).__name__)
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                    with contextlib.suppress(Exception):
+                        reader.number("rc", deadline=time.monotonic() + _REAP_WAIT_S)
+                raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+
+
+class _StatusReader:
+    """Reads the zygote's ``pid <n>`` / ``rc <n>`` lines for one child."""
+
+    def __init__(self, pipe: Any):
+        self.pipe = pipe
+        self.buffer = b""
+
+    def number(self, key: str, *, deadline: float | None, command: Sequence[str] = (), timeout: float = 0.0) -> int:
+        while b"\n" not in self.buffer:
+            check_cancelled()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(list(command), timeout)
+            ready, _, _ = select.select([self.pipe], [], [], _POLL_S)
+            if ready:
+                chunk = self.pipe.read(4096)
+                if not chunk:
+                    if key == "rc":  # the zygote died with the child unreported
+                        return -signal.SIGKILL
+                    raise RuntimeError("the warm interpreter stopped before starting the child")
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        name, _, value = line.decode().partition(" ")
+        if name != key:
+            raise RuntimeError(f"the warm interpreter said {line.decode()!r}, expected {key!r}")
+        return int(value)
+
+
+class _Zygote:
+    """One warm interpreter per process, started on first use and again if it died."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._socket: socket.socket | None = None
+        self._pid = -1
+
+    def start(self, request: dict[str, Any], out_fd: int, err_fd: int) -> int:
+        """Send one run; returns the read end of its status pipe."""
+        data = json.dumps(request).encode()
+        read_fd, write_fd = os.pipe()
+        try:
+            with self._lock:
+                for attempt in (1, 2):
+                    control = self._ensure_running()
+                    try:
+                        socket.send_fds(control, [data], [write_fd, out_fd, err_fd])
+                        break
+                    except OSError:
+                        self._stop()
+                        if attempt == 2:
+                            raise
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return read_fd
+
+    def _ensure_running(self) -> socket.socket:
+        # A forked copy of this process (a stage-5 worker) must start its own.
+        if self._process is not None and self._pid == os.getpid() and self._process.poll() is None:
+            assert self._socket is not None
+            return self._socket
+        self._process = None
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        code = f"import runpy; runpy.run_path({str(_ZYGOTE_FILE)!r}, run_name='__main__')"
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code, str(child_end.fileno())],
+            cwd=tempfile.gettempdir(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(child_end.fileno(),),
+            process_group=0,
+        )
+        child_end.close()
+        self._socket = parent_end
+        self._pid = os.getpid()
+        logger.debug("started the warm interpreter (pid %d)", self._process.pid)
+        return parent_end
+
+    def _stop(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+            self._process.wait()
+        self._process = None
+        self._socket = None
+
+
+_ZYGOTE = _Zygote()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -125,4 +267,4 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         yield Path(folder)
 
 
-__all__ = ["run_child", "scratch_dir", "sweep_stale_scratch"]
+__all__ = ["run_child", "run_python_module", "scratch_dir", "sweep_stale_scratch"]

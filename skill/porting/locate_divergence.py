@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field, JsonValue
 
 import skill
 from skill.codemod import Workspace
-from skill.porting.child_process import run_child
+from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout, PackageRequest
 
 logger = logging.getLogger(__name__)
@@ -93,21 +93,14 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
     layout = PackageLayout.for_name(request.model_name)
     if not (workspace.root / layout.package_dir).is_dir():
         raise FileNotFoundError(f"{layout.package_dir}/ does not exist; port the family first (archon-port add).")
-    command = [
-        sys.executable,
-        "-m",
-        "skill.porting.locate_divergence",
-        request.model_name,
-        "--num-tokens",
-        str(request.num_tokens),
-    ]
+    argv = [request.model_name, "--num-tokens", str(request.num_tokens)]
     if request.model_type:
-        command += ["--model-type", request.model_type]
+        argv += ["--model-type", request.model_type]
     if request.config_overrides:
-        command += ["--config-overrides", json.dumps(request.config_overrides)]
+        argv += ["--config-overrides", json.dumps(request.config_overrides)]
     paths = [str(workspace.root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    proc = run_child(command, cwd=workspace.root, env=env, timeout=600)
+    proc = run_python_module("skill.porting.locate_divergence", argv, cwd=workspace.root, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
     return LocateDivergenceResult.model_validate_json(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from pydantic import BaseModel, Field, JsonValue, field_validator
 
 import skill
 from skill.codemod import StagedTree
-from skill.porting.child_process import run_child, scratch_dir
+from skill.porting.child_process import run_python_module, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
@@ -149,10 +148,7 @@ def run_stage_subprocess(
         raise FileNotFoundError(f"{layout.test_file} does not exist; run_test_stage writes it, or run port_model.")
     with scratch_dir("archon-port-stage") as tmp:
         report = tmp / "report.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
+        argv = [
             str(test_path),
             "-m",
             marker,
@@ -166,14 +162,14 @@ def run_stage_subprocess(
             "junit_family=xunit2",
         ]
         if case_id is not None:
-            command += ["-k", f"[{case_id}]"]
+            argv += ["-k", f"[{case_id}]"]
         # The workspace's archon_models and tests first, then this engine (for a workspace without skill/).
         paths = [str(root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p))}
         start = time.perf_counter()
         logger.info("running %s of %s", marker, model_name)
         try:
-            proc = run_child(command, cwd=root, env=env, timeout=timeout_s)
+            proc = run_python_module("pytest", argv, cwd=root, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise TimeoutError(f"stage {stage} of {model_name} ran past {timeout_s:.0f}s") from e
         seconds = time.perf_counter() - start

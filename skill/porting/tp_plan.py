@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 import skill
 from skill.codemod import StagedTree
+from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout
 
 logger = logging.getLogger(__name__)
@@ -81,13 +82,13 @@ def trace_tp_plan(
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text, encoding="utf-8")
         out = root / "plan.json"
-        command = [sys.executable, "-m", "skill.porting.tp_plan", model_name, "--out", str(out)]
+        argv = [model_name, "--out", str(out)]
         for source in sources:
-            command += ["--source", source]
+            argv += ["--source", source]
         paths = [str(root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         try:
-            proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+            proc = run_python_module("skill.porting.tp_plan", argv, cwd=root, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PlanTraceError(f"tracing the TP plan ran past {timeout_s:.0f}s") from e
         if proc.returncode != 0 or not out.is_file():

@@ -161,3 +161,37 @@ def test_commit_refuses_a_file_changed_since_staging(workspace):
     with pytest.raises(ConcurrentEditError, match="changed on disk"):
         tree.commit()
     assert (workspace.root / "archon_models/__init__.py").read_text() == "# registry\nimport theirs\n"
+
+
+@pytest.mark.parametrize("reference", ["qwen2", "qwen3", "deepseek_v3"])
+def test_replace_node_gives_what_libcst_deep_replace_gives(reference: str):
+    # replace_node rebuilds only the ancestors of the node it replaces; the tree, and so the
+    # code, must be libcst's deep_replace's for a node at any depth and in any field kind
+    # (a single child, a body sequence, an argument list).
+    import pathlib
+
+    import libcst as cst
+
+    source = (pathlib.Path(__file__).parents[2] / "archon_models" / reference / "model" / "model.py").read_text()
+    module = cst.parse_module(source)
+    nodes: list[cst.CSTNode] = []
+
+    class _Collect(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            nodes.append(node)
+            return True
+
+    module.visit(_Collect())
+    kinds = (cst.Name, cst.SimpleStatementLine, cst.Arg, cst.FunctionDef, cst.Integer)
+    # Four of each kind, spread over the module.
+    picked = [node for kind in kinds for node in [n for n in nodes if isinstance(n, kind)][::-1][::60][:4]]
+    assert len({type(n) for n in picked}) == len(kinds)
+    for node in picked:
+        new = cst.Name("REPLACED") if isinstance(node, (cst.Name, cst.Integer)) else node.deep_clone()
+        expected = module.deep_replace(node, new)
+        assert isinstance(expected, cst.Module)
+        got = c.replace_node(module, node, new)
+        assert got.deep_equals(expected)
+        assert isinstance(got, cst.Module) and got.code == expected.code
+    with pytest.raises(c.CodemodError, match="is not inside the module edited"):
+        c.replace_node(module, cst.Name("elsewhere"), cst.Name("x"))

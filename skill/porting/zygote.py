@@ -1,0 +1,176 @@
+"""A warm Python interpreter that forks fresh children for ``python -m <module>`` runs.
+
+A stage run or a TP-plan trace starts a new interpreter so the workspace's
+``archon_models`` is imported as it is on disk, never a copy this process imported
+earlier. Most of such a child's time is spent importing torch, transformers and pytest
+(about 6 s of a 7 s TP-plan trace). This server imports them once and forks a child per
+run; the child then imports everything else (``archon_models``, ``skill``, the tests)
+afresh from the paths the run names, as a new interpreter would.
+
+It is started by :mod:`skill.porting.child_process` with ``runpy.run_path`` (not as a
+module of ``skill``: it must never import the engine or the models) and speaks over one
+Unix socket: each request is a JSON object sent with three file descriptors (the status pipe's
+write end, and the files the child's stdout and stderr go to). The server forks; the child
+starts its own session (the caller kills its whole process group), asks for SIGKILL
+when the server dies, and runs the module. The server writes ``pid <n>`` to the
+request's status pipe at once and ``rc <n>`` when it has reaped the child (``-<signal>``
+for a child killed by a signal), then closes it. When the caller's end of the socket
+closes (the caller exited or was killed), the server kills its children's process
+groups and exits. (It does not ask for ``PR_SET_PDEATHSIG`` itself: that signal follows
+the *thread* that started it, and a tool call's worker thread may end while another
+call's child still runs.)
+
+Only the standard library is imported at module level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+# What a child would import first, in the order a stage run does. A module that fails to
+# import is skipped: the child then imports it itself (and reports the error there).
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "torch.distributed", "pytest")
+_PR_SET_PDEATHSIG = 1
+_REAP_INTERVAL_S = 0.05
+_MAX_FDS = 3
+_MAX_REQUEST_BYTES = 1 << 20
+
+
+def _die_with_parent() -> None:
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        ctypes.CDLL(name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _run_child(request: dict[str, Any], base_path: list[str]) -> int:
+    """In the forked child: become the interpreter ``python -m module *argv`` would be."""
+    os.setsid()
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    cwd = request["cwd"]
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # python -m puts the working directory first, then PYTHONPATH, then the site paths.
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *base_path]
+    threads = request["env"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    sys.argv = [request["module"], *request["argv"]]
+    code: Any = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    return code
+
+
+def _child_main(request: dict[str, Any], base_path: list[str], out_fd: int, err_fd: int) -> None:
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+    code = 1
+    try:
+        code = _run_child(request, base_path)
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # exiting either way
+                stream.flush()
+        os._exit(code & 0xFF)
+
+
+def _write(fd: int, text: str) -> None:
+    with contextlib.suppress(OSError):  # the caller stopped listening
+        os.write(fd, text.encode())
+
+
+def serve(control: socket.socket) -> None:
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):  # the child imports it again and reports
+            __import__(name)
+    base_path = [p for p in sys.path if p and p != os.getcwd()]
+    children: dict[int, int] = {}  # pid -> status fd
+    open_ = True
+    while open_ or children:
+        if open_:
+            ready, _, _ = select.select([control], [], [], _REAP_INTERVAL_S)
+        else:
+            ready = []
+            select.select([], [], [], _REAP_INTERVAL_S)
+        if ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(control, _MAX_REQUEST_BYTES, _MAX_FDS)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                open_ = False
+                for fd in fds:
+                    os.close(fd)
+                # The caller is gone: its runs are of no use to anybody.
+                for pid in children:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                continue
+            status_fd, out_fd, err_fd = fds
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                control.close()
+                os.close(status_fd)
+                for fd in children.values():
+                    os.close(fd)
+                _child_main(request, base_path, out_fd, err_fd)
+            os.close(out_fd)
+            os.close(err_fd)
+            children[pid] = status_fd
+            _write(status_fd, f"pid {pid}\n")
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                raise
+            if pid == 0:
+                break
+            if pid in children:
+                fd = children.pop(pid)
+                _write(fd, f"rc {os.waitstatus_to_exitcode(status)}\n")
+                os.close(fd)
+
+
+def main() -> None:
+    fd = int(sys.argv[-1])
+    serve(socket.socket(fileno=fd))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""run_python_module: ``python -m`` runs forked from a warm interpreter behave like fresh ones.
+
+A fresh interpreter is what the stage runs and the TP-plan trace rely on: the
+workspace's modules are imported as they are on disk, never a copy imported before.
+These tests hold the warm path to that, and to run_child's rules: the output and exit
+status come back, and a timeout, a cancel or a killed caller leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from skill.codemod.workspace import CallCancelledError, cancellable
+from skill.porting.child_process import WARM_CHILDREN_ENV, run_python_module
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    import helper
+    print(json.dumps({
+        "argv": sys.argv[1:],
+        "cwd": os.getcwd(),
+        "value": helper.VALUE,
+        "env": os.environ.get("PROBE_VALUE"),
+        "ppid": os.getppid(),
+        "engine_loaded": sorted(m for m in ("skill", "archon_models", "tests") if m in sys.modules),
+        "torch_loaded": "torch" in sys.modules,
+        "path_head": sys.path[:2],
+    }))
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+    """
+)
+
+
+def _wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie no longer runs
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "probe.py").write_text(PROBE)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "helper.py").write_text("VALUE = 1\n")
+    return tmp_path
+
+
+def _run(project: Path, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(project / "lib"), **env}
+    return run_python_module("probe", list(argv), cwd=project, env=full_env, timeout=120)
+
+
+def test_a_warm_child_sees_its_paths_env_and_argv_and_imports_the_workspace_afresh(project: Path):
+    first = _run(project, "--flag", "x", PROBE_VALUE="a")
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.strip().endswith("to stderr")
+    seen = json.loads(first.stdout)
+    assert seen["argv"] == ["--flag", "x"] and seen["env"] == "a" and seen["value"] == 1
+    assert seen["cwd"] == str(project.resolve())
+    # python -m's order: the working directory, then PYTHONPATH.
+    assert seen["path_head"] == [str(project.resolve()), str(project / "lib")]
+    # Warm: torch is there already; fresh: nothing of the engine or the models is.
+    assert seen["torch_loaded"] and seen["engine_loaded"] == []
+    assert seen["ppid"] != os.getpid()
+
+    # A module edited on disk between two runs is seen as edited.
+    (project / "lib" / "helper.py").write_text("VALUE = 2\n")
+    second = json.loads(_run(project, PROBE_VALUE="b").stdout)
+    assert second["value"] == 2 and second["env"] == "b" and second["argv"] == []
+    assert second["ppid"] == seen["ppid"], "each run started a new warm interpreter"
+
+
+def test_exit_codes_and_tracebacks_come_back(project: Path):
+    assert _run(project, PROBE_EXIT="3").returncode == 3
+    (project / "boom.py").write_text("raise ValueError('boom in the child')\n")
+    failed = run_python_module("boom", [], cwd=project, env=dict(os.environ), timeout=60)
+    assert failed.returncode == 1 and "ValueError: boom in the child" in failed.stderr
+    (project / "killed.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = run_python_module("killed", [], cwd=project, env=dict(os.environ), timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def test_concurrent_runs_keep_their_own_output(project: Path):
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def run(tag: str) -> None:
+        results[tag] = _run(project, tag, PROBE_VALUE=tag)
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in ("one", "two", "three")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for tag, result in results.items():
+        seen = json.loads(result.stdout)
+        assert seen["argv"] == [tag] and seen["env"] == tag
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{os.getpid()} {grandchild.pid}")
+    time.sleep(120)
+    """
+)
+
+
+def _sleeper_pids(pid_file: Path) -> list[int]:
+    assert _wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2), "never started"
+    return [int(p) for p in pid_file.read_text().split()]
+
+
+def test_a_timeout_kills_the_child_and_what_it_started(tmp_path: Path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pid_file = tmp_path / "pids"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python_module("sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=4)
+    for pid in _sleeper_pids(pid_file):
+        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after the timeout"
+
+
+def test_a_cancelled_call_kills_its_warm_child(tmp_path: Path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pid_file = tmp_path / "pids"
+    event = threading.Event()
+
+    def cancel_once_started() -> None:
+        _wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2)
+        event.set()
+
+    threading.Thread(target=cancel_once_started, daemon=True).start()
+    with cancellable(event), pytest.raises(CallCancelledError):
+        run_python_module("sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=120)
+    for pid in _sleeper_pids(pid_file):
+        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after the cancel"
+
+
+def test_a_killed_caller_takes_the_warm_interpreter_and_its_children_along(tmp_path: Path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pid_file = tmp_path / "pids"
+    caller = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        from skill.porting.child_process import run_python_module
+        cwd = Path({str(tmp_path)!r})
+        run_python_module("sleeper", [{str(pid_file)!r}], cwd=cwd, env=dict(os.environ), timeout=300)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", caller], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child, grandchild = _sleeper_pids(pid_file)
+    zygote = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in (child, grandchild, zygote):
+        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after its caller was killed"
+
+
+def test_warm_children_can_be_turned_off(project: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(WARM_CHILDREN_ENV, "0")
+    seen = json.loads(_run(project).stdout)
+    assert seen["ppid"] == os.getpid() and not seen["torch_loaded"]
