@@ -20,17 +20,9 @@ from mcp import Client
 from mcp_server import build_server
 from skill.codemod.workspace import CallCancelledError, cancellable
 from skill.porting.child_process import run_child, sweep_stale_scratch
+from tests.processes import process_gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
@@ -77,21 +69,12 @@ def test_a_killed_parent_takes_its_stage_child_and_scratch_folder_along(tmp_path
         text=True,
     )
     folder = Path(proc.stdout.readline().strip())
-    assert _wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip()), "the child never started"
+    assert wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip()), "the child never started"
     child_pid = int(pid_file.read_text())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
-    def gone() -> bool:
-        try:
-            os.kill(child_pid, 0)
-        except ProcessLookupError:
-            return True
-        # a zombie is gone too: it no longer runs
-        with open(f"/proc/{child_pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-    assert _wait_for(gone), f"child {child_pid} still runs after its parent was killed"
+    assert wait_for(lambda: process_gone(child_pid)), f"child {child_pid} still runs after its parent was killed"
     assert folder.is_dir() and folder.name.startswith(f"archon-port-stage-{proc.pid}-")
     assert folder in sweep_stale_scratch("archon-port-stage", Path(tempfile.gettempdir()))
     assert not folder.exists()

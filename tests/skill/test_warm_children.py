@@ -15,13 +15,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from skill.codemod.workspace import CallCancelledError, cancellable
 from skill.porting.child_process import WARM_CHILDREN_ENV, run_python_module
+from tests.processes import process_gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,24 +43,6 @@ PROBE = textwrap.dedent(
     sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
     """
 )
-
-
-def _wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie no longer runs
-        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.fixture
@@ -135,7 +117,7 @@ SLEEPER = textwrap.dedent(
 
 
 def _sleeper_pids(pid_file: Path) -> list[int]:
-    assert _wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2), "never started"
+    assert wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2), "never started"
     return [int(p) for p in pid_file.read_text().split()]
 
 
@@ -145,7 +127,7 @@ def test_a_timeout_kills_the_child_and_what_it_started(tmp_path: Path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_python_module("sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=4)
     for pid in _sleeper_pids(pid_file):
-        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after the timeout"
+        assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} still runs after the timeout"
 
 
 def test_a_cancelled_call_kills_its_warm_child(tmp_path: Path):
@@ -154,14 +136,14 @@ def test_a_cancelled_call_kills_its_warm_child(tmp_path: Path):
     event = threading.Event()
 
     def cancel_once_started() -> None:
-        _wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2)
+        wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2)
         event.set()
 
     threading.Thread(target=cancel_once_started, daemon=True).start()
     with cancellable(event), pytest.raises(CallCancelledError):
         run_python_module("sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=120)
     for pid in _sleeper_pids(pid_file):
-        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after the cancel"
+        assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} still runs after the cancel"
 
 
 def test_a_killed_caller_takes_the_warm_interpreter_and_its_children_along(tmp_path: Path):
@@ -182,7 +164,7 @@ def test_a_killed_caller_takes_the_warm_interpreter_and_its_children_along(tmp_p
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     for pid in (child, grandchild, zygote):
-        assert _wait_for(lambda pid=pid: _gone(pid)), f"{pid} still runs after its caller was killed"
+        assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} still runs after its caller was killed"
 
 
 def test_warm_children_can_be_turned_off(project: Path, monkeypatch: pytest.MonkeyPatch):
