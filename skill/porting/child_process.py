@@ -115,7 +115,7 @@ def run_python_module(
     """``python -m module *argv`` in ``cwd`` with ``env`` (its ``PYTHONPATH`` included), as
     :func:`run_child` runs it: own process group, killed on timeout, exception or cancel."""
     command = [sys.executable, "-m", module, *argv]
-    if os.environ.get(WARM_CHILDREN_ENV, "1") == "0" or not hasattr(socket, "send_fds"):
+    if not _warm_children_on():
         return run_child(command, cwd=cwd, env=env, timeout=timeout)
     request = {"module": module, "argv": list(argv), "cwd": str(Path(cwd).resolve()), "env": dict(env)}
     deadline = time.monotonic() + timeout
@@ -138,6 +138,20 @@ def run_python_module(
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+
+
+def _warm_children_on() -> bool:
+    return os.environ.get(WARM_CHILDREN_ENV, "1") != "0" and hasattr(socket, "send_fds")
+
+
+def warm_up() -> None:
+    """Start the warm interpreter now, so its imports overlap the caller's own work (the
+    analysis that precedes a port's first child). Returns at once; a no-op when warm
+    children are off or it runs already."""
+    if not _warm_children_on():
+        return
+    with _ZYGOTE._lock:
+        _ZYGOTE._ensure_running()
 
 
 class _StatusReader:
@@ -267,4 +281,4 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         yield Path(folder)
 
 
-__all__ = ["run_child", "run_python_module", "scratch_dir", "sweep_stale_scratch"]
+__all__ = ["run_child", "run_python_module", "scratch_dir", "sweep_stale_scratch", "warm_up"]

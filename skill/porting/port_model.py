@@ -14,6 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from skill.codemod import StagedTree, Workspace, validate_model_name
 from skill.errors import step_error_message
 from skill.porting.check_package import CheckPackageRequest, run_checks
+from skill.porting.child_process import warm_up
 from skill.porting.common import PackageLayout
 from skill.porting.copy_reference import REFERENCES, CopyReferenceRequest, apply_copy_reference, refuse_reference
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
@@ -150,6 +151,9 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             **extra,
         )
 
+    # The TP-plan check and the stages run in children of the warm interpreter: let it
+    # import torch and transformers while the analysis runs.
+    warm_up()
     try:
         # The plan is read off the analysis: what the analyser refuses (encoders,
         # encoder-decoders, multimodal, hybrid and state-space models, ...) is refused here

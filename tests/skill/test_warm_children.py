@@ -171,3 +171,14 @@ def test_warm_children_can_be_turned_off(project: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv(WARM_CHILDREN_ENV, "0")
     seen = json.loads(_run(project).stdout)
     assert seen["ppid"] == os.getpid() and not seen["torch_loaded"]
+
+
+def test_warm_up_starts_the_interpreter_the_next_run_forks_from(project: Path):
+    from skill.porting import child_process
+
+    child_process.warm_up()
+    started = child_process._ZYGOTE._process
+    assert started is not None and started.poll() is None
+    child_process.warm_up()  # running already: the same one
+    assert child_process._ZYGOTE._process is started
+    assert json.loads(_run(project).stdout)["ppid"] == started.pid
