@@ -254,14 +254,14 @@ def _launch_once(
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
     errors: list[str] = []
-    # Whether every failure so far happened before the process group formed.
-    before_group = True
+    # Each report's kind: "ok", a worker's error phase, "died" or "timeout".
+    reports: list[str] = []
     try:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if not errors:
-                    before_group = False
+                    reports.append("timeout")
                     errors.append(
                         f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
                         "(a hang in a collective, or a deadlock in a forked worker)"
@@ -274,20 +274,19 @@ def _launch_once(
                     status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(timeout=1.0)
-                    before_group = False
+                    reports.append("died")
                     errors.append(f"rank {rank} died without a result (exit code {procs[rank].exitcode})")
                     pending.discard(rank)
                     continue
                 pending.discard(rank)
+                reports.append(status)
                 if status == "ok":
-                    before_group = False
                     results[rank] = payload
                 else:
                     if not errors:
                         # The first failure usually breaks its peers' collectives too;
                         # wait briefly for their reports so the root cause is among them.
                         deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
-                    before_group = before_group and status == _RENDEZVOUS
                     errors.append(payload)
     finally:
         for worker in procs:
@@ -300,7 +299,9 @@ def _launch_once(
         for parent in conns:
             parent.close()
     if errors:
-        failure = _RendezvousFailure if before_group else WorkerFailure
+        # Started again only when every report is a rendezvous error (ranks that never
+        # reported were stuck before it too): no rank ran fn.
+        failure = _RendezvousFailure if set(reports) == {_RENDEZVOUS} else WorkerFailure
         raise failure("distributed workers failed:\n" + "\n".join(errors))
     return results
 

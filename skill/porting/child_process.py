@@ -18,8 +18,6 @@ six. ``ARCHON_PORT_WARM_CHILDREN=0`` turns it off (every run then execs a new in
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -37,31 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from skill.codemod.workspace import check_cancelled
+from skill.porting.zygote import die_with_parent_hook
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
 WARM_CHILDREN_ENV = "ARCHON_PORT_WARM_CHILDREN"
 _ZYGOTE_FILE = Path(__file__).with_name("zygote.py")
 # How long a killed child's exit may take to be reported before the call gives up on it.
 _REAP_WAIT_S = 10.0
-
-
-def _die_with_parent_hook():
-    """A ``preexec_fn`` that makes the child receive SIGKILL when its parent dies, or None."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        prctl = ctypes.CDLL(name, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    return hook
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -91,7 +73,7 @@ def run_child(
             process_group=0,
             # Runs between fork and exec; it makes one prctl call and touches no lock, so the
             # usual hazard of preexec_fn in a threaded parent does not apply.
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent_hook(),
         )
         try:
             while process.poll() is None:
@@ -125,7 +107,7 @@ def run_python_module(
             reader = _StatusReader(pipe)
             pid: int | None = None
             try:
-                pid = reader.number("pid", deadline=None)
+                pid = reader.number("pid", deadline=deadline, command=command, timeout=timeout)
                 returncode = reader.number("rc", deadline=deadline, command=command, timeout=timeout)
             except BaseException as e:
                 logger.info("stopping %s (%s)", module, type(e).__name__)
@@ -148,10 +130,8 @@ def warm_up() -> None:
     """Start the warm interpreter now, so its imports overlap the caller's own work (the
     analysis that precedes a port's first child). Returns at once; a no-op when warm
     children are off or it runs already."""
-    if not _warm_children_on():
-        return
-    with _ZYGOTE._lock:
-        _ZYGOTE._ensure_running()
+    if _warm_children_on():
+        _ZYGOTE.ensure_running()
 
 
 class _StatusReader:
@@ -161,10 +141,10 @@ class _StatusReader:
         self.pipe = pipe
         self.buffer = b""
 
-    def number(self, key: str, *, deadline: float | None, command: Sequence[str] = (), timeout: float = 0.0) -> int:
+    def number(self, key: str, *, deadline: float, command: Sequence[str] = (), timeout: float = 0.0) -> int:
         while b"\n" not in self.buffer:
             check_cancelled()
-            if deadline is not None and time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(list(command), timeout)
             ready, _, _ = select.select([self.pipe], [], [], _POLL_S)
             if ready:
@@ -211,6 +191,10 @@ class _Zygote:
         finally:
             os.close(write_fd)
         return read_fd
+
+    def ensure_running(self) -> None:
+        with self._lock:
+            self._ensure_running()
 
     def _ensure_running(self) -> socket.socket:
         # A forked copy of this process (a stage-5 worker) must start its own.

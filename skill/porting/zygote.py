@@ -37,6 +37,7 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # What a child would import first, in the order a stage run does. A module that fails to
@@ -48,16 +49,31 @@ _MAX_FDS = 3
 _MAX_REQUEST_BYTES = 1 << 20
 
 
-def _die_with_parent() -> None:
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """A function that makes the calling process receive SIGKILL when its parent dies
+    (``PR_SET_PDEATHSIG``, Linux), or None where libc's ``prctl`` cannot be found. Here, in
+    this standard-library-only module, for both the forked children below and the
+    ``preexec_fn`` of :func:`skill.porting.child_process.run_child`."""
     name = ctypes.util.find_library("c")
-    if name is not None:
-        ctypes.CDLL(name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if name is None:
+        return None
+    try:
+        prctl = ctypes.CDLL(name, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return hook
 
 
 def _run_child(request: dict[str, Any], base_path: list[str]) -> int:
     """In the forked child: become the interpreter ``python -m module *argv`` would be."""
     os.setsid()
-    _die_with_parent()
+    die_with_parent = die_with_parent_hook()
+    if die_with_parent is not None:
+        die_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     cwd = request["cwd"]
