@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 15.0) -> bool:
@@ -18,10 +18,13 @@ def wait_for(predicate: Callable[[], object], timeout: float = 15.0) -> bool:
 
 
 def process_gone(pid: int) -> bool:
-    """The process no longer runs: it does not exist, or it is a zombie."""
+    """The process no longer runs: it does not exist, or it is a zombie.
+
+    Its ``/proc`` entry is read directly, not after a ``kill(pid, 0)`` probe: a zombie reaped
+    between the probe and the read would otherwise make the read fail instead of answer.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except (FileNotFoundError, ProcessLookupError):
         return True
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
