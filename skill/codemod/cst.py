@@ -14,6 +14,8 @@ from typing import Any, TypeGuard
 import libcst as cst
 import libcst.matchers as m
 
+from skill.codemod import parse_cache
+
 
 class CodemodError(ValueError):
     """The source does not have the shape an edit expects."""
@@ -21,7 +23,7 @@ class CodemodError(ValueError):
 
 def _parse(source: str) -> cst.Module:
     try:
-        return cst.parse_module(source)
+        return parse_cache.parse_module(source)
     except cst.ParserSyntaxError as e:
         raise CodemodError(f"cannot parse source: {e}") from e
 
