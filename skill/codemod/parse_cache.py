@@ -18,9 +18,11 @@ comments, the file has no final newline) the text is parsed whole.
 Why reusing statements is exact: at a top-level statement boundary the tokenizer is at
 column 0, outside any bracket, so a statement's tokens do not depend on the text around
 it. Three things do, and each is checked: the file's indentation unit (taken from the
-first indented block, which must lie in the shared start), its newline (likewise), and
-where the comment lines between two statements go (to the following statement, so the
-re-parsed part may not end with any).
+first indented block, which must be a shared statement, or the part's own first block
+when the base has none), its newline (from the first line, which must be shared), and
+where the blank and comment lines between two statements go (to the following
+statement, or to the indented block above when indented: the part may neither start with
+an indented one nor end with any).
 
 Nodes are immutable, so modules sharing statement nodes is safe.
 """
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import libcst as cst
@@ -39,15 +40,47 @@ import libcst as cst
 CACHE_SIZE = 8
 
 
-@dataclass(frozen=True)
 class _Parse:
-    """One parse: the module and the code of its header and of each top-level statement."""
+    """One parse: its text and module and, computed when first needed (a parse of an
+    unrelated file never needs them), the code of its header and statements."""
 
-    text: str
-    module: cst.Module
-    header: str
-    pieces: tuple[str, ...]
-    indent_in_first: int  # top-level statements up to and including the first indented block (0: none)
+    def __init__(
+        self,
+        text: str,
+        module: cst.Module,
+        header: str | None = None,
+        pieces: tuple[str, ...] | None = None,
+        indent_in_first: int | None = None,
+    ):
+        self.text, self.module = text, module
+        self._header, self._pieces, self._indent_in_first = header, pieces, indent_in_first
+        self._positions: dict[int, int] | None = None
+
+    @property
+    def header(self) -> str:
+        if self._header is None:
+            self._header = "".join(self.module.code_for_node(line) for line in self.module.header)
+        return self._header
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        if self._pieces is None:
+            self._pieces = tuple(self.module.code_for_node(stmt) for stmt in self.module.body)
+        return self._pieces
+
+    @property
+    def indent_in_first(self) -> int:
+        """Top-level statements up to and including the first holding an indented block (0: none)."""
+        if self._indent_in_first is None:
+            self._indent_in_first = _first_indented(self.module.body)
+        return self._indent_in_first
+
+    def position(self, stmt: cst.CSTNode) -> int | None:
+        """Where ``stmt`` (this very node) is among the module's top-level statements."""
+        if self._positions is None:
+            self._positions = {id(node): i for i, node in enumerate(self.module.body)}
+        i = self._positions.get(id(stmt))
+        return i if i is not None and self.module.body[i] is stmt else None
 
 
 class ParseStats(NamedTuple):
@@ -80,7 +113,7 @@ def parse_module(text: str) -> cst.Module:
             break
     full = parsed is None
     if parsed is None:
-        parsed = _describe(text, cst.parse_module(text))
+        parsed = _Parse(text, cst.parse_module(text))
     with _lock:
         _stats = _stats._replace(full=_stats.full + 1) if full else _stats._replace(partial=_stats.partial + 1)
         _cache[text] = parsed
@@ -88,6 +121,37 @@ def parse_module(text: str) -> cst.Module:
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return parsed.module
+
+
+def module_code(module: cst.Module) -> str:
+    """``module.code``, reusing the code of the top-level statements it shares (the same
+    node objects) with a kept parse.
+
+    An edit replaces one statement of a parsed module, or one node inside it, and prints
+    the module: the other statements print as they did. A statement's code depends only on
+    the statement and the module's indentation unit and newline (each starts at column 0
+    with nothing open), so joining the pieces is exactly what libcst's printer produces.
+    """
+    if not module.body or not module.has_trailing_newline:
+        return module.code  # the printer adds or removes a final newline there
+    with _lock:
+        kept = list(reversed(_cache.values()))
+    layout = (module.default_indent, module.default_newline)
+    source = next(
+        (
+            parse
+            for parse in kept
+            if (parse.module.default_indent, parse.module.default_newline) == layout
+            and (parse.position(module.body[0]) is not None or parse.position(module.body[-1]) is not None)
+        ),
+        None,
+    )
+    parts = [module.code_for_node(line) for line in module.header]
+    for stmt in module.body:
+        i = source.position(stmt) if source is not None else None
+        parts.append(source.pieces[i] if source is not None and i is not None else module.code_for_node(stmt))
+    parts += (module.code_for_node(line) for line in module.footer)
+    return "".join(parts)
 
 
 def clear() -> None:
@@ -103,12 +167,6 @@ def stats() -> ParseStats:
     return _stats
 
 
-def _describe(text: str, module: cst.Module) -> _Parse:
-    pieces = tuple(module.code_for_node(stmt) for stmt in module.body)
-    header = "".join(module.code_for_node(line) for line in module.header)
-    return _Parse(text, module, header, pieces, _first_indented(module.body))
-
-
 def _first_indented(body: tuple[cst.BaseStatement, ...] | list[cst.BaseStatement]) -> int:
     """How many statements up to and including the first holding an indented block (0: none does)."""
     for i, stmt in enumerate(body):
@@ -118,7 +176,12 @@ def _first_indented(body: tuple[cst.BaseStatement, ...] | list[cst.BaseStatement
 
 
 def _has_indented_block(stmt: cst.CSTNode) -> bool:
-    class _Find(cst.CSTVisitor):
+    if isinstance(stmt, cst.SimpleStatementLine):
+        return False  # no block can be written inside one line of simple statements
+    if isinstance(getattr(stmt, "body", None), cst.IndentedBlock):
+        return True  # a class, def, if, for, ... written the usual way
+
+    class _Find(cst.CSTVisitor):  # one written ``if x: y`` may hold a block in its else
         found = False
 
         def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
@@ -128,6 +191,28 @@ def _has_indented_block(stmt: cst.CSTNode) -> bool:
     finder = _Find()
     stmt.visit(finder)
     return finder.found
+
+
+def _mostly_shared(base: str, text: str) -> bool:
+    """Whether ``text`` shares at least half its length with ``base`` at its two ends (a
+    cheap test that keeps the statement pieces of an unrelated file from being computed)."""
+    limit = min(len(base), len(text))
+    lo, hi = 0, limit  # the longest common prefix, by halving
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if base[:mid] == text[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    prefix = lo
+    lo, hi = 0, limit - prefix
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if base[len(base) - mid :] == text[len(text) - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return 2 * (prefix + lo) >= len(text)
 
 
 def _shared(base: _Parse, text: str) -> tuple[int, int, int, int]:
@@ -151,19 +236,38 @@ def _shared(base: _Parse, text: str) -> tuple[int, int, int, int]:
     return k, start, j, end
 
 
-def _keeps_layout(base: _Parse, k: int) -> bool:
-    """Whether sharing ``base``'s first ``k`` statements fixes the file's newline and
-    indentation unit: they hold the first line and the first indented block (or the base
-    has no indented block, and the unit is the changed part's)."""
-    return k >= max(1, base.indent_in_first)
+def _may_keep_layout(base: _Parse, k: int, j: int) -> bool:
+    """Whether the shared statements can fix the file's newline and indentation unit: the
+    first ``k`` hold the first line, and the first indented block (which sets the unit) is
+    among the shared ones at either end, or the base has none."""
+    first = base.indent_in_first
+    return k >= 1 and (not first or first <= k or first > len(base.pieces) - j)
+
+
+def _layout(base: _Parse, k: int, j: int, part: cst.Module) -> tuple[str, int] | None:
+    """The rebuilt module's indentation unit and ``indent_in_first``, or None when the
+    re-parsed part could change the unit (it holds a block, in another unit, or the first)."""
+    first, n = base.indent_in_first, len(base.pieces)
+    part_first = _first_indented(part.body)  # counts the leading ``pass``
+    middle = len(part.body) - 1
+    if first and first <= k:  # the unit comes from the shared start
+        if part_first and part.default_indent != base.module.default_indent:
+            return None
+        return base.module.default_indent, first
+    if first:  # from the shared end, unless the part now holds an earlier block
+        return None if part_first else (base.module.default_indent, k + middle + first - (n - j))
+    # the base holds no block: the part's first block, if any, sets the unit
+    return part.default_indent, (k + part_first - 1 if part_first else 0)
 
 
 def _by_shared_length(bases: list[_Parse], text: str) -> list[_Parse]:
     """The bases whose shared start fixes the layout of ``text``, most shared first."""
     scored = []
     for base in bases:
-        k, start, _, end = _shared(base, text)
-        if _keeps_layout(base, k):
+        if not _mostly_shared(base.text, text):
+            continue
+        k, start, j, end = _shared(base, text)
+        if _may_keep_layout(base, k, j):
             scored.append((end - start, base))
     scored.sort(key=lambda pair: pair[0])
     return [base for _, base in scored]
@@ -172,7 +276,7 @@ def _by_shared_length(bases: list[_Parse], text: str) -> list[_Parse]:
 def _reparse(base: _Parse, text: str) -> _Parse | None:
     """The parse of ``text`` built from ``base``'s shared statements, or None when it cannot be shown exact."""
     k, start, j, end = _shared(base, text)
-    if not _keeps_layout(base, k):
+    if not _may_keep_layout(base, k, j):
         return None
     module = base.module
     changed = text[start:end]
@@ -185,11 +289,12 @@ def _reparse(base: _Parse, text: str) -> _Parse | None:
         part = cst.parse_module(lead + changed)
     except cst.ParserSyntaxError:
         return None  # the full parse reports the error with the whole file's line numbers
+    layout = _layout(base, k, j, part)
     if (
-        part.header
+        layout is None
+        or part.header
         or part.code != lead + changed  # libcst 1.0 drops an indented comment that ends a file
         or part.default_newline != module.default_newline
-        or (base.indent_in_first and part.default_indent != module.default_indent and _first_indented(part.body))
     ):
         return None
     middle = tuple(part.body[1:])
@@ -197,14 +302,12 @@ def _reparse(base: _Parse, text: str) -> _Parse | None:
     if j:
         if part.footer or not part.has_trailing_newline or _ends_with_trivia(changed):
             return None  # blank and comment lines at the part's end belong to the next statement
+        if _leads_with_indented_line(base.pieces[n - j]):
+            return None  # its indented comment lines go to a block above, if one now ends there
         footer, trailing_newline = module.footer, module.has_trailing_newline
     else:
         footer, trailing_newline = part.footer, part.has_trailing_newline
-    if base.indent_in_first:
-        indent, indent_in_first = module.default_indent, base.indent_in_first
-    else:  # no shared statement holds a block: the first one the part holds sets the unit
-        first = _first_indented(part.body)
-        indent, indent_in_first = part.default_indent, (k + first - 1 if first else 0)
+    indent, indent_in_first = layout
     body = (*module.body[:k], *middle, *module.body[n - j :])
     rebuilt = module.with_changes(
         body=body, footer=footer, has_trailing_newline=trailing_newline, default_indent=indent
