@@ -12,8 +12,8 @@ only the statements in between, and builds the module from the three parts. The 
 is the tree ``libcst.parse_module`` returns for the text, node for node (``deep_equals``),
 not merely one that prints the same: an edit that matches nodes sees what it would see
 after a full parse. Wherever that cannot be shown from the two texts (the header or the
-first statement changed, the changed part brings its own indentation or trailing
-comments, the file has no final newline) the text is parsed whole.
+first statement changed, the changed part brings its own indentation unit, a comment line
+could change owner) the text is parsed whole.
 
 Why reusing statements is exact: at a top-level statement boundary the tokenizer is at
 column 0, outside any bracket, so a statement's tokens do not depend on the text around
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import libcst as cst
@@ -54,7 +55,6 @@ class _Parse:
     ):
         self.text, self.module = text, module
         self._header, self._pieces, self._indent_in_first = header, pieces, indent_in_first
-        self._positions: dict[int, int] | None = None
 
     @property
     def header(self) -> str:
@@ -74,13 +74,6 @@ class _Parse:
         if self._indent_in_first is None:
             self._indent_in_first = _first_indented(self.module.body)
         return self._indent_in_first
-
-    def position(self, stmt: cst.CSTNode) -> int | None:
-        """Where ``stmt`` (this very node) is among the module's top-level statements."""
-        if self._positions is None:
-            self._positions = {id(node): i for i, node in enumerate(self.module.body)}
-        i = self._positions.get(id(stmt))
-        return i if i is not None and self.module.body[i] is stmt else None
 
 
 class ParseStats(NamedTuple):
@@ -123,37 +116,6 @@ def parse_module(text: str) -> cst.Module:
     return parsed.module
 
 
-def module_code(module: cst.Module) -> str:
-    """``module.code``, reusing the code of the top-level statements it shares (the same
-    node objects) with a kept parse.
-
-    An edit replaces one statement of a parsed module, or one node inside it, and prints
-    the module: the other statements print as they did. A statement's code depends only on
-    the statement and the module's indentation unit and newline (each starts at column 0
-    with nothing open), so joining the pieces is exactly what libcst's printer produces.
-    """
-    if not module.body or not module.has_trailing_newline:
-        return module.code  # the printer adds or removes a final newline there
-    with _lock:
-        kept = list(reversed(_cache.values()))
-    layout = (module.default_indent, module.default_newline)
-    source = next(
-        (
-            parse
-            for parse in kept
-            if (parse.module.default_indent, parse.module.default_newline) == layout
-            and (parse.position(module.body[0]) is not None or parse.position(module.body[-1]) is not None)
-        ),
-        None,
-    )
-    parts = [module.code_for_node(line) for line in module.header]
-    for stmt in module.body:
-        i = source.position(stmt) if source is not None else None
-        parts.append(source.pieces[i] if source is not None and i is not None else module.code_for_node(stmt))
-    parts += (module.code_for_node(line) for line in module.footer)
-    return "".join(parts)
-
-
 def clear() -> None:
     """Forget every kept parse and reset the counts."""
     global _stats
@@ -167,7 +129,7 @@ def stats() -> ParseStats:
     return _stats
 
 
-def _first_indented(body: tuple[cst.BaseStatement, ...] | list[cst.BaseStatement]) -> int:
+def _first_indented(body: Sequence[cst.CSTNode]) -> int:
     """How many statements up to and including the first holding an indented block (0: none does)."""
     for i, stmt in enumerate(body):
         if _has_indented_block(stmt):

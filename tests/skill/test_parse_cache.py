@@ -39,17 +39,12 @@ def _fresh_cache():
 
 
 def _assert_exact(text: str) -> cst.Module:
-    """The incremental parse of ``text`` is libcst's, and the pieced printing of it and of
-    an edit of it are libcst's printing; returns libcst's parse."""
+    """The incremental parse of ``text`` is libcst's; returns libcst's."""
     got = parse_cache.parse_module(text)
     want = cst.parse_module(text)
     # want.code, not text: libcst 1.0 drops an indented comment that ends a file
     assert got.code == want.code
     assert got.deep_equals(want), "the incremental parse built a different tree than libcst's parse"
-    assert parse_cache.module_code(got) == want.code
-    if len(got.body) > 1:  # an edit that keeps every other statement: printed from the pieces
-        edited = got.with_changes(body=[*got.body[1:-1], cst.parse_statement("edited = 1\n"), got.body[-1]])
-        assert parse_cache.module_code(edited) == edited.code
     return want
 
 
@@ -167,32 +162,6 @@ def test_a_block_added_to_a_file_without_blocks_sets_the_unit_for_the_next_edit(
     _assert_exact("import a\ndef f():\n\treturn 1\nimport c\n")
     _assert_exact("import a\ndef f():\n\treturn 1\nimport c\nclass B:\n\tx = 1\n")
     assert parse_cache.stats().partial == 2
-
-
-def test_printing_reuses_shared_statements_only_in_the_same_layout():
-    text = (REPO / "archon_models" / "qwen3" / "model" / "model.py").read_text()
-    module = parse_cache.parse_module(text)
-    edited = module.with_changes(body=module.body[:-1])
-    assert parse_cache.module_code(edited) == edited.code
-    # the same statement nodes printed with another indentation unit print differently
-    tabs = edited.with_changes(default_indent="\t")
-    assert parse_cache.module_code(tabs) == tabs.code != edited.code
-    # no final newline: the printer removes it
-    bare = edited.with_changes(has_trailing_newline=False)
-    assert parse_cache.module_code(bare) == bare.code
-    # a module of nodes no kept parse holds
-    other = cst.parse_module("x = 1\n").with_changes(header=module.header)
-    assert parse_cache.module_code(other) == other.code
-    assert parse_cache.module_code(cst.Module(body=[])) == cst.Module(body=[]).code
-
-
-def test_an_import_added_above_the_first_block_reparses_only_the_import():
-    text = (REPO / "archon_models" / "qwen3" / "model" / "model.py").read_text()
-    _assert_exact(text)
-    first_import = next(line for line in text.splitlines(keepends=True) if line.startswith("import "))
-    edited = text.replace(first_import, first_import + "import math\n", 1)
-    _assert_exact(edited)
-    assert parse_cache.stats().partial == 1
 
 
 def test_a_syntax_error_is_reported_with_the_whole_files_lines():
