@@ -111,6 +111,10 @@ def run_python_module(
                 returncode = reader.number("rc", deadline=deadline, command=command, timeout=timeout)
             except BaseException as e:
                 logger.info("stopping %s (%s)", module, type(e).__name__)
+                if pid is None:
+                    # Told already, but not read yet? Otherwise the server is still starting:
+                    # it finds this pipe closed when it starts the child, and kills it.
+                    pid = reader.ready_number("pid")
                 if pid is not None:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
@@ -154,6 +158,24 @@ class _StatusReader:
                         return -signal.SIGKILL
                     raise RuntimeError("the warm interpreter stopped before starting the child")
                 self.buffer += chunk
+        return self._take(key)
+
+    def ready_number(self, key: str) -> int | None:
+        """The ``key`` line if it has been written already (never waits), else None."""
+        with contextlib.suppress(OSError, ValueError):
+            while b"\n" not in self.buffer and select.select([self.pipe], [], [], 0)[0]:
+                chunk = self.pipe.read(4096)
+                if not chunk:
+                    break
+                self.buffer += chunk
+        if b"\n" not in self.buffer:
+            return None
+        try:
+            return self._take(key)
+        except (RuntimeError, ValueError):
+            return None
+
+    def _take(self, key: str) -> int:
         line, self.buffer = self.buffer.split(b"\n", 1)
         name, _, value = line.decode().partition(" ")
         if name != key:

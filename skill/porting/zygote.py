@@ -14,9 +14,10 @@ write end, and the files the child's stdout and stderr go to). The server forks;
 starts its own session (the caller kills its whole process group), asks for SIGKILL
 when the server dies, and runs the module. The server writes ``pid <n>`` to the
 request's status pipe at once and ``rc <n>`` when it has reaped the child (``-<signal>``
-for a child killed by a signal), then closes it. When the caller's end of the socket
-closes (the caller exited or was killed), the server kills its children's process
-groups and exits. (It does not ask for ``PR_SET_PDEATHSIG`` itself: that signal follows
+for a child killed by a signal), then closes it. A caller that gave up before its child
+started has closed the pipe's read end: the ``pid`` write fails and the child is killed.
+When the caller's end of the socket closes (the caller exited or was killed), the server
+kills its children's process groups and exits. (It does not ask for ``PR_SET_PDEATHSIG`` itself: that signal follows
 the *thread* that started it, and a tool call's worker thread may end while another
 call's child still runs.)
 
@@ -121,9 +122,20 @@ def _child_main(request: dict[str, Any], base_path: list[str], out_fd: int, err_
         os._exit(code & 0xFF)
 
 
-def _write(fd: int, text: str) -> None:
-    with contextlib.suppress(OSError):  # the caller stopped listening
+def _write(fd: int, text: str) -> bool:
+    """Write ``text`` to a status pipe; False when the caller stopped listening."""
+    try:
         os.write(fd, text.encode())
+    except OSError:  # EPIPE: the caller closed its end (Python ignores SIGPIPE)
+        return False
+    return True
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the child and its process group (the group exists once the child ran setsid)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            kill(pid, signal.SIGKILL)
 
 
 def serve(control: socket.socket) -> None:
@@ -150,8 +162,7 @@ def serve(control: socket.socket) -> None:
                     os.close(fd)
                 # The caller is gone: its runs are of no use to anybody.
                 for pid in children:
-                    with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGKILL)
+                    _kill_group(pid)
                 continue
             status_fd, out_fd, err_fd = fds
             request = json.loads(data)
@@ -165,7 +176,10 @@ def serve(control: socket.socket) -> None:
             os.close(out_fd)
             os.close(err_fd)
             children[pid] = status_fd
-            _write(status_fd, f"pid {pid}\n")
+            if not _write(status_fd, f"pid {pid}\n"):
+                # The caller gave up (a timeout or a cancel) before this run started,
+                # while this server was still importing: nobody would ever stop the child.
+                _kill_group(pid)
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)

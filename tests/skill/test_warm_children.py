@@ -116,14 +116,27 @@ SLEEPER = textwrap.dedent(
 )
 
 
+def _sleeper_started(pid_file: Path) -> bool:
+    return pid_file.is_file() and len(pid_file.read_text().split()) == 2
+
+
 def _sleeper_pids(pid_file: Path) -> list[int]:
-    assert wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2), "never started"
+    # A loaded machine may take a while to start it; the wait ends as soon as it has.
+    assert wait_for(lambda: _sleeper_started(pid_file), timeout=60), "never started"
     return [int(p) for p in pid_file.read_text().split()]
+
+
+def _warm(tmp_path: Path) -> None:
+    """Have the warm interpreter finish its imports, so a short timeout or an early
+    cancel is spent on the run itself, not on starting the server."""
+    (tmp_path / "noop.py").write_text("")
+    assert run_python_module("noop", [], cwd=tmp_path, env=dict(os.environ), timeout=300).returncode == 0
 
 
 def test_a_timeout_kills_the_child_and_what_it_started(tmp_path: Path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     pid_file = tmp_path / "pids"
+    _warm(tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         run_python_module("sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=4)
     for pid in _sleeper_pids(pid_file):
@@ -133,10 +146,11 @@ def test_a_timeout_kills_the_child_and_what_it_started(tmp_path: Path):
 def test_a_cancelled_call_kills_its_warm_child(tmp_path: Path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     pid_file = tmp_path / "pids"
+    _warm(tmp_path)
     event = threading.Event()
 
     def cancel_once_started() -> None:
-        wait_for(lambda: pid_file.is_file() and len(pid_file.read_text().split()) == 2)
+        wait_for(lambda: _sleeper_started(pid_file), timeout=60)
         event.set()
 
     threading.Thread(target=cancel_once_started, daemon=True).start()
@@ -165,6 +179,49 @@ def test_a_killed_caller_takes_the_warm_interpreter_and_its_children_along(tmp_p
     proc.wait()
     for pid in (child, grandchild, zygote):
         assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} still runs after its caller was killed"
+
+
+def test_a_call_given_up_before_the_server_started_its_child_leaves_no_process(tmp_path: Path):
+    """The caller times out while its fresh server still imports torch: when the server
+    gets to the request it finds nobody listening, and kills the child it just forked."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "noop.py").write_text("")
+    pid_file = tmp_path / "pids"
+    caller = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        from pathlib import Path
+        from skill.porting.child_process import run_python_module
+        cwd, env = Path({str(tmp_path)!r}), dict(os.environ)
+        try:
+            run_python_module("sleeper", [{str(pid_file)!r}], cwd=cwd, env=env, timeout=0.2)
+        except subprocess.TimeoutExpired:
+            print("timed out", flush=True)
+        # served in order: once this returns, the server has handled the sleeper's request
+        run_python_module("noop", [], cwd=cwd, env=env, timeout=300)
+        print("served", flush=True)
+        sys.stdin.read()  # alive until the test is done: its exit would stop every child anyway
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", caller],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "timed out\n"
+        assert proc.stdout.readline() == "served\n"
+        # Killed at once, it never wrote its pids; had it run, they would be there by now.
+        if wait_for(lambda: _sleeper_started(pid_file), timeout=3):
+            for pid in _sleeper_pids(pid_file):
+                assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} runs for a caller that gave up"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_warm_children_can_be_turned_off(project: Path, monkeypatch: pytest.MonkeyPatch):
