@@ -100,8 +100,8 @@ def parse_module(text: str) -> cst.Module:
             return hit.module
         bases = list(reversed(_cache.values()))
     parsed = None
-    for base in _by_shared_length(bases, text):
-        parsed = _reparse(base, text)
+    for base, shared in _by_shared_length(bases, text):
+        parsed = _reparse(base, text, shared)
         if parsed is not None:
             break
     full = parsed is None
@@ -222,24 +222,26 @@ def _layout(base: _Parse, k: int, j: int, part: cst.Module) -> tuple[str, int] |
     return part.default_indent, (k + part_first - 1 if part_first else 0)
 
 
-def _by_shared_length(bases: list[_Parse], text: str) -> list[_Parse]:
-    """The bases whose shared start fixes the layout of ``text``, most shared first."""
+def _by_shared_length(bases: list[_Parse], text: str) -> list[tuple[_Parse, tuple[int, int, int, int]]]:
+    """The bases whose shared statements fix the layout of ``text``, each with what
+    :func:`_shared` found, most shared first."""
     scored = []
     for base in bases:
         if not _mostly_shared(base.text, text):
             continue
-        k, start, j, end = _shared(base, text)
+        shared = _shared(base, text)
+        k, start, j, end = shared
         if _may_keep_layout(base, k, j):
-            scored.append((end - start, base))
-    scored.sort(key=lambda pair: pair[0])
-    return [base for _, base in scored]
+            scored.append((end - start, base, shared))
+    scored.sort(key=lambda entry: entry[0])
+    return [(base, shared) for _, base, shared in scored]
 
 
-def _reparse(base: _Parse, text: str) -> _Parse | None:
-    """The parse of ``text`` built from ``base``'s shared statements, or None when it cannot be shown exact."""
-    k, start, j, end = _shared(base, text)
-    if not _may_keep_layout(base, k, j):
-        return None
+def _reparse(base: _Parse, text: str, shared: tuple[int, int, int, int]) -> _Parse | None:
+    """The parse of ``text`` built from ``base``'s shared statements (``shared``, from
+    :func:`_shared`, with a layout :func:`_may_keep_layout` accepts), or None when it
+    cannot be shown exact."""
+    k, start, j, end = shared
     module = base.module
     changed = text[start:end]
     if not changed.strip() and not j:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from skill.codemod.workspace import check_cancelled
-from skill.porting.zygote import die_with_parent_hook
+from skill.porting.zygote import die_with_parent_hook, kill_group
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,7 @@ _REAP_WAIT_S = 10.0
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    kill_group(process.pid)
     process.wait()
 
 
@@ -116,8 +115,7 @@ def run_python_module(
                     # it finds this pipe closed when it starts the child, and kills it.
                     pid = reader.ready_number("pid")
                 if pid is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
+                    kill_group(pid)
                     with contextlib.suppress(Exception):
                         reader.number("rc", deadline=time.monotonic() + _REAP_WAIT_S)
                 raise

@@ -17,9 +17,9 @@ request's status pipe at once and ``rc <n>`` when it has reaped the child (``-<s
 for a child killed by a signal), then closes it. A caller that gave up before its child
 started has closed the pipe's read end: the ``pid`` write fails and the child is killed.
 When the caller's end of the socket closes (the caller exited or was killed), the server
-kills its children's process groups and exits. (It does not ask for ``PR_SET_PDEATHSIG`` itself: that signal follows
-the *thread* that started it, and a tool call's worker thread may end while another
-call's child still runs.)
+kills its children's process groups and exits. (It does not ask for
+``PR_SET_PDEATHSIG`` itself: that signal follows the *thread* that started it, and a
+tool call's worker thread may end while another call's child still runs.)
 
 Only the standard library is imported at module level.
 """
@@ -131,7 +131,7 @@ def _write(fd: int, text: str) -> bool:
     return True
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     """SIGKILL the child and its process group (the group exists once the child ran setsid)."""
     for kill in (os.killpg, os.kill):
         with contextlib.suppress(OSError):
@@ -162,7 +162,7 @@ def serve(control: socket.socket) -> None:
                     os.close(fd)
                 # The caller is gone: its runs are of no use to anybody.
                 for pid in children:
-                    _kill_group(pid)
+                    kill_group(pid)
                 continue
             status_fd, out_fd, err_fd = fds
             request = json.loads(data)
@@ -179,7 +179,7 @@ def serve(control: socket.socket) -> None:
             if not _write(status_fd, f"pid {pid}\n"):
                 # The caller gave up (a timeout or a cancel) before this run started,
                 # while this server was still importing: nobody would ever stop the child.
-                _kill_group(pid)
+                kill_group(pid)
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
