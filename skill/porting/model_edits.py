@@ -85,16 +85,24 @@ def _projection_bias(text: str, ctx: EditContext) -> str:
     return replace_in_function(text, "Attention", "__init__", "bias = model_args.attention_bias", "")
 
 
-# The helpers each attention kernel of snippets/attention.py runs its documents through.
+# The helpers each attention kernel of snippets/attention.py runs its documents through:
+# one call per document on CPU, compiled flex attention (and for a window the flash varlen
+# kernel, where the installed torch's takes one) on CUDA.
+FLEX_HELPERS = ("flex_functions", "flex_packed")
 KERNEL_HELPERS = {
-    "SlidingWindowAttention": ("per_document", "padded_documents"),
-    "EagerAttention": ("per_document",),
-    "SinkAttention": ("per_document", "padded_documents"),
-    "AlibiAttention": ("alibi_slopes", "per_document"),
+    "SlidingWindowAttention": ("per_document", *FLEX_HELPERS, "flash_varlen_keywords"),
+    "EagerAttention": ("per_document", *FLEX_HELPERS),
+    "SinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
+    "AlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
 }
-HELPER_IMPORTS = ("from collections.abc import Callable", "from itertools import pairwise", "from typing import Any")
+HELPER_IMPORTS = (
+    "import functools",
+    "from collections.abc import Callable",
+    "from itertools import pairwise",
+    "from typing import Any",
+)
 # Imports a kernel's helpers need beyond those.
-KERNEL_IMPORTS = {"AlibiAttention": ("import math",)}
+KERNEL_IMPORTS = {"AlibiAttention": ("import math",), "SlidingWindowAttention": ("import inspect",)}
 
 
 def _insert_kernel(text: str, kernel: str) -> str:

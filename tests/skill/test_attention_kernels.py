@@ -1,11 +1,13 @@
 """The packed-document attention kernels the edits copy into packages (skill/porting/snippets/attention.py).
 
 Every kernel, on every path it can take, against one plain computation over the whole
-packed row with a ``[T, T]`` document mask: the CPU path (one call per document), the
-padded-batch path CUDA takes for sinks and fp32 windows, and flex attention's block mask
-and score_mod (its forward runs on CPU, so the CUDA path's semantics are proved here).
-Sinks are also checked against transformers' own eager functions (granite_swa's
-sigmoid(lse - sink) rescaling and gpt_oss's extra softmax column).
+packed row with a ``[T, T]`` document mask: the CPU path (one call per document), flex
+attention's block mask, score_mod and log-sum-exp (the CUDA path; its forward runs on CPU
+uncompiled, so its semantics are proved here), the sink fold from that log-sum-exp
+(gradients included), and the flash varlen call of a sliding window driven by stand-ins
+carrying each torch version's signature (tests/varlen_standins.py). Sinks are also checked
+against transformers' own eager functions (granite_swa's sigmoid(lse - sink) rescaling
+and gpt_oss's extra softmax column).
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import types
 import pytest
 import torch
 
+from skill.porting.snippets import attention
 from skill.porting.snippets.attention import (
     AlibiAttention,
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
     alibi_slopes,
-    padded_documents,
+    flex_functions,
+    flex_packed,
+    fold_sinks,
     per_document,
 )
+from tests import varlen_standins
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 DOC_LENS = (7, 13, 4)
@@ -78,12 +84,21 @@ def _call(kernel, driver, q, k, v, cu, sinks, expects):
     kw = {"sinks": sinks} if "sinks" in expects else {}
     if driver == "forward":
         return kernel(q, k, v, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS), **kw)
-    run = {"per_document": per_document, "padded_documents": padded_documents}[driver]
-    return run(kernel.attend, q, k, v, cu, scale=SCALE, **kw)
+    if driver == "per_document":
+        return per_document(kernel.attend, q, k, v, cu, scale=SCALE, **kw)
+    # The CUDA path, forward only (flex attention has no CPU backward), in fp32.
+    q, k, v = (t.float() for t in (q, k, v))
+    if isinstance(kernel, SlidingWindowAttention):
+        out, _ = flex_packed(q, k, v, cu, SCALE, kernel.window)
+    elif isinstance(kernel, SinkAttention):
+        out = kernel.flex(q, k, v, sinks.float(), cu, SCALE)
+    else:
+        out = kernel.flex(q, k, v, cu, scale=SCALE)
+    return out.double()
 
 
 @pytest.mark.parametrize("trailing", [0, 3], ids=["exact", "trailing-padding"])
-@pytest.mark.parametrize("driver", ["forward", "per_document", "padded_documents"])
+@pytest.mark.parametrize("driver", ["forward", "per_document", "flex"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kernel_matches_whole_row_reference(variant, driver, trailing):
     make, expects = VARIANTS[variant]
@@ -91,23 +106,104 @@ def test_kernel_matches_whole_row_reference(variant, driver, trailing):
     got = _call(make(), driver, q, k, v, cu, sinks, expects)
     window, softcap = expects.get("window"), expects.get("softcap")
     want = _reference(q, k, v, cu, window=window, softcap=softcap, sinks=sinks if "sinks" in expects else None)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if driver == "flex" else {}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def _attention_with_lse(q, k, v, cu, window):
+    """Per-document causal (windowed) attention and each row's log-sum-exp, written out
+    (differentiable, float64): what flex attention returns on CUDA."""
+    outs, lses = [], []
+    n_rep = HEADS // KV_HEADS
+    for start, end in itertools.pairwise(cu.tolist()):
+        sl = slice(start, end)
+        scores = q[:, :, sl] @ k[:, :, sl].repeat_interleave(n_rep, 1).transpose(2, 3) * SCALE
+        distance = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+        allowed = distance >= 0
+        if window is not None:
+            allowed &= distance < window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.softmax(scores, -1) @ v[:, :, sl].repeat_interleave(n_rep, 1))
+        lses.append(torch.logsumexp(scores, -1))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sink_fold_from_the_log_sum_exp_matches_the_extra_softmax_column(window):
+    """``out * sigmoid(lse - sink)`` is HF's softmax over the scores and the sink, values
+    and gradients (q, k, v and the sinks): the CUDA path's only sink arithmetic."""
+    q, k, v, cu, sinks = _inputs()
+    leaves = [t.requires_grad_(True) for t in (q, k, v, sinks)]
+    out, lse = _attention_with_lse(q, k, v, cu, window)
+    got = fold_sinks(out, lse, sinks)
+    want = _reference(q, k, v, cu, window=window, sinks=sinks)
     torch.testing.assert_close(got, want)
+    weights = torch.linspace(-1, 1, got.numel(), dtype=got.dtype).view_as(got)
+    got_grads = torch.autograd.grad((got * weights).sum(), leaves)
+    want_grads = torch.autograd.grad((want * weights).sum(), leaves)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_padded_batch_gradients_match_per_document(variant):
-    """The scatter into a padded batch and the gather back are differentiable and exact."""
-    make, expects = VARIANTS[variant]
-    grads = []
-    for driver in ("per_document", "padded_documents"):
-        q, k, v, cu, sinks = _inputs(trailing=2)
-        for t in (q, k, v, sinks):
-            t.requires_grad_(True)
-        out = _call(make(), driver, q, k, v, cu, sinks, expects)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads.append([t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v, sinks)])
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want)
+def test_flex_log_sum_exp_is_the_natural_log_of_the_scaled_scores():
+    """The fold needs flex's log-sum-exp in the scores' own units (natural log, scale applied)."""
+    q, k, v, cu, _ = (t.float() if t.is_floating_point() else t for t in _inputs())
+    _, lse = flex_packed(q, k, v, cu, SCALE, 5)
+    _, want = _attention_with_lse(q.double(), k.double(), v.double(), cu, 5)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_takes_compiled_flex_and_the_cpu_eager():
+    """Uncompiled flex attention materialises the scores: the CUDA path's pair is compiled
+    (once per process), the CPU path (its tests) runs the functions themselves."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = flex_functions(True)
+    assert [fn._torchdynamo_orig_callable for fn in compiled] == [flex_attention, create_block_mask]
+    assert flex_functions(True) is compiled
+    assert flex_functions(False) == (flex_attention, create_block_mask)
+
+
+@pytest.fixture
+def torch_kernel(monkeypatch):
+    """Install a stand-in as ``torch.nn.attention.varlen.varlen_attn`` (and re-read its keywords)."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    varlen_standins.CALLS.clear()
+
+    def install(standin):
+        monkeypatch.setattr(torch_varlen, "varlen_attn", standin)
+        attention.flash_varlen_keywords.cache_clear()
+
+    yield install
+    attention.flash_varlen_keywords.cache_clear()
+
+
+@pytest.mark.parametrize("version", ["2.11", "2.13"])
+def test_sliding_window_flash_call_matches_reference_on_each_torch(torch_kernel, version):
+    """The window's flash call, as each torch version that takes a window is asked: 2.11
+    has no enable_gqa (key/value heads repeated), 2.13 has it. Gradients included."""
+    torch_kernel(varlen_standins.VERSIONS[version])
+    q, k, v, cu, _ = _inputs()
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    got = SlidingWindowAttention(5).flash(q, k, v, cu, max(DOC_LENS), SCALE)
+    assert [c["version"] for c in varlen_standins.CALLS] == [version]
+    assert varlen_standins.CALLS[0]["window_size"] == (4, 0)
+    want = _reference(q, k, v, cu, window=5)
+    torch.testing.assert_close(got, want)
+    weights = torch.linspace(-1, 1, got.numel(), dtype=got.dtype).view_as(got)
+    got_grads = torch.autograd.grad((got * weights).sum(), leaves)
+    want_grads = torch.autograd.grad((want * weights).sum(), leaves)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_flash_window_needs_a_torch_whose_kernel_takes_one(torch_kernel):
+    """torch 2.10's kernel takes no window: the sliding window does not ask it (CUDA runs
+    compiled flex instead); 2.11 and 2.13 take one."""
+    for version, window in (("2.10", False), ("2.11", True), ("2.13", True)):
+        torch_kernel(varlen_standins.VERSIONS[version])
+        assert ({"window_size", "scale"} <= attention.flash_varlen_keywords()) is window, version
 
 
 @pytest.mark.parametrize(("softcap", "window"), [(0.7, None), (0.7, 5), (None, 5)])

@@ -105,7 +105,8 @@ def test_attention_sinks_compose_with_windows_and_block_edits(reference, model_c
     assert "sinks=self.local_sinks(xq.shape[2])" in text
     assert "nn.init.zeros_(self.sinks)" in text
     assert "class EagerAttention" not in text and "class SlidingWindowAttention" not in text
-    assert text.count("def per_document(") == 1 and text.count("def padded_documents(") == 1
+    assert text.count("def per_document(") == 1 and text.count("def flex_packed(") == 1
+    assert "def fold_sinks(" in text and "def flash_varlen_keywords(" not in text
     assert 'sliding = model_args.layer_types[layer_id] == "sliding_attention"' in text
     # Applied again, nothing changes.
     assert apply_model_edits(text, _ctx(plan, model_class), names) == text
@@ -183,15 +184,19 @@ def test_lm_head_bias_runs_and_starts_at_zero():
 
 
 def test_kernel_edits_insert_only_the_drivers_their_kernel_uses():
-    """A soft-capped family's kernel runs per document on CPU and flex on CUDA: it gets no
-    padded-batch driver; a sliding-window kernel gets both drivers."""
+    """A soft-capped family's kernel runs per document on CPU and compiled flex on CUDA: it
+    gets those drivers and not the flash kernel's signature reader nor the sink fold; a
+    sliding-window kernel also reads the flash kernel's signature."""
     softcap = plan_for("llama").model_copy(update={"attn_softcap": True})
     text = apply_model_edits(REFERENCES["qwen2"], _ctx(softcap, "Qwen2Model"), ["eager_attention"])
-    assert "def per_document(" in text and "def padded_documents(" not in text
+    assert "def per_document(" in text and "def flex_packed(" in text and "def flex_functions(" in text
+    assert "def flash_varlen_keywords(" not in text and "def fold_sinks(" not in text
+    assert "import inspect" not in text
     assert "self.packed_attn = EagerAttention(model_args.attn_logit_softcapping, None)" in text
     window = plan_for("llama").model_copy(update={"sliding_window": True})
     text = apply_model_edits(REFERENCES["qwen2"], _ctx(window, "Qwen2Model"), ["sliding_window"])
-    assert "def per_document(" in text and "def padded_documents(" in text
+    assert "def per_document(" in text and "def flex_packed(" in text and "def flash_varlen_keywords(" in text
+    assert "import inspect" in text and "def fold_sinks(" not in text
     assert "self.packed_attn = SlidingWindowAttention(model_args.sliding_window)" in text
 
 
@@ -387,7 +392,7 @@ def test_position_edits_compose_in_any_order(kind, reference, model_class):
         assert "self.packed_attn = AlibiAttention()" in canonical
         assert "slopes=self.local_alibi_slopes(xq.shape[2], xq.device)" in canonical
         assert "self.head_offset = 0" in canonical and "def alibi_slopes(" in canonical
-        assert canonical.count("def per_document(") == 1 and "def padded_documents(" not in canonical
+        assert canonical.count("def per_document(") == 1 and canonical.count("def flex_packed(") == 1
         assert "clamp_projection(self.wq(x), self.clip_qkv)" in canonical
     else:
         model_forward = _forward_of(canonical, model_class)

@@ -6,27 +6,30 @@ own kernel (the ``sliding_window``, ``eager_attention`` and ``attention_sinks`` 
 the classes and helpers it needs from here). Each kernel chooses its path in one place,
 its ``forward``:
 
-- CUDA, fp16/bf16, a plain window: PyTorch's flash varlen kernel, which takes the
-  window natively and skips cross-document blocks.
-- CUDA, soft-capped scores: flex attention, the cap as its ``score_mod`` and the
-  document/causal/window rule as a block mask built from the packed document ids.
-- CUDA otherwise (sinks, fp32): the documents scattered into one zero-padded
-  ``[n_docs, H, L, D]`` batch by index, attended with one batched call, gathered back
-  (:func:`padded_documents`). No Python loop over documents on the GPU.
-- CUDA, ALiBi: flex attention, the per-head linear bias as its ``score_mod`` and the
-  document/causal rule as a block mask (no Python loop over documents).
+- CUDA, fp16/bf16, a plain window, a torch whose flash varlen kernel takes a window
+  (2.11 and newer): that kernel, which skips cross-document blocks
+  (:func:`flash_varlen_keywords` reads what the installed kernel takes).
+- CUDA otherwise (soft-capped scores, sinks, ALiBi, fp32, an older torch): flex
+  attention (:func:`flex_packed`), compiled once per process (:func:`flex_functions`):
+  the document/causal/window rule as a block mask built from the packed document ids, a
+  soft-cap or ALiBi bias as its ``score_mod``, sinks folded in afterwards from the
+  kernel's log-sum-exp (:func:`fold_sinks`). Uncompiled, flex attention materialises the
+  scores (measured: 12.5 GiB more for a 1.1B gemma2 at 20k tokens on an H200), so the CUDA
+  path never runs it eager.
 - CPU: one call per document (:func:`per_document`). Measured fastest there
   (``bench/attention_kernels.py``): CPU attention is bound by arithmetic, and a padded
   batch or a ``[T, T]`` document mask spends it on masked-out blocks (2-10x slower for
   8 documents of 64-512 tokens); flex attention has no CPU backward.
 
-Every kernel's math lives in an ``attend(q, k, v, scale)`` method over documents that
-each start at position 0 of their row, so one ``[L, L]`` mask (causal, banded) or
-additive score bias (ALiBi) serves every document, whichever of the two drivers runs it.
+Every kernel's math on CPU lives in an ``attend(q, k, v, scale)`` method over documents
+that each start at position 0 of their row, so one ``[L, L]`` mask (causal, banded) or
+additive score bias (ALiBi) serves every document.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from itertools import pairwise
@@ -58,45 +61,92 @@ def per_document(
     return torch.cat(outputs, dim=2)
 
 
-def padded_documents(
-    attend: Callable[..., torch.Tensor],
+@functools.cache
+def flex_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(flex_attention, create_block_mask)``, compiled once per process when ``compiled``.
+
+    Uncompiled, flex attention materialises every score and ``create_block_mask`` every
+    ``[T, T]`` mask entry; compiled, both are fused kernels that skip masked blocks. CUDA
+    always takes the compiled pair (as torchtitan compiles its flex attention where it is
+    defined); the CPU runs them eager (forward only: flex attention has no CPU backward).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not compiled:
+        return flex_attention, create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def flex_packed(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``attend`` once on the documents of ``[1, H, T, D]`` tensors as a zero-padded
-    ``[n_docs, H, L, D]`` batch (each document from position 0), gathered back to ``[1, H, T, D]``.
+    scale: float,
+    window: int | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention over packed ``[1, H, T, D]`` documents: each token sees the earlier
+    tokens of its own document (the last ``window`` of them, itself included, when given),
+    as a block mask, so masked blocks are skipped; ``score_mod`` rewrites the scores.
 
-    Padded keys sit after every real query of their row, so a causal ``attend`` never
-    sees them; padded query rows are dropped. Tokens past ``cu_seqlens[-1]`` form one
-    more document.
+    Returns the output ``[1, H, T, D]`` and each row's log-sum-exp of its scaled scores
+    ``[1, H, T]`` (fp32, natural log). Tokens past ``cu_seqlens[-1]`` form one more document.
     """
+    flex_attention, create_block_mask = flex_functions(q.is_cuda)
     total = q.shape[2]
-    bounds = cu_seqlens.to(torch.long)
-    if int(bounds[-1]) < total:
-        bounds = torch.cat([bounds, bounds.new_tensor([total])])
-    lengths = bounds[1:] - bounds[:-1]
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device), lengths)
-    columns = torch.arange(total, device=bounds.device) - bounds[:-1][rows]
-    shape = (lengths.numel(), int(lengths.max()))
+    positions = torch.arange(total, device=q.device)
+    documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(*shape, x.shape[1], x.shape[3])
-        return out.index_put((rows, columns), x[0].transpose(0, 1)).transpose(1, 2)
+    def visible(batch, head, query, key):
+        keep = (documents[query] == documents[key]) & (query >= key)
+        return keep & (query - key < window) if window is not None else keep
 
-    out = attend(pad(q), pad(k), pad(v), **kwargs)
-    return out.transpose(1, 2)[rows, columns].transpose(0, 1).unsqueeze(0)
+    block_mask = create_block_mask(visible, None, None, total, total, device=q.device)
+    enable_gqa = q.shape[1] != k.shape[1]
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 returns the log-sum-exp by the older flag
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out, lse
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+@functools.cache
+def flash_varlen_keywords() -> frozenset[str]:
+    """The parameters of the installed torch's flash varlen kernel
+    (``torch.nn.attention.varlen.varlen_attn``); empty where torch has none.
+
+    They differ by version: 2.10 takes ``is_causal`` and nothing else, 2.11 ``scale`` and
+    ``window_size``, 2.13 also ``enable_gqa``. Read, not assumed from one version.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class SlidingWindowAttention(nn.Module):
     """Causal attention over packed documents in which each token sees only the last
     ``window`` tokens of its own document, itself included (HF's sliding-window mask).
 
-    Archon's shared attention wrappers have no window, so it lives in this package: the
-    flash varlen kernel with its native window on CUDA (fp16/bf16); elsewhere SDPA with
-    a banded causal mask, over the padded documents on CUDA, one document at a time on CPU.
+    Archon's shared attention wrappers have no window, so it lives in this package: on
+    CUDA the flash varlen kernel with its native window (fp16/bf16, a torch whose kernel
+    takes ``window_size``), else compiled flex attention with the window in its block
+    mask; on CPU SDPA with a banded causal mask, one document at a time.
     """
 
     def __init__(self, window: int):
@@ -116,10 +166,13 @@ class SlidingWindowAttention(nn.Module):
         max_seqlen: int,
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and int(cu_seqlens[-1]) == q.shape[2]:
+        if not q.is_cuda:
+            return per_document(self.attend, q, k, v, cu_seqlens, scale=scale)
+        flash = {"window_size", "scale"} <= flash_varlen_keywords() and q.dtype in (torch.float16, torch.bfloat16)
+        if flash and int(cu_seqlens[-1]) == q.shape[2]:
             return self.flash(q, k, v, cu_seqlens, max_seqlen, scale)
-        run = padded_documents if q.is_cuda else per_document
-        return run(self.attend, q, k, v, cu_seqlens, scale=scale)
+        out, _ = flex_packed(q, k, v, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale, self.window)
+        return out
 
     def flash(
         self,
@@ -130,22 +183,30 @@ class SlidingWindowAttention(nn.Module):
         max_seqlen: int,
         scale: float | None,
     ) -> torch.Tensor:
-        """PyTorch's flash varlen kernel (torch >= 2.9) on packed ``[1, H, T, D]`` tensors: the
-        window is native, cross-document blocks are skipped."""
+        """PyTorch's flash varlen kernel (torch >= 2.11: it takes ``window_size``) on packed
+        ``[1, H, T, D]`` tensors: the window is native, cross-document blocks are skipped.
+        Key/value heads are repeated to the query heads where the kernel has no ``enable_gqa``."""
         from torch.nn.attention.varlen import varlen_attn
 
+        keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        grouped: dict[str, Any] = {}
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1 and "enable_gqa" in flash_varlen_keywords():
+            grouped["enable_gqa"] = True
+        elif n_rep > 1:
+            keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
         cu = cu_seqlens.to(torch.int32)
         out: torch.Tensor = varlen_attn(  # type: ignore[assignment]  # the output alone (no return_aux)
             q[0].transpose(0, 1),
-            k[0].transpose(0, 1),
-            v[0].transpose(0, 1),
+            keys,
+            values,
             cu,
             cu,
             max_seqlen,
             max_seqlen,
             scale=scale,
             window_size=(self.window - 1, 0),  # flash's window excludes the query itself
-            enable_gqa=q.shape[1] != k.shape[1],
+            **grouped,
         )
         return out.transpose(0, 1).unsqueeze(0)
 
@@ -163,9 +224,9 @@ class EagerAttention(nn.Module):
     fp32 softmax, as HF's eager path does. SDPA cannot soft-cap.
 
     Archon's shared attention wrappers have neither soft-capping nor windows, so this
-    lives in the package: on CUDA flex attention (the cap as its score_mod, a block mask
-    from the document ids; fused where the block is compiled, as ``parallelize`` does by
-    default); on CPU the scores computed explicitly, one document at a time.
+    lives in the package: on CUDA compiled flex attention (the cap as its score_mod, a
+    block mask from the document ids); on CPU the scores computed explicitly, one
+    document at a time.
     """
 
     def __init__(self, softcap: float | None = None, window: int | None = None):
@@ -213,24 +274,23 @@ class EagerAttention(nn.Module):
     ) -> torch.Tensor:
         """Flex attention on packed ``[1, H, T, D]`` tensors: the soft-cap as ``score_mod``;
         documents, causality and the window as a block mask, so masked blocks are skipped."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        total = q.shape[2]
-        positions = torch.arange(total, device=q.device)
-        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
-        softcap, window = self.softcap, self.window
-
-        def allowed(batch, head, query, key):
-            keep = (documents[query] == documents[key]) & (query >= key)
-            return keep & (query - key < window) if window is not None else keep
+        softcap = self.softcap
 
         def capped(score, batch, head, query, key):
-            return torch.tanh(score / softcap) * softcap if softcap is not None else score
+            return torch.tanh(score / softcap) * softcap
 
-        block_mask = create_block_mask(allowed, None, None, total, total, device=q.device)
-        return flex_attention(
-            q, k, v, score_mod=capped, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped if softcap is not None else None)
+        return out
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` ``[B, H, T, D]`` with each head's sink logit joined to every row's
+    softmax: with ``lse`` ``[B, H, T]`` the log-sum-exp of the row's scaled scores, the rows'
+    weights shrink by ``exp(lse) / (exp(lse) + exp(sink))`` = ``sigmoid(lse - sink)`` (the
+    sink's share of the softmax, which attends to nothing, removed). In fp32 at least, cast back."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(dtype) - sinks.to(dtype).view(1, -1, 1))
+    return (out.to(dtype) * keep.unsqueeze(-1)).to(out.dtype)
 
 
 class SinkAttention(nn.Module):
@@ -239,9 +299,10 @@ class SinkAttention(nn.Module):
     dropped (it attends to nothing), as HF's ``sinks`` / ``s_aux`` do. On a sliding-window
     layer each token sees the last ``window`` tokens of its own document.
 
-    Neither SDPA nor the flash varlen kernel takes a sink, so the scores are computed
-    explicitly: over the padded documents in one batched call on CUDA, one document at a
-    time on CPU.
+    Neither SDPA nor the flash varlen kernel takes a sink: on CUDA compiled flex attention
+    returns each row's log-sum-exp and the sink is folded in from it (:func:`fold_sinks`),
+    so no score is ever materialised; on CPU the scores are computed explicitly, one
+    document at a time.
     """
 
     def __init__(self, window: int | None = None):
@@ -263,8 +324,23 @@ class SinkAttention(nn.Module):
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]``, ``sinks`` ``[H]`` -> ``[1, H, T, D]``."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        run = padded_documents if q.is_cuda else per_document
-        return run(self.attend, q, k, v, cu_seqlens, sinks=sinks, scale=scale)
+        if q.is_cuda:
+            return self.flex(q, k, v, sinks, cu_seqlens, scale)
+        return per_document(self.attend, q, k, v, cu_seqlens, sinks=sinks, scale=scale)
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors (documents, causality and the
+        window as a block mask), the sinks folded in from its log-sum-exp."""
+        out, lse = flex_packed(q, k, v, cu_seqlens, scale, self.window)
+        return fold_sinks(out, lse, sinks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
@@ -312,9 +388,9 @@ class AlibiAttention(nn.Module):
     difference is the in-document one). Softmax ignores a per-row constant, so this is
     HF's ``slope * key_position`` (Bloom) and ``slope * (key_position - L + 1)`` (MPT).
 
-    Archon's shared wrappers take no score bias, so it lives in this package: flex
-    attention on CUDA (the bias as ``score_mod``, a block mask from the document ids, no
-    loop over documents); on CPU SDPA with the bias as an additive mask, one document at a
+    Archon's shared wrappers take no score bias, so it lives in this package: compiled
+    flex attention on CUDA (the bias as ``score_mod``, a block mask from the document ids,
+    no loop over documents); on CPU SDPA with the bias as an additive mask, one document at a
     time (:func:`per_document`, measured fastest there; flex attention has no CPU backward).
     """
 
@@ -356,23 +432,13 @@ class AlibiAttention(nn.Module):
     ) -> torch.Tensor:
         """Flex attention on packed ``[1, H, T, D]`` tensors: the ALiBi bias as ``score_mod``;
         documents and causality as a block mask, so masked blocks are skipped."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        total = q.shape[2]
-        positions = torch.arange(total, device=q.device)
-        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
         head_slopes = slopes.to(q.device, torch.float32)
-
-        def causal_document(batch, head, query, key):
-            return (documents[query] == documents[key]) & (query >= key)
 
         def alibi(score, batch, head, query, key):
             return score + head_slopes[head] * (key - query)
 
-        block_mask = create_block_mask(causal_document, None, None, total, total, device=q.device)
-        return flex_attention(
-            q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, score_mod=alibi)
+        return out
 
 
 # A method of the family's ``Attention``: the ``attention_sinks`` edit adds it there.
