@@ -8,6 +8,7 @@ embeddings, over packed documents.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from itertools import pairwise
@@ -66,6 +67,69 @@ def per_document(
     return torch.cat(outputs, dim=2)
 
 
+@functools.cache
+def flex_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(flex_attention, create_block_mask)``, compiled once per process when ``compiled``.
+
+    Uncompiled, flex attention materialises every score and ``create_block_mask`` every
+    ``[T, T]`` mask entry; compiled, both are fused kernels that skip masked blocks. CUDA
+    always takes the compiled pair (as torchtitan compiles its flex attention where it is
+    defined); the CPU runs them eager (forward only: flex attention has no CPU backward).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not compiled:
+        return flex_attention, create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def flex_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention over packed ``[1, H, T, D]`` documents: each token sees the earlier
+    tokens of its own document (the last ``window`` of them, itself included, when given),
+    as a block mask, so masked blocks are skipped; ``score_mod`` rewrites the scores.
+
+    Returns the output ``[1, H, T, D]`` and each row's log-sum-exp of its scaled scores
+    ``[1, H, T]`` (fp32, natural log). Tokens past ``cu_seqlens[-1]`` form one more document.
+    """
+    flex_attention, create_block_mask = flex_functions(q.is_cuda)
+    total = q.shape[2]
+    positions = torch.arange(total, device=q.device)
+    documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
+
+    def visible(batch, head, query, key):
+        keep = (documents[query] == documents[key]) & (query >= key)
+        return keep & (query - key < window) if window is not None else keep
+
+    block_mask = create_block_mask(visible, None, None, total, total, device=q.device)
+    enable_gqa = q.shape[1] != k.shape[1]
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 returns the log-sum-exp by the older flag
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out, lse
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
 class AlibiAttention(nn.Module):
     """Causal attention over packed documents with ALiBi: head ``h`` adds
     ``slopes[h] * (key - query)`` to its scores, both positions counted within their
@@ -73,9 +137,9 @@ class AlibiAttention(nn.Module):
     difference is the in-document one). Softmax ignores a per-row constant, so this is
     HF's ``slope * key_position`` (Bloom) and ``slope * (key_position - L + 1)`` (MPT).
 
-    Archon's shared wrappers take no score bias, so it lives in this package: flex
-    attention on CUDA (the bias as ``score_mod``, a block mask from the document ids, no
-    loop over documents); on CPU SDPA with the bias as an additive mask, one document at a
+    Archon's shared wrappers take no score bias, so it lives in this package: compiled
+    flex attention on CUDA (the bias as ``score_mod``, a block mask from the document ids,
+    no loop over documents); on CPU SDPA with the bias as an additive mask, one document at a
     time (:func:`per_document`, measured fastest there; flex attention has no CPU backward).
     """
 
@@ -117,23 +181,13 @@ class AlibiAttention(nn.Module):
     ) -> torch.Tensor:
         """Flex attention on packed ``[1, H, T, D]`` tensors: the ALiBi bias as ``score_mod``;
         documents and causality as a block mask, so masked blocks are skipped."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        total = q.shape[2]
-        positions = torch.arange(total, device=q.device)
-        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
         head_slopes = slopes.to(q.device, torch.float32)
-
-        def causal_document(batch, head, query, key):
-            return (documents[query] == documents[key]) & (query >= key)
 
         def alibi(score, batch, head, query, key):
             return score + head_slopes[head] * (key - query)
 
-        block_mask = create_block_mask(causal_document, None, None, total, total, device=q.device)
-        return flex_attention(
-            q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, score_mod=alibi)
+        return out
 
 
 class Attention(nn.Module):

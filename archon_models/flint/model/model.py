@@ -8,6 +8,7 @@ mixture-of-experts MLPs routed by per-expert sigmoid scores, over packed documen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -76,36 +77,77 @@ def per_document(
     return torch.cat(outputs, dim=2)
 
 
-def padded_documents(
-    attend: Callable[..., torch.Tensor],
+@functools.cache
+def flex_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(flex_attention, create_block_mask)``, compiled once per process when ``compiled``.
+
+    Uncompiled, flex attention materialises every score and ``create_block_mask`` every
+    ``[T, T]`` mask entry; compiled, both are fused kernels that skip masked blocks. CUDA
+    always takes the compiled pair (as torchtitan compiles its flex attention where it is
+    defined); the CPU runs them eager (forward only: flex attention has no CPU backward).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not compiled:
+        return flex_attention, create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def flex_packed(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``attend`` once on the documents of ``[1, H, T, D]`` tensors as a zero-padded
-    ``[n_docs, H, L, D]`` batch (each document from position 0), gathered back to ``[1, H, T, D]``.
+    scale: float,
+    window: int | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention over packed ``[1, H, T, D]`` documents: each token sees the earlier
+    tokens of its own document (the last ``window`` of them, itself included, when given),
+    as a block mask, so masked blocks are skipped; ``score_mod`` rewrites the scores.
 
-    Padded keys sit after every real query of their row, so a causal ``attend`` never
-    sees them; padded query rows are dropped. Tokens past ``cu_seqlens[-1]`` form one
-    more document.
+    Returns the output ``[1, H, T, D]`` and each row's log-sum-exp of its scaled scores
+    ``[1, H, T]`` (fp32, natural log). Tokens past ``cu_seqlens[-1]`` form one more document.
     """
+    flex_attention, create_block_mask = flex_functions(q.is_cuda)
     total = q.shape[2]
-    bounds = cu_seqlens.to(torch.long)
-    if int(bounds[-1]) < total:
-        bounds = torch.cat([bounds, bounds.new_tensor([total])])
-    lengths = bounds[1:] - bounds[:-1]
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device), lengths)
-    columns = torch.arange(total, device=bounds.device) - bounds[:-1][rows]
-    shape = (lengths.numel(), int(lengths.max()))
+    positions = torch.arange(total, device=q.device)
+    documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(*shape, x.shape[1], x.shape[3])
-        return out.index_put((rows, columns), x[0].transpose(0, 1)).transpose(1, 2)
+    def visible(batch, head, query, key):
+        keep = (documents[query] == documents[key]) & (query >= key)
+        return keep & (query - key < window) if window is not None else keep
 
-    out = attend(pad(q), pad(k), pad(v), **kwargs)
-    return out.transpose(1, 2)[rows, columns].transpose(0, 1).unsqueeze(0)
+    block_mask = create_block_mask(visible, None, None, total, total, device=q.device)
+    enable_gqa = q.shape[1] != k.shape[1]
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 returns the log-sum-exp by the older flag
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out, lse
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` ``[B, H, T, D]`` with each head's sink logit joined to every row's
+    softmax: with ``lse`` ``[B, H, T]`` the log-sum-exp of the row's scaled scores, the rows'
+    weights shrink by ``exp(lse) / (exp(lse) + exp(sink))`` = ``sigmoid(lse - sink)`` (the
+    sink's share of the softmax, which attends to nothing, removed). In fp32 at least, cast back."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(dtype) - sinks.to(dtype).view(1, -1, 1))
+    return (out.to(dtype) * keep.unsqueeze(-1)).to(out.dtype)
 
 
 class SinkAttention(nn.Module):
@@ -114,9 +156,10 @@ class SinkAttention(nn.Module):
     dropped (it attends to nothing), as HF's ``sinks`` / ``s_aux`` do. On a sliding-window
     layer each token sees the last ``window`` tokens of its own document.
 
-    Neither SDPA nor the flash varlen kernel takes a sink, so the scores are computed
-    explicitly: over the padded documents in one batched call on CUDA, one document at a
-    time on CPU.
+    Neither SDPA nor the flash varlen kernel takes a sink: on CUDA compiled flex attention
+    returns each row's log-sum-exp and the sink is folded in from it (:func:`fold_sinks`),
+    so no score is ever materialised; on CPU the scores are computed explicitly, one
+    document at a time.
     """
 
     def __init__(self, window: int | None = None):
@@ -138,8 +181,23 @@ class SinkAttention(nn.Module):
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]``, ``sinks`` ``[H]`` -> ``[1, H, T, D]``."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        run = padded_documents if q.is_cuda else per_document
-        return run(self.attend, q, k, v, cu_seqlens, sinks=sinks, scale=scale)
+        if q.is_cuda:
+            return self.flex(q, k, v, sinks, cu_seqlens, scale)
+        return per_document(self.attend, q, k, v, cu_seqlens, sinks=sinks, scale=scale)
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors (documents, causality and the
+        window as a block mask), the sinks folded in from its log-sum-exp."""
+        out, lse = flex_packed(q, k, v, cu_seqlens, scale, self.window)
+        return fold_sinks(out, lse, sinks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float

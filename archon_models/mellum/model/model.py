@@ -8,6 +8,7 @@ MLPs, over packed documents.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -76,15 +77,78 @@ def per_document(
     return torch.cat(outputs, dim=2)
 
 
+@functools.cache
+def flex_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(flex_attention, create_block_mask)``, compiled once per process when ``compiled``.
+
+    Uncompiled, flex attention materialises every score and ``create_block_mask`` every
+    ``[T, T]`` mask entry; compiled, both are fused kernels that skip masked blocks. CUDA
+    always takes the compiled pair (as torchtitan compiles its flex attention where it is
+    defined); the CPU runs them eager (forward only: flex attention has no CPU backward).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not compiled:
+        return flex_attention, create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def flex_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention over packed ``[1, H, T, D]`` documents: each token sees the earlier
+    tokens of its own document (the last ``window`` of them, itself included, when given),
+    as a block mask, so masked blocks are skipped; ``score_mod`` rewrites the scores.
+
+    Returns the output ``[1, H, T, D]`` and each row's log-sum-exp of its scaled scores
+    ``[1, H, T]`` (fp32, natural log). Tokens past ``cu_seqlens[-1]`` form one more document.
+    """
+    flex_attention, create_block_mask = flex_functions(q.is_cuda)
+    total = q.shape[2]
+    positions = torch.arange(total, device=q.device)
+    documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
+
+    def visible(batch, head, query, key):
+        keep = (documents[query] == documents[key]) & (query >= key)
+        return keep & (query - key < window) if window is not None else keep
+
+    block_mask = create_block_mask(visible, None, None, total, total, device=q.device)
+    enable_gqa = q.shape[1] != k.shape[1]
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 returns the log-sum-exp by the older flag
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out, lse
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
 class EagerAttention(nn.Module):
     """Attention over packed documents with soft-capped scores: ``softcap * tanh(scores /
     softcap)`` before the causal (and, for a sliding-window layer, banded) mask and an
     fp32 softmax, as HF's eager path does. SDPA cannot soft-cap.
 
     Archon's shared attention wrappers have neither soft-capping nor windows, so this
-    lives in the package: on CUDA flex attention (the cap as its score_mod, a block mask
-    from the document ids; fused where the block is compiled, as ``parallelize`` does by
-    default); on CPU the scores computed explicitly, one document at a time.
+    lives in the package: on CUDA compiled flex attention (the cap as its score_mod, a
+    block mask from the document ids); on CPU the scores computed explicitly, one
+    document at a time.
     """
 
     def __init__(self, softcap: float | None = None, window: int | None = None):
@@ -132,24 +196,13 @@ class EagerAttention(nn.Module):
     ) -> torch.Tensor:
         """Flex attention on packed ``[1, H, T, D]`` tensors: the soft-cap as ``score_mod``;
         documents, causality and the window as a block mask, so masked blocks are skipped."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        total = q.shape[2]
-        positions = torch.arange(total, device=q.device)
-        documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
-        softcap, window = self.softcap, self.window
-
-        def allowed(batch, head, query, key):
-            keep = (documents[query] == documents[key]) & (query >= key)
-            return keep & (query - key < window) if window is not None else keep
+        softcap = self.softcap
 
         def capped(score, batch, head, query, key):
-            return torch.tanh(score / softcap) * softcap if softcap is not None else score
+            return torch.tanh(score / softcap) * softcap
 
-        block_mask = create_block_mask(allowed, None, None, total, total, device=q.device)
-        return flex_attention(
-            q, k, v, score_mod=capped, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped if softcap is not None else None)
+        return out
 
 
 class Attention(nn.Module):

@@ -7,6 +7,8 @@ MLP, over packed documents.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -63,45 +65,92 @@ def per_document(
     return torch.cat(outputs, dim=2)
 
 
-def padded_documents(
-    attend: Callable[..., torch.Tensor],
+@functools.cache
+def flex_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(flex_attention, create_block_mask)``, compiled once per process when ``compiled``.
+
+    Uncompiled, flex attention materialises every score and ``create_block_mask`` every
+    ``[T, T]`` mask entry; compiled, both are fused kernels that skip masked blocks. CUDA
+    always takes the compiled pair (as torchtitan compiles its flex attention where it is
+    defined); the CPU runs them eager (forward only: flex attention has no CPU backward).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not compiled:
+        return flex_attention, create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def flex_packed(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``attend`` once on the documents of ``[1, H, T, D]`` tensors as a zero-padded
-    ``[n_docs, H, L, D]`` batch (each document from position 0), gathered back to ``[1, H, T, D]``.
+    scale: float,
+    window: int | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex attention over packed ``[1, H, T, D]`` documents: each token sees the earlier
+    tokens of its own document (the last ``window`` of them, itself included, when given),
+    as a block mask, so masked blocks are skipped; ``score_mod`` rewrites the scores.
 
-    Padded keys sit after every real query of their row, so a causal ``attend`` never
-    sees them; padded query rows are dropped. Tokens past ``cu_seqlens[-1]`` form one
-    more document.
+    Returns the output ``[1, H, T, D]`` and each row's log-sum-exp of its scaled scores
+    ``[1, H, T]`` (fp32, natural log). Tokens past ``cu_seqlens[-1]`` form one more document.
     """
+    flex_attention, create_block_mask = flex_functions(q.is_cuda)
     total = q.shape[2]
-    bounds = cu_seqlens.to(torch.long)
-    if int(bounds[-1]) < total:
-        bounds = torch.cat([bounds, bounds.new_tensor([total])])
-    lengths = bounds[1:] - bounds[:-1]
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device), lengths)
-    columns = torch.arange(total, device=bounds.device) - bounds[:-1][rows]
-    shape = (lengths.numel(), int(lengths.max()))
+    positions = torch.arange(total, device=q.device)
+    documents = torch.searchsorted(cu_seqlens.to(q.device, torch.long), positions, right=True)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(*shape, x.shape[1], x.shape[3])
-        return out.index_put((rows, columns), x[0].transpose(0, 1)).transpose(1, 2)
+    def visible(batch, head, query, key):
+        keep = (documents[query] == documents[key]) & (query >= key)
+        return keep & (query - key < window) if window is not None else keep
 
-    out = attend(pad(q), pad(k), pad(v), **kwargs)
-    return out.transpose(1, 2)[rows, columns].transpose(0, 1).unsqueeze(0)
+    block_mask = create_block_mask(visible, None, None, total, total, device=q.device)
+    enable_gqa = q.shape[1] != k.shape[1]
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 returns the log-sum-exp by the older flag
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out, lse
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+@functools.cache
+def flash_varlen_keywords() -> frozenset[str]:
+    """The parameters of the installed torch's flash varlen kernel
+    (``torch.nn.attention.varlen.varlen_attn``); empty where torch has none.
+
+    They differ by version: 2.10 takes ``is_causal`` and nothing else, 2.11 ``scale`` and
+    ``window_size``, 2.13 also ``enable_gqa``. Read, not assumed from one version.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class SlidingWindowAttention(nn.Module):
     """Causal attention over packed documents in which each token sees only the last
     ``window`` tokens of its own document, itself included (HF's sliding-window mask).
 
-    Archon's shared attention wrappers have no window, so it lives in this package: the
-    flash varlen kernel with its native window on CUDA (fp16/bf16); elsewhere SDPA with
-    a banded causal mask, over the padded documents on CUDA, one document at a time on CPU.
+    Archon's shared attention wrappers have no window, so it lives in this package: on
+    CUDA the flash varlen kernel with its native window (fp16/bf16, a torch whose kernel
+    takes ``window_size``), else compiled flex attention with the window in its block
+    mask; on CPU SDPA with a banded causal mask, one document at a time.
     """
 
     def __init__(self, window: int):
@@ -121,10 +170,13 @@ class SlidingWindowAttention(nn.Module):
         max_seqlen: int,
     ) -> torch.Tensor:
         """``q`` ``[1, H, T, D]``, ``k``/``v`` ``[1, H_kv, T, D]`` -> ``[1, H, T, D]``."""
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and int(cu_seqlens[-1]) == q.shape[2]:
+        if not q.is_cuda:
+            return per_document(self.attend, q, k, v, cu_seqlens, scale=scale)
+        flash = {"window_size", "scale"} <= flash_varlen_keywords() and q.dtype in (torch.float16, torch.bfloat16)
+        if flash and int(cu_seqlens[-1]) == q.shape[2]:
             return self.flash(q, k, v, cu_seqlens, max_seqlen, scale)
-        run = padded_documents if q.is_cuda else per_document
-        return run(self.attend, q, k, v, cu_seqlens, scale=scale)
+        out, _ = flex_packed(q, k, v, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale, self.window)
+        return out
 
     def flash(
         self,
@@ -135,22 +187,30 @@ class SlidingWindowAttention(nn.Module):
         max_seqlen: int,
         scale: float | None,
     ) -> torch.Tensor:
-        """PyTorch's flash varlen kernel (torch >= 2.9) on packed ``[1, H, T, D]`` tensors: the
-        window is native, cross-document blocks are skipped."""
+        """PyTorch's flash varlen kernel (torch >= 2.11: it takes ``window_size``) on packed
+        ``[1, H, T, D]`` tensors: the window is native, cross-document blocks are skipped.
+        Key/value heads are repeated to the query heads where the kernel has no ``enable_gqa``."""
         from torch.nn.attention.varlen import varlen_attn
 
+        keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        grouped: dict[str, Any] = {}
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1 and "enable_gqa" in flash_varlen_keywords():
+            grouped["enable_gqa"] = True
+        elif n_rep > 1:
+            keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
         cu = cu_seqlens.to(torch.int32)
         out: torch.Tensor = varlen_attn(  # type: ignore[assignment]  # the output alone (no return_aux)
             q[0].transpose(0, 1),
-            k[0].transpose(0, 1),
-            v[0].transpose(0, 1),
+            keys,
+            values,
             cu,
             cu,
             max_seqlen,
             max_seqlen,
             scale=scale,
             window_size=(self.window - 1, 0),  # flash's window excludes the query itself
-            enable_gqa=q.shape[1] != k.shape[1],
+            **grouped,
         )
         return out.transpose(0, 1).unsqueeze(0)
 
