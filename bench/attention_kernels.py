@@ -29,7 +29,6 @@ from skill.porting.snippets.attention import (
     SinkAttention,
     SlidingWindowAttention,
     alibi_slopes,
-    padded_documents,
     per_document,
 )
 
@@ -56,9 +55,22 @@ def loop(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
 
 
 def padded(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
-    """The documents as one zero-padded batch, one call (the snippets' CUDA path for sinks)."""
+    """The documents scattered into one zero-padded ``[n_docs, H, L, D]`` batch by index,
+    one call of the kernel's ``attend``, gathered back (the CUDA path for sinks before it
+    became flex attention with the sink folded in from the log-sum-exp)."""
     kernel, kw = _kernel(window, softcap, sinks, slopes)
-    return padded_documents(kernel.attend, q, k, v, cu, scale=q.shape[-1] ** -0.5, **kw)
+    total = q.shape[2]
+    bounds = cu.to(torch.long)
+    lengths = bounds[1:] - bounds[:-1]
+    rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    columns = torch.arange(total) - bounds[:-1][rows]
+
+    def pad(x):
+        out = x.new_zeros(lengths.numel(), int(lengths.max()), x.shape[1], x.shape[3])
+        return out.index_put((rows, columns), x[0].transpose(0, 1)).transpose(1, 2)
+
+    out = kernel.attend(pad(q), pad(k), pad(v), scale=q.shape[-1] ** -0.5, **kw)
+    return out.transpose(1, 2)[rows, columns].transpose(0, 1).unsqueeze(0)
 
 
 def dense_mask(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
@@ -80,9 +92,9 @@ def dense_mask(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
 
 def flex(q, k, v, cu, window=None, softcap=None, sinks=None, slopes=None):
     """Flex attention with a block mask from the document ids (the snippets' CUDA path for
-    soft-caps and ALiBi; forward only on CPU)."""
+    soft-caps, sinks and ALiBi, compiled there; forward only, uncompiled, on CPU)."""
     if sinks is not None:
-        raise NotImplementedError("flex attention has no sink")
+        return SinkAttention(window).flex(q, k, v, sinks, cu, q.shape[-1] ** -0.5)
     if slopes is not None:
         return AlibiAttention().flex(q, k, v, slopes, cu, q.shape[-1] ** -0.5)
     return EagerAttention(softcap, window).flex(q, k, v, cu, scale=q.shape[-1] ** -0.5)
