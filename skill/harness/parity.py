@@ -42,6 +42,7 @@ from skill.harness.models import (
     build_hf_model,
     hf_gradients_as_saved,
     load_archon_model,
+    load_archon_model_on,
     save_hf_checkpoint,
 )
 from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
@@ -234,21 +235,6 @@ def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_cod
     return model.eval()
 
 
-def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:
-    archon = load_archon_model(hf_config, checkpoint, attn_type="varlen")
-    # Loaded buffers (a router's expert_bias) keep their checkpoint values and dtype; the
-    # computed ones are recomputed below.
-    persistent = {
-        k: v.clone() for k, v in archon.model.state_dict().items() if k not in dict(archon.model.named_parameters())
-    }
-    archon.model.to(device=device, dtype=dtype)
-    # The RoPE cache is computed in fp32 (as HF computes cos/sin), not cast to bf16.
-    archon.model.init_buffers(buffer_device=device)
-    if persistent:
-        archon.model.load_state_dict({k: v.to(device) for k, v in persistent.items()}, strict=False)
-    return archon
-
-
 def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) -> None:
     hf_config = build_hf_config(case)
     checkpoint = save_hf_checkpoint(build_hf_model(case, hf_config), tmp / "hf")
@@ -256,7 +242,7 @@ def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) ->
     trust = case.trust_remote_code
     truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
     hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
-    got = archon_outputs(_archon_in(hf_config, checkpoint, torch.bfloat16, device), inputs)
+    got = archon_outputs(load_archon_model_on(hf_config, checkpoint, device, torch.bfloat16), inputs)
     rec.add(_within_bf16_error("bf16 logits, one sequence", got.single_logits, hf.single_logits, truth.single_logits))
     rec.add(
         _within_bf16_error("bf16 logits, packed documents", got.packed_logits, hf.packed_logits, truth.packed_logits)
