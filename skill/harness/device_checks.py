@@ -178,9 +178,20 @@ class DeviceDiff(BaseModel):
         return BF16_RATIO_LIMIT * self.hf_bf16_error
 
     @property
+    def measured(self) -> float:
+        """What the bound limits: the max difference (tolerance) or the mean one (ratio)."""
+        return self.max_abs_diff if self.hf_bf16_error is None else self.mean_abs_diff
+
+    @property
+    def margin(self) -> float:
+        """``measured / bound``: at most 1 passes."""
+        if self.bound > 0:
+            return self.measured / self.bound
+        return 0.0 if self.measured == 0 else math.inf
+
+    @property
     def passed(self) -> bool:
-        measured = self.max_abs_diff if self.hf_bf16_error is None else self.mean_abs_diff
-        return measured <= self.bound
+        return self.margin <= 1.0
 
     def describe(self) -> str:
         if self.hf_bf16_error is None:
