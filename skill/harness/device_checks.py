@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from archon_models.base import BaseStateDictAdapter
 from skill.harness.case import ModelCase
@@ -44,6 +44,7 @@ from skill.harness.models import (
     build_hf_model,
     hf_gradients_as_saved,
     load_archon_model_on,
+    load_hf_model,
     save_hf_checkpoint,
 )
 from skill.harness.parity import parity_inputs
@@ -258,19 +259,13 @@ def named_gradients(model: torch.nn.Module) -> list[str]:
     params = dict(model.named_parameters())
     n_layers = len(model.layers)  # type: ignore[arg-type]
     first, last = "layers.0.", f"layers.{n_layers - 1}."
-    chosen = ["tok_embeddings.weight"]
-    chosen += [
-        next(
-            (n for n, p in params.items() if n.startswith(first + "attention.") and p.ndim >= 2),
-            "",
-        )
-    ]
-    mlp = [n for n, p in params.items() if n.startswith(last) and p.ndim >= 2 and ".attention." not in n]
-    chosen += [n for n in mlp if ".router." in n][:1]
-    experts = [n for n in mlp if params[n].ndim == 3]
-    chosen += experts[:1] if experts else [n for n in mlp if ".router." not in n][:1]
-    chosen += [n for n in ("norm.weight", "output.weight") if n in params]
-    return [n for n in chosen if n]
+    matrices = [n for n, p in params.items() if p.ndim >= 2]
+    attention = [n for n in matrices if n.startswith(first + "attention.")]
+    mlp = [n for n in matrices if n.startswith(last) and ".attention." not in n]
+    router = [n for n in mlp if ".router." in n]
+    experts = [n for n in mlp if params[n].ndim == 3] or [n for n in mlp if ".router." not in n]
+    head = [n for n in ("norm.weight", "output.weight") if n in params]
+    return ["tok_embeddings.weight", *attention[:1], *router[:1], *experts[:1], *head]
 
 
 def computes_bf16_on(model: torch.nn.Module, device: torch.device) -> str | None:
@@ -317,12 +312,6 @@ def _hf_pass(
     return _Outputs(logits=logits.detach().float().cpu(), grads={n: as_archon[n].detach().float().cpu() for n in names})
 
 
-def _load_hf(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation="eager")
-    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
-    return model.eval()
-
-
 @contextmanager
 def _fp32_matmuls_exact() -> Iterator[None]:
     before = torch.get_float32_matmul_precision()
@@ -352,8 +341,8 @@ def check_on_device(
         names, adapter = named_gradients(archon16.model), archon16.adapter
         got16 = _archon_pass(archon16, on_device, names)
         del archon16
-        truth = _hf_pass(_load_hf(checkpoint, torch.float32, device), on_device, adapter, names, work / "g32")
-        hf16 = _hf_pass(_load_hf(checkpoint, torch.bfloat16, device), on_device, adapter, names, work / "g16")
+        truth = _hf_pass(load_hf_model(checkpoint, torch.float32, device), on_device, adapter, names, work / "g32")
+        hf16 = _hf_pass(load_hf_model(checkpoint, torch.bfloat16, device), on_device, adapter, names, work / "g16")
 
         archon32 = load_archon_model_on(hf_config, checkpoint, device, torch.float32)
         computes_bf16 = computes_bf16_on(archon32.model, device)

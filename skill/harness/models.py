@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 import archon_models
 from archon_models.base import BaseArchonModel, BaseModelArgs, BaseStateDictAdapter
@@ -146,6 +146,18 @@ def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict
                 buffer.zero_()
     save_hf_checkpoint(shadow, directory)
     return read_hf_checkpoint(directory)
+
+
+def load_hf_model(
+    checkpoint: str | Path, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """HF ``from_pretrained`` of a checkpoint folder in ``dtype`` on ``device``, eager attention
+    (the reference path every family implements), eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
+    )
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
+    return model.eval()
 
 
 def get_spec(model_type: str) -> ModelSpec:
