@@ -81,12 +81,19 @@ def bench_config(model_type: str, size: str = "default") -> PretrainedConfig:
         sizes["num_key_value_heads"] = 1
     if isinstance(getattr(probe, "sliding_window", None), int):
         sizes["sliding_window"] = 128  # shorter than the longest documents, so the window works
-    # Archon applies no dropout; HF in training mode would (GPT-2's resid/embd/attn_pdrop, OPT's
-    # dropout, ...), spending time Archon does not and computing another loss. Both sides run without.
-    for name, value in probe.to_dict().items():
-        if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float) and value > 0:
-            sizes[name] = 0.0
+    sizes.update(dropout_off(probe))
     return tiny_config(probe, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
+
+
+def dropout_off(config: PretrainedConfig) -> dict[str, float]:
+    """Each dropout probability of ``config`` that is on, as 0.0. Archon applies no dropout; HF
+    in training mode would (GPT-2's resid/embd/attn_pdrop, OPT's dropout, ...), spending time
+    Archon does not and computing another loss. Both sides run without."""
+    return {
+        name: 0.0
+        for name, value in config.to_dict().items()
+        if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float) and value > 0
+    }
 
 
 @dataclass
@@ -127,15 +134,20 @@ def make_documents(n_docs: int, min_len: int, max_len: int, vocab: int, seed: in
     return Documents([torch.randint(3, vocab, (int(n),), generator=g) for n in lengths])
 
 
-def _hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+def _hf_model(
+    config: PretrainedConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
     """The HF model (random, seeded) with its fastest attention that runs here (SDPA where the
-    family supports it, else eager), in training mode."""
+    family supports it, else eager), in training mode, built on ``device`` in ``dtype``."""
     from skill.tiny_model import build_tiny_model
 
     try:
-        model = build_tiny_model(config, seed=seed, attn_implementation="sdpa")
+        model = build_tiny_model(config, seed=seed, attn_implementation="sdpa", dtype=dtype, device=device)
     except Exception:  # a family whose attention SDPA cannot run (sinks, soft-caps) refuses it
-        model = build_tiny_model(config, seed=seed, attn_implementation="eager")
+        model = build_tiny_model(config, seed=seed, attn_implementation="eager", dtype=dtype, device=device)
     return model.train()
 
 

@@ -42,6 +42,7 @@ import queue as queue_lib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +151,16 @@ def measure(model_type: str, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _worker(opts: dict[str, Any], todo: mp.Queue, out: mp.Queue) -> None:
-    """Measure each family ``todo`` names, one at a time, until it sends ``None``."""
-    while (model_type := todo.get()) is not None:
+Task = Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def _worker(task: Task, opts: dict[str, Any], todo: mp.Queue, out: mp.Queue) -> None:
+    """Run ``task`` on each item ``todo`` sends (a family by default), one at a time, until it sends ``None``."""
+    while (item := todo.get()) is not None:
         try:
-            row = measure(model_type, opts)
+            row = task(item, opts)
         except Exception as exc:
-            row = {"family": model_type, "error": f"{type(exc).__name__}: {exc}"}
+            row = {"family": item, "error": f"{type(exc).__name__}: {exc}"}
         gc.collect()
         out.put(row)
 
@@ -166,27 +170,37 @@ class Worker:
     families in turn, so torch, transformers and ``archon_models`` are imported once, not once
     per family (on a loaded machine that import takes a minute). Each family builds its own
     models in a function scope; a family that crashes the process or runs out of time costs
-    the process, and the next family gets a fresh one."""
+    the process, and the next family gets a fresh one.
 
-    def __init__(self, opts: dict[str, Any]):
+    ``task`` (a module-level function, so the spawned process can import it) turns one item
+    into one row; by default it is :func:`measure` and the items are families."""
+
+    def __init__(self, opts: dict[str, Any], task: Task = measure):
         ctx = mp.get_context("spawn")
         self.todo, self.out = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_worker, args=(opts, self.todo, self.out), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(task, opts, self.todo, self.out), daemon=True)
         self.proc.start()
 
-    def run(self, model_type: str, timeout_s: float) -> dict[str, Any] | None:
-        """The family's row; ``None`` when the process died or ran past ``timeout_s`` (it is then killed)."""
-        self.todo.put(model_type)
+    def run(self, item: Any, timeout_s: float) -> dict[str, Any] | None:
+        """The item's row; ``None`` when the process died or ran past ``timeout_s`` (then it is
+        still running: ``is_alive`` tells the two apart, and ``stop`` ends it)."""
+        self.todo.put(item)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                return self.out.get(timeout=5.0)
+                return self.out.get(timeout=min(5.0, left))
             except queue_lib.Empty:
                 if not self.proc.is_alive():
                     return None
+        return None
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def stop(self) -> None:
+        """Kill the process (it is stuck or lost) and reap it."""
         self.proc.kill()
         self.proc.join(timeout=30)
-        return None
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -202,9 +216,9 @@ def run_families(families: list[str], opts: dict[str, Any], timeout_s: float, is
             worker = Worker(opts)
         row = worker.run(family, timeout_s)
         if row is None:
-            alive = worker.proc.is_alive()
+            alive = worker.is_alive()
             row = {"family": family, "error": f"ran past {timeout_s:.0f}s" if alive else "the process died"}
-            worker.proc.kill()
+            worker.stop()
             worker = None
         elif isolate:
             worker.close()

@@ -422,8 +422,12 @@ def build_tiny_model(
     seed: int = 0,
     attn_implementation: str = "eager",
     trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """A seeded causal-LM instance of ``config`` (pass a tiny config) in fp32, in eval mode.
+    """A seeded causal-LM instance of ``config`` (pass a tiny config) in eval mode, in fp32 on
+    the CPU unless ``dtype``/``device`` say otherwise (the GPU bench builds full-size models
+    where they run, without an fp32 copy on the host).
 
     ``eager`` attention is the default because it is the reference path every family
     implements (soft-capping, sinks and custom masks included). ``trust_remote_code``
@@ -431,9 +435,10 @@ def build_tiny_model(
     """
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=trust_remote_code
+            )
     except Exception as exc:  # model constructors raise several exception types
         raise TinyModelError(
             f"cannot instantiate {type(config).__name__} as a causal LM: {exc}; "

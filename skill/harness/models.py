@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 import archon_models
 from archon_models.base import BaseArchonModel, BaseModelArgs, BaseStateDictAdapter
@@ -148,6 +148,18 @@ def hf_gradients_as_saved(model: PreTrainedModel, directory: str | Path) -> dict
     return read_hf_checkpoint(directory)
 
 
+def load_hf_model(
+    checkpoint: str | Path, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """HF ``from_pretrained`` of a checkpoint folder in ``dtype`` on ``device``, eager attention
+    (the reference path every family implements), eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
+    )
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
+    return model.eval()
+
+
 def get_spec(model_type: str) -> ModelSpec:
     """The registered spec (``archon_models`` import registers every package)."""
     return archon_models.get_model_spec(model_type)
@@ -203,6 +215,59 @@ def load_archon_model(
     """Archon model whose weights come from the HF safetensors files through ``from_hf``."""
     archon = build_archon_model(hf_config, attn_type=attn_type, hf_assets_path=checkpoint_dir)
     load_archon_state(archon, archon.adapter.from_hf(read_hf_checkpoint(checkpoint_dir)))
+    return archon
+
+
+def shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that hold one Parameter (tied embeddings), each group in
+    registration order."""
+    holders: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(f"{module_name}.{name}" if module_name else name)
+    return [names for names in holders.values() if len(names) > 1]
+
+
+def tie_parameters(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Make every name of each group hold its first name's Parameter."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, param)
+
+
+def load_archon_model_on(
+    hf_config: PretrainedConfig,
+    checkpoint_dir: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attn_type: str = "varlen",
+) -> ArchonModel:
+    """The Archon model of the checkpoint on ``device`` in ``dtype``, materialised where it runs.
+
+    Built on the meta device (no host copy, no initialisation) and given storage on
+    ``device`` with ``to_empty``, as AReaL's engine materialises a model (tied weights are
+    tied again: ``to_empty`` unties them); then the weights are loaded through the adapter
+    and cast to ``dtype``. The computed buffers (the RoPE cache) are then recomputed by
+    ``init_buffers`` in the precision the package chooses (fp32, as HF computes cos/sin), and
+    the loaded ones (a router's score-correction bias) are put back from the checkpoint, in
+    the dtype ``init_buffers`` gave them.
+    """
+    archon = build_archon_model(hf_config, attn_type=attn_type, device="meta", hf_assets_path=checkpoint_dir)
+    model = archon.model
+    shared = shared_parameters(model)
+    model.to_empty(device=device)
+    # to_empty gives every module its own new Parameter: tied weights come back untied.
+    tie_parameters(model, shared)
+    model.init_buffers(buffer_device=device)
+    load_archon_state(archon, archon.adapter.from_hf(read_hf_checkpoint(checkpoint_dir)))
+    parameters = dict(model.named_parameters())
+    loaded_buffers = {k: v.clone() for k, v in model.state_dict().items() if k not in parameters}
+    model.to(dtype=dtype)
+    model.init_buffers(buffer_device=device)
+    if loaded_buffers:
+        model.load_state_dict(loaded_buffers, strict=False)
     return archon
 
 

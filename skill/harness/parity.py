@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts, compare_tensors, max_abs_diff
@@ -42,6 +42,8 @@ from skill.harness.models import (
     build_hf_model,
     hf_gradients_as_saved,
     load_archon_model,
+    load_archon_model_on,
+    load_hf_model,
     save_hf_checkpoint,
 )
 from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
@@ -191,7 +193,7 @@ def _parity_source_weights(rec: StageRecorder, case: ModelCase) -> None:
     if not files:
         return
     folder = files[0].parent
-    hf_model = _load_hf(folder, torch.float32, "cpu", case.trust_remote_code)
+    hf_model = load_hf_model(folder, torch.float32, "cpu", case.trust_remote_code)
     hf_config = hf_model.config
     inputs = parity_inputs(case, hf_config)
     for attn_type in ATTN_TYPES:
@@ -226,37 +228,14 @@ def _within_bf16_error(name: str, archon: torch.Tensor, hf: torch.Tensor, truth:
     )
 
 
-def _load_hf(checkpoint: Path, dtype: torch.dtype, device: str, trust_remote_code: bool = False) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        str(checkpoint), dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code
-    )
-    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper around to() drops the bound self from its type
-    return model.eval()
-
-
-def _archon_in(hf_config: PretrainedConfig, checkpoint: Path, dtype: torch.dtype, device: str) -> ArchonModel:
-    archon = load_archon_model(hf_config, checkpoint, attn_type="varlen")
-    # Loaded buffers (a router's expert_bias) keep their checkpoint values and dtype; the
-    # computed ones are recomputed below.
-    persistent = {
-        k: v.clone() for k, v in archon.model.state_dict().items() if k not in dict(archon.model.named_parameters())
-    }
-    archon.model.to(device=device, dtype=dtype)
-    # The RoPE cache is computed in fp32 (as HF computes cos/sin), not cast to bf16.
-    archon.model.init_buffers(buffer_device=device)
-    if persistent:
-        archon.model.load_state_dict({k: v.to(device) for k, v in persistent.items()}, strict=False)
-    return archon
-
-
 def _parity_bf16(rec: StageRecorder, case: ModelCase, tmp: Path, device: str) -> None:
     hf_config = build_hf_config(case)
     checkpoint = save_hf_checkpoint(build_hf_model(case, hf_config), tmp / "hf")
     inputs = parity_inputs(case, hf_config).to(device)
     trust = case.trust_remote_code
-    truth = hf_reference(_load_hf(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
-    hf = hf_reference(_load_hf(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
-    got = archon_outputs(_archon_in(hf_config, checkpoint, torch.bfloat16, device), inputs)
+    truth = hf_reference(load_hf_model(checkpoint, torch.float32, device, trust), inputs, tmp / "g32")
+    hf = hf_reference(load_hf_model(checkpoint, torch.bfloat16, device, trust), inputs, tmp / "g16")
+    got = archon_outputs(load_archon_model_on(hf_config, checkpoint, device, torch.bfloat16), inputs)
     rec.add(_within_bf16_error("bf16 logits, one sequence", got.single_logits, hf.single_logits, truth.single_logits))
     rec.add(
         _within_bf16_error("bf16 logits, packed documents", got.packed_logits, hf.packed_logits, truth.packed_logits)
