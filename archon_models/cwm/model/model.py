@@ -186,9 +186,9 @@ class EagerAttention(nn.Module):
         softcap = self.softcap
 
         def capped(score, batch, head, query, key):
-            return torch.tanh(score / softcap) * softcap
+            return torch.tanh(score / softcap) * softcap if softcap is not None else score
 
-        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped if softcap is not None else None)
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped)
         return out
 
 
