@@ -13,7 +13,9 @@ checkpoint key) it records
 - ``scale``: max |truth|,
 
 and prints, per kind of tensor, the min / median / max of ``archon / hf`` and of
-``archon64 / hf``, and the tensors that need the floor (``hf`` is 0 or the ratio is large).
+``archon64 / hf`` and of the share of its bound each run used under the rule of
+``skill.harness.truth`` (``--ratio`` and ``--floor-ulps`` try other constants), the tensors
+nearest their bounds, and how many fall outside.
 
     python bench/parity_truth.py --json /tmp/parity_truth.json
     python bench/parity_truth.py --families llama,qwen2 --override initializer_range=1.0
@@ -48,7 +50,14 @@ from skill.harness.parity import (
     parity_inputs,
     truth_reference,
 )
-from skill.harness.truth import float64_default
+from skill.harness.truth import (
+    ERROR_RATIO,
+    FLOAT64_ERROR_RATIO,
+    FLOAT64_FLOOR_ULPS,
+    FLOOR_ULPS,
+    FP32_EPS,
+    float64_default,
+)
 
 logger = logging.getLogger("bench.parity_truth")
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,51 +138,65 @@ def _stats(values: list[float]) -> str:
     return f"min {min(values):.3g}  median {statistics.median(values):.3g}  max {max(values):.3g}  (n={len(values)})"
 
 
-def summarise(results: list[dict[str, Any]], ratio: float, floor_ulps: float) -> str:
-    """Ratios per kind of tensor, and the tensors the rule's floor (not its ratio) lets pass."""
-    eps32 = float(torch.finfo(torch.float32).eps)
-    lines = [f"{len(results)} cases; rule: archon <= {ratio:g} * hf + {floor_ulps:g} ulps(fp32) * scale"]
+def _bounded(results: list[dict[str, Any]], ratio: float, floor_ulps: float, ratio64: float, floor64: float):
+    """Every row with its fp32 and float64 bounds under the rule of ``skill.harness.truth``
+    (with these constants): the floor's scale is the tensor's own for logits and the loss, the
+    largest gradient's for a gradient."""
+    for result in results:
+        grads = [row["scale"] for row in result["rows"] if _kind(row["tensor"]) == "grad"]
+        largest_grad = max(grads, default=0.0)
+        for row in result["rows"]:
+            scale = largest_grad if _kind(row["tensor"]) == "grad" else row["scale"]
+            bound = ratio * row["hf"] + floor_ulps * FP32_EPS * scale
+            bound64 = ratio64 * row["hf"] + floor64 * FP32_EPS * scale
+            yield result["case"], row, bound, bound64
+
+
+def _share(error: float, bound: float) -> float:
+    return error / bound if bound > 0 else (0.0 if error == 0 else float("inf"))
+
+
+def summarise(
+    results: list[dict[str, Any]],
+    ratio: float = ERROR_RATIO,
+    floor_ulps: float = FLOOR_ULPS,
+    ratio64: float = FLOAT64_ERROR_RATIO,
+    floor64: float = FLOAT64_FLOOR_ULPS,
+) -> str:
+    """Ratios per kind of tensor, the share of its bound each run used, and what fails."""
+    rows = list(_bounded(results, ratio, floor_ulps, ratio64, floor64))
+    rule = f"fp32: error <= {ratio:g} x HF's + {floor_ulps:g} fp32 ulps of the scale"
+    lines = [f"{len(results)} cases; {rule}; float64 run: <= {ratio64:g} x HF's + {floor64:g} ulps"]
     for kind in ("logits", "loss", "grad"):
-        rows = [(r, row) for r in results for row in r["rows"] if _kind(row["tensor"]) == kind]
-        with_error = [row for _, row in rows if row["hf"] > 0]
+        mine = [(case, row, b, b64) for case, row, b, b64 in rows if _kind(row["tensor"]) == kind]
+        with_error = [row for _, row, _, _ in mine if row["hf"] > 0]
         lines.append(f"{kind}: archon/hf {_stats([row['archon'] / row['hf'] for row in with_error])}")
+        ran64 = [row for row in with_error if row["archon64"] is not None]
+        lines.append(f"{kind}: archon64/hf {_stats([row['archon64'] / row['hf'] for row in ran64])}")
+        lines.append(f"{kind}: share of the fp32 bound {_stats([_share(row['archon'], b) for _, row, b, _ in mine])}")
         lines.append(
-            f"{kind}: archon64/hf "
-            + _stats([row["archon64"] / row["hf"] for row in with_error if row["archon64"] is not None])
+            f"{kind}: share of the float64 bound "
+            + _stats([_share(row["archon64"], b64) for _, row, _, b64 in mine if row["archon64"] is not None])
         )
-        lines.append(f"{kind}: hf/scale {_stats([row['hf'] / row['scale'] for row in with_error if row['scale']])}")
-        per_case = {}
-        for r, row in rows:
-            if row["hf"] > 0:
-                per_case[r["case"]] = max(per_case.get(r["case"], 0.0), row["archon"] / row["hf"])
-        lines.append(f"{kind}: worst archon/hf per case {_stats(list(per_case.values()))}")
-    outside = []
-    for r in results:
-        for row in r["rows"]:
-            bound = ratio * row["hf"] + floor_ulps * eps32 * row["scale"]
-            if row["archon"] > bound:
-                outside.append(f"  OUTSIDE {r['case']} {row['tensor']}: archon {row['archon']:.3e} bound {bound:.3e}")
-            elif row["archon"] > ratio * row["hf"]:
-                outside.append(
-                    f"  floor   {r['case']} {row['tensor']}: archon {row['archon']:.3e} hf {row['hf']:.3e} "
-                    f"scale {row['scale']:.3e}"
-                )
-    lines.append(f"{sum('OUTSIDE' in o for o in outside)} tensors outside the rule, {len(outside)} need the floor:")
-    lines.extend(outside[:60])
+    nearest = sorted(rows, key=lambda item: -_share(item[1]["archon"], item[2]))[:8]
+    lines.append("fp32 nearest the bound:")
+    lines.extend(
+        f"  {case} {row['tensor']}: archon {row['archon']:.3e} hf {row['hf']:.3e} bound {b:.3e}"
+        for case, row, b, _ in nearest
+    )
+    ran = [item for item in rows if item[1]["archon64"] is not None]
+    nearest64 = sorted(ran, key=lambda item: -_share(item[1]["archon64"], item[3]))[:8]
+    lines.append("float64 run nearest the bound:")
+    lines.extend(
+        f"  {case} {row['tensor']}: archon64 {row['archon64']:.3e} hf {row['hf']:.3e} bound {b64:.3e}"
+        for case, row, _, b64 in nearest64
+    )
+    outside = sum(row["archon"] > b for _, row, b, _ in rows)
+    outside64 = sum(row["archon64"] is not None and row["archon64"] > b64 for _, row, _, b64 in rows)
+    lines.append(f"outside the bound: {outside} fp32 tensors, {outside64} float64 tensors of {len(rows)}")
     unrun = [f"  {r['case']}: {r['float64_error']}" for r in results if r["float64_error"]]
-    lines.append(f"{len(unrun)} cases whose Archon package could not run in float64:")
+    lines.append(f"{len(unrun)} cases whose Archon package could not run in float64")
     lines.extend(unrun)
-    worst64 = sorted(
-        (
-            (row["archon64"] / max(row["hf"], 1e-300), r["case"], row["tensor"], row["archon64"], row["hf"])
-            for r in results
-            for row in r["rows"]
-            if row["archon64"] is not None
-        ),
-        reverse=True,
-    )[:15]
-    lines.append("largest archon64/hf:")
-    lines.extend(f"  {c} {t}: archon64 {a:.3e} hf {h:.3e} ratio {q:.3g}" for q, c, t, a, h in worst64)
     return "\n".join(lines)
 
 
@@ -188,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], help="key=json set on every case's config")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--summarise", type=Path, nargs="+", help="only summarise these JSON files")
-    parser.add_argument("--ratio", type=float, default=4.0)
-    parser.add_argument("--floor-ulps", type=float, default=8.0)
+    parser.add_argument("--ratio", type=float, default=ERROR_RATIO, help="try another fp32 ratio")
+    parser.add_argument("--floor-ulps", type=float, default=FLOOR_ULPS, help="try another fp32 floor")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)

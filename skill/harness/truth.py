@@ -20,11 +20,14 @@ RMSNorm casts to fp32, eager attention takes the softmax in fp32, RoPE's cos/sin
 the ported packages mirror most of those casts. Those roundings are a small part of an fp32
 run's error, which is what the rule compares, but they bound how close a float64 run of the
 package (:data:`FLOAT64_ERROR_RATIO`) can come to HF's float64 run: not 1e-12, but measured
-0-0.7x HF's fp32 error on the logits of every committed family.
+0-0.7x HF's fp32 error on the logits of the committed families. (With HF's softmax kept in
+float64, an experiment outside the harness, llama's and qwen2's float64 runs match HF's to
+float64 precision: what is left is HF's fp32 steps, not the ports.)
 
 Every constant below is measured with ``bench/parity_truth.py`` over the 89 cases of the
-committed families (87 of them: xglm's HF model does not run in float64), and again with
-``initializer_range=1.0`` (logits up to +-30) on eight of them.
+committed families, and again with ``initializer_range=1.0`` on 9 cases of 8 families (llama,
+qwen2, biogpt, opt, gemma2, mixtral, glm4, starcoder2), whose logits then reach +-31 to +-38
+(opt's +-204; gemma2's soft-cap keeps its own small).
 """
 
 from __future__ import annotations
@@ -43,30 +46,32 @@ FP32_EPS = float(torch.finfo(torch.float32).eps)
 
 # An fp32 result's error may be this many times the reference's own. Two fp32 computations
 # of the same maths in a different order are equally valid, and their errors against the
-# truth differ by a factor of about one either way. Measured over the committed families:
-# Archon's error / HF's is 0.67 / 1.0 / 1.56 (min / median / max) on the logits, and at most
-# 3.2 on any gradient tensor of 32 or more elements (glm4's fused gate_up_proj 2.65 over
-# 16384 elements: its Archon port splits the fusion, and rounds more). 4 leaves a margin.
+# truth differ by a factor of about one either way, more where one side rounds more often
+# (glm4's fused gate_up_proj, which its Archon port splits: 2.65 over 16384 elements).
+# Measured over the 89 committed cases, Archon's error / HF's: 0.67 / 1.0 / 1.56 (min /
+# median / max) on the logits, at most 3.2 on a gradient of 32 or more elements; the largest
+# share of the bound any tensor used is 0.24. With initializer_range=1.0 (logits of +-31 to
+# +-204, 9 cases of 8 families) it is 0.65: opt's layer-norm weight gradients, 2.9x HF's error.
 ERROR_RATIO = 4.0
 # Plus this many fp32 ulps of the scale. A scalar (the loss) that HF happens to round right
-# has an error of almost nothing to multiply: Archon's loss is then up to 0.9 ulps off (HF's
-# 0.02), which the ratio cannot allow. A gradient that is zero or small in exact arithmetic
-# (a key bias under the softmax's shift invariance; a scalar activation parameter summing
-# cancelling terms) carries the rounding of the large terms it sums, so its floor is taken
-# from the largest gradient of the backward: at logits of +-30, opt's k_proj.bias gradient
-# (truth 3e-6, itself rounding noise) is 2.0e-5 off in Archon, 4.0e-7 in HF, i.e. 8 ulps of
-# the largest gradient (19.2). 16 ulps (1.9e-6 of the scale) leaves a factor of two there and
-# stays below the old fixed tolerance everywhere: on logits of magnitude 1.5 the bound is
-# about 5e-6, against assert_close's 1e-5 + 1.3e-6 * |x|.
+# has almost no error to multiply: Archon's loss is then up to 0.9 ulps off (HF's 0.02), which
+# no ratio allows. A gradient that is zero or small in exact arithmetic (a key bias under the
+# softmax's shift invariance; a scalar activation parameter summing cancelling terms) carries
+# the rounding of the large terms it sums, so its floor is taken from the largest gradient of
+# the backward: at logits of +-30, opt's k_proj.bias gradient (truth 3e-6, itself rounding
+# noise) is 2.0e-5 off in Archon, 4.0e-7 in HF: 8 ulps of the largest gradient (19.2). 16 ulps
+# (1.9e-6 of the scale) leaves a factor of two there and stays below the old fixed tolerance:
+# on logits of magnitude 1.5 the bound is about 5e-6, against assert_close's 1e-5 + 1.3e-6|x|.
 FLOOR_ULPS = 16.0
 
 # The package run in float64 against the truth may differ by this many times HF's own fp32
-# error, plus FLOAT64_FLOOR_ULPS fp32 ulps of the scale. Its difference comes only from the
-# fp32 steps one side has and the other has not (HF's fp32 softmax against Archon's float64
-# SDPA; a router or expert sum in fp32), fewer than an fp32 run's. Measured: 0 / 0.28 / 0.71
-# of HF's error on the logits, at most 1.41 on a loss, and with logits of +-30 at most 2.0
-# (glm4's gradients); the worst floor needed at a ratio of 2 is 1.1 ulps.
-FLOAT64_ERROR_RATIO = 2.0
+# error, plus FLOAT64_FLOOR_ULPS fp32 ulps of the scale. It differs only where one side rounds
+# to fp32 and the other does not (HF's fp32 softmax against Archon's float64 SDPA; a router or
+# an expert sum in fp32), fewer places than an fp32 run. Measured over the committed cases:
+# 0 / 0.28 / 0.71 of HF's error on the logits (0 where the package mirrors every fp32 step of
+# HF's: gemma2's eager attention), at most 1.41 on a loss; the largest share of the bound 0.19.
+# With logits of +-33, glm4's gradients reach 2.0x HF's error (share 0.63).
+FLOAT64_ERROR_RATIO = 3.0
 FLOAT64_FLOOR_ULPS = 2.0
 
 
@@ -97,36 +102,36 @@ def truth_bound(reference_error: float, scale: float, float64_run: bool = False)
     return ERROR_RATIO * reference_error + FLOOR_ULPS * FP32_EPS * scale
 
 
-def _verdict(
+def _judge_tensor(
     name: str,
-    error: float,
-    reference_error: float,
-    bound: float,
-    max_abs_diff_value: float,
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    truth: torch.Tensor,
+    scale: float,
     float64_run: bool,
-    reference: str,
+    reference_label: str,
 ) -> CheckResult:
-    passed = error <= bound and not math.isnan(bound)
+    reference_error = max_abs_diff(reference, truth)
+    error = max_abs_diff(actual, truth)
+    bound = truth_bound(reference_error, scale, float64_run)
+    passed = error <= bound  # False when either is NaN
+    side = "the float64 run" if float64_run else "the result"
     detail = (
         ""
         if passed
-        else f"{_side(float64_run)} is {error:.3e} from the float64 truth, {reference} {reference_error:.3e}: "
+        else f"{side} is {error:.3e} from the float64 truth, {reference_label} {reference_error:.3e}: "
         f"over the bound {bound:.3e}"
     )
     return CheckResult(
         name=name,
         passed=passed,
         detail=detail,
-        max_abs_diff=max_abs_diff_value,
+        max_abs_diff=error if float64_run else max_abs_diff(actual, reference),
         error_vs_truth=error,
         reference_error_vs_truth=reference_error,
         allowed_error=bound,
         run_dtype="float64" if float64_run else "float32",
     )
-
-
-def _side(float64_run: bool) -> str:
-    return "the float64 run" if float64_run else "the result"
 
 
 def judge(
@@ -142,11 +147,12 @@ def judge(
     truth for a float64 run). Without a truth: ``assert_close``'s fp32 defaults against ``reference``."""
     if truth is None:
         return compare_tensors(name, actual, reference)
-    reference_error = max_abs_diff(reference, truth)
-    error = max_abs_diff(actual, truth)
-    bound = truth_bound(reference_error, truth_scale(truth), float64_run)
-    diff = error if float64_run else max_abs_diff(actual, reference)
-    return _verdict(name, error, reference_error, bound, diff, float64_run, reference_label)
+    return _judge_tensor(name, actual, reference, truth, truth_scale(truth), float64_run, reference_label)
+
+
+def _furthest_first(check: CheckResult) -> float:
+    share = check.share_of_bound()
+    return -math.inf if share is None or math.isnan(share) else -share
 
 
 def judge_dicts(
@@ -163,32 +169,29 @@ def judge_dicts(
     if truth is None:
         return compare_tensor_dicts(name, dict(actual), dict(reference))
     problems = key_differences(actual, truth)
+    if not truth:
+        problems.append("both sides are empty; nothing was compared")
     if problems:
         return CheckResult(name=name, passed=False, detail="; ".join(problems))
     scale = truth_scale(truth)
-    verdicts: list[tuple[float, str, CheckResult]] = []
-    for key in sorted(truth):
-        reference_error = max_abs_diff(reference[key], truth[key])
-        error = max_abs_diff(actual[key], truth[key])
-        bound = truth_bound(reference_error, scale, float64_run)
-        diff = error if float64_run else max_abs_diff(actual[key], reference[key])
-        share = error / bound if bound > 0 else (0.0 if error == 0 else math.inf)
-        verdicts.append((share, key, _verdict(key, error, reference_error, bound, diff, float64_run, reference_label)))
-    verdicts.sort(key=lambda item: -item[0] if not math.isnan(item[0]) else -math.inf)
-    failed = [f"{key}: {check.detail}" for _, key, check in verdicts if not check.passed]
-    _, tightest, check = verdicts[0] if verdicts else (0.0, "", CheckResult(name=name, passed=False))
-    if not verdicts:
-        detail = "both sides are empty; nothing was compared"
-    elif failed:
+    checks = sorted(
+        (
+            _judge_tensor(key, actual[key], reference[key], truth[key], scale, float64_run, reference_label)
+            for key in truth
+        ),
+        key=_furthest_first,
+    )
+    failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
+    if failed:
         shown = "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
-        detail = f"{len(failed)} of {len(verdicts)} tensors outside: {shown}"
+        detail = f"{len(failed)} of {len(checks)} tensors outside: {shown}"
     else:
-        detail = f"{len(verdicts)} tensors; the errors shown are {tightest}'s, the tensor nearest its bound"
-    return check.model_copy(
+        detail = f"{len(checks)} tensors; the errors shown are {checks[0].name}'s, the tensor nearest its bound"
+    return checks[0].model_copy(
         update={
             "name": name,
-            "passed": bool(verdicts) and not failed,
+            "passed": not failed,
             "detail": detail,
-            "max_abs_diff": max((c.max_abs_diff or 0.0 for _, _, c in verdicts), default=0.0),
+            "max_abs_diff": max(c.max_abs_diff or 0.0 for c in checks),
         }
     )
