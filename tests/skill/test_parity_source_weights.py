@@ -70,3 +70,17 @@ def test_stage4_fails_when_archon_disagrees_with_the_folders_weights(tmp_path, m
     assert not result.passed and own and not any(c.passed for c in own)
     # The tiny seeded model's own comparison is untouched by the skew.
     assert all(c.passed for c in result.checks if OWN not in c.name)
+
+
+def test_stage4_passes_a_folder_whose_logits_reach_30(tmp_path):
+    """Real checkpoints have logits of +-30: HF's own fp32 run of such a folder is further
+    from its float64 run than assert_close's 1e-5 allows, and so is a correct port; judged
+    against the float64 run, the port passes."""
+    model = build_hf_model(ModelCase(model_type="qwen2", seed=11, config_overrides={"initializer_range": 1.0}))
+    folder = save_hf_checkpoint(model, tmp_path / "checkpoint")
+    result = run_parity_stage(ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path)
+    own = _own_checks(result)
+    assert result.passed and len(own) == 6
+    for check in own:
+        assert check.reference_error_vs_truth > 1e-5 + 1.3e-6 * 40, check.line()
+        assert check.error_ratio < 1.5, check.line()
