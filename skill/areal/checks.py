@@ -11,8 +11,8 @@ model_type, every check goes through AReaL's registry and shared modules:
   ``init_weights``, ``init_buffers``) and loaded as ``load_model_from_hf`` loads it
   (``to_hf`` of the model's state dict, ``dcp.load`` through the adapter's HF storage
   reader, ``from_hf``, strict ``load_state_dict``), for ``sdpa`` and ``varlen``;
-- logits and gradients match HF fp32 on CPU for several packed documents
-  (``skill.harness.parity``'s comparison);
+- logits and gradients match HF fp32 on CPU for several packed documents, judged by HF's
+  float64 run (``skill.harness.parity``'s comparison);
 - ``to_hf`` reproduces the checkpoint; ``convert_single_to_hf`` per parameter, joined,
   equals ``to_hf``, also under activation-checkpoint and compile wrapper names;
 - the critic (``is_critic=True``) builds and yields one value per token;
@@ -50,7 +50,14 @@ from skill.harness.models import (
     read_hf_checkpoint,
     save_hf_checkpoint,
 )
-from skill.harness.parity import archon_outputs, check_fp32, hf_reference, parity_inputs
+from skill.harness.parity import (
+    archon_outputs,
+    check_against_hf,
+    float64_truth,
+    hf_reference,
+    parity_inputs,
+    truth_reference,
+)
 from skill.harness.results import CheckResult, StageRecorder
 
 logger = logging.getLogger(__name__)
@@ -227,13 +234,15 @@ def run_areal_checks(request: AReaLCheckRequest, workdir: str | Path | None = No
             checkpoint = save_hf_checkpoint(hf_model, tmp_path / "hf")
             inputs = parity_inputs(case, hf_config)
             ref = hf_reference(hf_model, inputs, tmp_path / "hf_grads")
+            truth_grads = tmp_path / "truth_grads"
+            truth = float64_truth(rec, lambda: truth_reference(hf_model, inputs, truth_grads), "tiny model")
             loaded = None
             for attn_type in ATTN_TYPES:
                 args, model = _engine_build(spec, hf_config, attn_type)
                 adapter = spec.state_dict_adapter_class(hf_config, str(checkpoint))
                 _engine_load(model, adapter, checkpoint)
                 archon = ArchonModel(spec=spec, args=args, model=model, adapter=adapter)
-                check_fp32(rec, ref, archon_outputs(archon, inputs), inputs, f"AReaL, {attn_type}")
+                check_against_hf(rec, ref, archon_outputs(archon, inputs), inputs, f"AReaL, {attn_type}", truth)
                 if attn_type == "sdpa":
                     loaded = archon
             assert loaded is not None

@@ -45,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{test.test}: {test.outcome} ({test.seconds:.2f}s)\n")
         for check in test.checks:
             diff = f" max abs diff {check.max_abs_diff:.2e}" if check.max_abs_diff is not None else ""
+            if check.error_vs_truth is not None and check.reference_error_vs_truth is not None:
+                ratio = "inf" if check.error_ratio is None else f"{check.error_ratio:.3g}"
+                diff += (
+                    f" (vs float64 truth {check.error_vs_truth:.2e}, reference's {check.reference_error_vs_truth:.2e},"
+                    f" ratio {ratio})"
+                )
             verdict, detail = ("ok", "") if check.passed else ("FAILED", check.detail)
             sys.stdout.write(f"  {verdict}  {check.name}{diff}  {detail}\n")
     if not result.passed and result.output_tail:

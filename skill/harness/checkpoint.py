@@ -5,10 +5,15 @@ safetensors with ``model.safetensors.index.json``, ``from_pretrained``. The weig
 the loaded ones plus seeded noise, as after training, so nothing already on disk can
 stand in for them. The adapter built with ``hf_assets_path`` must read the same shard
 layout back (``fqn_to_index_mapping``), which is how Archon saves in the original layout.
+
+The reloaded model's logits are judged by its own float64 run (``skill.harness.truth``):
+Archon's fp32 error against that truth within a small multiple of HF's own; and the Archon
+model itself run in float64 is held to the tighter bound of a float64 run.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from pathlib import Path
@@ -16,14 +21,16 @@ from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
-from transformers import AutoModelForCausalLM
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from archon_models.base import SAFETENSORS_INDEX
 from skill.harness.case import ModelCase
-from skill.harness.compare import compare_tensors
-from skill.harness.inputs import make_packed_inputs
+from skill.harness.inputs import PackedInputs, make_packed_inputs
 from skill.harness.models import ArchonModel, build_model_pair, copy_remote_code
+from skill.harness.parity import float64_copy, float64_run, float64_truth
 from skill.harness.results import StageRecorder, StageResult, run_stage
+from skill.harness.truth import TRUTH_DTYPE, judge
 
 MIN_SHARDS = 2
 TRAINING_NOISE_STD = 0.02
@@ -58,6 +65,22 @@ def _shard_number(filename: str) -> int:
     """1-based shard of ``model-00002-of-00003.safetensors``; 1 for an unsharded file."""
     parts = Path(filename).stem.split("-")
     return int(parts[-3]) if len(parts) >= 3 and parts[-2] == "of" else 1
+
+
+def _hf_packed_logits(model: PreTrainedModel, inputs: PackedInputs) -> torch.Tensor:
+    """HF's logits of each document alone, concatenated."""
+    with torch.no_grad():
+        return torch.cat([model(input_ids=doc).logits for doc in inputs.documents()], dim=1)
+
+
+def _archon_packed_logits(model: nn.Module, inputs: PackedInputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(inputs.tokens, inputs.positions, inputs.cu_seqlens, inputs.max_seqlen)
+
+
+def _float64_archon_logits(model: nn.Module, inputs: PackedInputs) -> torch.Tensor:
+    """The packed logits of a float64 copy of ``model`` (its trained weights, exactly)."""
+    return _archon_packed_logits(copy.deepcopy(model).to(TRUTH_DTYPE), inputs)
 
 
 def run_checkpoint_stage(
@@ -102,10 +125,15 @@ def run_checkpoint_stage(
                 )
 
             inputs = make_packed_inputs(case.doc_lens, pair.hf_config.vocab_size, seed=case.seed)
-            with torch.no_grad():
-                expected = torch.cat([reloaded(input_ids=doc).logits for doc in inputs.documents()], dim=1)
-                got = archon.model(inputs.tokens, inputs.positions, inputs.cu_seqlens, inputs.max_seqlen)
-            rec.add(compare_tensors("logits of the reloaded HF model equal Archon's", got, expected))
+            expected = _hf_packed_logits(reloaded, inputs)
+            got = _archon_packed_logits(archon.model, inputs)
+            name = "logits of the reloaded HF model equal Archon's"
+            truth = float64_truth(rec, lambda: _hf_packed_logits(float64_copy(reloaded), inputs), "reloaded model")
+            rec.add(judge(name, got, expected, truth))
+            if truth is not None:
+                float64 = float64_run(rec, lambda: _float64_archon_logits(archon.model, inputs), "reloaded model")
+                if float64 is not None:
+                    rec.add(judge(f"{name} [float64]", float64, expected, truth, float64_run=True))
 
             adapter = archon.spec.state_dict_adapter_class(pair.hf_config, str(out))
             mapping = adapter.fqn_to_index_mapping or {}

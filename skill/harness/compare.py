@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from skill.harness.results import CheckResult
 
 
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute elementwise difference, computed in fp32; inf on a shape mismatch."""
+    """Largest absolute elementwise difference, computed in fp32, or in float64 when either
+    side is (a float64 truth rounded to fp32 first would hide errors below fp32's rounding);
+    inf on a shape mismatch."""
     if actual.shape != expected.shape:
         return float("inf")
     if actual.numel() == 0:
         return 0.0
-    diff = actual.detach().float().cpu() - expected.detach().float().cpu()
+    dtype = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
+    diff = actual.detach().to("cpu", dtype) - expected.detach().to("cpu", dtype)
     return float(diff.abs().max())
 
 
@@ -47,13 +52,7 @@ def compare_tensor_dicts(
 
     The message names the missing, unexpected and differing keys, the worst first.
     """
-    missing = sorted(set(expected) - set(actual))
-    unexpected = sorted(set(actual) - set(expected))
-    problems: list[str] = []
-    if missing:
-        problems.append(f"missing keys {_head(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys {_head(unexpected)}")
+    problems = key_differences(actual, expected)
     worst = 0.0
     differing: list[tuple[float, str]] = []
     for key in sorted(set(actual) & set(expected)):
@@ -80,6 +79,18 @@ def compare_tensor_dicts(
         detail="; ".join(problems) if problems else f"{len(expected)} tensors",
         max_abs_diff=worst,
     )
+
+
+def key_differences(actual: Mapping[str, object], expected: Mapping[str, object]) -> list[str]:
+    """The keys ``actual`` lacks and the keys it has that ``expected`` does not, said in words."""
+    missing = sorted(set(expected) - set(actual))
+    unexpected = sorted(set(actual) - set(expected))
+    problems: list[str] = []
+    if missing:
+        problems.append(f"missing keys {_head(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys {_head(unexpected)}")
+    return problems
 
 
 def _head(items: list[str], limit: int = 5) -> str:

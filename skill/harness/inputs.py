@@ -88,12 +88,17 @@ def make_packed_inputs(
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, doc_lens: Sequence[int]) -> torch.Tensor:
     """Mean next-token cross-entropy within each document of a packed ``[1, T, V]`` batch.
 
-    The last token of a document predicts nothing, so no loss crosses a boundary.
+    The last token of a document predicts nothing, so no loss crosses a boundary. The loss
+    is computed in fp32 for bf16 logits and in the logits' own dtype for fp32 and float64
+    (a float64 truth rounded to fp32 here would carry fp32 rounding into every gradient).
     """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     losses = []
     for doc_logits, doc_tokens in zip(
         torch.split(logits, list(doc_lens), dim=1), torch.split(tokens, list(doc_lens), dim=1), strict=True
     ):
-        losses.append(torch.nn.functional.cross_entropy(doc_logits[0, :-1].float(), doc_tokens[0, 1:], reduction="sum"))
+        losses.append(
+            torch.nn.functional.cross_entropy(doc_logits[0, :-1].to(dtype), doc_tokens[0, 1:], reduction="sum")
+        )
     count = sum(n - 1 for n in doc_lens)
     return torch.stack(losses).sum() / count

@@ -29,18 +29,54 @@ STAGE_NAMES = {
 
 
 class CheckResult(BaseModel):
-    """One named check inside a stage."""
+    """One named check inside a stage.
+
+    A check judged against a float64 truth (``skill.harness.truth``) also carries the
+    result's error against that truth, the reference's own (HF fp32's, or one process's in
+    stage 5) and their ratio, and the dtype the judged side ran in.
+    """
 
     name: str
     passed: bool
     detail: str = ""
     max_abs_diff: float | None = None
+    error_vs_truth: float | None = Field(default=None, description="max |result - float64 truth|")
+    reference_error_vs_truth: float | None = Field(
+        default=None, description="max |reference fp32 - float64 truth|: the reference's own rounding error"
+    )
+    allowed_error: float | None = Field(default=None, description="the largest error_vs_truth the rule allows")
+    run_dtype: str | None = Field(default=None, description="the judged side's dtype: float32, or float64")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def error_ratio(self) -> float | None:
+        """``error_vs_truth / reference_error_vs_truth`` (inf when only the reference is exact)."""
+        if self.error_vs_truth is None or self.reference_error_vs_truth is None:
+            return None
+        if self.reference_error_vs_truth == 0:
+            return 0.0 if self.error_vs_truth == 0 else math.inf
+        return self.error_vs_truth / self.reference_error_vs_truth
+
+    def share_of_bound(self) -> float | None:
+        """``error_vs_truth / allowed_error``: above 1 fails; how near a passing check came."""
+        if self.error_vs_truth is None or self.allowed_error is None:
+            return None
+        if self.allowed_error == 0:
+            return 0.0 if self.error_vs_truth == 0 else math.inf
+        return self.error_vs_truth / self.allowed_error
 
     def line(self) -> str:
         mark = "ok  " if self.passed else "FAIL"
         diff = "" if self.max_abs_diff is None else f" (max abs diff {self.max_abs_diff:.3e})"
+        truth = ""
+        if self.error_vs_truth is not None and self.reference_error_vs_truth is not None:
+            side = "float64 run" if self.run_dtype == "float64" else "error"
+            truth = (
+                f" [{side} vs float64 truth {self.error_vs_truth:.3e}, reference's {self.reference_error_vs_truth:.3e},"
+                f" ratio {self.error_ratio:.3g}, {self.share_of_bound():.2f} of the bound]"
+            )
         detail = f": {self.detail}" if self.detail else ""
-        return f"[{mark}] {self.name}{diff}{detail}"
+        return f"[{mark}] {self.name}{diff}{truth}{detail}"
 
 
 class StageResult(BaseModel):
@@ -71,6 +107,12 @@ class StageResult(BaseModel):
         """The largest diff among checks whose name starts with ``prefix`` (e.g. ``"logits"``)."""
         diffs = [c.max_abs_diff for c in self.checks if c.name.startswith(prefix) and c.max_abs_diff is not None]
         return max(diffs) if diffs else None
+
+    def worst_truth_check(self, run_dtype: str = "float32") -> CheckResult | None:
+        """Of the checks judged against a float64 truth whose result ran in ``run_dtype``, the
+        one nearest its bound (``None`` when no check was judged so)."""
+        judged = [c for c in self.checks if c.run_dtype == run_dtype and c.share_of_bound() is not None]
+        return max(judged, key=lambda c: c.share_of_bound() or 0.0, default=None)
 
     def report(self) -> str:
         head = (

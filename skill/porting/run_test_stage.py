@@ -39,6 +39,14 @@ class StageCheck(BaseModel):
     passed: bool
     detail: str = ""
     max_abs_diff: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
+    # A check judged against a float64 truth (skill.harness.truth): its error against that
+    # truth, the reference's own (HF fp32's; one process's in stage 5), their ratio, the
+    # largest error the rule allows, and the dtype the judged side ran in.
+    error_vs_truth: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
+    reference_error_vs_truth: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
+    error_ratio: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
+    allowed_error: float | None = Field(default=None, json_schema_extra=_DIFF_IS_VOLATILE)
+    run_dtype: str | None = None
 
 
 class StageTest(BaseModel):

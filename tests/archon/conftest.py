@@ -3,8 +3,9 @@
 A per-model test file defines ``CASES`` (a list of :class:`skill.harness.ModelCase`)
 and one test per stage taking the ``case`` fixture; this conftest parametrises
 ``case`` over ``CASES``, runs stages through the ``prove`` fixture, and prints every
-stage's numbers (max abs logit and gradient diff, time) in the terminal summary,
-also under pytest-xdist (the numbers travel in ``user_properties``).
+stage's numbers (max abs logit and gradient diff; the error against the float64 truth, the
+reference's own and their ratio; time) in the terminal summary, also under pytest-xdist
+(the numbers travel in ``user_properties``).
 """
 
 from __future__ import annotations
@@ -113,17 +114,29 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not rows:
         return
     terminalreporter.section("archon stage results")
-    header = ("max|dlogits|", "max|dgrad|", "max|diff|")
+    # The float64-truth columns, of the fp32 check nearest its bound: its error against the
+    # float64 truth, the reference's own (HF fp32's; one process's in stage 5), their ratio and
+    # the share of the bound it used; then the share the package's float64 run used of its own.
+    header = ("max|dlogits|", "max|dgrad|", "max|diff|", "err vs f64", "ref err", "ratio", "of bound", "f64 of bnd")
     terminalreporter.write_line(
         f"{'case':<16} {'stage':<16} {'result':<7} " + " ".join(f"{h:>12}" for h in header) + f" {'seconds':>8}"
     )
     for row in sorted(rows, key=lambda r: (r.case_id, r.stage)):
+        worst = row.worst_truth_check("float32")
+        float64 = row.worst_truth_check("float64")
         terminalreporter.write_line(
             f"{row.case_id:<16} {f'{row.stage} {row.stage_name}':<16} {'pass' if row.passed else 'FAIL':<7} "
             f"{_fmt(row.max_abs_diff_of('logits'))} {_fmt(row.max_abs_diff_of('gradients'))} "
-            f"{_fmt(row.max_abs_diff)} {row.seconds:>8.2f}"
+            f"{_fmt(row.max_abs_diff)} {_fmt(worst and worst.error_vs_truth)} "
+            f"{_fmt(worst and worst.reference_error_vs_truth)} {_ratio(worst and worst.error_ratio)} "
+            f"{_ratio(worst and worst.share_of_bound())} {_ratio(float64 and float64.share_of_bound())} "
+            f"{row.seconds:>8.2f}"
         )
 
 
 def _fmt(value: float | None) -> str:
     return f"{value:>12.3e}" if value is not None else f"{'-':>12}"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:>12.3g}" if value is not None else f"{'-':>12}"

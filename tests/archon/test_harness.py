@@ -4,6 +4,8 @@ method, nothing on disk changes) and asserts the right check fails."""
 
 from __future__ import annotations
 
+import sys
+
 import pydantic
 import pytest
 import torch
@@ -12,15 +14,27 @@ import archon_models
 from skill.harness import (
     ModelCase,
     StageFailure,
+    parity,
     run_adapter_stage,
     run_args_stage,
+    run_checkpoint_stage,
     run_completeness_stage,
     run_parity_stage,
 )
+from skill.harness.compare import compare_tensor_dicts, compare_tensors
 from skill.harness.completeness import check_completeness
+from skill.harness.distributed import run_stage5
 from skill.harness.inputs import make_packed_inputs, untrained_token_ids
-from skill.harness.models import build_archon_model, build_hf_config
+from skill.harness.models import (
+    build_archon_model,
+    build_hf_config,
+    build_hf_model,
+    load_archon_model,
+    save_hf_checkpoint,
+)
+from skill.harness.parity import archon_outputs, hf_reference, parity_inputs
 from skill.harness.results import StageRecorder, run_stage
+from skill.harness.truth import truth_bound
 
 CASE = ModelCase(model_type="qwen2", config_overrides={"num_key_value_heads": 2})
 
@@ -166,3 +180,110 @@ def test_packed_inputs_avoid_the_pad_token_whose_row_hf_never_trains():
     assert (plain.tokens[changed] == pad).all() and (avoiding.tokens[changed] == pad + 1).all()
     assert untrained_token_ids(build_hf_config(ModelCase(model_type="smollm3"))) == (251,)
     assert untrained_token_ids(build_hf_config(ModelCase(model_type="qwen2"))) == ()
+
+
+# --------------------------------------------------------------- judged by the float64 truth
+
+# Weights drawn with std 1.0 instead of 0.02: the same qwen2 port, logits of about +-27.
+LARGE_LOGITS = ModelCase(
+    model_type="qwen2", config_overrides={"num_key_value_heads": 2, "initializer_range": 1.0}, name="qwen2-large"
+)
+# assert_close's fp32 defaults, the fixed tolerance the stages used before.
+OLD_ATOL, OLD_RTOL = 1e-5, 1.3e-6
+
+
+def _fp32_outputs(case, tmp_path):
+    """HF fp32 and Archon fp32 (sdpa) outputs on stage 4's inputs."""
+    hf_config = build_hf_config(case)
+    hf_model = build_hf_model(case, hf_config)
+    checkpoint = save_hf_checkpoint(hf_model, tmp_path / "hf")
+    inputs = parity_inputs(case, hf_config)
+    hf = hf_reference(hf_model, inputs, tmp_path / "hf_grads")
+    return hf, archon_outputs(load_archon_model(hf_config, checkpoint, attn_type="sdpa"), inputs)
+
+
+def _by_name(result):
+    return {c.name: c for c in result.checks}
+
+
+def test_parity_passes_a_correct_port_whose_logits_reach_30(tmp_path):
+    hf, archon = _fp32_outputs(LARGE_LOGITS, tmp_path)
+    largest = float(hf.single_logits.abs().max())
+    assert 30 < largest < 40
+    # The fixed tolerance fails this correct port...
+    assert not compare_tensors("logits", archon.single_logits, hf.single_logits).passed
+    assert not compare_tensors("logits", archon.packed_logits, hf.packed_logits).passed
+    # ...which is as close to the float64 truth as HF's own fp32 run, itself further from it
+    # than the fixed tolerance allows at any logit: judged against the truth, it passes.
+    result = run_parity_stage(LARGE_LOGITS, workdir=tmp_path)
+    assert result.passed
+    checks = _by_name(result)
+    for label in ("varlen", "sdpa", "float64"):
+        logits = checks[f"logits, one sequence of 24 [{label}]"]
+        assert logits.reference_error_vs_truth > OLD_ATOL + OLD_RTOL * largest
+        assert logits.error_ratio < 1.5
+
+
+def test_stages_5_and_6_pass_a_correct_port_whose_logits_reach_30(tmp_path):
+    """TP=2 differs from one process by more than the fixed tolerance allows at any logit
+    below 40 (so it failed); the reloaded checkpoint's own fp32 error against its float64 run
+    is over it too. Judged by a float64 run, both pass within the reference's own error."""
+    old_bound_at_40 = OLD_ATOL + OLD_RTOL * 40
+    tp = _by_name(run_stage5(LARGE_LOGITS, workdir=tmp_path, parallelisms=["tp"]))["logits (tp=2)"]
+    assert tp.passed and tp.max_abs_diff > old_bound_at_40
+    reloaded = _by_name(run_checkpoint_stage(LARGE_LOGITS, workdir=tmp_path))
+    roundtrip = reloaded["logits of the reloaded HF model equal Archon's"]
+    assert roundtrip.passed and roundtrip.reference_error_vs_truth > old_bound_at_40
+    assert tp.error_ratio < 1.5 and roundtrip.error_ratio < 1.5
+    assert reloaded["logits of the reloaded HF model equal Archon's [float64]"].passed
+
+
+@pytest.mark.parametrize("relative_error", [1e-4, 1e-5])
+def test_parity_catches_a_small_error_on_small_logits(spec, monkeypatch, tmp_path, relative_error):
+    """Every RMSNorm of the port scales by 1 + relative_error (a norm weight off by that much)
+    on the default tiny model, whose logits stay below 2: every fp32 run and the float64 run
+    fail on the logits, at least twice over the bound, and on the gradients. At 1e-5 the
+    gradients are about 6e-6 off: under assert_close's 1e-5, which passed them."""
+    hf, _ = _fp32_outputs(CASE, tmp_path / "correct")
+    largest = 2.0
+    assert float(hf.single_logits.abs().max()) < largest
+    norm = sys.modules[spec.model_class.__module__].RMSNorm
+    original = norm.forward
+    monkeypatch.setattr(norm, "forward", lambda self, x: original(self, x) * (1 + relative_error))
+    checks = _by_name(run_parity_stage(CASE, raise_on_failure=False))
+    for label in ("varlen", "sdpa", "float64"):
+        single = f"logits, one sequence of 24 [{label}]"
+        packed = f"logits, 3 packed documents (7, 13, 4) vs each alone [{label}]"
+        for check in (checks[single], checks[packed]):
+            assert not check.passed, check.line()
+            bound = truth_bound(check.reference_error_vs_truth, largest, float64_run=label == "float64")
+            assert check.error_vs_truth > 2 * bound, check.line()
+        assert not checks[f"gradients of every parameter [{label}]"].passed
+    if relative_error < 1e-4:
+        hf, archon = _fp32_outputs(CASE, tmp_path / "broken")
+        assert compare_tensor_dicts("gradients", archon.grads, hf.grads).passed
+
+
+def test_parity_says_so_when_hf_cannot_run_in_float64(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise RuntimeError("value cannot be converted to type float without overflow")
+
+    monkeypatch.setattr(parity, "truth_reference", refuses)
+    result = run_parity_stage(CASE)
+    note = _by_name(result)["not run (float64 truth, tiny model)"]
+    assert note.passed and "overflow" in note.detail and "assert_close" in note.detail
+    # Judged by assert_close's defaults instead, and no float64 run of the package without a truth.
+    assert all(c.error_vs_truth is None for c in result.checks)
+    assert not any("[float64]" in c.name for c in result.checks)
+
+
+def test_parity_says_so_when_the_package_cannot_run_in_float64(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+
+    monkeypatch.setattr(parity, "load_archon_float64", refuses)
+    result = run_parity_stage(CASE)
+    note = _by_name(result)["not run (float64 run of the package, tiny model)"]
+    assert note.passed and "got Double" in note.detail
+    assert not any("[float64]" in c.name for c in result.checks)
+    assert all(c.error_vs_truth is not None for c in result.checks if c.name.startswith("logits"))

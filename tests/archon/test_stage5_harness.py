@@ -9,12 +9,13 @@ would pass both.
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 import archon_models.qwen2.infra.parallelize as qwen2_parallelize
 import archon_models.qwen3.infra.parallelize as qwen3_parallelize
-from skill.harness import ModelCase
+from skill.harness import ModelCase, distributed
 from skill.harness.distributed import (
     PARALLELISMS,
     WORLD_SIZES,
@@ -46,6 +47,26 @@ def test_missing_sequence_parallel_on_norms_is_caught(monkeypatch, tmp_path):
     assert not checks["gradients (tp=2)"].passed
     assert "ffn_norm.weight" in checks["gradients (tp=2)"].detail
     assert "norm.weight" in checks["gradients (tp=2)"].detail
+    # Judged against one process's float64 run: the errors come with the result.
+    assert checks["logits (tp=2)"].error_vs_truth is not None
+    assert checks["logits (tp=2)"].reference_error_vs_truth is not None
+
+
+@pytest.mark.stage5
+def test_a_model_that_cannot_run_in_float64_is_compared_with_the_fixed_tolerance(monkeypatch, tmp_path):
+    original = distributed._one_process
+
+    def fp32_only(model, batches, mean):
+        if next(model.parameters()).dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return original(model, batches, mean)
+
+    monkeypatch.setattr(distributed, "_one_process", fp32_only)
+    result = run_stage5(ModelCase(model_type="qwen2"), workdir=tmp_path, parallelisms=["tp"])
+    checks = _checks(result)
+    note = checks["not run (float64 one-process reference)"]
+    assert note.passed and "got Double" in note.detail and "assert_close" in note.detail
+    assert checks["logits (tp=2)"].passed and checks["logits (tp=2)"].error_vs_truth is None
 
 
 @pytest.mark.stage5

@@ -1,7 +1,7 @@
 """Stage 4 with a source folder (issue 8, item 5): the folder's own weights are compared too.
 
 HF ``from_pretrained(folder)`` against the Archon model loaded from the folder's
-safetensors through the adapter, logits in fp32 with ``assert_close``'s defaults. The
+safetensors through the adapter, logits in fp32 judged by HF's float64 run of the same weights. The
 remote-code path (``trust_remote_code``) is exercised by tests/skill/test_composition_families.py.
 """
 
@@ -32,8 +32,11 @@ def test_stage4_compares_the_source_folders_weights(tmp_path):
     result = run_parity_stage(ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path)
     own = _own_checks(result)
     assert result.passed
-    # One sequence and packed documents, for both attention backends.
-    assert len(own) == 4 and all(c.passed for c in own)
+    # One sequence and packed documents, for both attention backends and the package run in
+    # float64, each judged by HF's float64 run of the folder's weights.
+    assert len(own) == 6 and all(c.passed for c in own)
+    assert sum(c.run_dtype == "float64" for c in own) == 2
+    assert all(c.error_vs_truth is not None and c.reference_error_vs_truth is not None for c in own)
     assert all(c.max_abs_diff is not None and c.max_abs_diff < 1e-5 for c in own)
 
 
@@ -67,3 +70,17 @@ def test_stage4_fails_when_archon_disagrees_with_the_folders_weights(tmp_path, m
     assert not result.passed and own and not any(c.passed for c in own)
     # The tiny seeded model's own comparison is untouched by the skew.
     assert all(c.passed for c in result.checks if OWN not in c.name)
+
+
+def test_stage4_passes_a_folder_whose_logits_reach_30(tmp_path):
+    """Real checkpoints have logits of +-30: HF's own fp32 run of such a folder is further
+    from its float64 run than assert_close's 1e-5 allows, and so is a correct port; judged
+    against the float64 run, the port passes."""
+    model = build_hf_model(ModelCase(model_type="qwen2", seed=11, config_overrides={"initializer_range": 1.0}))
+    folder = save_hf_checkpoint(model, tmp_path / "checkpoint")
+    result = run_parity_stage(ModelCase(model_type="qwen2", source=str(folder)), workdir=tmp_path)
+    own = _own_checks(result)
+    assert result.passed and len(own) == 6
+    for check in own:
+        assert check.reference_error_vs_truth > 1e-5 + 1.3e-6 * 40, check.line()
+        assert check.error_ratio < 1.5, check.line()
