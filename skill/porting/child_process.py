@@ -18,7 +18,6 @@ six. ``ARCHON_PORT_WARM_CHILDREN=0`` turns it off (every run then execs a new in
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from skill.codemod.workspace import check_cancelled
-from skill.porting.zygote import die_with_parent_hook, kill_group
+from skill.porting.zygote import die_with_parent_hook, kill_group, send_request
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +97,17 @@ def run_python_module(
     command = [sys.executable, "-m", module, *argv]
     if not _warm_children_on():
         return run_child(command, cwd=cwd, env=env, timeout=timeout)
+    try:
+        return _run_warm(module, argv, command, cwd=cwd, env=env, timeout=timeout)
+    except WarmInterpreterError as e:
+        # Nothing ran: the run is started afresh, as with warm children off.
+        logger.warning("%s; running %s in a new interpreter instead", e, module)
+        return run_child(command, cwd=cwd, env=env, timeout=timeout)
+
+
+def _run_warm(
+    module: str, argv: Sequence[str], command: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     request = {"module": module, "argv": list(argv), "cwd": str(Path(cwd).resolve()), "env": dict(env)}
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -108,6 +118,11 @@ def run_python_module(
             try:
                 pid = reader.number("pid", deadline=deadline, command=command, timeout=timeout)
                 returncode = reader.number("rc", deadline=deadline, command=command, timeout=timeout)
+                if reader.server_lost:
+                    # The warm interpreter died under the run: its child died with it
+                    # (PR_SET_PDEATHSIG), what the child started did not; it is in the group.
+                    logger.warning("the warm interpreter stopped during a run of %s; killing what it left", module)
+                    kill_group(pid)
             except BaseException as e:
                 logger.info("stopping %s (%s)", module, type(e).__name__)
                 if pid is None:
@@ -122,6 +137,10 @@ def run_python_module(
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+
+
+class WarmInterpreterError(RuntimeError):
+    """The warm interpreter ended before it started a run (the run itself never began)."""
 
 
 def _warm_children_on() -> bool:
@@ -142,6 +161,7 @@ class _StatusReader:
     def __init__(self, pipe: Any):
         self.pipe = pipe
         self.buffer = b""
+        self.server_lost = False  # the pipe ended before the run's ``rc``: the zygote died
 
     def number(self, key: str, *, deadline: float, command: Sequence[str] = (), timeout: float = 0.0) -> int:
         while b"\n" not in self.buffer:
@@ -153,8 +173,9 @@ class _StatusReader:
                 chunk = self.pipe.read(4096)
                 if not chunk:
                     if key == "rc":  # the zygote died with the child unreported
+                        self.server_lost = True
                         return -signal.SIGKILL
-                    raise RuntimeError("the warm interpreter stopped before starting the child")
+                    raise WarmInterpreterError("the warm interpreter stopped before starting the child")
                 self.buffer += chunk
         return self._take(key)
 
@@ -192,14 +213,13 @@ class _Zygote:
 
     def start(self, request: dict[str, Any], out_fd: int, err_fd: int) -> int:
         """Send one run; returns the read end of its status pipe."""
-        data = json.dumps(request).encode()
         read_fd, write_fd = os.pipe()
         try:
             with self._lock:
                 for attempt in (1, 2):
                     control = self._ensure_running()
                     try:
-                        socket.send_fds(control, [data], [write_fd, out_fd, err_fd])
+                        send_request(control, request, [write_fd, out_fd, err_fd])
                         break
                     except OSError:
                         self._stop()
