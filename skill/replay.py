@@ -35,6 +35,7 @@ from skill.codemod.workspace import (
     confine,
     find_project_root,
 )
+from skill.scratch import make_scratch_dir
 from skill.session import (
     IGNORED_SUFFIXES,
     CallRecord,
@@ -251,7 +252,9 @@ def replay_session(request: ReplayInput) -> ReplayReport:
     assert isinstance(header, SessionHeader)
     vet_session(records, trust_remote_code=request.trust_remote_code)
     source = (request.source or find_project_root()).resolve()
-    tmp = Path(tempfile.mkdtemp(prefix="archon-port-replay-"))
+    # A copy kept for inspection is the user's to remove; any other is removed below, or, after a
+    # kill, by the next engine call that makes a scratch folder (skill.scratch).
+    tmp = Path(tempfile.mkdtemp(prefix="archon-port-replay-kept-")) if request.keep else make_scratch_dir("replay")
     root = copy_repository(source, tmp / "repo").resolve()
     calls = edits = 0
     mismatch: ReplayMismatch | None = None

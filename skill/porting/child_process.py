@@ -4,9 +4,9 @@ A stage runs pytest in a child process (which may fork distributed workers) and 
 its report in a temporary folder. :func:`run_child` starts the child in its own process
 group, asks the kernel to kill it when this process dies (``PR_SET_PDEATHSIG``, Linux),
 kills the whole group on any exception (Ctrl-C, SIGTERM turned into ``SystemExit`` by
-the CLI, a timeout) and when the running call is cancelled. :func:`scratch_dir` names
-its folders after the process that made them and removes, first, those of processes
-that are gone (a SIGKILL runs no cleanup).
+the CLI, a timeout) and when the running call is cancelled. :func:`scratch_dir`
+(:mod:`skill.scratch`) names its folders after the process that made them and removes,
+first, those of processes that are gone (a SIGKILL runs no cleanup).
 
 :func:`run_python_module` runs ``python -m <module>`` the same way, but forks the child
 from a warm interpreter (:mod:`skill.porting.zygote`) that has torch, transformers and
@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,12 +28,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from skill.codemod.workspace import check_cancelled
 from skill.porting.zygote import die_with_parent_hook, kill_group, send_request
+from skill.scratch import scratch_dir, sweep_stale_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -271,38 +271,6 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_scratch(prefix: str, root: Path | None = None) -> list[Path]:
-    """Remove the scratch folders ``<prefix>-<pid>-*`` whose process is gone; returns them."""
-    base = Path(root or tempfile.gettempdir())
-    removed: list[Path] = []
-    for folder in base.glob(f"{prefix}-*-*"):
-        pid_text = folder.name[len(prefix) + 1 :].split("-", 1)[0]
-        if folder.is_dir() and pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    if removed:
-        logger.info("removed %d scratch folder(s) left by killed processes", len(removed))
-    return removed
-
-
-@contextlib.contextmanager
-def scratch_dir(prefix: str) -> Iterator[Path]:
-    """A temporary folder ``<prefix>-<pid>-*``, removed on exit; stale ones of dead processes go first."""
-    sweep_stale_scratch(prefix)
-    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{os.getpid()}-") as folder:
-        yield Path(folder)
 
 
 __all__ = ["run_child", "run_python_module", "scratch_dir", "sweep_stale_scratch", "warm_up"]

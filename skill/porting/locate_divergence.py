@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ from skill.errors import WorkerFailedError, last_error_line
 from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout, PackageRequest
 from skill.porting.overrides import ConfigOverrides, ModelTypeName
+from skill.scratch import scratch_dir
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def run_locally(
     case = _case_for(root, model_name, model_type)
     if config_overrides:
         case = case.model_copy(update={"config_overrides": {**case.config_overrides, **config_overrides}})
-    with tempfile.TemporaryDirectory(prefix="archon-port-diverge-") as tmp:
+    with scratch_dir("diverge") as tmp:
         pair = build_model_pair(case, tmp, attn_type="sdpa")
     hf_model, archon = pair.hf_model, pair.archon
     adapter, model = archon.adapter, archon.model
