@@ -304,3 +304,19 @@ def test_a_caller_killed_while_the_warm_interpreter_imports_takes_it_along_at_on
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert wait_for(lambda: process_gone(zygote), timeout=3), "the warm interpreter went on importing for nobody"
+
+
+def test_a_stage_runs_under_a_40_kb_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every stage run hands its environment to the warm interpreter: at 19fb638 one 40 KB
+    variable made every stage fail with two raw tracebacks."""
+    from skill.porting.run_test_stage import run_stage_subprocess
+
+    (tmp_path / "tests" / "archon").mkdir(parents=True)
+    (tmp_path / "tests" / "archon" / "test_tiny.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.mark.stage1\ndef test_stage1_args():\n"
+        "    assert len(os.environ['ARCHON_TEST_BIG']) == 40_000\n"
+    )
+    monkeypatch.setenv("ARCHON_TEST_BIG", "b" * 40_000)
+    result = run_stage_subprocess(tmp_path, "tiny", 1, timeout_s=300)
+    assert result.passed, result.output_tail
+    assert [t.outcome for t in result.tests] == ["passed"]
