@@ -21,6 +21,7 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.server.mcpserver.prompts.base import UserMessage
 
 import skill
+from mcp_server.http import serve_http
 from mcp_server.state import ServerState
 from mcp_server.tools import make_tool
 from skill.codemod.workspace import Workspace
@@ -99,13 +100,26 @@ def default_session_path(workspace: Workspace) -> Path:
     return state_dir(workspace, "sessions") / f"serve-{stamp}-{os.getpid()}.jsonl"
 
 
+class ArchonServer(MCPServer):
+    """The MCP server of one workspace; ``archon_state`` is what its tools share (the HTTP face
+    cancels the calls in flight through it when it shuts down)."""
+
+    def __init__(self, state: ServerState, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.archon_state = state
+
+    def serve_http(self, host: str, port: int, token: str) -> None:
+        """Serve on ``http://host:port/mcp`` behind ``token`` (see :mod:`mcp_server.http`)."""
+        serve_http(self, self.archon_state, host, port, token)
+
+
 def build_server(
     workspace: str | os.PathLike | Workspace | None = None,
     *,
     session: str | os.PathLike | None = None,
     record: bool = True,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
-) -> MCPServer:
+) -> ArchonServer:
     """An MCP server over ``workspace`` (default: the project holding the current directory).
 
     ``session`` is the session file to record into (default: a new file under
@@ -132,7 +146,8 @@ def build_server(
         except ValueError as e:  # a client's typo, reported as such rather than as a server fault
             raise ResourceError(str(e)) from e
 
-    server = MCPServer(
+    server = ArchonServer(
+        state,
         SERVER_NAME,
         instructions=INSTRUCTIONS,
         version=skill.__version__,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +65,34 @@ class ReportStore:
 
 @dataclass
 class ServerState:
-    """Shared by every tool, resource and prompt of one server."""
+    """Shared by every tool, resource and prompt of one server, and by its shutdown."""
 
     workspace: Workspace
     recorder: SessionRecorder | None = None
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     reports: ReportStore = field(init=False)
+    # The cancel event of every call running now (see skill.codemod.workspace.cancellable).
+    _calls: set[threading.Event] = field(init=False, default_factory=set)
+    _calls_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.reports = ReportStore(self.workspace)
+
+    @contextlib.contextmanager
+    def running_call(self, cancel: threading.Event) -> Iterator[None]:
+        """Track a call while it runs, so that :meth:`cancel_calls` reaches it."""
+        with self._calls_lock:
+            self._calls.add(cancel)
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls.discard(cancel)
+
+    def cancel_calls(self) -> int:
+        """Cancel every call in flight (their children are killed, nothing is written); how many."""
+        with self._calls_lock:
+            calls = list(self._calls)
+        for cancel in calls:
+            cancel.set()
+        return len(calls)

@@ -27,7 +27,7 @@ from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcp_server.state import ServerState
-from skill.codemod.workspace import WorkspaceError
+from skill.codemod.workspace import CallCancelledError, WorkspaceError
 from skill.errors import HAND_PORT_POINTER, points_to_hand_port, step_error_message
 from skill.tools import InvalidArgumentsError, Tool, ToolBusyError, invoke
 
@@ -163,9 +163,9 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             progress=progress.from_worker,
             lock_timeout=state.lock_timeout,
             cancel=cancel,
-            # The server's user names the trees a step may work on outside the workspace
-            # (export's AReaL); a replayed session file gets no such trust (skill.replay).
-            allow_external=True,
+            # A client gets a session file's trust, not the person's at the keyboard: export's
+            # AReaL tree must lie inside the workspace and it cannot name a Python to run.
+            allow_external=False,
         )
         error: Exception | None = None
         async with anyio.create_task_group() as group:
@@ -175,7 +175,9 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             try:
                 # A client that cancels or goes away stops the wait at once; the step then
                 # stops at its next check (before it commits, or its stage child is killed).
-                result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+                # So does the server's shutdown (state.cancel_calls).
+                with state.running_call(cancel):
+                    result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
             except anyio.get_cancelled_exc_class():
                 logger.info("%s cancelled by the client; it writes nothing", tool.name)
                 cancel.set()
@@ -185,7 +187,9 @@ def make_tool(tool: Tool, state: ServerState) -> MCPTool:
             finally:
                 group.cancel_scope.cancel()
         if error is not None:
-            if not isinstance(error, WorkspaceError | ToolBusyError | ValueError):
+            if isinstance(error, CallCancelledError):
+                logger.info("%s cancelled: %s", tool.name, error)
+            elif not isinstance(error, WorkspaceError | ToolBusyError | ValueError):
                 logger.error("tool %s failed", tool.name, exc_info=error)
             return failure_result(tool, error)
         state.reports.save(tool, arguments, result)

@@ -20,6 +20,20 @@ class UnsupportedFeatureError(ValueError):
         self.features = list(features)
 
 
+class WorkerFailedError(RuntimeError):
+    """A child process a step ran (a divergence run, a trace) ended without its result.
+
+    The message is one line: what failed and the child's last error line (its whole
+    output is logged at debug level, not shown).
+    """
+
+
+def last_error_line(stderr: str, default: str = "the worker exited without a result") -> str:
+    """The last non-empty line a child wrote to stderr: its exception, after the traceback."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else default
+
+
 def points_to_hand_port(error: BaseException) -> bool:
     """Whether the way past ``error`` is the hand-port section (an unsupported feature, a missing file)."""
     return isinstance(error, UnsupportedFeatureError | FileNotFoundError)

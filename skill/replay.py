@@ -10,21 +10,34 @@ a mismatch naming it.
 A session file is untrusted input (it may come with a pull request that CI replays).
 Before anything runs, every path it names (each record's ``base`` and ``files``, each
 patch header, each ``binary`` entry) must be a plain relative path, and each is
-confined again to the scratch copy, after resolving symbolic links, when it is used. A
-recorded call with ``trust_remote_code`` runs only when the person replaying allows
-remote code themselves. A session that breaks either rule is refused with one line
-naming the record (:class:`UnsafeSessionError`).
+confined again to the scratch copy, after resolving symbolic links, when it is used.
+
+Nor does a session run code of its own unless the person replaying says so with
+``trust_remote_code`` (``--trust-remote-code``): a recorded call with
+``trust_remote_code``, and every file the session itself would write that Python could
+import or run. The replay writes a session's files three ways, each checked before
+anything runs (:func:`vet_session`): a record's ``base`` (a file's content before the
+session), an edit's patch and its ``binary`` entries. Such content is code unless it is
+data nothing imports (:data:`INERT_SUFFIXES`: text, JSON, safetensors), a deletion, the
+file exactly as the repository copy has it, or the registry differing from the copy's
+only in one-line ``from archon_models.<package> import spec as <package>_spec`` imports
+(what a session's start state legitimately differs in). Otherwise a test file, a
+package module or a ``conftest.py`` the session brings would run at import, in a stage
+or a divergence run, whichever call the session records (a test case with
+``trust_remote_code=True`` and a remote-code folder among them). A session that breaks a
+rule is refused with one line naming the record (:class:`UnsafeSessionError`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -35,6 +48,7 @@ from skill.codemod.workspace import (
     confine,
     find_project_root,
 )
+from skill.scratch import make_scratch_dir
 from skill.session import (
     IGNORED_SUFFIXES,
     CallRecord,
@@ -49,6 +63,7 @@ from skill.session import (
     first_difference,
     is_ignored_dir,
     patch_paths,
+    patch_writes,
     read_session,
     transformers_version,
 )
@@ -66,12 +81,23 @@ class ReplayInput(BaseModel):
     )
     keep: bool = Field(default=False, description="keep the temporary copy for inspection")
     trust_remote_code: bool = Field(
-        default=False, description="let recorded calls with trust_remote_code run a checkpoint's own code"
+        default=False,
+        description="let the session run code of its own: recorded calls with trust_remote_code, and the "
+        "Python files its starting state and hand edits write",
     )
 
 
 class UnsafeSessionError(ValueError):
     """A session that names a path outside the scratch copy, or runs remote code unasked."""
+
+
+# What a session may write without --trust-remote-code: data that nothing imports or runs.
+INERT_SUFFIXES = frozenset({".md", ".txt", ".rst", ".json", ".jsonl", ".csv", ".safetensors"})
+REGISTRY = "archon_models/__init__.py"
+# The one kind of line a session's registry may add or drop: a package's spec import.
+_SPEC_IMPORT = re.compile(
+    r"from archon_models\.(?P<package>[a-z][a-z0-9_]*) import spec as (?P=package)_spec(  # noqa: F401)?"
+)
 
 
 def _record_name(record: CallRecord | EditRecord | CloseRecord) -> str:
@@ -102,17 +128,70 @@ def _paths_of(record) -> Iterator[tuple[str, str]]:
             yield "patch path", rel
 
 
-def vet_session(records: list, *, trust_remote_code: bool) -> None:
-    """Refuse a session whose records name paths outside the workspace, or run remote code unasked."""
+def _registry_body(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not _SPEC_IMPORT.fullmatch(line.strip())]
+
+
+def _repository_content(source: Path | None, rel: str) -> bytes | None:
+    """The bytes ``rel`` has in the repository the replay copies (None: absent, or unknown)."""
+    if source is None:
+        return None
+    try:
+        path = confine(source, rel)
+    except WorkspaceError:
+        return None
+    return path.read_bytes() if path.is_file() else None
+
+
+def _is_code(rel: str, content: bytes, source: Path | None) -> bool:
+    """Whether writing ``content`` to ``rel`` in the copy brings code Python could run."""
+    if PurePosixPath(rel).suffix.lower() in INERT_SUFFIXES:
+        return False
+    current = _repository_content(source, rel)
+    if current == content:
+        return False
+    if rel == REGISTRY and current is not None:
+        try:
+            return _registry_body(content.decode("utf-8")) != _registry_body(current.decode("utf-8"))
+        except UnicodeDecodeError:
+            return True
+    return True
+
+
+def _written_code(record, source: Path | None) -> Iterator[tuple[str, str]]:
+    """``(what, path)`` for each file ``record`` would write that holds code (see the module docstring)."""
+    for rel, content in getattr(record, "base", {}).items():
+        if content is not None and _is_code(rel, content.to_bytes(), source):
+            yield "its starting content", rel
+    if isinstance(record, EditRecord):
+        for rel in patch_writes(record.patch):
+            if PurePosixPath(rel).suffix.lower() not in INERT_SUFFIXES:
+                yield "a hand edit", rel
+        for rel, content in record.binary.items():
+            if _is_code(rel, content.to_bytes(), source):
+                yield "a binary file", rel
+
+
+def vet_session(records: list, *, trust_remote_code: bool, source: Path | None = None) -> None:
+    """Refuse a session whose records name paths outside the workspace, or run code of their own
+    unasked: a call with ``trust_remote_code``, or a file the session writes that holds code.
+    ``source`` is the repository the replay copies (a session's base is compared with it)."""
     for record in records[1:]:
         try:
             for what, rel in _paths_of(record):
                 _check_relative(record, what, rel)
         except PatchError as e:
             raise UnsafeSessionError(f"{_record_name(record)}: {e}; refused before replaying anything") from e
-        if isinstance(record, CallRecord) and record.arguments.get("trust_remote_code") and not trust_remote_code:
+        if trust_remote_code:
+            continue
+        if isinstance(record, CallRecord) and record.arguments.get("trust_remote_code"):
             raise UnsafeSessionError(
                 f"{_record_name(record)} runs the checkpoint's own code (trust_remote_code=true); "
+                "replay with --trust-remote-code only if you trust that code"
+            )
+        for what, rel in _written_code(record, source):
+            raise UnsafeSessionError(
+                f"{_record_name(record)} writes {rel} ({what}), code that replaying would import or run; "
                 "replay with --trust-remote-code only if you trust that code"
             )
 
@@ -249,9 +328,11 @@ def replay_session(request: ReplayInput) -> ReplayReport:
     records = read_session(request.session)
     header = records[0]
     assert isinstance(header, SessionHeader)
-    vet_session(records, trust_remote_code=request.trust_remote_code)
     source = (request.source or find_project_root()).resolve()
-    tmp = Path(tempfile.mkdtemp(prefix="archon-port-replay-"))
+    vet_session(records, trust_remote_code=request.trust_remote_code, source=source)
+    # A copy kept for inspection is the user's to remove; any other is removed below, or, after a
+    # kill, by the next engine call that makes a scratch folder (skill.scratch).
+    tmp = Path(tempfile.mkdtemp(prefix="archon-port-replay-kept-")) if request.keep else make_scratch_dir("replay")
     root = copy_repository(source, tmp / "repo").resolve()
     calls = edits = 0
     mismatch: ReplayMismatch | None = None

@@ -452,6 +452,15 @@ def patch_paths(patch: str) -> list[str]:
     return [rel for rel, _ in _patch_chunks(patch)]
 
 
+def patch_writes(patch: str) -> list[str]:
+    """The paths a patch creates or changes (not those it only deletes), in order."""
+    return [
+        rel
+        for rel, lines in _patch_chunks(patch)
+        if not any(line.startswith("deleted file mode") for line in lines[1:3])
+    ]
+
+
 def apply_patch(root: Path, patch: str) -> list[str]:
     """Apply a patch written by :func:`unified_diff` under ``root``, strictly (context must match).
 

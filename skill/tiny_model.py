@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
+
+from skill.scratch import scratch_dir
 
 logger = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ def saved_checkpoint_keys(
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        with tempfile.TemporaryDirectory(prefix="archon-port-tiny-") as folder:
+        with scratch_dir("tiny") as folder:
             model.save_pretrained(folder, safe_serialization=True)
             return read_safetensors_shapes(folder)
     finally:

@@ -75,9 +75,15 @@ class ToolEntry(BaseModel):
     external_paths: tuple[str, ...] = Field(
         default=(),
         description="Path input fields naming a tree outside the workspace that the caller asks the step "
-        "to work on (export's AReaL checkout and its Python); resolved to absolute paths and left "
-        "unconfined only when the face vouches for its caller (the CLI, the MCP server), confined like "
-        "every other path otherwise (replaying a session file)",
+        "to work on (export's AReaL checkout); resolved to absolute paths and left unconfined only when "
+        "the face vouches for its caller (the CLI: the person at the keyboard), confined like every other "
+        "path otherwise (an MCP client, a replayed session file)",
+    )
+    program_paths: tuple[str, ...] = Field(
+        default=(),
+        description="Path input fields naming a program the step runs (export's python); taken only when "
+        "the face vouches for its caller (the CLI), refused from an MCP client or a session file: no "
+        "confinement makes running a program a client chose safe",
     )
     long_running: bool = Field(default=False, description="the server reports progress while it runs")
     title: str | None = None
@@ -168,7 +174,8 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
         target="skill.areal.export:export_to_areal",
         destructive=True,
         package_field="model_name",
-        external_paths=("areal", "python"),
+        external_paths=("areal",),
+        program_paths=("python",),
         long_running=True,
     ),
 )
@@ -250,7 +257,7 @@ def resolve_entry(entry: ToolEntry) -> Tool:
 
     input_model = model_class("input", hints.get(params[0].name))
     result_model = model_class("return", hints.get("return"))
-    for field in (entry.package_field, *entry.path_fields, *entry.external_paths):
+    for field in (entry.package_field, *entry.path_fields, *entry.external_paths, *entry.program_paths):
         if field is not None and field not in input_model.model_fields:
             raise ToolRegistryError(
                 f"tool {entry.name!r}: field {field!r} named in the registry is not a field of "
@@ -431,11 +438,13 @@ def prepare_request(
     The ``workspace`` field, when the step has one, is set to the workspace root (a
     caller-given one must lie inside it). ``Path`` fields and the entry's
     ``path_fields`` are resolved to absolute paths inside the workspace; anything
-    outside raises :class:`WorkspaceError`. With ``allow_external`` the entry's
-    ``external_paths`` are made absolute (relative ones from the workspace root) but not
-    confined, and their symlinks are kept. ``confine_sources=False`` (the CLI: the person
-    at the keyboard names the path) leaves the entry's ``path_fields`` (a family's source
-    folder) unconfined too; the MCP server and replay always confine them.
+    outside raises :class:`WorkspaceError`. With ``allow_external`` (the CLI) the entry's
+    ``external_paths`` and ``program_paths`` are made absolute (relative ones from the
+    workspace root) but not confined, and their symlinks are kept; without it the
+    ``external_paths`` are confined like the rest and a set ``program_paths`` field is
+    refused. ``confine_sources=False`` (the CLI: the person at the keyboard names the path)
+    leaves the entry's ``path_fields`` (a family's source folder) unconfined too; the MCP
+    server and replay always confine them.
     """
     data = arguments.model_dump() if isinstance(arguments, BaseModel) else dict(arguments)
     fields = tool.input_model.model_fields
@@ -445,7 +454,12 @@ def prepare_request(
             if value is not None:
                 _confine(workspace, name, value)
             data[name] = workspace.root
-        elif value is not None and allow_external and name in tool.entry.external_paths:
+        elif value is not None and name in tool.entry.program_paths and not allow_external:
+            raise WorkspaceError(
+                f"{name}={os.fspath(value)!r} names a program to run; only a person at the command line may "
+                f"choose one (--{name}), not an MCP client or a session file. Leave it unset for the default."
+            )
+        elif value is not None and allow_external and name in (*tool.entry.external_paths, *tool.entry.program_paths):
             # Absolute, but symlinks kept: a venv's bin/python is a link that must stay the venv's.
             data[name] = Path(os.path.abspath(workspace.root / os.path.expanduser(os.fspath(value))))
         elif value is not None and _annotation_is_path(info.annotation):

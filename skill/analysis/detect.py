@@ -2119,16 +2119,17 @@ def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[s
 
 def _saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What ``save_pretrained`` writes for ``model``: its checkpoint tensors by saved key."""
-    import tempfile
     from pathlib import Path
 
     from safetensors.torch import load_file
     from transformers.utils import logging as hf_logging
 
+    from skill.scratch import scratch_dir
+
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        with tempfile.TemporaryDirectory(prefix="archon-port-names-") as folder:
+        with scratch_dir("names") as folder:
             model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
             state: dict[str, torch.Tensor] = {}
             for file in sorted(Path(folder).glob("*.safetensors")):

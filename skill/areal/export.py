@@ -20,13 +20,14 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from skill.areal.checks import AReaLCheckResult
 from skill.areal.rename import ARCHON_PREFIX, AREAL_PREFIX, rewrite_import_prefix
-from skill.codemod import StagedTree, Workspace, validate_model_name
+from skill.codemod import StagedTree, Workspace, journal, validate_model_name
 from skill.codemod.workspace import find_project_root
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ ARCHON_DIR = "areal/experimental/models/archon"
 # Packages AReaL 1.0.4 ships; an export never replaces them.
 AREAL_BUILTIN_PACKAGES = frozenset({"qwen2", "qwen3", "qwen3_5"})
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_ISOLATED_LAUNCHER = Path(__file__).with_name("isolated.py")
 
 
 class ExportError(ValueError):
@@ -132,6 +134,34 @@ def _unified(rel: str, old: str | None, new: str | None) -> str:
     return diff
 
 
+def package_files(project: Path, model_name: str) -> list[Path]:
+    """The regular files of ``archon_models/<model_name>/`` (no caches), sorted.
+
+    A symbolic link anywhere in the package (the folder itself included) is refused: an
+    export copies what the package holds, never a file it points to elsewhere on disk.
+    """
+    source_dir = project / ARCHON_PREFIX / model_name
+    if source_dir.is_symlink():
+        raise ExportError(
+            f"{model_name}: {ARCHON_PREFIX}/{model_name} is a symbolic link (to {os.readlink(source_dir)}); "
+            "an export copies a package folder of this project only"
+        )
+    found: list[Path] = []
+    for directory, dirnames, filenames in os.walk(source_dir):
+        here = Path(directory)
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in [*dirnames, *filenames]:
+            path = here / name
+            if path.is_symlink():
+                rel = path.relative_to(project).as_posix()
+                raise ExportError(
+                    f"{model_name}: {rel} is a symbolic link (to {os.readlink(path)}); an export copies regular "
+                    "files only. Replace the link by the file it points to, or remove it"
+                )
+        found += [here / name for name in filenames if not name.endswith(".pyc")]
+    return sorted(found)
+
+
 def stage_export(
     tree: StagedTree, project: Path, model_name: str, overwrite: bool, replace_builtin: bool = False
 ) -> list[str]:
@@ -148,6 +178,7 @@ def stage_export(
         )
     if model_name in AREAL_BUILTIN_PACKAGES and not replace_builtin:
         raise ExportError(f"{model_name}: AReaL ships its own {model_name} package; an export never replaces it")
+    files = package_files(project, model_name)
     types = sorted(_served_types((source_dir / "spec.py").read_text()))
     archon_root = tree.workspace.root / ARCHON_DIR
     for other in sorted(p for p in archon_root.iterdir() if (p / "spec.py").is_file() and p.name != model_name):
@@ -161,9 +192,7 @@ def stage_export(
             )
     target = f"{ARCHON_DIR}/{model_name}"
     new_files: dict[str, str] = {}
-    for path in sorted(source_dir.rglob("*")):
-        if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
-            continue
+    for path in files:
         rel = f"{target}/{path.relative_to(source_dir).as_posix()}"
         text = path.read_text(encoding="utf-8")
         new_files[rel] = rewrite_import_prefix(text, filename=str(path)) if path.suffix == ".py" else text
@@ -196,19 +225,23 @@ class AReaLChecksDidNotRun(RuntimeError):
     """The check process ended without a result for every model type (e.g. that Python lacks AReaL)."""
 
 
+def checks_command(python: Path, areal_root: Path, *arguments: str) -> list[str]:
+    """``python`` running ``skill.areal.checks *arguments`` isolated (:mod:`skill.areal.isolated`):
+    this engine first on the path, only the package ``areal`` taken from ``areal_root``."""
+    return [str(python), "-I", str(_ISOLATED_LAUNCHER), str(PROJECT_ROOT), str(areal_root), *arguments]
+
+
 def run_checks_in(
     python: Path, areal_root: Path, model_types: list[str], distributed: bool = True
 ) -> list[AReaLCheckResult]:
-    """The AReaL tier for ``model_types``, in ``python`` with ``areal_root`` first on the path."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    cmd = [str(python), "-m", "skill.areal.checks", "run", *model_types]
+    """The AReaL tier for ``model_types``, in ``python`` importing ``areal`` from ``areal_root``."""
+    cmd = checks_command(python, areal_root, "run", *model_types)
     if not distributed:
         cmd.append("--no-distributed")
     logger.info("running the AReaL checks: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=str(areal_root))
+    proc = subprocess.run(
+        cmd, check=False, env=dict(os.environ), capture_output=True, text=True, cwd=tempfile.gettempdir()
+    )
     results = [
         AReaLCheckResult.model_validate(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("{")
     ]
@@ -233,7 +266,12 @@ def export_to_areal(request: ExportRequest) -> ExportResult:
     """
     project = Path(request.workspace).resolve() if request.workspace else find_project_root()
     root = areal_root_of(request.areal)
-    tree = StagedTree(Workspace(root, marker=ARCHON_DIR))
+    areal = Workspace(root, marker=ARCHON_DIR)
+    # An export killed mid-write left its journal in that AReaL: roll it back before comparing
+    # (a dry run too), so the tree is as it was before that export, never half of it.
+    if journal.recover(areal):
+        logger.warning("rolled back the unfinished write of an export that was interrupted in %s", root)
+    tree = StagedTree(areal)
     types = stage_export(tree, project, request.model_name, request.overwrite)
     changes = tree.changes()
     diff = "".join(
@@ -266,19 +304,15 @@ class AReaLChecker:
     torch are imported once, then each :meth:`check` costs only the checks themselves."""
 
     def __init__(self, python: Path, areal_root: Path, log_path: Path | None = None):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(areal_root), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        )
         self._log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(
-            [str(python), "-m", "skill.areal.checks", "serve"],
+            checks_command(python, areal_root, "serve"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=env,
-            cwd=str(areal_root),
+            env=dict(os.environ),
+            cwd=tempfile.gettempdir(),
         )
 
     def check(self, model_type: str, distributed: bool = True) -> AReaLCheckResult:

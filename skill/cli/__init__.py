@@ -59,7 +59,7 @@ def _terminate(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
+def sigterm_unwinds() -> Iterator[None]:
     """SIGTERM raises ``SystemExit`` so cleanup (rollback, child processes) runs as on Ctrl-C."""
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
@@ -72,7 +72,8 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupted(error: BaseException) -> bool:
+def interrupted(error: BaseException) -> bool:
+    """Whether ``error`` is Ctrl-C (also inside an exception group, as anyio's task groups raise it)."""
     if isinstance(error, KeyboardInterrupt):
         return True
     return isinstance(error, BaseExceptionGroup) and error.subgroup(KeyboardInterrupt) is not None
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with _sigterm_unwinds():
+        with sigterm_unwinds():
             if args.record:
                 from skill.session import recording
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(error_line(error))
         return 2
     except BaseException as error:
-        if not _interrupted(error):
+        if not interrupted(error):
             raise
         sys.stderr.write("archon-port: interrupted (an interrupted write is rolled back)\n")
         return EXIT_INTERRUPTED

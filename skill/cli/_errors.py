@@ -9,7 +9,7 @@ from functools import wraps
 from pydantic import ValidationError
 
 from skill.codemod.workspace import ConcurrentEditError
-from skill.errors import step_error_message
+from skill.errors import WorkerFailedError, step_error_message
 from skill.tools import ToolBusyError
 
 
@@ -28,7 +28,8 @@ def reports_bad_input(run: Callable[..., int]) -> Callable[..., int]:
     """Wrap a sub-command: ValueError (pydantic's included) and OSError (a missing file, a
     name too long for the file system, ...) print ``archon-port: error: ...`` on one line
     and return 2 instead of a traceback; an unsupported feature or a missing file also
-    points to SKILL.md's hand-port section."""
+    points to SKILL.md's hand-port section. A worker process that failed (a divergence
+    run) is one line too, with exit status 1: the input was fine, the work failed."""
 
     @wraps(run)
     def wrapper(*args, **kwargs) -> int:
@@ -37,5 +38,8 @@ def reports_bad_input(run: Callable[..., int]) -> Callable[..., int]:
         except (ValueError, OSError, ToolBusyError, ConcurrentEditError) as error:
             sys.stderr.write(error_line(error))
             return 2
+        except WorkerFailedError as error:
+            sys.stderr.write(error_line(error))
+            return 1
 
     return wrapper

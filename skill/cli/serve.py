@@ -12,32 +12,46 @@ import argparse
 import contextlib
 import ipaddress
 import logging
+import os
+import secrets
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import FrameType
 
-from skill.cli import add_verbose_option, configure_logging
+from skill.cli import EXIT_INTERRUPTED, add_verbose_option, configure_logging, interrupted, sigterm_unwinds
 from skill.cli._errors import reports_bad_input
 from skill.tools import DEFAULT_LOCK_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
+TOKEN_ENV = "ARCHON_PORT_TOKEN"
+MIN_TOKEN_LENGTH = 16
 DESCRIPTION = (
     "Serve every engine step as an MCP tool, confined to one workspace. Every call "
-    "is recorded into a session file; replay it with `archon-port replay`."
+    "is recorded into a session file; replay it with `archon-port replay`. Over HTTP every "
+    f"request needs 'Authorization: Bearer <token>': the token printed at start, or ${TOKEN_ENV}."
 )
-_LOOPBACK_NAMES = {"localhost"}
+_LOOPBACK_NAMES = frozenset({"localhost"})
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() in _LOOPBACK_NAMES:
+    """Whether ``host`` names this machine only: 127.0.0.0/8, ::1 or ``localhost``, in any case."""
+    if host.lower().rstrip(".") in _LOOPBACK_NAMES:
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def host_header_name(host: str) -> str:
+    """``host`` as a client writes it in a Host header: lowercase, an IPv6 address in brackets."""
+    bare = host.strip("[]").lower()
+    try:
+        return f"[{bare}]" if ipaddress.ip_address(bare).version == 6 else bare
+    except ValueError:
+        return bare.rstrip(".")
 
 
 def check_bind(host: str, port: int, allow_remote: bool) -> None:
@@ -52,18 +66,36 @@ def check_bind(host: str, port: int, allow_remote: bool) -> None:
             "Host/Origin checks; pass --allow-remote as well if you mean it."
         )
     logger.warning(
-        "serving on %s:%d with --allow-remote: any host that reaches it can run the tools; "
+        "serving on %s:%d with --allow-remote: any host that reaches it and holds the token can run the tools; "
         "the Host/Origin (DNS rebinding) checks are off",
         host,
         port,
     )
 
 
+def server_token(environ: Mapping[str, str] = os.environ) -> tuple[str, bool]:
+    """The HTTP bearer token: ``$ARCHON_PORT_TOKEN`` when set, else a new random one; and
+    whether it was made here (then it is printed at start, as notebook servers print theirs)."""
+    given = environ.get(TOKEN_ENV)
+    if given is None:
+        return secrets.token_urlsafe(32), True
+    token = given.strip()
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(
+            f"{TOKEN_ENV} must hold at least {MIN_TOKEN_LENGTH} printable characters and no space; "
+            "unset it and the server makes one"
+        )
+    return token, False
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options, shared by ``archon-port serve`` and ``python -m mcp_server``."""
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on PORT instead of stdio")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; anything else exposes the tools)"
+        "--host",
+        default="127.0.0.1",
+        help="HTTP bind address (default 127.0.0.1; any loopback address keeps the Host/Origin checks on, "
+        "anything else exposes the tools and needs --allow-remote)",
     )
     parser.add_argument(
         "--allow-remote",
@@ -109,9 +141,17 @@ def parse_args(argv: list[str], prog: str = "python -m mcp_server") -> argparse.
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m mcp_server") -> int:
+    """``python -m mcp_server``: as ``archon-port serve``, with its one-line endings (Ctrl-C: exit 130)."""
     args = parse_args(sys.argv[1:] if argv is None else list(argv), prog)
     configure_logging(args.verbose)
-    return run(args)
+    try:
+        with sigterm_unwinds():
+            return run(args)
+    except BaseException as error:
+        if not interrupted(error):
+            raise
+        sys.stderr.write("archon-port: interrupted (an interrupted write is rolled back)\n")
+        return EXIT_INTERRUPTED
 
 
 @reports_bad_input
@@ -120,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
     from skill.codemod.workspace import Workspace
     from skill.session import open_records
 
+    token = ""
     if args.http is not None:
         check_bind(args.host, args.http, args.allow_remote)
+        token, generated = server_token()
     workspace = Workspace(args.workspace)
     if args.session and not args.no_record:
         open_records(args.session)  # a corrupt or closed session is refused before serving
@@ -131,8 +173,12 @@ def run(args: argparse.Namespace) -> int:
             logger.info("serving over stdio")
             server.run("stdio")
         else:
-            logger.info("serving streamable HTTP on http://%s:%d/mcp", args.host, args.http)
-            server.run("streamable-http", host=args.host, port=args.http)
+            url = f"http://{host_header_name(args.host)}:{args.http}/mcp"
+            if generated:
+                logger.info("serving streamable HTTP on %s; clients send 'Authorization: Bearer %s'", url, token)
+            else:
+                logger.info("serving streamable HTTP on %s; clients send 'Authorization: Bearer $%s'", url, TOKEN_ENV)
+            server.serve_http(args.host, args.http, token)
     return 0
 
 

@@ -56,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
     if not result.passed and result.output_tail:
         sys.stdout.write(result.output_tail + "\n")
     case = f" (case {result.case_id})" if result.case_id else ""
-    verdict = "passed" if result.passed else "FAILED"
+    verdict = "passed" if result.passed else "FAILED" + (f" ({result.reason})" if result.reason else "")
     sys.stdout.write(f"stage {result.stage} of {args.model}{case}: {verdict} in {result.seconds:.1f}s\n")
     return 0 if result.passed else 1

@@ -15,6 +15,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skill.codemod import parse_cache
+from skill.codemod.literals import python_string
 
 
 class CodemodError(ValueError):
@@ -255,11 +256,7 @@ def _string_value(node: cst.BaseExpression) -> str | None:
 
 
 def _literal(value: str | None) -> cst.BaseExpression:
-    return (
-        cst.Name("None")
-        if value is None
-        else cst.SimpleString(repr(value).replace("'", '"') if '"' not in value else repr(value))
-    )
+    return cst.Name("None") if value is None else cst.SimpleString(python_string(value))
 
 
 def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:

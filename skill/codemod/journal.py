@@ -7,10 +7,11 @@ and processes alike) and goes through three phases, each safe to be killed in:
    backup of its current content, then the journal (``journal.json``, moved into place
    with one ``os.replace``). Nothing in the workspace has changed yet.
 2. *apply*: create the missing directories, then move each new file into place with
-   ``os.replace``. The registry ``archon_models/__init__.py`` is written last, so its
-   import line for a new package appears only once that package is complete; a package
-   it already imports and whose files change together is first taken out of it (an
-   interim registry), so ``import archon_models`` works at every instant.
+   ``os.replace``. The registry (the workspace's ``archon_models/__init__.py``, or an AReaL
+   tree's ``areal/experimental/models/archon/__init__.py`` for an export) is written last,
+   so its import line for a new package appears only once that package is complete; a
+   package it already imports and whose files change together is first taken out of it
+   (an interim registry), so importing the registry works at every instant.
 3. *commit point*: ``journal.json`` is unlinked, then the transaction folder removed.
 
 Recovery (:func:`recover`, run by every tool call and every commit) takes the commit
@@ -41,10 +42,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REGISTRY = "archon_models/__init__.py"
 JOURNAL = "journal.json"
-# A one-line import of a model package in the registry (``from archon_models.x import spec as x_spec``).
-_REGISTRY_IMPORT = re.compile(r"from archon_models\.(?P<package>\w+)[\w.]* import [^(\n]*")
+
+
+def _registry_import(prefix: str) -> re.Pattern[str]:
+    """A one-line import of a model package in the registry (``from <prefix>.x import spec as x_spec``)."""
+    return re.compile(rf"from {re.escape(prefix)}\.(?P<package>\w+)[\w.]* import [^(\n]*")
 
 
 class JournalEntry(BaseModel):
@@ -85,49 +88,56 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _package_of(rel: str) -> str | None:
+def _package_of(workspace: Workspace, rel: str) -> str | None:
+    """The model package ``rel`` lies in (``<models dir>/<package>/...``), if any."""
     parts = PurePosixPath(rel).parts
-    return parts[1] if len(parts) > 2 and parts[0] == "archon_models" else None
+    base = PurePosixPath(workspace.models_dir).parts
+    inside = len(parts) > len(base) + 1 and parts[: len(base)] == base
+    return parts[len(base)] if inside else None
 
 
-def _imported_by(line: str) -> str | None:
-    match = _REGISTRY_IMPORT.fullmatch(line.rstrip("\r\n"))
+def _imported_by(pattern: re.Pattern[str], line: str) -> str | None:
+    match = pattern.fullmatch(line.rstrip("\r\n"))
     return match["package"] if match else None
 
 
-def _without_imports(registry: str, packages: set[str]) -> str:
+def _without_imports(pattern: re.Pattern[str], registry: str, packages: set[str]) -> str:
     """``registry`` less the one-line imports of ``packages``."""
-    return "".join(line for line in registry.splitlines(keepends=True) if _imported_by(line) not in packages)
+    lines = registry.splitlines(keepends=True)
+    return "".join(line for line in lines if _imported_by(pattern, line) not in packages)
 
 
 def plan(workspace: Workspace, changes: Mapping[str, bytes | None]) -> list[tuple[str, bytes | None]]:
-    """The order to apply ``changes`` in so that ``import archon_models`` works throughout.
+    """The order to apply ``changes`` in so that importing the registry works throughout.
 
     Package files first, deletions after writes, the registry last; when two or more
     files of a package the registry imports now change together, an interim registry
     without that import goes first.
     """
-    registry_path = workspace.root / REGISTRY
+    registry = workspace.registry
+    pattern = _registry_import(workspace.models_dir.replace("/", "."))
+    registry_path = workspace.root / registry
     current = registry_path.read_bytes() if registry_path.is_file() else None
     steps: list[tuple[str, bytes | None]] = []
     if current is not None:
-        imported = {p for line in current.decode("utf-8").splitlines() if (p := _imported_by(line)) is not None}
+        lines = current.decode("utf-8").splitlines()
+        imported = {p for line in lines if (p := _imported_by(pattern, line)) is not None}
         counts: dict[str, int] = {}
         for rel in changes:
-            package = _package_of(rel)
+            package = _package_of(workspace, rel)
             if package is not None and package in imported:
                 counts[package] = counts.get(package, 0) + 1
         unsafe = {package for package, count in counts.items() if count > 1}
-        interim = _without_imports(current.decode("utf-8"), unsafe).encode("utf-8")
+        interim = _without_imports(pattern, current.decode("utf-8"), unsafe).encode("utf-8")
         if interim != current:
-            steps.append((REGISTRY, interim))
-    others = sorted(rel for rel in changes if rel != REGISTRY)
+            steps.append((registry, interim))
+    others = sorted(rel for rel in changes if rel != registry)
     steps += [(rel, changes[rel]) for rel in others if changes[rel] is not None]
     steps += [(rel, None) for rel in others if changes[rel] is None]
-    if REGISTRY in changes:
-        steps.append((REGISTRY, changes[REGISTRY]))
-    elif steps and steps[0][0] == REGISTRY:
-        steps.append((REGISTRY, current))
+    if registry in changes:
+        steps.append((registry, changes[registry]))
+    elif steps and steps[0][0] == registry:
+        steps.append((registry, current))
     return steps
 
 
@@ -161,7 +171,8 @@ def apply(workspace: Workspace, changes: Mapping[str, bytes | None]) -> None:
     """
     txid = uuid.uuid4().hex
     txdir = workspace.state_dir("txn", txid)
-    paths = sorted(set(changes) | ({REGISTRY} if (workspace.root / REGISTRY).is_file() else set()))
+    registry = workspace.registry
+    paths = sorted(set(changes) | ({registry} if (workspace.root / registry).is_file() else set()))
     entries: list[JournalEntry] = []
     for number, rel in enumerate(paths):
         target = workspace.resolve(rel)

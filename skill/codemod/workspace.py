@@ -80,11 +80,18 @@ class Workspace:
         """``marker`` is the directory the root must hold: ``archon_models`` for this
         project, ``areal/experimental/models/archon`` for an AReaL tree an export writes to."""
         self.root = Path(root if root is not None else find_project_root()).resolve()
+        self.models_dir = marker
         if not (self.root / marker).is_dir():
             raise WorkspaceError(
                 f"{self.root} holds no {marker}/ directory; run from the archon-port "
                 "project root or pass workspace=<that root>."
             )
+
+    @property
+    def registry(self) -> str:
+        """The registry module, ``<marker>/__init__.py``: the import lines of the model packages,
+        written last by every commit (see :mod:`skill.codemod.journal`)."""
+        return f"{self.models_dir}/__init__.py"
 
     def resolve(self, rel: str | os.PathLike) -> Path:
         """The absolute path of ``rel``; raises ``WorkspaceError`` if it leaves the root."""

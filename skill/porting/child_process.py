@@ -4,9 +4,9 @@ A stage runs pytest in a child process (which may fork distributed workers) and 
 its report in a temporary folder. :func:`run_child` starts the child in its own process
 group, asks the kernel to kill it when this process dies (``PR_SET_PDEATHSIG``, Linux),
 kills the whole group on any exception (Ctrl-C, SIGTERM turned into ``SystemExit`` by
-the CLI, a timeout) and when the running call is cancelled. :func:`scratch_dir` names
-its folders after the process that made them and removes, first, those of processes
-that are gone (a SIGKILL runs no cleanup).
+the CLI, a timeout) and when the running call is cancelled. :func:`scratch_dir`
+(:mod:`skill.scratch`) names its folders after the process that made them and removes,
+first, those of processes that are gone (a SIGKILL runs no cleanup).
 
 :func:`run_python_module` runs ``python -m <module>`` the same way, but forks the child
 from a warm interpreter (:mod:`skill.porting.zygote`) that has torch, transformers and
@@ -18,11 +18,9 @@ six. ``ARCHON_PORT_WARM_CHILDREN=0`` turns it off (every run then execs a new in
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,12 +28,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from skill.codemod.workspace import check_cancelled
-from skill.porting.zygote import die_with_parent_hook, kill_group
+from skill.porting.zygote import die_with_parent_hook, kill_group, send_request
+from skill.scratch import scratch_dir, sweep_stale_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +97,17 @@ def run_python_module(
     command = [sys.executable, "-m", module, *argv]
     if not _warm_children_on():
         return run_child(command, cwd=cwd, env=env, timeout=timeout)
+    try:
+        return _run_warm(module, argv, command, cwd=cwd, env=env, timeout=timeout)
+    except WarmInterpreterError as e:
+        # Nothing ran: the run is started afresh, as with warm children off.
+        logger.warning("%s; running %s in a new interpreter instead", e, module)
+        return run_child(command, cwd=cwd, env=env, timeout=timeout)
+
+
+def _run_warm(
+    module: str, argv: Sequence[str], command: list[str], *, cwd: Path, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     request = {"module": module, "argv": list(argv), "cwd": str(Path(cwd).resolve()), "env": dict(env)}
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -108,6 +118,11 @@ def run_python_module(
             try:
                 pid = reader.number("pid", deadline=deadline, command=command, timeout=timeout)
                 returncode = reader.number("rc", deadline=deadline, command=command, timeout=timeout)
+                if reader.server_lost:
+                    # The warm interpreter died under the run: its child died with it
+                    # (PR_SET_PDEATHSIG), what the child started did not; it is in the group.
+                    logger.warning("the warm interpreter stopped during a run of %s; killing what it left", module)
+                    kill_group(pid)
             except BaseException as e:
                 logger.info("stopping %s (%s)", module, type(e).__name__)
                 if pid is None:
@@ -122,6 +137,10 @@ def run_python_module(
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+
+
+class WarmInterpreterError(RuntimeError):
+    """The warm interpreter ended before it started a run (the run itself never began)."""
 
 
 def _warm_children_on() -> bool:
@@ -142,6 +161,7 @@ class _StatusReader:
     def __init__(self, pipe: Any):
         self.pipe = pipe
         self.buffer = b""
+        self.server_lost = False  # the pipe ended before the run's ``rc``: the zygote died
 
     def number(self, key: str, *, deadline: float, command: Sequence[str] = (), timeout: float = 0.0) -> int:
         while b"\n" not in self.buffer:
@@ -153,8 +173,9 @@ class _StatusReader:
                 chunk = self.pipe.read(4096)
                 if not chunk:
                     if key == "rc":  # the zygote died with the child unreported
+                        self.server_lost = True
                         return -signal.SIGKILL
-                    raise RuntimeError("the warm interpreter stopped before starting the child")
+                    raise WarmInterpreterError("the warm interpreter stopped before starting the child")
                 self.buffer += chunk
         return self._take(key)
 
@@ -192,14 +213,13 @@ class _Zygote:
 
     def start(self, request: dict[str, Any], out_fd: int, err_fd: int) -> int:
         """Send one run; returns the read end of its status pipe."""
-        data = json.dumps(request).encode()
         read_fd, write_fd = os.pipe()
         try:
             with self._lock:
                 for attempt in (1, 2):
                     control = self._ensure_running()
                     try:
-                        socket.send_fds(control, [data], [write_fd, out_fd, err_fd])
+                        send_request(control, request, [write_fd, out_fd, err_fd])
                         break
                     except OSError:
                         self._stop()
@@ -251,38 +271,6 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_scratch(prefix: str, root: Path | None = None) -> list[Path]:
-    """Remove the scratch folders ``<prefix>-<pid>-*`` whose process is gone; returns them."""
-    base = Path(root or tempfile.gettempdir())
-    removed: list[Path] = []
-    for folder in base.glob(f"{prefix}-*-*"):
-        pid_text = folder.name[len(prefix) + 1 :].split("-", 1)[0]
-        if folder.is_dir() and pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    if removed:
-        logger.info("removed %d scratch folder(s) left by killed processes", len(removed))
-    return removed
-
-
-@contextlib.contextmanager
-def scratch_dir(prefix: str) -> Iterator[Path]:
-    """A temporary folder ``<prefix>-<pid>-*``, removed on exit; stale ones of dead processes go first."""
-    sweep_stale_scratch(prefix)
-    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{os.getpid()}-") as folder:
-        yield Path(folder)
 
 
 __all__ = ["run_child", "run_python_module", "scratch_dir", "sweep_stale_scratch", "warm_up"]

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,8 +27,11 @@ from pydantic import BaseModel, Field, JsonValue
 
 import skill
 from skill.codemod import Workspace
+from skill.errors import WorkerFailedError, last_error_line
 from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout, PackageRequest
+from skill.porting.overrides import ConfigOverrides, ModelTypeName
+from skill.scratch import scratch_dir
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,11 @@ class ModuleDiff(BaseModel):
 
 
 class LocateDivergenceRequest(PackageRequest):
-    model_type: str | None = Field(
+    model_type: ModelTypeName | None = Field(
         default=None, description="HF model_type (default: the first case of the package's test file, else model_name)"
     )
     num_tokens: int = Field(default=13, ge=2, le=512, description="length of the one document run through both models")
-    config_overrides: dict[str, JsonValue] = Field(
+    config_overrides: ConfigOverrides = Field(
         default_factory=dict,
         description="config attributes set on the tiny HF config both sides are built from, on top of the test "
         'case\'s (e.g. {"clip_qkv": 8.0} to exercise a feature the default hides)',
@@ -103,24 +104,29 @@ def locate_divergence(request: LocateDivergenceRequest) -> LocateDivergenceResul
     paths = [str(workspace.root), str(_ENGINE_ROOT), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     proc = run_python_module("skill.porting.locate_divergence", argv, cwd=workspace.root, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"divergence run failed: {proc.stderr.strip()[-2000:]}")
-    return LocateDivergenceResult.model_validate_json(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        logger.debug("the divergence run's output:\n%s", proc.stderr)
+        raise WorkerFailedError(
+            f"divergence run of {request.model_name} failed (exit {proc.returncode}): {last_error_line(proc.stderr)}"
+        )
+    return LocateDivergenceResult.model_validate_json(lines[-1])
 
 
 def _case_for(root: Path, model_name: str, model_type: str | None):
+    """The test file's case of ``model_type`` (default: its first), read as a literal.
+
+    The file is parsed, never run: what a test file does beyond its ``CASES`` list is for
+    pytest to run in a stage, not for a divergence run to execute on the side.
+    """
     from skill.harness import ModelCase
+    from skill.porting.test_file import read_cases
 
     test_file = root / PackageLayout.for_name(model_name).test_file
     if test_file.is_file():
-        spec = importlib.util.spec_from_file_location(f"_archon_port_cases_{model_name}", test_file)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {test_file} as a module")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for case in getattr(module, "CASES", []):
-            if model_type is None or case.model_type == model_type:
-                return case
+        for case in read_cases(test_file.read_text(encoding="utf-8")):
+            if model_type is None or case.get("model_type") == model_type:
+                return ModelCase(**case)
     return ModelCase(model_type=model_type or model_name)
 
 
@@ -240,7 +246,7 @@ def run_locally(
     case = _case_for(root, model_name, model_type)
     if config_overrides:
         case = case.model_copy(update={"config_overrides": {**case.config_overrides, **config_overrides}})
-    with tempfile.TemporaryDirectory(prefix="archon-port-diverge-") as tmp:
+    with scratch_dir("diverge") as tmp:
         pair = build_model_pair(case, tmp, attn_type="sdpa")
     hf_model, archon = pair.hf_model, pair.archon
     adapter, model = archon.adapter, archon.model

@@ -22,7 +22,7 @@ from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
 from skill.porting.plan import plan_for, refuse_unsupported
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec, registered_types
-from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess
+from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess, stage_verdict
 from skill.porting.set_rope import SetRopeRequest, apply_set_rope
 from skill.porting.write_parallelize import WriteParallelizeRequest, apply_write_parallelize
 
@@ -359,11 +359,8 @@ def run_all_stages(root: Path, model_name: str, stages: list[int]) -> list[RunTe
     for stage in stages:
         tests = [t for t in combined.tests if t.test.startswith(f"test_stage{stage}_")]
         diffs = [c.max_abs_diff for t in tests for c in t.checks if c.max_abs_diff is not None]
-        passed = (
-            bool(tests)
-            and all(t.outcome in ("passed", "skipped") for t in tests)
-            and any(t.outcome == "passed" for t in tests)
-        )
+        # Per stage, the outcomes of its own tests decide (pytest's exit code covers every stage).
+        passed, reason = stage_verdict(tests)
         per_stage.append(
             combined.model_copy(
                 update={
@@ -373,6 +370,7 @@ def run_all_stages(root: Path, model_name: str, stages: list[int]) -> list[RunTe
                     "max_abs_diff": max(diffs) if diffs else None,
                     "seconds": sum(t.seconds for t in tests),
                     "output_tail": "" if passed else combined.output_tail,
+                    "reason": reason,
                 }
             )
         )

@@ -17,6 +17,7 @@ from skill.porting.child_process import run_python_module, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
+from skill.porting.overrides import ConfigOverrides, ModelTypeName
 from skill.porting.plan import plan_for
 from skill.porting.test_file import add_override_case, carry_extra_cases, test_file_source
 
@@ -59,11 +60,15 @@ class StageTest(BaseModel):
 
 class RunTestStageRequest(PackageRequest):
     stage: int = Field(description="stage number 1-6: args, adapter, completeness, parity, distributed, checkpoint")
-    model_type: str | None = Field(default=None, description="HF model_type of the test case (default: model_name)")
-    config_overrides: dict[str, JsonValue] = Field(
+    model_type: ModelTypeName | None = Field(
+        default=None, description="HF model_type of the test case (default: model_name); a name, never a path"
+    )
+    config_overrides: ConfigOverrides = Field(
         default_factory=dict,
         description="config attributes set on the tiny HF config of both sides, to prove a feature a default "
-        'hides (e.g. {"clip_qkv": 8.0}); added to the test file as an extra case (once) and only that case runs',
+        'hides (e.g. {"clip_qkv": 8.0}); added to the test file as an extra case (once) and only that case runs. '
+        "Values are plain data (finite numbers, printable strings); sizes are bounded (widths 1024, counts 64, "
+        "lengths 65536) so the test model stays tiny",
     )
     timeout_s: float = Field(default=600.0, gt=0)
 
@@ -88,6 +93,31 @@ class RunTestStageResult(StepResult):
     )
     seconds: float = Field(json_schema_extra={"volatile": True})
     output_tail: str = Field(default="", json_schema_extra={"volatile": True})
+    # Volatile: it is worded from ``passed`` and the tests' outcomes and messages, which are compared.
+    reason: str = Field(
+        default="", description="why the stage did not pass (empty when it passed)", json_schema_extra=_DIFF_IS_VOLATILE
+    )
+
+
+def stage_verdict(tests: list[StageTest], returncode: int = 0) -> tuple[bool, str]:
+    """Whether a stage passed, and why not.
+
+    A stage passes when pytest succeeded and at least one of its tests ran and passed, and
+    none failed: a stage whose every test was skipped proved nothing (a CUDA-only test on
+    CPU, a case the installed transformers cannot build), and pytest's exit 5 (nothing
+    collected) is no pass either.
+    """
+    if not tests:
+        return False, f"no test of the stage ran (pytest exit {returncode})"
+    bad = [t for t in tests if t.outcome not in ("passed", "skipped")]
+    if bad:
+        return False, f"{len(bad)} of {len(tests)} test(s) {bad[0].outcome}: {bad[0].test}"
+    if not any(t.outcome == "passed" for t in tests):
+        why = next((t.message for t in tests if t.message), "no reason given")
+        return False, f"every test of the stage was skipped ({why}); a skipped stage proves nothing"
+    if returncode != 0:
+        return False, f"pytest exited {returncode}"
+    return True, ""
 
 
 def ensure_test_file(
@@ -105,6 +135,8 @@ def ensure_test_file(
     require_package(tree, layout)
     if tree.exists(layout.test_file):
         return []
+    if source is None:
+        _require_known_model_type(model_type)
     profile = plan_for(source or model_type, trust_remote_code)
     rope_parameters = None
     if profile.rope_type != "default":
@@ -122,6 +154,18 @@ def ensure_test_file(
     changed: list[str] = []
     write_if_changed(tree, layout.test_file, text, changed)
     return changed
+
+
+def _require_known_model_type(model_type: str) -> None:
+    """A test file written from a model_type alone reads that family's config from transformers:
+    ``model_type`` must be one it knows, never a name that could resolve to a folder on disk."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ValueError(
+            f"model_type {model_type!r} is not a model_type of the installed transformers, and the package has no "
+            "test file to take its case from; pass one transformers knows (or port the family with port_model)"
+        )
 
 
 def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
@@ -183,8 +227,7 @@ def run_stage_subprocess(
         seconds = time.perf_counter() - start
         tests = _parse_junit(report) if report.is_file() else []
     output = (proc.stdout + proc.stderr)[-4000:]
-    # pytest exit 5: no tests collected for this marker (e.g. a CUDA-only test skipped) counts as failure
-    passed = proc.returncode == 0 and bool(tests) and all(t.outcome in ("passed", "skipped") for t in tests)
+    passed, reason = stage_verdict(tests, proc.returncode)
     diffs = [c.max_abs_diff for t in tests for c in t.checks if c.max_abs_diff is not None]
     logger.info("stage(s) %s of %s: %s in %.1fs", marker, model_name, "passed" if passed else "FAILED", seconds)
     return RunTestStageResult(
@@ -196,6 +239,7 @@ def run_stage_subprocess(
         max_abs_diff=max(diffs) if diffs else None,
         seconds=seconds,
         output_tail="" if passed else output,
+        reason=reason,
     )
 
 

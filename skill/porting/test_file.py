@@ -9,6 +9,7 @@ import re
 import textwrap
 from typing import Any
 
+from skill.codemod.literals import python_string
 from skill.porting.plan import PortPlan
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def test_stage6_checkpoint(case, prove, tmp_path):
 def _render(value: object, indent: int) -> str:
     """A Python literal for the generated file: double-quoted strings, one dict entry a line."""
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return python_string(value)
     if isinstance(value, dict):
         pad = " " * (indent + 4)
         inner = "".join(f"{pad}{_render(k, indent + 4)}: {_render(v, indent + 4)},\n" for k, v in value.items())
@@ -179,13 +180,15 @@ def test_file_source(
                 )
         if extra_cases:
             comments.append(f"# A case for each other {switch}, whose routing ignores the groups.")
-    entries = [f'"{k}": {_render(v, 12)}' for k, v in overrides.items()]
+    entries = [f"{_render(k, 12)}: {_render(v, 12)}" for k, v in overrides.items()]
     remote = ""
     if remote_source is not None:
         # The family's own configuration/modeling code builds the HF side.
         comments.append("# The HF side comes from the checkpoint folder's own code (trust_remote_code).")
         remote = f"source={_render(remote_source, 8)}, trust_remote_code=True, "
-    one_line = f'CASES = [ModelCase(model_type="{model_type}", {remote}config_overrides={{{", ".join(entries)}}})]'
+    model_type_literal = _render(model_type, 8)
+    overrides_literal = "{" + ", ".join(entries) + "}"
+    one_line = f"CASES = [ModelCase(model_type={model_type_literal}, {remote}config_overrides={overrides_literal})]"
     if extra_cases and remote_source is None:
         main = {"model_type": model_type, "config_overrides": overrides}
         cases = "CASES = [\n" + "".join(_render_case(c) for c in [main, *extra_cases]) + "]"
@@ -198,7 +201,7 @@ def test_file_source(
         )
         cases = (
             "CASES = [\n    ModelCase(\n"
-            f'        model_type="{model_type}",\n'
+            f"        model_type={model_type_literal},\n"
             f"{remote_lines}"
             f"        config_overrides={{\n{inner}        }},\n"
             "    )\n]"
@@ -315,10 +318,20 @@ def carry_extra_cases(old_text: str, new_text: str) -> str:
     return new_text
 
 
+# A line of Python source ends at \n, \r\n or \r only, as ``ast`` counts lines; str.splitlines
+# would also split at \x1c, \x0c, U+2028 and others, which may stand inside a string literal.
+_SOURCE_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+def _source_lines(text: str) -> list[str]:
+    """``text`` split into lines (ends kept) where Python's tokenizer ends them."""
+    return _SOURCE_LINE.findall(text)
+
+
 def _append_case(text: str, new_case: dict[str, Any]) -> str:
     """``text`` with ``new_case`` appended to ``CASES``, the rest of the file verbatim."""
     node, cases_list = _cases_node(ast.parse(text))
-    lines = text.splitlines(keepends=True)
+    lines = _source_lines(text)
     first, last = node.lineno - 1, node.end_lineno or node.lineno
     closing = lines[last - 1]
     if last - 1 > first and closing.strip() == "]":

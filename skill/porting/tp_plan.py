@@ -23,7 +23,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -35,6 +34,7 @@ import skill
 from skill.codemod import StagedTree
 from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout
+from skill.scratch import scratch_dir
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ def trace_tp_plan(
 ) -> PlanTrace:
     """Trace ``model_name``'s TP plan on models built from its args defaults and from each of
     ``sources`` (model_types or config paths); raise :class:`PlanTraceError` when it cannot run."""
-    with tempfile.TemporaryDirectory(prefix="archon-port-plan-") as tmp:
-        root = Path(tmp)
+    with scratch_dir("plan") as root:
         for rel in tree.list_files("archon_models"):
             text = tree.read_text(rel)
             if text is not None:

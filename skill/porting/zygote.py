@@ -9,17 +9,22 @@ afresh from the paths the run names, as a new interpreter would.
 
 It is started by :mod:`skill.porting.child_process` with ``runpy.run_path`` (not as a
 module of ``skill``: it must never import the engine or the models) and speaks over one
-Unix socket: each request is a JSON object sent with three file descriptors (the status pipe's
-write end, and the files the child's stdout and stderr go to). The server forks; the child
-starts its own session (the caller kills its whole process group), asks for SIGKILL
-when the server dies, and runs the module. The server writes ``pid <n>`` to the
-request's status pipe at once and ``rc <n>`` when it has reaped the child (``-<signal>``
-for a child killed by a signal), then closes it. A caller that gave up before its child
-started has closed the pipe's read end: the ``pid`` write fails and the child is killed.
-When the caller's end of the socket closes (the caller exited or was killed), the server
-kills its children's process groups and exits. (It does not ask for
+Unix stream socket. Each request is a frame: an 8-byte big-endian length, sent with three
+file descriptors (the status pipe's write end, and the files the child's stdout and stderr
+go to), then that many bytes of JSON (:func:`send_request`, :func:`receive_request`); a
+request has no size limit (a 40 KB environment variable travels like a small one). The
+server forks; the child starts its own session (the caller kills its whole process group),
+asks for SIGKILL when the server dies, and runs the module. The server writes ``pid <n>``
+to the request's status pipe at once and ``rc <n>`` when it has reaped the child
+(``-<signal>`` for a child killed by a signal), then closes it. A caller that gave up before
+its child started has closed the pipe's read end: the ``pid`` write fails and the child is
+killed. When the caller's end of the socket closes (the caller exited or was killed), the
+server kills its children's process groups and exits; while it is still importing torch
+and the rest, a watcher thread notices that at once and ends it. (It does not ask for
 ``PR_SET_PDEATHSIG`` itself: that signal follows the *thread* that started it, and a
-tool call's worker thread may end while another call's child still runs.)
+tool call's worker thread may end while another call's child still runs.) A server
+killed outright takes its children along (their ``PR_SET_PDEATHSIG``); what those started
+is in their process group, which the caller kills when the status pipe ends without ``rc``.
 
 Only the standard library is imported at module level.
 """
@@ -37,9 +42,11 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 # What a child would import first, in the order a stage run does. A module that fails to
 # import is skipped: the child then imports it itself (and reports the error there).
@@ -47,7 +54,57 @@ PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "torch.distri
 _PR_SET_PDEATHSIG = 1
 _REAP_INTERVAL_S = 0.05
 _MAX_FDS = 3
-_MAX_REQUEST_BYTES = 1 << 20
+_HEADER = struct.Struct("!Q")
+_CHUNK = 1 << 16
+
+
+def send_request(control: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    """Send one request frame: its length with ``fds``, then its JSON, whatever its size."""
+    data = json.dumps(request).encode()
+    socket.send_fds(control, [_HEADER.pack(len(data))], fds)
+    control.sendall(data)
+
+
+def _receive_exactly(control: socket.socket, size: int, start: bytes = b"") -> bytes | None:
+    """``size`` bytes from ``control`` (``start`` already read); None when it closes first."""
+    parts, have = [start], len(start)
+    while have < size:
+        chunk = control.recv(min(size - have, _CHUNK))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        have += len(chunk)
+    return b"".join(parts)
+
+
+class Frame(NamedTuple):
+    """What :func:`receive_request` read: the request (None: the caller closed the socket, or
+    ``error`` says why it cannot be read) and the file descriptors that came with it."""
+
+    request: dict[str, Any] | None
+    fds: list[int]
+    error: str | None = None
+
+
+def receive_request(control: socket.socket) -> Frame:
+    """One request frame and its file descriptors."""
+    try:
+        head, fds, _, _ = socket.recv_fds(control, _HEADER.size, _MAX_FDS)
+    except OSError:
+        return Frame(None, [])
+    if not head:
+        return Frame(None, fds)
+    header = _receive_exactly(control, _HEADER.size, head)
+    body = None if header is None else _receive_exactly(control, _HEADER.unpack(header)[0])
+    if body is None:
+        return Frame(None, fds)
+    try:
+        request = json.loads(body)
+    except ValueError as e:  # a caller of another version, a corrupted frame
+        return Frame(None, fds, f"unreadable request ({e})")
+    if len(fds) != _MAX_FDS:
+        return Frame(None, fds, f"{len(fds)} file descriptors came with the request, not {_MAX_FDS}")
+    return Frame(request, fds)
 
 
 def die_with_parent_hook() -> Callable[[], None] | None:
@@ -138,10 +195,47 @@ def kill_group(pid: int) -> None:
             kill(pid, signal.SIGKILL)
 
 
+def _exit_when_the_caller_goes(control: socket.socket, done: threading.Event) -> None:
+    """Until ``done``: end this process the moment the caller's end of ``control`` closes.
+
+    Watches for the hang-up without reading, so a request the caller sent meanwhile stays
+    queued for the server loop. (Nothing to clean up yet: no child was forked.)
+    """
+    poller = select.poll()
+    poller.register(control.fileno(), select.POLLRDHUP)
+    while not done.is_set():
+        for _, events in poller.poll(int(_REAP_INTERVAL_S * 1000)):
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                os._exit(0)
+
+
+def _preload(control: socket.socket) -> None:
+    """Import :data:`PRELOAD` (seconds), ending at once if the caller dies meanwhile."""
+    done = threading.Event()
+    watcher = None
+    if hasattr(select, "POLLRDHUP"):
+        watcher = threading.Thread(target=_exit_when_the_caller_goes, args=(control, done), daemon=True)
+        watcher.start()
+    try:
+        for name in PRELOAD:
+            with contextlib.suppress(Exception):  # the child imports it again and reports
+                __import__(name)
+    finally:
+        done.set()
+        if watcher is not None:
+            watcher.join()  # no thread of ours may run across the forks to come
+
+
+def _refuse(fds: list[int], why: str) -> None:
+    """A request that cannot run: one line on stderr; closing its status pipe tells the caller."""
+    sys.stderr.write(f"archon-port warm interpreter: {why}; the request is dropped\n")
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def serve(control: socket.socket) -> None:
-    for name in PRELOAD:
-        with contextlib.suppress(Exception):  # the child imports it again and reports
-            __import__(name)
+    _preload(control)
     base_path = [p for p in sys.path if p and p != os.getcwd()]
     children: dict[int, int] = {}  # pid -> status fd
     open_ = True
@@ -152,11 +246,11 @@ def serve(control: socket.socket) -> None:
             ready = []
             select.select([], [], [], _REAP_INTERVAL_S)
         if ready:
-            try:
-                data, fds, _, _ = socket.recv_fds(control, _MAX_REQUEST_BYTES, _MAX_FDS)
-            except OSError:
-                data, fds = b"", []
-            if not data:
+            request, fds, error = receive_request(control)
+            if error is not None:
+                _refuse(fds, error)
+                continue
+            if request is None:
                 open_ = False
                 for fd in fds:
                     os.close(fd)
@@ -165,7 +259,6 @@ def serve(control: socket.socket) -> None:
                     kill_group(pid)
                 continue
             status_fd, out_fd, err_fd = fds
-            request = json.loads(data)
             pid = os.fork()
             if pid == 0:
                 control.close()

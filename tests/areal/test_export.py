@@ -226,18 +226,22 @@ def test_export_llama_into_areal_and_its_checks_pass(areal_install: AReaLInstall
 
 
 @pytest.mark.areal
-def test_export_over_mcp_dry_run(areal_copy: Path):
+def test_export_over_mcp_dry_run(areal_install: AReaLInstall, tmp_path: Path):
+    """Over MCP the AReaL tree lies inside the workspace (tests/areal/test_export_safety.py)."""
     from mcp import Client
 
     from mcp_server import build_server
+    from tests.mcp.conftest import make_workspace
+
+    workspace = make_workspace(tmp_path / "ws")
+    areal_copy = areal_install.copy_to(workspace / "site") / "areal"
 
     async def call():
-        async with Client(build_server(PROJECT_ROOT, record=False)) as client:
+        async with Client(build_server(workspace, record=False)) as client:
             listed = {t.name: t for t in (await client.list_tools()).tools}
             assert listed["export_to_areal"].annotations.destructive_hint is True
-            return await client.call_tool(
-                "export_to_areal", {"model_name": "llama", "areal": str(areal_copy), "dry_run": True}
-            )
+            arguments = {"model_name": "llama", "areal": "site/areal", "dry_run": True}
+            return await client.call_tool("export_to_areal", arguments)
 
     before = _snapshot(areal_copy)
     result = anyio.run(call)

@@ -10,7 +10,8 @@ where "Porting by hand" says to:
    ``# archon-port: hand edit needed: <feature>`` marker where each goes);
 3. the hand edit, written below as exact replacements in the package's files and applied
    to the workspace between two tool calls, so that the server's session captures it as
-   a patch (and ``archon-port replay`` applies it again);
+   a patch (and ``archon-port replay --trust-remote-code`` applies it again: a hand edit is
+   Python the session brings, which a replay runs only when told to);
 4. ``run_test_stage`` 1-6, then the stages again with ``config_overrides`` that make the
    tiny model show the feature in a second way (a case added to the package's test file);
    ``locate_divergence`` (with the same overrides) when a stage fails, and stop;

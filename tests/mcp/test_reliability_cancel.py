@@ -19,7 +19,7 @@ from mcp import Client
 
 from mcp_server import build_server
 from skill.codemod.workspace import CallCancelledError, cancellable
-from skill.porting.child_process import run_child, sweep_stale_scratch
+from skill.porting.child_process import run_child, scratch_dir, sweep_stale_scratch
 from tests.processes import process_gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,3 +92,38 @@ def test_interrupting_a_stage_kills_its_child(tmp_path: Path):
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_killed_add_leaves_its_plan_folder_only_until_the_next_scratch_folder(tmp_path: Path, monkeypatch):
+    """``add`` traces the TP plan on a copy of the package in a scratch folder; a SIGKILL during
+    the trace runs no cleanup (at 19fb638 ``/tmp/archon-port-plan-*`` stayed forever). The next
+    engine call that makes a scratch folder of any kind removes it."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    tracer = textwrap.dedent(
+        f"""
+        from skill.codemod import StagedTree, Workspace
+        from skill.porting.tp_plan import trace_tp_plan
+        trace_tp_plan(StagedTree(Workspace({str(REPO)!r})), "llama", [])
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", tracer],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(private_tmp)},
+    )
+
+    def copied() -> list[Path]:
+        return [f for f in private_tmp.glob("archon-port-plan-*") if (f / "archon_models" / "llama").is_dir()]
+
+    try:
+        assert wait_for(copied, timeout=120), "the trace never made its folder"
+        folders = copied()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert all(folder.is_dir() for folder in folders)
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    with scratch_dir("archon-port-stage"):
+        pass
+    assert not [folder for folder in folders if folder.exists()]

@@ -33,7 +33,7 @@ def _write_session(path: Path, *records) -> Path:
 
 
 def _edit(**fields) -> EditRecord:
-    return EditRecord(seq=1, **{"patch": "", "files": {}, **fields})
+    return EditRecord(**{"seq": 1, "patch": "", "files": {}, **fields})
 
 
 @pytest.fixture
@@ -124,3 +124,141 @@ def test_the_cli_refuses_with_one_line_and_exit_2(tmp_path: Path, victim: Path):
     assert proc.stderr.strip().count("\n") == 0 and "edit #1" in proc.stderr, proc.stderr
     assert victim.read_text() == "precious\n"
     assert json.loads(session.read_text().splitlines()[0])["kind"] == "session"
+
+
+# --- code a session brings: its starting state and its hand edits -------------------------------------
+
+
+def _marker_code(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'a').write('ran\\n')\n"
+
+
+def _call(tool: str, arguments: dict, base: dict | None = None, seq: int = 1) -> CallRecord:
+    return CallRecord(seq=seq, tool=tool, arguments=arguments, ok=True, engine_version="x", base=base or {})
+
+
+def _remote_case(marker: Path) -> dict:
+    folder = "tests/composition/evilfam"
+    generated = (REPO / "tests/archon/test_llama.py").read_text()
+    one_case = 'CASES = [ModelCase(model_type="llama", config_overrides={"num_key_value_heads": 2})]'
+    assert one_case in generated
+    remote = f'CASES = [ModelCase(model_type="llama", source="{folder}", trust_remote_code=True)]'
+    case = generated.replace(one_case, remote)
+    config = {"model_type": "llama", "auto_map": {"AutoConfig": "configuration_evilfam.EvilConfig"}}
+    configuration = (
+        _marker_code(marker)
+        + "from transformers import LlamaConfig\n\n\nclass EvilConfig(LlamaConfig):\n    model_type = 'llama'\n"
+    )
+    return {
+        "tests/archon/test_llama.py": FileContent(text=case),
+        f"{folder}/config.json": FileContent(text=json.dumps(config)),
+        f"{folder}/configuration_evilfam.py": FileContent(text=configuration),
+    }
+
+
+def _latin1_module(marker: Path) -> bytes:
+    return b"# -*- coding: latin-1 -*-\n" + _marker_code(marker).encode() + b"# \xff\n"
+
+
+BRINGS_CODE = {
+    # The only call is a read-only divergence run; the test file it reads is the session's.
+    "test_file_base": lambda m: [
+        _call(
+            "locate_divergence",
+            {"model_name": "llama"},
+            {"tests/archon/test_llama.py": FileContent(text=_marker_code(m) + "CASES = []\n")},
+        )
+    ],
+    "package_module_base": lambda m: [
+        _call(
+            "locate_divergence",
+            {"model_name": "llama"},
+            {"archon_models/llama/model/rope.py": FileContent(text=_marker_code(m))},
+        )
+    ],
+    "registry_base": lambda m: [
+        _call(
+            "check_package",
+            {"model_name": "llama"},
+            {
+                "archon_models/__init__.py": FileContent(
+                    text=(REPO / "archon_models/__init__.py").read_text() + _marker_code(m)
+                )
+            },
+        )
+    ],
+    "remote_code_case": lambda m: [_call("run_test_stage", {"model_name": "llama", "stage": 1}, _remote_case(m))],
+    "hand_edit_conftest": lambda m: [
+        _edit(patch=unified_diff("conftest.py", None, _marker_code(m).encode())),
+        _call("run_test_stage", {"model_name": "llama", "stage": 1}, seq=2),
+    ],
+    "binary_module": lambda m: [
+        # Not UTF-8, so a binary entry; still Python (its coding line says latin-1).
+        _edit(binary={"archon_models/llama/model/rope.py": FileContent.of(_latin1_module(m))}),
+        _call("locate_divergence", {"model_name": "llama"}, seq=2),
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BRINGS_CODE))
+def test_code_a_session_brings_runs_only_with_the_flag(tmp_path: Path, kind: str):
+    marker = tmp_path / "session-code-ran"
+    session = _write_session(tmp_path / "crafted.jsonl", *BRINGS_CODE[kind](marker))
+    with pytest.raises(UnsafeSessionError, match=r"^(call|edit) #\d .*writes .*--trust-remote-code") as refused:
+        replay_session(ReplayInput(session=session, source=REPO))
+    assert "\n" not in str(refused.value)
+    assert not marker.exists()
+
+
+def test_data_and_the_registry_s_import_lines_need_no_flag(tmp_path: Path):
+    registry = (REPO / "archon_models/__init__.py").read_text()
+    fewer = "".join(line for line in registry.splitlines(keepends=True) if "llama import spec" not in line)
+    records = [
+        _call(
+            "toy_read_note",
+            {"model_name": "x", "note": "README.md"},
+            {
+                "archon_models/__init__.py": FileContent(text=fewer),  # a session that started before llama
+                "archon_models/llama/spec.py": None,  # absent at the start: nothing to run
+                "notes/plan.md": FileContent(text="# plan\n"),
+                "README.md": FileContent(text=(REPO / "README.md").read_text()),  # as the copy has it
+            },
+        ),
+        _edit(seq=2, patch=unified_diff("notes/plan.md", b"# plan\n", b"# plan, edited\n")),
+    ]
+    session = _write_session(tmp_path / "data.jsonl", *records)
+    report = replay_session(ReplayInput(session=session, source=REPO))
+    assert report.calls == 1  # it ran (and then differs from the crafted record: no refusal)
+
+
+def test_with_the_flag_the_session_s_code_is_replayed(tmp_path: Path):
+    marker = tmp_path / "session-code-ran"
+    base = {"archon_models/notes_helper.py": FileContent(text=_marker_code(marker))}
+    session = _write_session(tmp_path / "trusted.jsonl", _call("toy_read_note", {"model_name": "x", "note": "x"}, base))
+    report = replay_session(ReplayInput(session=session, source=REPO, trust_remote_code=True))
+    assert report.calls == 1
+
+
+def test_the_committed_sessions_bring_no_code():
+    from skill.replay import vet_session
+    from skill.session import read_session
+
+    for path in sorted((REPO / "tests/mcp/sessions").glob("*.jsonl")):
+        vet_session(read_session(path), trust_remote_code=False, source=REPO)
+
+
+def test_the_cli_refuses_a_session_bringing_code_with_one_line_and_exit_2(tmp_path: Path):
+    marker = tmp_path / "session-code-ran"
+    session = _write_session(tmp_path / "crafted.jsonl", *BRINGS_CODE["test_file_base"](marker))
+    proc = subprocess.run(
+        [sys.executable, "-m", "skill.cli", "replay", str(session)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "call #1 (locate_divergence) writes tests/archon/test_llama.py" in proc.stderr
+    assert not marker.exists()

@@ -221,7 +221,9 @@ def test_streamable_http_serves_on_localhost(workspace: Path):
     import threading
 
     import uvicorn
+    from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
+    from mcp_server.http import http_app
     from skill.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--http", "0"])
@@ -229,7 +231,8 @@ def test_streamable_http_serves_on_localhost(workspace: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app = build_server(workspace, record=False).streamable_http_app(host="127.0.0.1")
+    token = "token-of-test-streamable-http"
+    app = http_app(build_server(workspace, record=False), "127.0.0.1", token)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -238,7 +241,8 @@ def test_streamable_http_serves_on_localhost(workspace: Path):
         async def main():
             while not server.started:
                 await anyio.sleep(0.05)
-            async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+            async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http)) as client:
                 names = {t.name for t in (await client.list_tools()).tools}
                 result = await client.call_tool("toy_append_note", {"model_name": "http", "text": "over http"})
                 return names, result

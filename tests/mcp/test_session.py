@@ -53,6 +53,12 @@ def test_patch_that_does_not_match_is_refused(tmp_path: Path):
         sessions.apply_patch(tmp_path, patch)
 
 
+def _replay_example(path: Path, workspace: Path):
+    """Replay a session of :func:`_record_example`: its hand edit writes Python (hand.py), which a
+    replay runs only when the person replaying trusts it (test_replay_confinement.py)."""
+    return replay_session(ReplayInput(session=path, source=workspace, trust_remote_code=True))
+
+
 def _record_example(workspace: Path) -> Path:
     path = workspace / "sessions" / "example.jsonl"
     with sessions.recording(path, workspace, close=True):
@@ -92,9 +98,12 @@ def test_a_session_records_calls_edits_and_the_closing_patch(workspace: Path):
 
 def test_replay_of_an_untouched_session_matches(workspace: Path):
     path = _record_example(workspace)
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert report.ok, report.describe()
     assert (report.calls, report.edits, report.closed) == (3, 2, True)
+    # Without the flag the hand edit's Python is refused before anything runs.
+    with pytest.raises(ValueError, match=r"edit #2 writes archon_models/mistral/hand.py \(a hand edit\)"):
+        replay_session(ReplayInput(session=path, source=workspace))
 
 
 def _tamper(path: Path, seq: int, change) -> None:
@@ -114,7 +123,7 @@ def test_replay_names_the_first_differing_call_or_file(workspace: Path):
         record["files"]["archon_models/mistral/NOTES.txt"] = "0" * 64
 
     _tamper(path, 3, other_hash)
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert not report.ok
     assert (report.mismatch.seq, report.mismatch.tool, report.mismatch.kind) == (3, "toy_append_note", "files")
     assert "archon_models/mistral/NOTES.txt" in report.mismatch.detail
@@ -125,7 +134,7 @@ def test_replay_names_the_first_differing_call_or_file(workspace: Path):
         record["result_digest"] = "sha256:0"
 
     _tamper(path, 1, other_result)
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert report.mismatch.seq == 1 and report.mismatch.kind == "result"
     assert report.mismatch.detail == "result.lines: expected 99, got 2"
 
@@ -146,7 +155,7 @@ def test_replay_on_another_transformers_says_so(workspace: Path):
 
     _tamper_header(path, recorded_elsewhere)
     other = sessions.read_session(path)[0].transformers
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert report.ok and (report.recorded_transformers, report.replay_transformers) == (other, installed)
     assert report.describe().endswith(f"(recorded with transformers {other}, replayed on {installed})")
 
@@ -155,14 +164,14 @@ def test_replay_on_another_transformers_says_so(workspace: Path):
         record["result_digest"] = "sha256:0"
 
     _tamper(path, 1, other_result)
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert not report.ok and report.mismatch.seq == 1
     assert report.describe().startswith(f"replay FAILED: recorded with transformers {other}, this is {installed}: ")
     assert "call #1 (toy_append_note)" in report.describe() and "result.lines: expected 99, got 2" in report.describe()
 
     # An older session without the field: no claim about versions either way.
     _tamper_header(path, lambda record: record.pop("transformers"))
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert report.recorded_transformers is None and report.describe().startswith("replay FAILED at call #1")
 
 
@@ -190,7 +199,7 @@ def test_a_session_continues_across_processes_and_refuses_after_close(workspace:
 def test_replay_reports_a_call_that_cannot_run_any_more(workspace: Path):
     path = _record_example(workspace)
     _tamper(path, 1, lambda record: record.update(tool="no_longer_a_tool"))
-    report = replay_session(ReplayInput(session=path, source=workspace))
+    report = _replay_example(path, workspace)
     assert (report.mismatch.seq, report.mismatch.kind) == (1, "outcome")
     assert "did not run" in report.mismatch.detail and "unknown tool" in report.mismatch.detail
 

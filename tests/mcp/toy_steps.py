@@ -8,6 +8,7 @@ the porting engine has got.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from skill.codemod.workspace import Workspace, transaction
 from skill.errors import UnsupportedFeatureError
+from skill.porting.child_process import run_child
 from skill.tools import ToolEntry
 
 logger = logging.getLogger("skill.tests.toy_steps")
@@ -101,9 +103,38 @@ def port_feature(request: PortFeatureRequest) -> ReadNoteResult:
     )
 
 
+class RunChildRequest(BaseModel):
+    model_name: str
+    pid_file: str = Field(description="where the child writes its pid once it runs")
+    seconds: float = Field(default=300.0, description="how long the child sleeps")
+    workspace: Path | None = None
+
+
+def run_sleeping_child(request: RunChildRequest) -> ReadNoteResult:
+    """Run a child process that sleeps, as a stage run waits on pytest: cancelling the call kills it."""
+    code = f"import os, time; open({request.pid_file!r}, 'w').write(str(os.getpid())); time.sleep({request.seconds})"
+    proc = run_child([sys.executable, "-c", code], cwd=Path(request.pid_file).parent, env={}, timeout=600)
+    return ReadNoteResult(text=f"exit {proc.returncode}")
+
+
 TOY_ENTRIES = (
     ToolEntry(name="toy_append_note", target=f"{__name__}:append_note", package_field="model_name", long_running=True),
     ToolEntry(name="toy_read_note", target=f"{__name__}:read_note", read_only=True, package_field="model_name"),
     ToolEntry(name="toy_rewrite_note", target=f"{__name__}:rewrite_note", destructive=True, package_field="model_name"),
     ToolEntry(name="toy_port_feature", target=f"{__name__}:port_feature", read_only=True, package_field="model_name"),
+    ToolEntry(
+        name="toy_run_child", target=f"{__name__}:run_sleeping_child", package_field="model_name", long_running=True
+    ),
 )
+
+
+def register_toy_tools() -> list[str]:
+    """Register the toy steps not registered yet (a server process of a test); their names."""
+    from skill import tools
+
+    added = []
+    for entry in TOY_ENTRIES:
+        if entry.name not in tools.load_tools():
+            tools.register_tool(entry)
+            added.append(entry.name)
+    return added

@@ -239,3 +239,84 @@ def test_warm_up_starts_the_interpreter_the_next_run_forks_from(project: Path):
     child_process.warm_up()  # running already: the same one
     assert child_process._ZYGOTE._process is started
     assert json.loads(_run(project).stdout)["ppid"] == started.pid
+
+
+def test_a_request_of_any_size_reaches_the_child(project: Path):
+    """A request is framed, not one read of the socket: 100 KB of environment (a socket read
+    took ~32 KB of it and the server died on half a JSON document at 19fb638)."""
+    big = "v" * 100_000
+    result = _run(project, PROBE_VALUE=big, OTHER_BIG="w" * 300_000)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["env"] == big
+    assert "Traceback" not in result.stderr
+
+
+def test_a_killed_warm_interpreter_takes_the_child_and_what_it_started_along(tmp_path: Path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pid_file = tmp_path / "pids"
+    _warm(tmp_path)
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_python_module(
+                "sleeper", [str(pid_file)], cwd=tmp_path, env=dict(os.environ), timeout=300
+            )
+        except BaseException as e:  # reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    child, grandchild = _sleeper_pids(pid_file)
+    zygote = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(zygote, signal.SIGKILL)
+    thread.join(60)
+    for pid in (child, grandchild):
+        assert wait_for(lambda pid=pid: process_gone(pid)), f"{pid} still runs after the warm interpreter was killed"
+    assert "error" not in outcome, outcome
+    result = outcome["result"]
+    assert isinstance(result, subprocess.CompletedProcess) and result.returncode == -signal.SIGKILL
+    # The next run starts a new warm interpreter.
+    (tmp_path / "noop.py").write_text("")
+    assert run_python_module("noop", [], cwd=tmp_path, env=dict(os.environ), timeout=300).returncode == 0
+
+
+def test_a_caller_killed_while_the_warm_interpreter_imports_takes_it_along_at_once():
+    """Its imports take seconds; the server notices its caller's death during them, not after."""
+    caller = textwrap.dedent(
+        """
+        import time
+        from skill.porting import child_process
+        child_process.warm_up()
+        print(child_process._ZYGOTE._process.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", caller],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    zygote = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert wait_for(lambda: process_gone(zygote), timeout=3), "the warm interpreter went on importing for nobody"
+
+
+def test_a_stage_runs_under_a_40_kb_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every stage run hands its environment to the warm interpreter: at 19fb638 one 40 KB
+    variable made every stage fail with two raw tracebacks."""
+    from skill.porting.run_test_stage import run_stage_subprocess
+
+    (tmp_path / "tests" / "archon").mkdir(parents=True)
+    (tmp_path / "tests" / "archon" / "test_tiny.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.mark.stage1\ndef test_stage1_args():\n"
+        "    assert len(os.environ['ARCHON_TEST_BIG']) == 40_000\n"
+    )
+    monkeypatch.setenv("ARCHON_TEST_BIG", "b" * 40_000)
+    result = run_stage_subprocess(tmp_path, "tiny", 1, timeout_s=300)
+    assert result.passed, result.output_tail
+    assert [t.outcome for t in result.tests] == ["passed"]
