@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import textwrap
 
-from skill.codemod.contract import remove_arguments
 from skill.codemod.cst import CodemodError, prune_unused_imports, replace_in_function
 from skill.porting.plan import PortPlan
 
@@ -57,7 +56,11 @@ _NO_BALANCING_KWARGS_DOC = """(outputs of a critic's ``score`` head, default 1) 
         AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of ``None`` keeps the
         default; a list takes its first id."""
 # The balancing opt-in: _moe_args' parameter, and from_hf_config's call passing it on.
-_BALANCING_PARAMETER = "load_balance_coeff"
+_REFERENCE_SIGNATURE = (
+    "def _moe_args(hf_config: Any, router_dtype: torch.dtype | None, load_balance_coeff: float | None)"
+    " -> MoEArgs | None:"
+)
+_NO_BALANCING_SIGNATURE = "def _moe_args(hf_config: Any, router_dtype: torch.dtype | None) -> MoEArgs | None:"
 REFERENCE_CALL = '_moe_args(hf_config, kwargs.get("router_dtype"), kwargs.get("load_balance_coeff"))'
 _NO_BALANCING_CALL = '_moe_args(hf_config, kwargs.get("router_dtype"))'
 _REFERENCE_DOC = '''"""DeepSeek-V3 routing in AReaL's ``MoEArgs`` terms; ``None`` when the config has no routed experts.
@@ -220,7 +223,7 @@ def router_args(text: str, plan: PortPlan, camel: str) -> str:
         text = text.replace(_REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
     if plan.score_correction_key is None:
         # No score-correction bias: nothing to balance, so no opt-in for it.
-        text = remove_arguments(text, None, "_moe_args", (_BALANCING_PARAMETER,))
+        text = _swap(text, _REFERENCE_SIGNATURE, _NO_BALANCING_SIGNATURE, "_moe_args' signature")
         text = _swap(text, REFERENCE_CALL, _NO_BALANCING_CALL, "from_hf_config's call of _moe_args")
         text = _swap(text, BALANCING_KWARGS_DOC, _NO_BALANCING_KWARGS_DOC, "from_hf_config's docstring")
     # The copy names the family where the reference's docstring names DeepSeek-V3.

@@ -11,6 +11,7 @@ from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
 from skill.harness.models import build_hf_config
 from tests.areal.conftest import _PROPERTY, committed_packages
+from tests.conftest import ONE_PROCESS_OPTION
 
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
@@ -31,8 +32,9 @@ def _ties_its_head(model_type: str) -> bool:
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property) -> None:  # type: ignore[no-untyped-def]
-    result = areal_checker.check(model_type)
+def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property, request) -> None:  # type: ignore[no-untyped-def]
+    one_process = request.config.getoption(ONE_PROCESS_OPTION)
+    result = areal_checker.check(model_type, distributed=not one_process)
     record_property(
         _PROPERTY,
         json.dumps(
@@ -55,7 +57,8 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
     # router's score-correction bias kept (and fixed through a training step unless opted into
     # balancing), a tied head still tied after materialisation and after a training step.
     names = " | ".join(c.name for c in result.checks)
-    tp = () if TP_REFUSED in names else ("(tp=2)",)
+    tp = () if TP_REFUSED in names or one_process else ("(tp=2)",)
+    fsdp = () if one_process else ("(fsdp=2)",)
     bias = (
         ("score-correction bias: the checkpoint's", "bias fixed through a training step", "opted into balancing")
         if _maps_a_correction_bias(model_type)
@@ -72,6 +75,6 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
         "_orig_mod",
         "critic",
         *tp,
-        "(fsdp=2)",
+        *fsdp,
     ):
         assert required in names, f"missing check {required!r}"
