@@ -21,6 +21,7 @@ from skill.codemod.cst import (
     replace_in_function,
     set_class_fields,
 )
+from skill.porting.mla_router import BALANCING_KWARGS_DOC, REFERENCE_CALL
 
 # (reference text, dense text): plain replacements in the copied args module.
 _ARGS_TEXT = (
@@ -66,9 +67,7 @@ def dense_args(text: str, args_class: str) -> str:
         text = remove_function(text, "_moe_args")
     text = remove_statements(
         text,
-        lambda code: any(
-            line.startswith(("_REQUIRED_MOE_HF_FIELDS", "_BIAS_UPDATE_SPEED")) for line in code.splitlines()
-        ),
+        lambda code: any(line.startswith("_REQUIRED_MOE_HF_FIELDS") for line in code.splitlines()),
     )
     for statement in ('has_experts = bool(getattr(hf_config, "n_routed_experts", None))',):
         text = replace_in_function(text, args_class, "from_hf_config", statement, "")
@@ -81,16 +80,17 @@ def dense_args(text: str, args_class: str) -> str:
     )
     for keyword in (
         'moe_inter_dim=getattr(hf_config, "moe_intermediate_size", None) or cls.moe_inter_dim,',
-        'moe_args=_moe_args(hf_config, kwargs.get("router_dtype")),',
+        f"moe_args={REFERENCE_CALL},",
         'first_k_dense_replace=getattr(hf_config, "first_k_dense_replace", None) or 0,',
     ):
         text = _replace_once(text, f"            {keyword}\n", "", "args")
     text = _replace_once(
         text,
-        "        (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
-        "        the router GEMM; ``None`` keeps HF's fp32). Any other keyword is ignored, as\n",
-        "        (outputs of a critic's ``score`` head, default 1). Any other keyword (such as\n"
-        "        ``router_dtype``: there is no router) is ignored, as\n",
+        BALANCING_KWARGS_DOC,
+        "(outputs of a critic's ``score`` head, default 1). Any other keyword (such as\n"
+        "        ``router_dtype``: there is no router) is ignored, as\n"
+        "        AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of ``None`` keeps the\n"
+        "        default; a list takes its first id.",
         "args",
     )
     return prune_unused_imports(text)

@@ -484,8 +484,6 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         text = apply_transposed_adapter(text, layout, sorted(transposed))
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
-        if buffers:
-            text = expect_init_buffers(text, layout)
         if plan.lm_head_bias:
             text = apply_head_bias_adapter(text, layout)
         moe = checklist.moe
@@ -957,31 +955,6 @@ def apply_fused_experts_adapter(
     )
     text = upsert_method(text, cls, "join_single_to_hf", _EXPERTS_JOIN.strip() + "\n", after="convert_single_to_hf")
     return prune_unused_imports(text)
-
-
-_META_MODEL = """
-with torch.device("meta"):
-    model = {model_class}(self.model_args)
-"""
-
-_META_MODEL_WITH_BUFFERS = """
-with torch.device("meta"):
-    model = {model_class}(self.model_args)
-    # AReaL's MoE registers its saved expert_bias buffer in init_buffers, not in __init__.
-    model.init_buffers(buffer_device="meta")
-"""
-
-
-def expect_init_buffers(text: str, layout: PackageLayout) -> str:
-    """The adapter's expected keys include the saved buffers (``expert_bias``) that AReaL's
-    MoE registers only in ``init_buffers``: the meta model it builds calls it."""
-    return replace_in_function(
-        text,
-        layout.adapter_class,
-        "_expected_archon_keys",
-        _META_MODEL.format(model_class=layout.model_class).strip(),
-        _META_MODEL_WITH_BUFFERS.format(model_class=layout.model_class).strip(),
-    )
 
 
 # --- projections stored (in, out) (transformers' Conv1D) --------------------------------------

@@ -308,8 +308,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 groups, kept = (getattr(c, f) for f in profile.expert_group_fields)
                 if (groups or 1) > 1:
                     moe_args.num_expert_groups, moe_args.num_limited_groups = groups, kept
-            if profile.score_correction_key is not None:
-                moe_args.load_balance_coeff = CORRECTION_BIAS_COEFF
+            # A score-correction bias stays fixed (load_balance_coeff None) unless the caller opts in.
             return moe_args
 
         fields += [
@@ -766,11 +765,10 @@ moe_args.use_shared_expert_gate = True
 """
 
 
-# ``load_balance_coeff`` of a family whose checkpoint holds a score-correction bias: any
-# positive value makes AReaL's MoE register its ``expert_bias`` buffer, the bias the router
-# adds to the scores it chooses experts by (and only to those). 1e-3 is DeepSeek-V3's bias
-# update speed, for a trainer that balances load by updating it; AReaL 1.0.4 does not.
-CORRECTION_BIAS_COEFF = 1e-3
+# The from_hf_config keyword that opts a family with a score-correction bias into AReaL's
+# auxiliary-loss-free balancing of it (``MoEArgs.load_balance_coeff``: the step a trainer that
+# updates the bias takes; AReaL 1.0.4's engine takes none). Without it the bias stays as loaded.
+BALANCING_KWARG = "load_balance_coeff"
 
 
 def router_setup(plan: PortPlan) -> str:
@@ -815,8 +813,9 @@ def router_setup(plan: PortPlan) -> str:
         shifted = "logits (before the score function)" if plan.logit_selection_bias else "scores"
         lines += [
             f"# The checkpoint's {key} shifts the {shifted} that choose experts, not the",
-            "# weights: AReaL's expert_bias buffer, which load_balance_coeff creates.",
-            f"moe_args.load_balance_coeff = {CORRECTION_BIAS_COEFF}",
+            "# weights (the MoE's expert_bias); it stays as loaded in training unless the caller",
+            f"# opts into balancing it with {BALANCING_KWARG} (AReaL's MoEArgs field of that name).",
+            f'moe_args.load_balance_coeff = kwargs.get("{BALANCING_KWARG}")',
         ]
     if plan.shared_experts_field is not None:
         lines += [
@@ -841,6 +840,7 @@ def from_hf_config_source(
     camel: str,
     config_class: str,
     moe: bool = False,
+    correction_bias: bool = False,
     route_norm: bool = False,
     route_norm_field_ignored: str | None = None,
     shared_expert: bool = False,
@@ -857,6 +857,13 @@ def from_hf_config_source(
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
         'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
+        "    (outputs of a critic's ``score`` head, default 1), ``router_dtype`` (dtype of the\n"
+        "    router GEMM; reaches ``MoEArgs.router_dtype``) and ``load_balance_coeff`` (opts\n"
+        "    into auxiliary-loss-free balancing of the score-correction bias, AReaL's\n"
+        "    ``MoEArgs.load_balance_coeff``; by default the checkpoint's bias stays fixed in\n"
+        "    training). Any other keyword is ignored, as AReaL's own ``from_hf_config`` ignores it."
+        if moe and correction_bias
+        else 'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
         "    (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
         "    the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,\n"
         "    as AReaL's own ``from_hf_config`` ignores it."
@@ -993,6 +1000,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             camel,
             profile.config_class,
             profile.moe,
+            correction_bias=profile.score_correction_key is not None,
             route_norm=profile.route_norm,
             route_norm_field_ignored=profile.route_norm_field_ignored,
             shared_expert=profile.shared_expert,

@@ -1149,6 +1149,7 @@ def _dense_layers(text: str, ctx: EditContext) -> str:
         "mlp.init_weights(self.weight_init_std)",
         "self.feed_forward.init_weights(self.weight_init_std)",
     )
+    text = _remove_correction_bias_moe(text)
     if "def init_buffers" in text.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]:
         text = remove_method(text, "TransformerBlock", "init_buffers")
         text = replace_in_function(
@@ -1233,13 +1234,34 @@ def _max_group_router(text: str, ctx: EditContext) -> str:
     )
 
 
-# The deepseek_v3 reference builds the MoE's buffers at construction, for its score-correction bias.
-_BIAS_AT_CONSTRUCTION = "self.moe.init_buffers(self.moe.router.gate.weight.device)"
+# The statement building an MoE whose router is shifted by the checkpoint's score-correction
+# bias (the deepseek_v3 reference's, and what the correction_bias edit makes of _BUILD_MOE).
+_BUILD_MOE_WITH_BIAS = _BUILD_MOE.replace("= MoE(", "= CorrectionBiasMoE(", 1)
+CORRECTION_BIAS_MOE = "CorrectionBiasMoE"
+
+
+def _remove_correction_bias_moe(text: str) -> str:
+    text = remove_class(text, CORRECTION_BIAS_MOE)
+    return remove_from_all(text, [CORRECTION_BIAS_MOE])
 
 
 def _no_correction_bias(text: str, ctx: EditContext) -> str:
-    """No score-correction bias: the MoE's buffers wait for ``init_buffers``, as AReaL's do."""
-    return replace_in_function(text, "TransformerBlock", "__init__", _BIAS_AT_CONSTRUCTION, "")
+    """No score-correction bias: the block builds AReaL's MoE, whose only bias buffer is the
+    one it makes in ``init_buffers`` when balancing."""
+    text = replace_in_function(text, "TransformerBlock", "__init__", _BUILD_MOE_WITH_BIAS, _BUILD_MOE)
+    return _remove_correction_bias_moe(text)
+
+
+def _correction_bias(text: str, ctx: EditContext) -> str:
+    """The router adds the checkpoint's score-correction bias to what chooses experts: the
+    package's ``CorrectionBiasMoE`` holds it as a saved fp32 ``expert_bias`` from construction
+    on and keeps it through ``init_buffers`` (AReaL's MoE makes that buffer only in
+    ``init_buffers``, as zeros, and only when ``load_balance_coeff`` switches on balancing)."""
+    if f"class {CORRECTION_BIAS_MOE}(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("moe", CORRECTION_BIAS_MOE))
+    for line in ("from collections.abc import Callable", "from archon_models.moe import MoEArgs"):
+        text = ensure_import_line(text, line)
+    return replace_in_function(text, "TransformerBlock", "__init__", _BUILD_MOE, _BUILD_MOE_WITH_BIAS)
 
 
 def _logit_selection_bias(text: str, ctx: EditContext) -> str:
@@ -1509,10 +1531,10 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ),
     ModelEdit(
         "no_correction_bias",
-        "no score-correction bias: no expert_bias buffer built with the block",
+        "no score-correction bias: AReaL's MoE, no expert_bias built with the block",
         lambda p: p.moe and p.score_correction_key is None,
         _no_correction_bias,
-        needed=lambda text: _BIAS_AT_CONSTRUCTION in text,
+        needed=lambda text: f"class {CORRECTION_BIAS_MOE}(" in text,
     ),
     ModelEdit(
         "max_group_router",
@@ -1543,6 +1565,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "a bias on the router's gate logits",
         lambda p: p.router_bias,
         _router_bias,
+    ),
+    ModelEdit(
+        "correction_bias",
+        "the checkpoint's score-correction bias, saved with the MoE, shifts which experts are chosen",
+        lambda p: p.moe and p.score_correction_key is not None,
+        _correction_bias,
+        needed=lambda text: f"class {CORRECTION_BIAS_MOE}(" not in text,
     ),
     ModelEdit(
         "norm_offset",

@@ -8,7 +8,7 @@ documents.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -204,16 +204,22 @@ class Gpt2Model(BaseArchonModel):
         self._tie_weights()
 
     def _tie_weights(self) -> None:
-        """Share the embedding's parameter with the LM head when the checkpoint ties them.
-
-        Materialising a meta-device model (``to_empty``) gives every module its own new
-        parameter, so :meth:`init_weights` ties again.
-        """
+        """Share the embedding's parameter with the LM head when the checkpoint ties them."""
         if self.model_args.enable_weight_tying and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self) -> None:
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Materialise every tensor on ``device``, uninitialised, with the LM head still tied.
+
+        ``nn.Module.to_empty`` gives every module a new parameter of its own, which unties
+        the head that the constructor (and AReaL's parallelize) tied; AReaL's engine then
+        loads the checkpoint without :meth:`init_weights`, so the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
         self._tie_weights()
+        return self
+
+    def init_weights(self) -> None:
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
             nn.init.normal_(self.pos_embeddings.weight)
