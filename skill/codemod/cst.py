@@ -754,6 +754,18 @@ def upsert_function(source: str, func_name: str, new_source: str, *, before_clas
     return module.with_changes(body=[*module.body, new]).code
 
 
+def append_statements(source: str, new_source: str) -> str:
+    """Append top-level statements at the end of the module, two blank lines before the
+    first (a leading comment stays with it)."""
+    module = _parse(source)
+    new_stmts = _parse_statements(new_source)
+    if not new_stmts:
+        return source
+    first = new_stmts[0]
+    new_stmts[0] = first.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *leading_lines(first)])
+    return module.with_changes(body=[*module.body, *new_stmts]).code
+
+
 def set_docstring(source: str, class_name: str | None, text: str) -> str:
     """Set the docstring of the module (``class_name=None``) or of a top-level class."""
     module = _parse(source)
@@ -779,6 +791,20 @@ def set_docstring(source: str, class_name: str | None, text: str) -> str:
     else:
         body.insert(0, doc_stmt)
     return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+
+
+def read_all(source: str) -> list[str]:
+    """The names of the module's ``__all__`` list or tuple literal (``[]`` without one)."""
+    for stmt in _parse(source).body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if (
+                isinstance(small, cst.Assign)
+                and any(_target_code(t.target) == "__all__" for t in small.targets)
+                and isinstance(small.value, (cst.List, cst.Tuple))
+            ):
+                return [v for e in small.value.elements if (v := _string_value(e.value)) is not None]
+    return []
 
 
 def remove_from_all(source: str, names: Iterable[str]) -> str:

@@ -294,6 +294,25 @@ class PortPlan(BaseModel):
         return [f for f in fields if f]
 
     @property
+    def first_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add before the first block (besides ``tok_embeddings``),
+        in the order the model runs them: the first pipeline stage must keep them."""
+        modules = []
+        if self.positions in ("learned", "sinusoidal"):
+            modules.append("pos_embeddings")
+        if self.embedding_projection_field is not None:
+            modules.append("project_in")
+        if self.embedding_norm_module is not None:
+            modules.append("embedding_norm")
+        return tuple(modules)
+
+    @property
+    def last_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add after the last block (besides ``norm`` and the
+        head): the last pipeline stage must keep them."""
+        return ("project_out",) if self.embedding_projection_field is not None else ()
+
+    @property
     def portable(self) -> bool:
         return not self.unsupported
 
