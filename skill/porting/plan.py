@@ -34,6 +34,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    RotaryDirection,
     RotaryStyle,
     RouterScoring,
     SlidingWindowKind,
@@ -163,6 +164,9 @@ class PortPlan(BaseModel):
     nope_layer_type: str | None = Field(default=None, description="the layer type whose layers apply no RoPE")
     qk_norm_after_rope: bool = Field(default=False, description="queries and keys normalised after RoPE")
     rotary_interleaved: bool
+    rotary_reversed: bool = Field(
+        default=False, description="each pair turns the other way: (x1, x2) -> (x2, -x1) (nanochat)"
+    )
     moe: bool
     all_layers_moe: bool
     shared_expert: bool
@@ -423,6 +427,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
+        rotary_reversed=pos.rotary_direction is RotaryDirection.REVERSED,
         per_layer_rope=pos.per_layer_type_rope,
         nope_field=att.nope_layers_field,
         nope_layer_type=att.nope_layer_type,

@@ -19,6 +19,8 @@ from those files through the adapter).
 | headgate | qwen2     | gated attention output: softplus, per head + per-head QK RMSNorm + GQA |
 | postqk   | qwen2     | post-LN blocks + no final norm + per-head QK RMSNorm + tied LM head    |
 | postmoe  | qwen3     | MoE + post-LN blocks + no final norm + full-width QK RMSNorm + residual multiplier |
+| revrot   | qwen2     | RoPE turning each pair the other way ((x2, -x1), as nanochat's) + partial  |
+|          |           | rotary + YaRN-scaled RoPE + q/k/v bias                                    |
 | embrms   | qwen2     | an RMSNorm module on the embeddings + untied LM head: stage 5 runs PP=2 with the |
 |          |           | norm kept on the first pipeline stage (the package's own pipelining_fn)           |
 """
@@ -116,6 +118,11 @@ FAMILIES: dict[str, dict] = {
             ],
             "infra/parallelize.py": ['"ffn_norm": SequenceParallel(use_local_output=True)'],
         },
+    },
+    "revrot": {
+        "reference": "qwen2",
+        "edits": {"reversed_rotation", "rope_cache", "projection_bias"},
+        "files": {"model/model.py": ["cos, sin = cache.chunk(2, dim=-1)", "return torch.cat([cos, -sin], dim=-1)"]},
     },
     "embrms": {
         "reference": "qwen2",
