@@ -68,13 +68,20 @@ AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
 AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 
 
+# The steps that take ``allow_unsupported`` (apply every supported edit, mark the rest).
+ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
+
+
 def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
     """The one refusal: every unsupported feature of the report, and the way past it."""
     names = ", ".join(f.removeprefix("unsupported: ") for f in features)
+    if step in ALLOW_UNSUPPORTED_STEPS:
+        way = f"Pass allow_unsupported=true to {step}"
+    else:
+        way = f"Take the steps one by one with allow_unsupported=true passed to {' and '.join(ALLOW_UNSUPPORTED_STEPS)}"
     return UnsupportedFeatureError(
         f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. "
-        f"Pass allow_unsupported=true to {step} to apply every supported edit and leave a marker "
-        "where each hand edit goes.",
+        f"{way} to apply every supported edit and leave a marker where each hand edit goes.",
         features,
     )
 
