@@ -131,6 +131,14 @@ class RotaryStyle(StrEnum):
     INTERLEAVED = "interleaved"
 
 
+class RotaryDirection(StrEnum):
+    """Which way each pair turns: transformers' ``rotate_half`` ``(x1, x2) -> (-x2, x1)``
+    (standard), or ``(x2, -x1)`` (reversed, nanochat: the standard rotation by minus the angle)."""
+
+    STANDARD = "standard"
+    REVERSED = "reversed"
+
+
 class NormKind(StrEnum):
     RMS = "rms"
     RMS_ONE_PLUS_W = "rms_one_plus_w"
@@ -387,6 +395,11 @@ class PositionFeatures(_Frozen):
     rope_scaling: dict[str, Any] = Field(default_factory=dict, description="the scaling parameters besides theta")
     theta: float | None = None
     rotary_style: RotaryStyle = RotaryStyle.HALF
+    rotary_direction: RotaryDirection = Field(
+        RotaryDirection.STANDARD,
+        description="which way the rotary function turns each pair, probed on HF's apply_rotary_pos_emb "
+        "(standard when the function takes another signature: the evidence says so)",
+    )
     partial_rotary_factor: float = 1.0
     per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
     rope_layer_types: list[str] = Field(
@@ -525,6 +538,7 @@ class Feature(StrEnum):
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
+    ROTARY_DIRECTION = "rotary_direction"
     PARTIAL_ROTARY = "partial_rotary"
     PER_LAYER_ROPE = "per_layer_rope"
     NORM_KIND = "norm_kind"
@@ -580,6 +594,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
+    Feature.ROTARY_DIRECTION: "RoPE rotation direction",
     Feature.PARTIAL_ROTARY: "partial rotary",
     Feature.PER_LAYER_ROPE: "per-layer-type RoPE",
     Feature.NORM_KIND: "norm kind",
@@ -722,6 +737,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.EMBEDDING_PROJECTION: frozenset({"none", "in_out"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
+    # model_edits.reversed_rotation: the RoPE cache holds -sin (the rotation by minus the angle).
+    Feature.ROTARY_DIRECTION: frozenset({RotaryDirection.STANDARD, RotaryDirection.REVERSED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
     # One RoPE cache per layer type (model_edits.py per_layer_rope, edit_args.py sliding_rope_*).
     Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
@@ -904,6 +921,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
             {
                 Feature.ROPE_TYPE: pos.rope_type or "default",
                 Feature.ROTARY_STYLE: pos.rotary_style.value,
+                Feature.ROTARY_DIRECTION: pos.rotary_direction.value,
                 Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
                 Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
             }

@@ -3,12 +3,11 @@
 # Regenerate with: archon-port add bloom --overwrite
 """Registers Bloom with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
-from archon_models.bloom.infra.parallelize import parallelize_bloom
+from archon_models.bloom.infra.parallelize import parallelize_bloom, pipeline_bloom
 from archon_models.bloom.model.args import BloomModelArgs
 from archon_models.bloom.model.model import BloomModel
 from archon_models.bloom.model.state_dict_adapter import BloomStateDictAdapter
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 
 BLOOM_SPEC = ModelSpec(
     name="bloom",
@@ -17,7 +16,7 @@ BLOOM_SPEC = ModelSpec(
     state_dict_adapter_class=BloomStateDictAdapter,
     parallelize_fn=parallelize_bloom,
     supported_model_types=frozenset({"bloom"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_bloom,
 )
 
 register_model_spec(BLOOM_SPEC)

@@ -3,12 +3,11 @@
 # Regenerate with: archon-port add gpt2 --overwrite
 """Registers Gpt2 with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
-from archon_models.gpt2.infra.parallelize import parallelize_gpt2
+from archon_models.gpt2.infra.parallelize import parallelize_gpt2, pipeline_gpt2
 from archon_models.gpt2.model.args import Gpt2ModelArgs
 from archon_models.gpt2.model.model import Gpt2Model
 from archon_models.gpt2.model.state_dict_adapter import Gpt2StateDictAdapter
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 
 GPT2_SPEC = ModelSpec(
     name="gpt2",
@@ -17,7 +16,7 @@ GPT2_SPEC = ModelSpec(
     state_dict_adapter_class=Gpt2StateDictAdapter,
     parallelize_fn=parallelize_gpt2,
     supported_model_types=frozenset({"gpt2"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_gpt2,
 )
 
 register_model_spec(GPT2_SPEC)

@@ -3,12 +3,11 @@
 # Regenerate with: archon-port add gpt_bigcode --overwrite
 """Registers GptBigcode with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
-from archon_models.gpt_bigcode.infra.parallelize import parallelize_gpt_bigcode
+from archon_models.gpt_bigcode.infra.parallelize import parallelize_gpt_bigcode, pipeline_gpt_bigcode
 from archon_models.gpt_bigcode.model.args import GptBigcodeModelArgs
 from archon_models.gpt_bigcode.model.model import GptBigcodeModel
 from archon_models.gpt_bigcode.model.state_dict_adapter import GptBigcodeStateDictAdapter
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 
 GPT_BIGCODE_SPEC = ModelSpec(
     name="gpt_bigcode",
@@ -17,7 +16,7 @@ GPT_BIGCODE_SPEC = ModelSpec(
     state_dict_adapter_class=GptBigcodeStateDictAdapter,
     parallelize_fn=parallelize_gpt_bigcode,
     supported_model_types=frozenset({"gpt_bigcode"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_gpt_bigcode,
 )
 
 register_model_spec(GPT_BIGCODE_SPEC)

@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    RotaryDirection,
     RotaryStyle,
     RouterScoring,
     ScalarFeatures,
@@ -1912,6 +1914,15 @@ def position_features(ctx: Context) -> PositionFeatures:
         if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and v is not None
     }
     interleaved = rotary_interleaved(ctx.config, ctx.source)
+    direction = RotaryDirection.STANDARD
+    measured = _measured_rotation(ctx)
+    if measured is not None:
+        pairing, reversed_ = measured
+        if pairing is not None:
+            if (pairing == "interleaved") != interleaved:
+                ctx.evidence.append(f"RoPE pairing: {pairing} as the rotary function computes it, not as read")
+            interleaved = pairing == "interleaved"
+        direction = RotaryDirection.REVERSED if reversed_ else RotaryDirection.STANDARD
     if not rotary:
         ctx.evidence.append("RoPE: the attention class applies the rotation itself (no rotary module)")
     factor = _partial_rotary(ctx, rotary[0] if rotary else None, first or {})
@@ -1921,10 +1932,47 @@ def position_features(ctx: Context) -> PositionFeatures:
         rope_scaling=scaling,
         theta=float(theta) if isinstance(theta, (int, float)) else None,
         rotary_style=RotaryStyle.INTERLEAVED if interleaved else RotaryStyle.HALF,
+        rotary_direction=direction,
         partial_rotary_factor=factor,
         per_layer_type_rope=per_layer,
         rope_layer_types=sorted(rope) if per_layer else [],
     )
+
+
+def _measured_rotation(ctx: Context) -> tuple[str | None, bool] | None:
+    """``(pairing, reversed)`` of the rotary function the attention's modeling module
+    defines (``apply_rotary_pos_emb``), probed (:func:`probes.probe_rotation`). A module
+    with several rotary functions (DeepSeek-V3 picks one by ``rope_interleave``) gives a
+    direction only when they turn the same way, and no pairing (the config's and source's
+    stands); ``None`` when nothing could be probed."""
+    attention = ctx.anatomy.attention
+    module = sys.modules.get(type(attention).__module__) if attention is not None else None
+    functions = {
+        name: value
+        for name, value in vars(module).items()
+        if module is not None and name.startswith("apply_rotary") and callable(value)
+    }
+    measured = {name: probes.probe_rotation(fn) for name, fn in sorted(functions.items())}
+    found = {name: m for name, m in measured.items() if m is not None}
+    if not found:
+        if functions:
+            ctx.evidence.append(
+                f"RoPE direction: {', '.join(functions)} take no (q, k, cos, sin) to probe; taken as standard"
+            )
+        return None
+    directions = {reversed_ for _, reversed_ in found.values()}
+    if len(directions) != 1:
+        ctx.other.append(f"rotary functions turning both ways ({', '.join(found)})")
+        return None
+    (reversed_,) = directions
+    way = "reversed, (x1, x2) -> (x2, -x1)" if reversed_ else "standard, (x1, x2) -> (-x2, x1)"
+    ctx.evidence.append(f"RoPE direction: {way} ({', '.join(found)}, probed)")
+    if len(found) == 1:
+        ((name, (pairing, _)),) = found.items()
+        ctx.evidence.append(f"RoPE pairing: {pairing} ({name}, probed)")
+        return pairing, reversed_
+    # Several functions, one picked by a config field: their direction, the config's pairing.
+    return None, reversed_
 
 
 def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:

@@ -1513,3 +1513,46 @@ def probe_renormalises_without_field(
         return None
     sums = weights.float().sum(-1)
     return bool(torch.allclose(sums, sums[:1].expand_as(sums), atol=1e-4) and sums[0].abs() > 1e-6)
+
+
+# A head width for the rotation probe: even, and wide enough that the half-split partner of
+# dimension 0 (index 4) and its interleaved partner (index 1) differ.
+_ROTATION_PROBE_DIM = 8
+
+
+def probe_rotation(apply_rotary: Callable[..., Any]) -> tuple[str, bool] | None:
+    """The pairing and direction of a HF rotary function ``apply_rotary(q, k, cos, sin)``
+    (transformers' ``apply_rotary_pos_emb`` signature), read from what it computes:
+    ``(pairing, reversed)`` with pairing ``"half"`` (dimension ``i`` rotates with
+    ``i + d/2``) or ``"interleaved"`` (``2i`` with ``2i + 1``), and ``reversed`` true when
+    the rotation goes the other way: transformers' ``rotate_half`` is ``(x1, x2) -> (-x2, x1)``,
+    nanochat's ``(x2, -x1)``, which is the standard rotation by minus the angle.
+
+    With ``cos = 1, sin = 0`` the function only lays the features out (a layout some
+    implementations permute); with ``cos = 0, sin = 1`` it also turns every pair by a quarter
+    turn. The quarter turn of unit vector ``e_0``, read against the layout of each ``e_j``,
+    is ``+1`` at ``e_0``'s partner for the standard direction and ``-1`` for the reversed
+    one, whatever the layout. ``None`` when the function does not take that signature or
+    computes no rotation of pairs.
+    """
+    dim = _ROTATION_PROBE_DIM
+    basis = torch.eye(dim).view(dim, 1, 1, dim)  # [batch, heads, seq, dim]: one unit vector per batch row
+    ones, zeros = torch.ones(dim, 1, dim), torch.zeros(dim, 1, dim)  # [batch, seq, dim]
+    try:
+        with torch.no_grad():
+            layout = apply_rotary(basis, basis, ones, zeros)[0]
+            turned = apply_rotary(basis, basis, zeros, ones)[0]
+    except Exception as exc:  # a rotary function of another signature or layout
+        logger.debug("rotation probe: %s(q, k, cos, sin) raised %s", getattr(apply_rotary, "__name__", "?"), exc)
+        return None
+    if not isinstance(layout, torch.Tensor) or layout.shape != basis.shape or turned.shape != basis.shape:
+        return None
+    # Row j: the quarter turn of e_0 against the layout of e_j.
+    inner = (layout.reshape(dim, dim) @ turned.reshape(dim, dim)[0]).tolist()
+    partners = [j for j, value in enumerate(inner) if abs(value) > 0.5]
+    if len(partners) != 1 or abs(abs(inner[partners[0]]) - 1.0) > 1e-5:
+        return None
+    partner = partners[0]
+    if partner not in (1, dim // 2):
+        return None
+    return ("interleaved" if partner == 1 else "half"), inner[partner] < 0

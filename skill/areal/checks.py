@@ -195,8 +195,7 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
         dims_cls=ArchonParallelDims,
         ac_config_cls=ActivationCheckpointConfig,
     )
-    per_rank = distributed.launch(distributed._stage5_worker, distributed.WORLD_SIZE, args=(setup, case))
-    for check in distributed._merge_ranks(per_rank):
+    for check in distributed.run_parallelisms(setup, case):
         rec.add(check.model_copy(update={"name": f"AReaL helpers: {check.name}"}))
 
 

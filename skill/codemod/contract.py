@@ -284,13 +284,34 @@ def replace_call(source: str, class_name: str, func_name: str, callee: str, temp
     return replaced_code(module, func, func.visit(_Swap()))
 
 
-def add_marker(source: str, class_name: str | None, func_name: str, comment: str) -> str:
-    """Put ``# <comment>`` above the first statement of a function body (once)."""
+def add_marker(source: str, class_name: str | None, func_name: str, comment: str, anchor: str | None = None) -> str:
+    """Put ``# <comment>`` above the statement of a function that the marker names (once):
+    the first statement, at any depth, whose code contains ``anchor``; without an anchor, or
+    when no statement holds it, the first statement of the body (after the docstring)."""
     line = f"# {comment}"
     if line in source:
         return source
     module = _parse(source)
     func = _find_function(module, class_name, func_name)
+    marker = cst.EmptyLine(comment=cst.Comment(line))
+    if anchor is not None:
+        text = anchor
+
+        class _Mark(cst.CSTTransformer):
+            done = False
+
+            def leave_SimpleStatementLine(
+                self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+            ) -> cst.SimpleStatementLine:
+                if self.done or text not in _code(original_node):
+                    return updated_node
+                self.done = True
+                return updated_node.with_changes(leading_lines=[*updated_node.leading_lines, marker])
+
+        transformer = _Mark()
+        marked_func = func.visit(transformer)
+        if transformer.done:
+            return replaced_code(module, func, marked_func)
     body = statements(func.body)
     index = 0
     if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
@@ -298,7 +319,7 @@ def add_marker(source: str, class_name: str | None, func_name: str, comment: str
     if index >= len(body):
         raise CodemodError(f"{func_name!r} has no statement to mark")
     first = body[index]
-    marked = first.with_changes(leading_lines=[*leading_lines(first), cst.EmptyLine(comment=cst.Comment(line))])
+    marked = first.with_changes(leading_lines=[*leading_lines(first), marker])
     body[index] = marked
     return replaced_code(module, func, func.with_changes(body=func.body.with_changes(body=body)))
 

@@ -751,6 +751,40 @@ def upsert_function(source: str, func_name: str, new_source: str, *, before_clas
     return module.with_changes(body=[*module.body, new]).code
 
 
+def replace_return(source: str, class_name: str | None, func_name: str, target: str, new_source: str) -> str:
+    """In ``func_name``, turn the last top-level ``return <expr>`` into ``<target> = <expr>``
+    followed by the statements of ``new_source`` (which return in its place)."""
+    module = _parse(source)
+    func = _find_function(module, class_name, func_name)
+    body = statements(func.body)
+
+    def returned_value(stmt: cst.BaseStatement) -> cst.BaseExpression | None:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Return):
+            return stmt.body[0].value
+        return None
+
+    index = next((i for i in range(len(body) - 1, -1, -1) if returned_value(body[i]) is not None), None)
+    if index is None:
+        raise CodemodError(f"{func_name!r} has no top-level return of a value")
+    line, value = body[index], returned_value(body[index])
+    assert isinstance(line, cst.SimpleStatementLine) and value is not None
+    assign = line.with_changes(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(target))], value=value)])
+    body[index : index + 1] = [assign, *_parse_statements(new_source)]
+    return replaced_code(module, func, func.with_changes(body=func.body.with_changes(body=body)))
+
+
+def append_statements(source: str, new_source: str) -> str:
+    """Append top-level statements at the end of the module, two blank lines before the
+    first (a leading comment stays with it)."""
+    module = _parse(source)
+    new_stmts = _parse_statements(new_source)
+    if not new_stmts:
+        return source
+    first = new_stmts[0]
+    new_stmts[0] = first.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *leading_lines(first)])
+    return module.with_changes(body=[*module.body, *new_stmts]).code
+
+
 def set_docstring(source: str, class_name: str | None, text: str) -> str:
     """Set the docstring of the module (``class_name=None``) or of a top-level class."""
     module = _parse(source)
@@ -776,6 +810,20 @@ def set_docstring(source: str, class_name: str | None, text: str) -> str:
     else:
         body.insert(0, doc_stmt)
     return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+
+
+def read_all(source: str) -> list[str]:
+    """The names of the module's ``__all__`` list or tuple literal (``[]`` without one)."""
+    for stmt in _parse(source).body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if (
+                isinstance(small, cst.Assign)
+                and any(_target_code(t.target) == "__all__" for t in small.targets)
+                and isinstance(small.value, (cst.List, cst.Tuple))
+            ):
+                return [v for e in small.value.elements if (v := _string_value(e.value)) is not None]
+    return []
 
 
 def remove_from_all(source: str, names: Iterable[str]) -> str:

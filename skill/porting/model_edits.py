@@ -46,6 +46,7 @@ from skill.codemod.cst import (
     replace_function,
     replace_in_function,
     replace_name,
+    replace_return,
     replace_statement_assigning,
     set_call_kwarg,
     set_docstring,
@@ -819,6 +820,24 @@ def _rope_cache(text: str, ctx: EditContext) -> str:
     )
 
 
+# The cache holds [cos | sin] (every rope.py variant writes it so): negating sin turns each
+# pair the other way, whatever the frequencies, the rotary width or the pairing.
+REVERSED_ROTATION = (
+    "# The checkpoint turns each pair the other way, (x1, x2) -> (x2, -x1) where transformers'\n"
+    "# rotate_half gives (-x2, x1): that is the rotation by minus the angle, so the cache holds -sin.\n"
+    "cos, sin = cache.chunk(2, dim=-1)\n"
+    "return torch.cat([cos, -sin], dim=-1)\n"
+)
+
+
+def _reversed_rotation(text: str, ctx: EditContext) -> str:
+    """RoPE turning each pair the other way (nanochat's ``rotate_half`` is ``(x2, -x1)``):
+    the cache's sine negated, after whatever frequencies and width the cache has."""
+    if "torch.cat([cos, -sin], dim=-1)" in text:
+        return text
+    return replace_return(text, ctx.model_class, "_precompute_rope_cache", "cache", REVERSED_ROTATION)
+
+
 ROPE_CALL = "xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)"
 
 
@@ -1492,6 +1511,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.per_layer_rope,
         _per_layer_rope,
     ),
+    ModelEdit(
+        "reversed_rotation",
+        "RoPE turning each pair the other way: (x1, x2) -> (x2, -x1), the RoPE cache's sine negated",
+        lambda p: p.rotary_reversed,
+        _reversed_rotation,
+    ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit(
         "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
@@ -1752,6 +1777,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("partial rotary embeddings")
     if profile.rotary_interleaved:
         extras.append("RoPE over adjacent feature pairs (interleaved)")
+    if profile.rotary_reversed:
+        extras.append("RoPE turning each pair the other way")
     if profile.per_layer_rope:
         extras.append("RoPE parameters per layer type")
     if profile.nope_field or profile.nope_layer_type:

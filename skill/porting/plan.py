@@ -34,6 +34,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    RotaryDirection,
     RotaryStyle,
     RouterScoring,
     SlidingWindowKind,
@@ -67,13 +68,20 @@ AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
 AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 
 
+# The steps that take ``allow_unsupported`` (apply every supported edit, mark the rest).
+ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
+
+
 def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
     """The one refusal: every unsupported feature of the report, and the way past it."""
     names = ", ".join(f.removeprefix("unsupported: ") for f in features)
+    if step in ALLOW_UNSUPPORTED_STEPS:
+        way = f"Pass allow_unsupported=true to {step}"
+    else:
+        way = f"Take the steps one by one with allow_unsupported=true passed to {' and '.join(ALLOW_UNSUPPORTED_STEPS)}"
     return UnsupportedFeatureError(
         f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. "
-        f"Pass allow_unsupported=true to {step} to apply every supported edit and leave a marker "
-        "where each hand edit goes.",
+        f"{way} to apply every supported edit and leave a marker where each hand edit goes.",
         features,
     )
 
@@ -163,6 +171,9 @@ class PortPlan(BaseModel):
     nope_layer_type: str | None = Field(default=None, description="the layer type whose layers apply no RoPE")
     qk_norm_after_rope: bool = Field(default=False, description="queries and keys normalised after RoPE")
     rotary_interleaved: bool
+    rotary_reversed: bool = Field(
+        default=False, description="each pair turns the other way: (x1, x2) -> (x2, -x1) (nanochat)"
+    )
     moe: bool
     all_layers_moe: bool
     shared_expert: bool
@@ -294,6 +305,25 @@ class PortPlan(BaseModel):
         return [f for f in fields if f]
 
     @property
+    def first_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add before the first block (besides ``tok_embeddings``),
+        in the order the model runs them: the first pipeline stage must keep them."""
+        modules = []
+        if self.positions in ("learned", "sinusoidal"):
+            modules.append("pos_embeddings")
+        if self.embedding_projection_field is not None:
+            modules.append("project_in")
+        if self.embedding_norm_module is not None:
+            modules.append("embedding_norm")
+        return tuple(modules)
+
+    @property
+    def last_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add after the last block (besides ``norm`` and the
+        head): the last pipeline stage must keep them."""
+        return ("project_out",) if self.embedding_projection_field is not None else ()
+
+    @property
     def portable(self) -> bool:
         return not self.unsupported
 
@@ -404,6 +434,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
+        rotary_reversed=pos.rotary_direction is RotaryDirection.REVERSED,
         per_layer_rope=pos.per_layer_type_rope,
         nope_field=att.nope_layers_field,
         nope_layer_type=att.nope_layer_type,

@@ -72,7 +72,10 @@ class PortModelResult(BaseModel):
     model_name: str
     model_types: list[str]
     reference: str | None = None
-    passed: bool
+    passed: bool = Field(
+        description="every step and stage passed: the field to read (a port that ran and failed is still a "
+        "result, not a tool error; failed_step and error say where and why)"
+    )
     failed_step: str | None = None
     error: str | None = None
     steps: list[StepReport]
@@ -120,7 +123,8 @@ def port_model(request: PortModelRequest) -> PortModelResult:
     file, apply all of it atomically, then run stages 1-6. Stops at the first failing step
     with what failed and why; refuses before writing anything when a feature has no edit
     or a different package exists without overwrite. Re-running on a ported family changes
-    nothing."""
+    nothing. A port that ran is a result whether it passed or not (isError false): read
+    `passed`, then `failed_step` and `error`, and `stage_results` for a failed stage."""
     return run_port(request)
 
 
@@ -184,7 +188,7 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             name = request.model_name or validate_model_name(model_type.replace("-", "_"))
             state.update(model_name=name)
             refuse_reference(name)
-            refuse_unsupported(profile, "edit_model")
+            refuse_unsupported(profile, "port_model")
             state["reference"] = profile.reference
         reference = state["reference"]
     except Exception as e:

@@ -8,7 +8,7 @@ import logging
 from pydantic import Field, field_validator
 
 from skill.codemod import StagedTree, format_python
-from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
+from skill.codemod.cst import ensure_import_line, get_call_kwarg, prune_unused_imports, set_call_kwarg
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,18 @@ def check_model_types_free(tree: StagedTree, package: str, model_types: list[str
         )
 
 
+def _set_pipelining_fn(spec_text: str, layout: PackageLayout, parallelize_text: str) -> str:
+    """The spec's ``pipelining_fn``: the package's own when its ``infra/parallelize.py``
+    defines one (a model with modules around the blocks that AReaL's ``pipeline_llm``
+    would drop), else ``pipeline_llm``."""
+    own = layout.pipelining_fn
+    if f"def {own}(" not in parallelize_text:
+        return spec_text
+    text = set_call_kwarg(spec_text, "ModelSpec", "pipelining_fn", own)
+    text = ensure_import_line(text, f"from archon_models.{layout.names.package}.infra.parallelize import {own}")
+    return prune_unused_imports(text)
+
+
 def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
     layout = PackageLayout.for_name(request.model_name)
     require_package(tree, layout)
@@ -140,6 +152,7 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
         )
     else:
         text = set_call_kwarg(current, "ModelSpec", "supported_model_types", f"frozenset({types_literal(model_types)})")
+    text = _set_pipelining_fn(text, layout, tree.read_text(layout.parallelize) or "")
     write_if_changed(tree, layout.spec, text, changed)
     line = import_line_for(names.package)
     init_text = tree.read_text(ARCHON_INIT)

@@ -86,7 +86,10 @@ class RunTestStageResult(StepResult):
     case_id: str | None = Field(
         default=None, description="the one case that ran (the overrides' case), else every case ran"
     )
-    passed: bool
+    passed: bool = Field(
+        description="every test of the stage passed: the field to read (a stage that ran and failed is still "
+        "a result, not a tool error; the failing checks are in tests[].checks)"
+    )
     tests: list[StageTest]
     max_abs_diff: float | None = Field(
         default=None, description="largest max abs diff of any check", json_schema_extra=_DIFF_IS_VOLATILE
@@ -173,7 +176,9 @@ def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
     of archon_models/<model_name>/'s tests with pytest in a subprocess, writing the package's
     test file under tests/archon/ first if it is missing. With config_overrides, adds a case
     with them to that file (once) and runs only it. Returns pass/fail per check, the max abs
-    diffs and the time."""
+    diffs and the time. A stage that ran is a result whether it passed or not (isError false):
+    read `passed`, then `tests[].checks[]` (name, passed, detail) for what failed; isError is
+    true only when the stage could not run (bad arguments, no package, a timeout)."""
     model_type = request.model_type or request.model_name
     layout = PackageLayout.for_name(request.model_name)
     case = None

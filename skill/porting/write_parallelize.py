@@ -13,12 +13,16 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import append_to_if_block
 from skill.codemod.cst import (
+    append_statements,
     edit_dict_literal,
     ensure_import_line,
     insert_before_class,
+    read_all,
     read_dict_literal,
     replace_in_function,
     set_docstring,
+    set_module_assign,
+    upsert_function,
 )
 from skill.porting.common import (
     PackageLayout,
@@ -279,6 +283,44 @@ def _plan_biased_experts(text: str) -> str:
 _EXPERTS_MESH = {"TensorParallel()": "tp_mesh", "ExpertParallel()": "ep_mesh", "ExpertTensorParallel()": "ep_tp_mesh"}
 
 
+PIPELINE_IMPORTS = (
+    "import math",
+    "from collections.abc import Callable",
+    "from torch.distributed.pipelining import PipelineStage",
+    "from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class",
+    "from archon_models.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_module_split",
+)
+
+
+def _stage_modules_source(first: tuple[str, ...], last: tuple[str, ...]) -> str:
+    return (
+        "# Top-level modules besides AReaL's canonical ones (tok_embeddings, layers, norm, output/score):\n"
+        "# the pipeline split keeps those run before the first block on the first stage, those run\n"
+        "# after the final norm on the last, and would set them to None on every stage otherwise.\n"
+        f"FIRST_STAGE_MODULES: tuple[str, ...] = {first!r}\n"
+        f"LAST_STAGE_MODULES: tuple[str, ...] = {last!r}\n"
+    )
+
+
+def _plan_pipeline_stages(text: str, layout: PackageLayout, profile: PortPlan) -> str:
+    """A model with top-level modules of its own around the blocks (an embedding norm, a
+    position table, embedding projections) gets a pipelining function that keeps them on
+    the stage that runs them (snippets/pipeline.py); AReaL's ``pipeline_llm`` would drop them."""
+    first, last = profile.first_stage_modules, profile.last_stage_modules
+    if not first and not last:
+        return text
+    name = layout.pipelining_fn
+    if f"def {name}(" in text:
+        text = set_module_assign(text, "FIRST_STAGE_MODULES", repr(first))
+        return set_module_assign(text, "LAST_STAGE_MODULES", repr(last))
+    text = append_statements(text, _stage_modules_source(first, last))
+    text = upsert_function(text, name, snippet("pipeline", "pipeline_model", rename=name))
+    for line in PIPELINE_IMPORTS:
+        text = ensure_import_line(text, line)
+    listed = read_all(text)
+    return set_module_assign(text, "__all__", repr(sorted({*listed, name})).replace("'", '"'))
+
+
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
     """Make archon_models/<model_name>/infra/parallelize.py's TP plan match the model: plan
     entries only for modules the family has (e.g. no w3 for a two-layer MLP), local outputs
@@ -412,6 +454,7 @@ def apply_write_parallelize(
         text = _plan_no_final_norm(text, projection=profile.embedding_projection_field is not None)
     if profile.embedding_projection_field is not None:
         text = _plan_embedding_projection(text, final_norm=profile.final_norm)
+    text = _plan_pipeline_stages(text, layout, profile)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
     write_if_changed(tree, layout.parallelize, text, changed)

@@ -34,6 +34,13 @@ CASES = [
         },
         name="bloom-num_attention_heads-6-hidden_size-48",
     ),
+    ModelCase(
+        model_type="bloom",
+        config_overrides={
+            "tie_word_embeddings": False,
+        },
+        name="bloom-tie_word_embeddings-false",
+    ),
 ]
 
 
