@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.fuzz.naming import SCHEMES, NamingScheme
+from tests.fuzz.naming import NamingScheme, scheme_for
 from tests.fuzz.spec import FamilySpec, NormKind
 
 ATOL = 1e-5
@@ -130,7 +130,7 @@ def check_tying(model: PreTrainedModel, spec: FamilySpec, folder: Path) -> None:
         keys = set()
         for file in folder.glob("*.safetensors"):
             keys |= set(load_file(str(file)))
-        naming = SCHEMES[spec.naming]
+        naming = scheme_for(spec)
         if f"{naming.head}.weight" not in keys:
             raise FamilyCheckError(f"untied head {naming.head}.weight missing from the checkpoint")
 
@@ -612,7 +612,7 @@ def check_family(spec: FamilySpec, folder: str | Path) -> list[str]:
     """Run every check that applies to ``spec`` on the model in ``folder``; the names of
     those that ran. Raises :class:`FamilyCheckError` on the first that fails."""
     folder = Path(folder)
-    naming = SCHEMES[spec.naming]
+    naming = scheme_for(spec)
     model = load_folder(folder)
     checks: list[tuple[str, Callable[[], None]]] = [
         ("weights are the files", lambda: check_weights_are_the_files(model, folder)),

@@ -181,7 +181,7 @@ def _causal_lm(spec: FamilySpec, naming: NamingScheme) -> tuple[str, list[Config
     sc = spec.scalars
     fields: list[ConfigField] = []
     tied = ""
-    if spec.tying == "tied":
+    if spec.tying in ("tied", "untied"):
         source = f"{naming.stack_path}.{naming.embed}.weight"
         tied = f'    _tied_weights_keys: ClassVar[dict[str, str]] = {{"{naming.head}.weight": "{source}"}}\n\n'
     post = []

@@ -10,9 +10,9 @@ placement (GPT-2's ``ln_1``/``ln_2`` are the pre-norms, OPT-350m's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tests.fuzz.spec import Naming, Placement
+from tests.fuzz.spec import FamilySpec, Naming, Placement
 
 # A block norm's role: before / after the attention, before / after the feed-forward.
 NORM_ROLES = ("attn_in", "attn_out", "ffn_in", "ffn_out")
@@ -192,3 +192,26 @@ SCHEMES: dict[Naming, NamingScheme] = {
         },
     ),
 }
+
+
+# The feed-forward names of the catalogue's MoE families: routed experts, shared experts and
+# the dense layers beside them are Llama-named MLPs in ``mlp`` (Qwen-MoE, DeepSeek, OLMoE),
+# or Mixtral's ``w1``/``w3``/``w2`` experts in ``block_sparse_moe``. No family of the
+# catalogue names its experts after GPT-2's or GPT-NeoX's dense MLP.
+_MOE_FFN = {
+    "mlp": {"ffn": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "block_sparse_moe": {"ffn": "mlp", "gate": "w1", "up": "w3", "down": "w2"},
+}
+# OPT keeps fc1/fc2 in the layer for its plain MLP; a gated MLP of such a family is a module
+# of its own, named as Llama's.
+_GATED_INLINE = {"ffn": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def scheme_for(spec: FamilySpec) -> NamingScheme:
+    """The family's naming scheme, with the feed-forward names its MoE or gated MLP takes."""
+    scheme = SCHEMES[spec.naming]
+    if spec.moe is not None:
+        return replace(scheme, **_MOE_FFN[spec.moe.block_name])
+    if scheme.ffn is None and spec.ffn.kind == "gated":
+        return replace(scheme, **_GATED_INLINE)
+    return scheme

@@ -159,7 +159,10 @@ class FamilySpec(_Frozen):
     ffn: FFNSpec
     moe: MoESpec | None = None
     scalars: ScalarSpec = ScalarSpec()
-    tying: Literal["tied", "untied", "tie_ignoring"] = "untied"
+    # tied / untied: the model declares its tying (``_tied_weights_keys``) and the config's
+    # tie_word_embeddings decides; tie_ignoring: the config says tie, the model declares none
+    # (transformers ties nothing); never_tied: neither ties.
+    tying: Literal["tied", "untied", "tie_ignoring", "never_tied"] = "untied"
     pad_token_id: int | None = None
     target_logit: float = Field(20.0, description="largest |logit| the folder's weights are calibrated to")
 
@@ -397,11 +400,12 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
     if rng.random() < 0.25:
         n_group = rng.choice([g for g in (2, 4) if n_experts // g >= 2])
         topk_group = rng.randrange(1, n_group)
-    n_shared = _pick(rng, {0: 2, 1: 2, 2: 0.5})
+    block_name = _pick(rng, {"mlp": 4, "block_sparse_moe": 1})
+    n_shared = _pick(rng, {0: 2, 1: 2, 2: 0.5}) if block_name == "mlp" else 0
     style = _pick(rng, {"deepseek": 1, "qwen": 1}) if n_shared else "deepseek"
     if style == "qwen":
         n_shared = 1
-    layers = _pick(rng, {"all": 3, "leading_dense": 1.5, "sparse_step": 0.7}) if n_layers >= 2 else "all"
+    layers = _pick(rng, {"all": 3, "leading_dense": 1.5, "sparse_step": 0.7}) if block_name == "mlp" else "all"
     inter = rng.choice([32, 48, 64])
     return MoESpec(
         n_experts=n_experts,
@@ -411,7 +415,7 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
         norm_topk_prob=rng.random() < 0.75,
         n_group=n_group,
         topk_group=topk_group,
-        correction_bias=rng.random() < (0.6 if scoring == "sigmoid" else 0.1),
+        correction_bias=block_name == "mlp" and rng.random() < (0.6 if scoring == "sigmoid" else 0.1),
         routed_scaling_factor=rng.choice([1.5, 2.5]) if rng.random() < 0.3 else None,
         router_bias=rng.random() < 0.1,
         n_shared_experts=n_shared,
@@ -421,9 +425,12 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
         layers=layers,
         first_k_dense=1 if layers == "leading_dense" else 0,
         sparse_step=2 if layers == "sparse_step" else 1,
-        layout=_pick(rng, {"per_expert": 3, "fused_out_in": 1.5, "fused_in_out": 1}),
+        # Mixtral's block_sparse_moe holds one module per expert.
+        layout=_pick(rng, {"per_expert": 3, "fused_out_in": 1.5, "fused_in_out": 1})
+        if block_name == "mlp"
+        else "per_expert",
         gate_up_order=_pick(rng, {"concatenated": 3, "interleaved": 1}),
-        block_name=_pick(rng, {"mlp": 4, "block_sparse_moe": 1}),
+        block_name=block_name,
     )
 
 
@@ -473,7 +480,7 @@ def sample_family(seed: int) -> FamilySpec:
     ffn = sample_ffn(rng, moe)
     moe_spec = sample_moe(rng, n_layers) if moe else None
     scalars = sample_scalars(rng)
-    tying = _pick(rng, {"untied": 5, "tied": 3, "tie_ignoring": 1})
+    tying = _pick(rng, {"untied": 5, "tied": 3, "tie_ignoring": 1, "never_tied": 0.5})
     pad = 0 if rng.random() < 0.15 else None
     target = rng.uniform(8.0, 30.0)
     if mla is not None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from tests.fuzz.naming import scheme_for
 from tests.fuzz.spec import FamilySpec
 
 logger = logging.getLogger(__name__)
@@ -162,9 +163,7 @@ def _belongs_to_norm(model: nn.Module, param_name: str) -> bool:
 
 
 def _final_norm(model: nn.Module, spec: FamilySpec) -> nn.Module | None:
-    from tests.fuzz.naming import SCHEMES
-
-    naming = SCHEMES[spec.naming]
+    naming = scheme_for(spec)
     if not spec.norm.final_norm:
         return None
     return model.get_submodule(f"{naming.stack_path}.{naming.final_norm}")

@@ -15,7 +15,7 @@ from tests.fuzz.feedforward import GATED_PRODUCT, activation_field, ffn_piece
 from tests.fuzz.mla import mla_piece
 from tests.fuzz.model import model_piece
 from tests.fuzz.moe import moe_piece
-from tests.fuzz.naming import SCHEMES
+from tests.fuzz.naming import scheme_for
 from tests.fuzz.norms import eps_field, norm_classes
 from tests.fuzz.positions import positions_piece
 from tests.fuzz.source import ConfigField, Piece, configuration_source, modeling_source
@@ -41,7 +41,7 @@ def _core_fields(spec: FamilySpec) -> list[ConfigField]:
 
 def family_piece(spec: FamilySpec) -> Piece:
     """Every piece of the family's modeling file, in dependency order."""
-    naming = SCHEMES[spec.naming]
+    naming = scheme_for(spec)
     kinds: set[NormKind] = {spec.norm.kind}
     if spec.attention.qk_norm is not None and spec.mla is None:
         kinds.add(spec.attention.qk_norm.kind)
@@ -73,7 +73,7 @@ def family_sources(spec: FamilySpec) -> dict[str, str]:
         "pad_token_id": spec.pad_token_id,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "tie_word_embeddings": spec.tying != "untied",
+        "tie_word_embeddings": spec.tying in ("tied", "tie_ignoring"),
     }
     logger.debug("seed %d: %s", spec.seed, summary)
     return {
