@@ -66,6 +66,7 @@ class SeedRow(BaseModel):
     reference: str | None = None
     detail: str = Field(default="", description="refused features, the failed step's reason, or the exception")
     max_abs_logit_diff: float | None = None
+    divergence: str = Field(default="", description="a failed stage: the first module whose output differs")
     hf_fp32_error: float | None = Field(default=None, description="HF fp32 vs float64 logits on the folder")
     seconds: float = 0.0
 
@@ -90,6 +91,20 @@ def hf_fp32_error(folder: Path, vocab_size: int, seed: int) -> float:
         with torch.no_grad():
             logits.append(model(input_ids=tokens).logits.double())
     return float((logits[0] - logits[1]).abs().max())
+
+
+def first_divergence(workspace: Path, model_name: str) -> str:
+    """``archon-port diverge``: the first Archon module whose output differs from HF's, in words."""
+    try:
+        from skill.porting.locate_divergence import LocateDivergenceRequest, locate_divergence
+
+        found = locate_divergence(LocateDivergenceRequest(model_name=model_name, workspace=workspace))
+    except Exception as exc:
+        return f"diverge raised {type(exc).__name__}: {exc}"[:300]
+    first = found.first_divergence
+    if first is None:
+        return f"no module diverges (logits {found.logits_max_abs_diff:.2e})"
+    return f"{first.archon_module} (HF {first.hf_module}) by {first.max_abs_diff:.2e}"
 
 
 def _own_weight_failures(result) -> list[float] | None:  # type: ignore[no-untyped-def]
@@ -160,6 +175,8 @@ def port_seed(seed: int, stages: list[int], workspace: Path, scratch: Path) -> S
             update["hf_fp32_error"] = hf_fp32_error(folder, spec.vocab_size, seed)
             if max(own) <= TOLERANCE_FACTOR * update["hf_fp32_error"]:
                 update["outcome"] = "tolerance"
+        if update["outcome"] == "failed" and (result.failed_step or "").startswith("stage"):
+            update["divergence"] = first_divergence(workspace, result.model_name)
     update["seconds"] = time.perf_counter() - start
     return row.model_copy(update=update)
 
@@ -216,7 +233,14 @@ def run_seed(repo: Path, commit: str, seed: int, stages: list[int], timeout_s: f
 def format_table(rows: list[SeedRow]) -> str:
     header = ("seed", "outcome", "reached", "features", "detail", "seconds")
     cells = [
-        (str(r.seed), r.outcome, r.reached or "-", r.feature_line(), r.detail[:160] or "-", f"{r.seconds:.0f}")
+        (
+            str(r.seed),
+            r.outcome,
+            r.reached or "-",
+            r.feature_line(),
+            ((f"diverges at {r.divergence}; " if r.divergence else "") + r.detail)[:200] or "-",
+            f"{r.seconds:.0f}",
+        )
         for r in rows
     ]
     widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
@@ -298,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             row = future.result()
             rows[row.seed] = row
             logger.info(
-                "seed %-5d %-9s %s (%.0fs) %s", row.seed, row.outcome, row.detail[:140], row.seconds, row.feature_line()
+                "seed %-5d %-9s %s%s (%.0fs) %s",
+                row.seed,
+                row.outcome,
+                row.detail[:140],
+                f" [diverges at {row.divergence}]" if row.divergence else "",
+                row.seconds,
+                row.feature_line(),
             )
             if args.jsonl:
                 with args.jsonl.open("a", encoding="utf-8") as handle:

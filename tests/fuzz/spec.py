@@ -548,3 +548,24 @@ def sample_family(seed: int) -> FamilySpec:
         pad_token_id=pad,
         target_logit=round(target, 1),
     )
+
+
+def plain_family(name: str, **updates: object) -> FamilySpec:
+    """A Llama-like family with every axis at its plainest (RMSNorm pre-norm, RoPE, GQA,
+    SwiGLU, no MoE, untied head), then ``updates``: the smallest family showing a feature,
+    for a test that reproduces one finding of the fuzzer."""
+    spec = FamilySpec(
+        seed=0,
+        name=name,
+        naming="llama",
+        hidden_size=64,
+        n_layers=2,
+        vocab_size=384,
+        norm=NormSpec(kind="rms", placement="pre"),
+        positions="rope",
+        rope=RopeSpec(),
+        attention=AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False),
+        ffn=FFNSpec(kind="gated", activation="silu"),
+        target_logit=20.0,
+    )
+    return spec.model_copy(update=updates)
