@@ -499,8 +499,11 @@ def sample_family(seed: int) -> FamilySpec:
         )
         attention = attention.model_copy(update={"n_kv_heads": attention.n_heads})
         # What the engine claims on its latent-attention reference (skill.features.MLA_SUPPORTED_EDITS
-        # and deepseek_v3's own values): RMSNorm pre-norm blocks, SwiGLU, DeepSeek's MoE or a
-        # softmax router without correction bias, constant embedding/residual/logit multipliers.
+        # and deepseek_v3's own values): RMSNorm pre-norm blocks, SwiGLU, DeepSeek's MoE (grouped
+        # top-k, routed scaling) scored by sigmoids with a correction bias or by a softmax
+        # without one, constant embedding/residual/logit multipliers; and the catalogue's MLA
+        # families all use Llama's module names.
+        naming = "llama"
         norm = NormSpec(kind="rms", placement="pre", eps=norm.eps)
         ffn = FFNSpec(kind="gated", activation="silu", intermediate_size=ffn.intermediate_size)
         if moe_spec is not None:
@@ -513,8 +516,10 @@ def sample_family(seed: int) -> FamilySpec:
                     "block_name": "mlp",
                     "shared_style": "deepseek",
                     "shared_gate": False,
-                    "n_group": moe_spec.n_group if sigmoid else 1,
-                    "topk_group": moe_spec.topk_group if sigmoid else 1,
+                    "n_experts": 8,
+                    "n_group": 2,
+                    "topk_group": 1,
+                    "routed_scaling_factor": 2.5,
                 }
             )
             if moe_spec.layers == "sparse_step":
