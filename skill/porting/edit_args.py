@@ -238,6 +238,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 operator.attrgetter(clip),
             )
         )
+    if profile.query_position_scale is not None:
+        # The constants of the queries' position scale (config paths, rope_parameters.<key>).
+        scale = profile.query_position_scale
+        fields += [
+            _config_path_arg("query_scale_beta", scale.beta_field, float, config),
+            _config_path_arg("query_scale_period", scale.period_field, int, config),
+        ]
     if profile.position_zero_row_field is not None:
         # The row of the sinusoidal table the checkpoint's code zeroes (XGLM: pad_token_id).
         zero = profile.position_zero_row_field
@@ -349,13 +356,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     fields += [scalar_arg(profile, name, config) for name in profile.multipliers]
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
-        ArgField(
-            "enable_weight_tying",
-            "bool",
-            bool(getattr(config, "tie_word_embeddings", False)),
-            'bool(getattr(hf_config, "tie_word_embeddings", False))',
-            lambda c: bool(getattr(c, "tie_word_embeddings", False)),
-        ),
+        _tying_arg(profile, config),
         ArgField("is_critic", "bool", False, "is_critic", lambda c: False),
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
@@ -366,13 +367,16 @@ def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
     """The args fields the family's per-layer MoE rule reads (``plan.moe_layer_rule``)."""
     rule = plan.moe_layer_rule
     if rule == "first_k_dense":
+        # The config field counting the leading dense layers, as the analysis measured it
+        # (first_k_dense_replace, AFMoE's num_dense_layers).
+        dense = plan.moe_layer_fields[0] if plan.moe_layer_fields else "first_k_dense_replace"
         return [
             ArgField(
                 "first_k_dense_replace",
                 "int",
-                int(config.first_k_dense_replace or 0),
-                "hf_config.first_k_dense_replace or 0",
-                lambda c: c.first_k_dense_replace or 0,
+                int(getattr(config, dense) or 0),
+                f"hf_config.{dense} or 0",
+                lambda c: getattr(c, dense) or 0,
             )
         ]
     if rule == "layer_types":
@@ -438,6 +442,45 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         )
         for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
     ]
+
+
+def _tying_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``enable_weight_tying``: the config field HF's tying follows, or, where HF ties (or
+    keeps its own head) whatever the config says, what it does (the analysis probes both)."""
+    field = profile.tying_field
+    if field is None:
+        return ArgField("enable_weight_tying", "bool", profile.tied, repr(profile.tied), lambda c: profile.tied)
+    return ArgField(
+        "enable_weight_tying",
+        "bool",
+        bool(getattr(config, field, False)),
+        f'bool(getattr(hf_config, "{field}", False))',
+        lambda c: bool(getattr(c, field, False)),
+    )
+
+
+def _config_path_arg(name: str, path: str, cast: type[int] | type[float], config: Any) -> ArgField:
+    """An args field read from a config path (a field or ``rope_parameters.<key>``)."""
+
+    def expected(c: Any) -> int | float:
+        return cast(config_path_value(c, path))
+
+    kind = cast.__name__
+    return ArgField(name, kind, expected(config), f"{kind}({config_path_expression(path)})", expected)
+
+
+def config_path_value(config: Any, path: str) -> Any:
+    """A config value by the analysis' path: a field, or ``rope_parameters.<key>``."""
+    if path.startswith("rope_parameters."):
+        return (getattr(config, "rope_parameters", None) or {}).get(path.split(".", 1)[1])
+    return getattr(config, path)
+
+
+def config_path_expression(path: str) -> str:
+    """The generated ``from_hf_config`` expression reading ``path`` off ``hf_config``."""
+    if path.startswith("rope_parameters."):
+        return f'hf_config.rope_parameters["{path.split(".", 1)[1]}"]'
+    return f"hf_config.{path}"
 
 
 def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:

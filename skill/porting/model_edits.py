@@ -836,6 +836,31 @@ def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
     )
 
 
+def _query_position_scale(text: str, ctx: EditContext) -> str:
+    """Queries scaled by their position after RoPE (``query_position_scale``), with the
+    constants the config sets (``query_scale_beta``, ``query_scale_period``)."""
+    if "self.query_scale_beta =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "query_position_scale"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# Queries past query_scale_period positions are sharpened (long-context temperature).\n"
+        "self.query_scale_beta = model_args.query_scale_beta\n"
+        "self.query_scale_period = model_args.query_scale_period\n",
+    )
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        ROPE_CALL,
+        f"{ROPE_CALL}\n"
+        "xq = xq * query_position_scale(positions, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n",
+    )
+
+
 def _nope_layers(text: str, ctx: EditContext) -> str:
     """RoPE left out on the layers ``model_args.nope_layers`` names (read from the config)."""
     if "self.use_rope = use_rope" in text:
@@ -1445,6 +1470,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _qk_norm_after_rope,
     ),
     ModelEdit(
+        "query_position_scale",
+        "queries scaled by their absolute position after RoPE",
+        lambda p: p.query_position_scale is not None,
+        _query_position_scale,
+    ),
+    ModelEdit(
         "nope_layers",
         "RoPE left out on the layers the config names",
         lambda p: p.nope_field is not None or p.nope_layer_type is not None,
@@ -1719,6 +1750,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("RoPE parameters per layer type")
     if profile.nope_field or profile.nope_layer_type:
         extras.append("no RoPE on the ``nope_layers``")
+    if profile.query_position_scale is not None:
+        extras.append("queries scaled by their position in long contexts")
     if profile.moe:
         extras.append(
             "mixture-of-experts MLPs"

@@ -14,6 +14,8 @@ from skill.porting.plan import PortPlan
 logger = logging.getLogger(__name__)
 
 NON_TRIVIAL_SCALARS = (1.5, 0.5, 0.25, 2.0, 0.75, 3.0)
+# The period of a position-dependent query scale in the tests: shorter than the documents.
+QUERY_SCALE_PERIOD = 4
 
 TEMPLATE = '''"""{title}
 
@@ -137,6 +139,17 @@ def test_file_source(
     if rope_parameters:
         overrides["rope_parameters"] = rope_parameters
         comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
+    if profile.query_position_scale is not None:
+        # A short period, so the later positions of the 7- and 13-token documents get scaled queries.
+        period = profile.query_position_scale.period_field
+        if period.startswith("rope_parameters."):
+            key = period.split(".", 1)[1]
+            overrides["rope_parameters"] = {**overrides.get("rope_parameters", {}), key: QUERY_SCALE_PERIOD}
+        else:
+            overrides[period] = QUERY_SCALE_PERIOD
+        comments.append(
+            f"# A query-scale period of {QUERY_SCALE_PERIOD} positions, so queries past it in a document are scaled."
+        )
     # A factor computed from a field and a model size (scale_depth / sqrt(num_hidden_layers))
     # keeps the tiny config's value, already away from 1.0: its field may be no multiplier.
     multipliers = [f for f in profile.multipliers if f not in overrides and f not in profile.scalar_sources]
@@ -162,7 +175,7 @@ def test_file_source(
         overrides["norm_topk_prob"] = not profile.route_norm_fixed
         comments.append("# HF never reads norm_topk_prob: set against what HF does, it must change nothing.")
     if profile.moe_layer_rule == "first_k_dense":
-        overrides["first_k_dense_replace"] = 1
+        overrides[profile.moe_layer_fields[0] if profile.moe_layer_fields else "first_k_dense_replace"] = 1
         comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")
     extra_cases = []
     if profile.expert_group_switch is not None:

@@ -412,6 +412,18 @@ def clamp_projection(x: torch.Tensor, limit: float | None) -> torch.Tensor:
     return x if limit is None else x.clamp(min=-limit, max=limit)
 
 
+def query_position_scale(positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    """The factor on the query at position ``p``: ``1 + beta * log(1 + floor(p / period))``,
+    shaped ``[1, T, 1, 1]`` to scale ``[1, T, heads, head_dim]`` queries.
+
+    Ministral3's long-context attention temperature: the first ``period`` positions of a
+    document keep their queries, later ones are sharpened a little more at each multiple of
+    ``period``. Positions restart at 0 in every packed document, as HF's do in each sequence.
+    """
+    scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
+    return scale[..., None, None]
+
+
 def gate_per_head(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The attention output ``out`` (``[..., heads * head_dim]``) with each head's channels
     scaled by that head's one gate value (``gate``: ``[..., heads]``; the heads a rank
