@@ -472,6 +472,11 @@ class ScalarFeatures(_Frozen):
         description="the config field HF's tying follows, probed with it True and False; None when HF ties, or "
         "keeps its own head, whatever it says (remote code that defines no tying)",
     )
+    padding_idx_field: str | None = Field(
+        None,
+        description="config field naming the token embedding's row HF gives no gradient through its lookups "
+        "(nn.Embedding's padding_idx: pad_token_id), probed with two ids; None when every row trains",
+    )
     lm_head_bias: bool = Field(False, description="the LM head (output projection) has a bias the checkpoint holds")
     embedding_projection_field: str | None = Field(
         None,
@@ -499,6 +504,11 @@ class Checklist(_Frozen):
         default_factory=list,
         description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
         "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
+    )
+    nullable_fields: list[str] = Field(
+        default_factory=list,
+        description="config fields whose class allows None, set here, with which HF's forward differs (None is "
+        "no ordinary value: no cap, no window, no latent): a port proves each with a case or refuses None (probed)",
     )
     forward_switches: dict[str, bool] = Field(
         default_factory=dict,
@@ -562,6 +572,7 @@ class Feature(StrEnum):
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    PADDING_IDX = "padding_idx"
     LM_HEAD_BIAS = "lm_head_bias"
     EMBEDDING_PROJECTION = "embedding_projection"
     PROJECTION_ORIENTATION = "projection_orientation"
@@ -618,6 +629,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.PADDING_IDX: "embedding row without gradient (padding_idx)",
     Feature.LM_HEAD_BIAS: "LM head bias",
     Feature.EMBEDDING_PROJECTION: "embedding projection in/out",
     Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
@@ -655,6 +667,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.GQA: frozenset({"true", "false"}),
     Feature.EXPLICIT_HEAD_DIM: frozenset({"true", "false"}),
     Feature.WEIGHT_TYING: frozenset({"true", "false"}),
+    # The references' embedding freezes the pad_token_id row as HF's does (padding_idx);
+    # model_edits.trained_pad_row drops it where HF's embedding trains every row.
+    Feature.PADDING_IDX: frozenset({"pad_token_id", "none"}),
     # Shared MoE module (MoEArgs): sigmoid scoring, renormalisation, route scale,
     # node-limited groups, shared experts with a gate; qwen3's decoder_sparse_step.
     Feature.MOE: frozenset({"true", "false"}),
@@ -921,6 +936,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.PADDING_IDX: sc.padding_idx_field or "none",
         Feature.LM_HEAD_BIAS: _flag(sc.lm_head_bias),
         Feature.EMBEDDING_PROJECTION: "in_out" if sc.embedding_projection_field is not None else "none",
         Feature.PROJECTION_ORIENTATION: (

@@ -351,6 +351,68 @@ def forward_switches(ctx: Context) -> dict[str, bool]:
     return found
 
 
+def _allows_none(config_class: type, name: str) -> bool:
+    """Whether the config class's annotation of ``name`` accepts ``None``."""
+    try:
+        hints = typing.get_type_hints(config_class)
+    except (NameError, TypeError):
+        hints = dict(getattr(config_class, "__annotations__", {}))
+    hint = hints.get(name)
+    return hint is not None and ("None" in str(hint) or "Optional" in str(hint))
+
+
+def nullable_fields(ctx: Context) -> list[str]:
+    """Config fields whose class allows ``None``, set here, with which HF's forward differs:
+    ``None`` is no ordinary value there (no cap, no window, no query latent). Each field is
+    set to ``None`` in the tiny config (the class's own checks run; a field it refills is
+    left out), a model with the same seed is built and run and compared with the config's
+    value and with one a few tokens feel (a window of 2, a cap of 0.5); a boolean field whose
+    ``None`` acts as ``False`` is no special value. A port proves each with a generated case
+    or refuses ``None`` naming it."""
+    tiny = ctx.tiny
+    bookkeeping = set(PretrainedConfig().to_dict())
+    tokens = probes.tokens_for(tiny, 6)
+    base = probes.logits(ctx.model, tokens)
+
+    def logits_with(name: str, value: Any) -> torch.Tensor | None:
+        try:
+            config = type(tiny).from_dict({**tiny.to_dict(), name: value})
+            if getattr(config, name, "unset") != value:
+                return None  # the class refills it (a derived default): not kept
+            return probes.logits(build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code), tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("%s=%r failed: %s", name, value, exc)
+            return None
+
+    found: list[str] = []
+    for name, value in sorted(tiny.to_dict().items()):
+        if value is None or name in bookkeeping or name == "rope_parameters" or name.endswith("_token_id"):
+            continue
+        if not _allows_none(type(tiny), name):
+            continue
+        without = logits_with(name, None)
+        if without is None:
+            continue
+        others: list[torch.Tensor | None]
+        if isinstance(value, bool):
+            # None is special unless it acts as False.
+            others = [logits_with(name, False)]
+        else:
+            # The config's value, and one that bites on a few tokens (a window of 2, a cap of
+            # 0.5), so a field a tiny model does not feel at its default still shows.
+            biting = 2 if isinstance(value, int) else 0.5 if isinstance(value, float) else None
+            others = [base, logits_with(name, biting) if biting is not None else None]
+        if not any(
+            other is not None
+            and (other.shape != without.shape or not torch.allclose(other, without, atol=1e-6, rtol=1e-5))
+            for other in others
+        ):
+            continue
+        ctx.evidence.append(f"config field {name}: the class allows None, and HF's forward differs with it (probe)")
+        found.append(name)
+    return found
+
+
 def _nested_moves_logits(
     ctx: Context, parent: str, key: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
 ) -> bool:
@@ -2375,6 +2437,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
                 )
         logit_value = _full_size_value(ctx, logit_source, logit)
     tied, tying_field = weight_tying(ctx)
+    padding_field = padding_idx_field(ctx)
     return ScalarFeatures(
         embedding_scale=value,
         embedding_scale_kind=kind,
@@ -2391,6 +2454,7 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
         tying_field=tying_field,
+        padding_idx_field=padding_field,
         lm_head_bias=head_bias,
         embedding_projection_field=projection.field if isinstance(projection, EmbeddingProjection) else None,
         embedding_projection_in=projection.in_module if isinstance(projection, EmbeddingProjection) else None,
@@ -2432,6 +2496,35 @@ def weight_tying(ctx: Context) -> tuple[bool, str | None]:
         f"False alike; the port {'ties' if tied else 'keeps its own head'} whatever the config says"
     )
     return tied, None
+
+
+PAD_FIELD = "pad_token_id"
+
+
+def padding_idx_field(ctx: Context) -> str | None:
+    """The config field naming the embedding row HF never trains (``padding_idx``): with
+    ``pad_token_id`` set to one id, then another, the tiny model's token embedding gives
+    that row no gradient and the other one some (both probed; see
+    :func:`skill.analysis.probes.probe_frozen_embedding_row`). ``None`` when the config has
+    no such field or the embedding trains every row it looks up."""
+    if PAD_FIELD not in ctx.tiny.to_dict():
+        return None
+    vocab = int(ctx.tiny.vocab_size)
+    first, second = 3 % vocab, 5 % vocab
+    frozen = []
+    for row, other in ((first, second), (second, first)):
+        config = copy.deepcopy(ctx.tiny)
+        setattr(config, PAD_FIELD, row)
+        try:
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        except Exception as exc:  # config validators and constructors raise several exception types
+            logger.debug("building with %s=%s failed: %s", PAD_FIELD, row, exc)
+            return None
+        frozen.append(probes.probe_frozen_embedding_row(model, row, other))
+    if frozen != [True, True]:
+        return None
+    ctx.evidence.append(f"embedding padding_idx probe: the row {PAD_FIELD} names gets no gradient from its lookups")
+    return PAD_FIELD
 
 
 @dataclass(frozen=True)

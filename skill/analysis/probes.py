@@ -1611,3 +1611,26 @@ def probe_head_is_embedding(model: nn.Module) -> bool | None:
     with _preserved(embedding), torch.no_grad():
         embedding_weight.add_(torch.randn(embedding_weight.shape, generator=_generator()))
         return bool(torch.equal(head_weight, embedding_weight))
+
+
+# ------------------------------------------------------------ embedding rows without gradient
+
+
+def probe_frozen_embedding_row(model: nn.Module, row: int, other: int) -> bool | None:
+    """Whether the token embedding gives row ``row`` no gradient through its lookup while
+    row ``other`` gets one (``nn.Embedding``'s ``padding_idx``): both ids are looked up and
+    a random projection of the output is back-propagated. ``None`` when the embedding has
+    no weight or neither row is reached."""
+    embedding = model.get_input_embeddings()  # type: ignore[operator]
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or max(row, other) >= weight.shape[0]:
+        return None
+    tokens = torch.tensor([[other, row, other, row]])
+    with torch.enable_grad():
+        out = embedding(tokens)
+        out = out[0] if isinstance(out, tuple) else out
+        projection = torch.randn(out.shape, generator=_generator(), dtype=out.dtype)
+        (grad,) = torch.autograd.grad((out * projection).sum(), weight, allow_unused=True)
+    if grad is None or not bool(grad[other].abs().gt(0).any()):
+        return None
+    return not bool(grad[row].abs().gt(0).any())

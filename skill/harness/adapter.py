@@ -31,9 +31,7 @@ OUTPUT_KEY = "output.weight"
 EMBEDDING_KEY = "tok_embeddings.weight"
 
 
-def _archon_side(
-    hf_config: PretrainedConfig, seed: int
-) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor], bool]:
+def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor], bool]:
     """The adapter, a state dict of distinct values, and whether the port ties its head."""
     archon = build_archon_model(hf_config)
     state = distinct_state_dict(archon.model, seed)

@@ -74,6 +74,7 @@ ARGS_FIELD_SOURCES: dict[str, FieldSource] = {
     "max_seq_len": FieldSource(("max_position_embeddings",)),
     "eos_id": FieldSource(("eos_token_id",), normalize=_first_id),
     "enable_weight_tying": FieldSource(("tie_word_embeddings",)),
+    "pad_id": FieldSource(("pad_token_id",)),
     "num_experts": FieldSource(("num_experts", "num_local_experts", "n_routed_experts")),
     "top_k": FieldSource(("num_experts_per_tok",)),
     "route_norm": FieldSource(("norm_topk_prob",)),

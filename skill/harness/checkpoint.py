@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from archon_models.base import SAFETENSORS_INDEX
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensors
-from skill.harness.inputs import make_packed_inputs
+from skill.harness.inputs import make_packed_inputs, special_token_ids
 from skill.harness.models import ArchonModel, build_model_pair, copy_remote_code
 from skill.harness.results import StageRecorder, StageResult, run_stage
 
@@ -101,7 +101,9 @@ def run_checkpoint_stage(
                     f"{found[:5]}" if found else "",
                 )
 
-            inputs = make_packed_inputs(case.doc_lens, pair.hf_config.vocab_size, seed=case.seed)
+            inputs = make_packed_inputs(
+                case.doc_lens, pair.hf_config.vocab_size, seed=case.seed, special=special_token_ids(pair.hf_config)
+            )
             with torch.no_grad():
                 expected = torch.cat([reloaded(input_ids=doc).logits for doc in inputs.documents()], dim=1)
                 got = archon.model(inputs.tokens, inputs.positions, inputs.cu_seqlens, inputs.max_seqlen)

@@ -34,7 +34,7 @@ from skill.harness.inputs import (
     PackedInputs,
     make_packed_inputs,
     next_token_loss,
-    untrained_token_ids,
+    special_token_ids,
 )
 from skill.harness.models import (
     ArchonModel,
@@ -141,9 +141,9 @@ def check_fp32(rec: StageRecorder, ref: Reference, got: Reference, inputs: Packe
 
 
 def parity_inputs(case: ModelCase, hf_config: PretrainedConfig) -> PackedInputs:
-    """The packed documents HF and Archon are compared on: the case's seeded tokens, less
-    the ids whose embedding row HF never trains (see ``untrained_token_ids``)."""
-    return make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
+    """The packed documents HF and Archon are compared on: the case's seeded tokens, with
+    the config's pad, bos and eos ids in every document (see ``special_token_ids``)."""
+    return make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, special=special_token_ids(hf_config))
 
 
 def _parity_fp32(rec: StageRecorder, case: ModelCase, tmp: Path) -> None:

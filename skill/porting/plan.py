@@ -250,10 +250,16 @@ class PortPlan(BaseModel):
         description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
         "empty for SwiGLU experts",
     )
+    nullable_fields: list[str] = Field(
+        default_factory=list, description="config fields HF accepts as None with another forward (the analysis')"
+    )
     tied: bool
     tying_field: str | None = Field(
         default="tie_word_embeddings",
         description="config field the tying follows; None: HF ties (or keeps its own head) whatever it says",
+    )
+    padding_idx_field: str | None = Field(
+        default=None, description="config field of the embedding row HF never trains (padding_idx), if any"
     )
     lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
     embedding_projection_field: str | None = Field(
@@ -474,8 +480,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         expert_activation_fields=dict(ffn.activation_fields)
         if moe is not None and ffn.activation == "clamped_swiglu"
         else {},
+        nullable_fields=list(report.checklist.nullable_fields),
         tied=sc.tie_word_embeddings,
         tying_field=sc.tying_field,
+        padding_idx_field=sc.padding_idx_field,
         lm_head_bias=sc.lm_head_bias,
         embedding_projection_field=sc.embedding_projection_field,
         moe_layer_types_field=next(

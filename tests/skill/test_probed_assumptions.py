@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig
@@ -88,9 +89,7 @@ def test_builtin_families_tie_as_their_config_says() -> None:
 def test_a_family_that_defines_no_tying_ports_with_its_own_head(tmp_path: Path) -> None:
     folder = untied_checkpoint(tmp_path / "untied")
     root = _workspace(tmp_path)
-    result = port_model(
-        PortModelRequest(source=str(folder), trust_remote_code=True, stages=[1, 2, 4], workspace=root)
-    )
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[1, 2, 4], workspace=root))
     failing = [f"{s.step}: {s.detail}" for s in result.steps if not s.ok]
     assert result.passed, f"{result.failed_step}: {result.error}\n" + "\n".join(failing)
     args = (root / "archon_models" / "untied" / "model" / "args.py").read_text()
@@ -99,3 +98,62 @@ def test_a_family_that_defines_no_tying_ports_with_its_own_head(tmp_path: Path) 
     names = [c.name for t in adapter_stage.tests for c in t.checks]
     assert "tie_word_embeddings=True: HF keeps its own LM head, and so does the port" in names
     assert not any(name.startswith("tied: ") for name in names)
+
+
+# ------------------------------------------------------------------ padding_idx
+
+
+def test_the_row_hf_never_trains_is_probed() -> None:
+    # LlamaModel: nn.Embedding(vocab_size, hidden_size, self.padding_idx = config.pad_token_id);
+    # BloomModel: nn.Embedding(vocab_size, embed_dim), every row trains.
+    assert analyze_hf_model(AnalyzeInput(source="llama")).checklist.scalars.padding_idx_field == "pad_token_id"
+    assert analyze_hf_model(AnalyzeInput(source="bloom")).checklist.scalars.padding_idx_field is None
+
+
+def test_the_port_freezes_the_pad_row_where_hf_does() -> None:
+    from skill.porting.plan import plan_for
+    from skill.porting.test_file import TEST_PAD_ID, test_file_source
+
+    plan = plan_for("llama")
+    assert plan.padding_idx_field == "pad_token_id"
+    # Llama's config leaves pad_token_id unset: the generated case sets one, so it is in the documents.
+    text = test_file_source("Llama", "llama", plan, "a decoder", unset_pad=True)
+    assert f'"pad_token_id": {TEST_PAD_ID}' in text
+    assert plan_for("bloom").padding_idx_field is None
+
+
+# ------------------------------------------------------------------ nullable config fields
+
+
+def test_nullable_fields_that_change_the_forward_are_found() -> None:
+    # Gemma2Config: final_logit_softcapping / attn_logit_softcapping: float | None; the forward
+    # caps only `if ... is not None`. MistralConfig.sliding_window: int | None (None: no window).
+    gemma2 = analyze_hf_model(AnalyzeInput(source="gemma2")).checklist.nullable_fields
+    assert {"final_logit_softcapping", "attn_logit_softcapping"} <= set(gemma2)
+    assert analyze_hf_model(AnalyzeInput(source="mistral")).checklist.nullable_fields == ["sliding_window"]
+    assert analyze_hf_model(AnalyzeInput(source="llama")).checklist.nullable_fields == []
+
+
+def test_each_nullable_field_gets_a_case_or_a_refusal() -> None:
+    from transformers import AutoConfig
+
+    from skill.porting.edit_args import arg_fields, check_supported_source, nullable_split
+    from skill.porting.plan import plan_for
+    from skill.porting.test_file import test_file_source
+
+    plan = plan_for("gemma2")
+    config = AutoConfig.for_model("gemma2")
+    mapped, refused = nullable_split(plan, arg_fields(plan, config))
+    assert set(mapped) == {"final_logit_softcapping", "attn_logit_softcapping"} and refused == []
+    text = test_file_source("Gemma2", "gemma2", plan, "a decoder", nullable=mapped)
+    assert 'name="gemma2-final_logit_softcapping-None"' in text
+
+    # A field the port does not map: from_hf_config refuses its None, naming it.
+    unmapped = plan.model_copy(update={"nullable_fields": [*plan.nullable_fields, "query_pre_attn_scalar"]})
+    _, refused = nullable_split(unmapped, arg_fields(unmapped, config))
+    assert refused == ["query_pre_attn_scalar"]
+    namespace: dict = {}
+    source = check_supported_source(unmapped, config, "Gemma2", refused_none=refused)
+    exec("from typing import Any\n" + source, namespace)
+    with pytest.raises(ValueError, match="query_pre_attn_scalar=None is not supported"):
+        namespace["_check_supported"](SimpleNamespace(**{**config.to_dict(), "query_pre_attn_scalar": None}))

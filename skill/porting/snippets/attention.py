@@ -97,11 +97,12 @@ class SlidingWindowAttention(nn.Module):
     Archon's shared attention wrappers have no window, so it lives in this package: the
     flash varlen kernel with its native window on CUDA (fp16/bf16); elsewhere SDPA with
     a banded causal mask, over the padded documents on CUDA, one document at a time on CPU.
+    A window of ``None`` (a config without one) sees the whole document, as HF does.
     """
 
-    def __init__(self, window: int):
+    def __init__(self, window: int | None):
         super().__init__()
-        if window < 1:
+        if window is not None and window < 1:
             raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
         self.window = window
 
@@ -144,7 +145,7 @@ class SlidingWindowAttention(nn.Module):
             max_seqlen,
             max_seqlen,
             scale=scale,
-            window_size=(self.window - 1, 0),  # flash's window excludes the query itself
+            window_size=(-1 if self.window is None else self.window - 1, 0),  # excludes the query itself
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(0, 1).unsqueeze(0)
@@ -153,7 +154,9 @@ class SlidingWindowAttention(nn.Module):
         """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
         index = torch.arange(q.shape[2], device=q.device)
         distance = index[:, None] - index[None, :]
-        mask = (distance >= 0) & (distance < self.window)
+        mask = distance >= 0
+        if self.window is not None:
+            mask = mask & (distance < self.window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
