@@ -1,6 +1,8 @@
 """Cached virtual environments next to this interpreter's packages: one holding a real
 AReaL (``.venv-areal/``), one holding the oldest transformers this project accepts
-(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family.
+(``.venv-tf53/``, no AReaL) and one holding the newest on the registry when this was last
+checked (``.venv-tf-newest/``, no AReaL), in each of which CI runs stages 1-4 of every
+committed family.
 
 AReaL's wheel pins ``torch<2.11`` and ``transformers<=5.3.0``; installing it with its
 dependencies would replace the CPU torch this project runs on. So the environment is
@@ -60,6 +62,11 @@ DEFAULT_VENV_DIR = ".venv-areal"
 # The oldest transformers pyproject.toml accepts (AReaL 1.0.4's newest allowed), and its venv.
 OLDEST_TRANSFORMERS = "5.3.0"
 DEFAULT_TF_VENV_DIR = ".venv-tf53"
+# The newest transformers on the registry (`pip index versions transformers`, 2026-12-04),
+# and its venv. Families only it knows are analysed and ported there (bench/analyze_all.py,
+# bench/port_all.py); move the pin when a newer one appears.
+NEWEST_TRANSFORMERS = "5.25.0"
+NEWEST_TF_VENV_DIR = ".venv-tf-newest"
 _STAMP = "archon-port-env.json"
 _BRIDGE_PTH = "_archon_port_parent_site.pth"
 
@@ -174,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         description="Create or reuse a cached venv: AReaL (default), or with --no-areal only a pinned "
-        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`); "
-        "prints its python."
+        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`, "
+        f"`{NEWEST_TF_VENV_DIR} --no-areal --transformers {NEWEST_TRANSFORMERS}`); prints its python."
     )
     parser.add_argument("venv", nargs="?", default=DEFAULT_VENV_DIR)
     parser.add_argument("--transformers", help="pin this transformers version in the venv")
