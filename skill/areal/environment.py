@@ -1,8 +1,10 @@
 """Cached virtual environments next to this interpreter's packages: one holding a real
 AReaL (``.venv-areal/``), one holding the oldest transformers this project accepts
-(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family, and one
-holding AReaL with the torch and transformers its own pins allow (``.venv-areal-torch210/``:
-torch 2.10.0, transformers 5.3.0), in which CI runs stages 1-4 and the AReaL tier.
+(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family, one
+holding the newest transformers on the registry when this was last checked
+(``.venv-tf-newest/``, no AReaL), and one holding AReaL with the torch and transformers its
+own pins allow (``.venv-areal-torch210/``: torch 2.10.0, transformers 5.3.0), in which CI runs
+stages 1-4 and the AReaL tier.
 
 AReaL's wheel pins ``torch<2.11`` and ``transformers<=5.3.0``; installing it with its
 dependencies would replace the CPU torch this project runs on. So the environment is
@@ -71,6 +73,11 @@ DEFAULT_AREAL_TORCH_VENV_DIR = ".venv-areal-torch210"
 # The oldest transformers pyproject.toml accepts (AReaL 1.0.4's newest allowed), and its venv.
 OLDEST_TRANSFORMERS = "5.3.0"
 DEFAULT_TF_VENV_DIR = ".venv-tf53"
+# The newest transformers on the registry (`pip index versions transformers`, 2026-12-04),
+# and its venv. Families only it knows are analysed and ported there (bench/analyze_all.py,
+# bench/port_all.py); move the pin when a newer one appears.
+NEWEST_TRANSFORMERS = "5.25.0"
+NEWEST_TF_VENV_DIR = ".venv-tf-newest"
 _STAMP = "archon-port-env.json"
 _BRIDGE_PTH = "_archon_port_parent_site.pth"
 
@@ -185,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         description="Create or reuse a cached venv: AReaL (default), or with --no-areal only a pinned "
-        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`), "
+        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`, "
+        f"`{NEWEST_TF_VENV_DIR} --no-areal --transformers {NEWEST_TRANSFORMERS}`), "
         f"or AReaL on its own pins (`{DEFAULT_AREAL_TORCH_VENV_DIR} --torch {AREAL_TORCH} "
         f"--transformers {OLDEST_TRANSFORMERS}`); prints its python."
     )

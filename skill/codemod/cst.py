@@ -663,6 +663,44 @@ def get_call_kwarg(source: str, func_name: str, kwarg: str) -> str | None:
     return found[0] if found else None
 
 
+def remove_call_kwarg(source: str, func_name: str, kwarg: str, *, target: str | None = None) -> str:
+    """Drop keyword ``kwarg`` from calls to ``func_name`` (only those assigned to ``target``
+    when given); the source unchanged when no such call has it."""
+
+    class _Edit(cst.CSTTransformer):
+        def __init__(self) -> None:
+            super().__init__()
+            self._inside: list[bool] = []
+
+        def visit_Assign(self, node: cst.Assign) -> None:
+            self._inside.append(target is None or any(_target_code(t.target) == target for t in node.targets))
+
+        def leave_Assign(self, original_node, updated_node):
+            self._inside.pop()
+            return updated_node
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            self._inside.append(target is None or _target_code(node.target) == target)
+
+        def leave_AnnAssign(self, original_node, updated_node):
+            self._inside.pop()
+            return updated_node
+
+        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+            outside = target is not None and not (self._inside and self._inside[-1])
+            if _call_name(updated_node) != func_name or outside:
+                return updated_node
+            kept = [a for a in updated_node.args if a.keyword is None or a.keyword.value != kwarg]
+            if len(kept) == len(updated_node.args):
+                return updated_node
+            if kept:
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return updated_node.with_changes(args=kept)
+
+    code = _parse(source).visit(_Edit()).code
+    return source if code == source else code
+
+
 def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *, target: str | None = None) -> str:
     """Set keyword ``kwarg`` to the expression ``value_source`` in calls to ``func_name``.
 

@@ -75,7 +75,7 @@ from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline
 from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
 from archon_models.utils import validate_cp_constraints, validate_ep_constraints, validate_tp_constraints
 from skill.harness.case import ModelCase
-from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
+from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss, special_token_ids
 from skill.harness.models import build_model_pair
 from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
 from skill.harness.truth import TRUTH_DTYPE, float64_default, judge, judge_dicts
@@ -882,7 +882,10 @@ def run_stage5(
             chosen = requested
         doc_lens = _padded_doc_lens(case.doc_lens, 2 * WORLD_SIZE)
         vocab = _model_args(model).vocab_size
-        batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + rank) for rank in range(WORLD_SIZE)]
+        special = special_token_ids(pair.hf_config)
+        batches = [
+            make_packed_inputs(doc_lens, vocab, seed=case.seed + rank, special=special) for rank in range(WORLD_SIZE)
+        ]
         spec = pair.archon.spec
         if parallelize_fn is not None:
             spec = dataclasses.replace(spec, parallelize_fn=parallelize_fn)

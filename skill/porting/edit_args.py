@@ -238,6 +238,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 operator.attrgetter(clip),
             )
         )
+    if profile.query_position_scale is not None:
+        # The constants of the queries' position scale (config paths, rope_parameters.<key>).
+        scale = profile.query_position_scale
+        fields += [
+            _config_path_arg("query_scale_beta", scale.beta_field, float, config),
+            _config_path_arg("query_scale_period", scale.period_field, int, config),
+        ]
     if profile.position_zero_row_field is not None:
         # The row of the sinusoidal table the checkpoint's code zeroes (XGLM: pad_token_id).
         zero = profile.position_zero_row_field
@@ -245,11 +252,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             ArgField(zero, "int | None", getattr(config, zero), f"hf_config.{zero}", operator.attrgetter(zero))
         )
     if profile.sliding_window:
+        # None (whole documents) where HF's config class allows it and means it.
+        nullable = "sliding_window" in profile.nullable_fields
         fields.append(
             ArgField(
                 "sliding_window",
-                "int",
-                int(config.sliding_window),
+                "int | None" if nullable else "int",
+                config.sliding_window if nullable else int(config.sliding_window),
                 "hf_config.sliding_window",
                 lambda c: c.sliding_window,
             )
@@ -270,7 +279,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ("attn_logit_softcapping", profile.attn_softcap),
         ("final_logit_softcapping", profile.final_softcap),
     ):
-        if wanted:
+        if wanted and name in profile.nullable_fields:
+            # None: no cap, as HF's forward reads it.
+            value = getattr(config, name)
+            default = None if value is None else float(value)
+            fields.append(ArgField(name, "float | None", default, f"hf_config.{name}", operator.attrgetter(name)))
+        elif wanted:
             fields.append(
                 ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
             )
@@ -348,13 +362,8 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     fields += [scalar_arg(profile, name, config) for name in profile.multipliers]
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
-        ArgField(
-            "enable_weight_tying",
-            "bool",
-            bool(getattr(config, "tie_word_embeddings", False)),
-            'bool(getattr(hf_config, "tie_word_embeddings", False))',
-            lambda c: bool(getattr(c, "tie_word_embeddings", False)),
-        ),
+        _tying_arg(profile, config),
+        *_padding_idx_args(profile, config),
         ArgField("is_critic", "bool", False, "is_critic", lambda c: False),
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
@@ -365,13 +374,16 @@ def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
     """The args fields the family's per-layer MoE rule reads (``plan.moe_layer_rule``)."""
     rule = plan.moe_layer_rule
     if rule == "first_k_dense":
+        # The config field counting the leading dense layers, as the analysis measured it
+        # (first_k_dense_replace, AFMoE's num_dense_layers).
+        dense = plan.moe_layer_fields[0] if plan.moe_layer_fields else "first_k_dense_replace"
         return [
             ArgField(
                 "first_k_dense_replace",
                 "int",
-                int(config.first_k_dense_replace or 0),
-                "hf_config.first_k_dense_replace or 0",
-                lambda c: c.first_k_dense_replace or 0,
+                int(getattr(config, dense) or 0),
+                f"hf_config.{dense} or 0",
+                lambda c: getattr(c, dense) or 0,
             )
         ]
     if rule == "layer_types":
@@ -437,6 +449,59 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         )
         for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
     ]
+
+
+def _padding_idx_args(profile: PortPlan, config: Any) -> list[ArgField]:
+    """``pad_id``: the embedding row HF gives no gradient (its ``padding_idx``), read from the
+    field the analysis probed (``pad_token_id``); none where HF trains every row."""
+    field = profile.padding_idx_field
+    if field is None:
+        return []
+
+    def pad(c: Any) -> int | None:
+        value = getattr(c, field, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return [ArgField("pad_id", "int | None", pad(config), f'getattr(hf_config, "{field}", None)', pad)]
+
+
+def _tying_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``enable_weight_tying``: the config field HF's tying follows, or, where HF ties (or
+    keeps its own head) whatever the config says, what it does (the analysis probes both)."""
+    field = profile.tying_field
+    if field is None:
+        return ArgField("enable_weight_tying", "bool", profile.tied, repr(profile.tied), lambda c: profile.tied)
+    return ArgField(
+        "enable_weight_tying",
+        "bool",
+        bool(getattr(config, field, False)),
+        f'bool(getattr(hf_config, "{field}", False))',
+        lambda c: bool(getattr(c, field, False)),
+    )
+
+
+def _config_path_arg(name: str, path: str, cast: type[int] | type[float], config: Any) -> ArgField:
+    """An args field read from a config path (a field or ``rope_parameters.<key>``)."""
+
+    def expected(c: Any) -> int | float:
+        return cast(config_path_value(c, path))
+
+    kind = cast.__name__
+    return ArgField(name, kind, expected(config), f"{kind}({config_path_expression(path)})", expected)
+
+
+def config_path_value(config: Any, path: str) -> Any:
+    """A config value by the analysis' path: a field, or ``rope_parameters.<key>``."""
+    if path.startswith("rope_parameters."):
+        return (getattr(config, "rope_parameters", None) or {}).get(path.split(".", 1)[1])
+    return getattr(config, path)
+
+
+def config_path_expression(path: str) -> str:
+    """The generated ``from_hf_config`` expression reading ``path`` off ``hf_config``."""
+    if path.startswith("rope_parameters."):
+        return f'hf_config.rope_parameters["{path.split(".", 1)[1]}"]'
+    return f"hf_config.{path}"
 
 
 def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
@@ -565,15 +630,47 @@ if router_dtype is not None:
 """
 
 
-def check_supported_source(profile: PortPlan, config: Any, camel: str, read: str = "") -> str:
+def nullable_split(profile: PortPlan, fields: list[ArgField] | None) -> tuple[list[str], list[str]]:
+    """The analysis' nullable fields (HF's forward treats their ``None`` apart): those the
+    args map with ``None`` kept (a generated stage case proves each), and those they do not
+    (``_check_supported`` refuses ``None``, naming the field). ``fields`` is ``None`` for a
+    reference's own mapping (deepseek_v3), which reads what it reproduces: every one is a case."""
+    if fields is None:
+        return list(profile.nullable_fields), []
+    mapped = [
+        name
+        for name in profile.nullable_fields
+        if any("None" in f.annotation and re.search(rf'(hf_config\.{name}\b|"{name}")', f.expression) for f in fields)
+    ]
+    return mapped, [name for name in profile.nullable_fields if name not in mapped]
+
+
+def nullable_cases(profile: PortPlan, config: Any) -> list[str]:
+    """The nullable fields a generated stage case sets to ``None`` (see :func:`nullable_split`)."""
+    fields = arg_fields(profile, config) if profile.reference in EDITABLE_REFERENCES else None
+    return nullable_split(profile, fields)[0]
+
+
+def check_supported_source(
+    profile: PortPlan, config: Any, camel: str, read: str = "", refused_none: list[str] | None = None
+) -> str:
     """``_check_supported``: refuse configs whose math the port does not reproduce.
 
     ``read``: the code of ``from_hf_config``'s field expressions; a forward switch it reads
-    is mapped, not pinned."""
+    is mapped, not pinned. ``refused_none``: fields whose ``None`` HF's forward treats apart
+    and the port does not map (see :func:`nullable_split`)."""
     lines = [
         "def _check_supported(hf_config: Any) -> None:",
         '    """Refuse configs whose math this implementation does not reproduce."""',
     ]
+    for name in refused_none or []:
+        lines += [
+            f'    if getattr(hf_config, "{name}", 0) is None:',
+            "        raise ValueError(",
+            f'            "{name}=None is not supported by {camel} in Archon: HF\'s forward treats it apart "',
+            '            "from every value this port maps."',
+            "        )",
+        ]
     act_field = profile.activation_field
     if act_field is not None:
         # The table's name and the checkpoint's own spelling of the same function (gelu_new).
@@ -977,7 +1074,13 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     text = upsert_function(
         text,
         "_check_supported",
-        check_supported_source(profile, config, camel, read=" ".join(f.expression for f in fields)),
+        check_supported_source(
+            profile,
+            config,
+            camel,
+            read=" ".join(f.expression for f in fields),
+            refused_none=nullable_split(profile, fields)[1],
+        ),
         before_class=layout.args_class,
     )
     if profile.partial_rotary:

@@ -38,6 +38,7 @@ from skill.codemod.cst import (
     insert_after_statement_assigning,
     insert_before_class,
     prune_unused_imports,
+    remove_call_kwarg,
     remove_class,
     remove_from_all,
     remove_function,
@@ -391,12 +392,21 @@ def _transform_logits(text: str, ctx: EditContext, statements: str) -> str:
 
 
 def _final_softcap(text: str, ctx: EditContext) -> str:
+    if "final_logit_softcapping" not in ctx.profile.nullable_fields:
+        return _transform_logits(
+            text,
+            ctx,
+            "# The LM head's logits are soft-capped: cap * tanh(logits / cap).\n"
+            "cap = self.model_args.final_logit_softcapping\n"
+            "logits = torch.tanh(logits / cap) * cap\n",
+        )
     return _transform_logits(
         text,
         ctx,
-        "# The LM head's logits are soft-capped: cap * tanh(logits / cap).\n"
+        "# The LM head's logits are soft-capped: cap * tanh(logits / cap); no cap when it is None.\n"
         "cap = self.model_args.final_logit_softcapping\n"
-        "logits = torch.tanh(logits / cap) * cap\n",
+        "if cap is not None:\n"
+        "    logits = torch.tanh(logits / cap) * cap\n",
     )
 
 
@@ -657,6 +667,10 @@ else:
 """
 
 
+# The references' embedding leaves the pad_token_id row untrained, as HF's does.
+PADDING_IDX = "padding_idx=model_args.pad_id"
+
+
 def _embedding_projection(text: str, ctx: EditContext) -> str:
     """Token embeddings (and the LM head) of the config's embedding width: where it differs
     from ``dim``, ``project_in`` maps the embeddings up before the positions are added and
@@ -666,12 +680,13 @@ def _embedding_projection(text: str, ctx: EditContext) -> str:
         return text
     width = f"model_args.{ctx.profile.embedding_projection_field}"
     head_bias = "True" if ctx.profile.lm_head_bias else "False"
+    padding = f", {PADDING_IDX}" if ctx.profile.padding_idx_field is not None else ""
     text = replace_statement_assigning(
         text,
         ctx.model_class,
         "__init__",
         "self.tok_embeddings",
-        f"self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, {width})\n",
+        f"self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, {width}{padding})\n",
     )
     text = insert_after_statement_assigning(
         text,
@@ -863,6 +878,31 @@ def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
     )
 
 
+def _query_position_scale(text: str, ctx: EditContext) -> str:
+    """Queries scaled by their position after RoPE (``query_position_scale``), with the
+    constants the config sets (``query_scale_beta``, ``query_scale_period``)."""
+    if "self.query_scale_beta =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "query_position_scale"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# Queries past query_scale_period positions are sharpened (long-context temperature).\n"
+        "self.query_scale_beta = model_args.query_scale_beta\n"
+        "self.query_scale_period = model_args.query_scale_period\n",
+    )
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        ROPE_CALL,
+        f"{ROPE_CALL}\n"
+        "xq = xq * query_position_scale(positions, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n",
+    )
+
+
 def _nope_layers(text: str, ctx: EditContext) -> str:
     """RoPE left out on the layers ``model_args.nope_layers`` names (read from the config)."""
     if "self.use_rope = use_rope" in text:
@@ -1036,6 +1076,13 @@ def _mlp_bias(text: str, ctx: EditContext) -> str:
 # --- block and model scalars ------------------------------------------------------------
 
 EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
+
+
+def _trained_pad_row(text: str, ctx: EditContext) -> str:
+    """The token embedding without ``padding_idx``: the family's HF embedding trains every
+    row it looks up (the references freeze the ``pad_token_id`` row, as HF's Qwen and
+    DeepSeek embeddings do)."""
+    return remove_call_kwarg(text, "nn.Embedding", "padding_idx", target="self.tok_embeddings")
 
 
 def _embedding_sqrt_dim(text: str, ctx: EditContext) -> str:
@@ -1494,6 +1541,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _qk_norm_after_rope,
     ),
     ModelEdit(
+        "query_position_scale",
+        "queries scaled by their absolute position after RoPE",
+        lambda p: p.query_position_scale is not None,
+        _query_position_scale,
+    ),
+    ModelEdit(
         "nope_layers",
         "RoPE left out on the layers the config names",
         lambda p: p.nope_field is not None or p.nope_layer_type is not None,
@@ -1629,6 +1682,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.mlp_bias and not p.all_layers_moe,
         _mlp_bias,
         needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
+        "trained_pad_row",
+        "every embedding row trains (no padding_idx)",
+        lambda p: p.padding_idx_field is None,
+        _trained_pad_row,
+        needed=lambda text: PADDING_IDX in text,
     ),
     ModelEdit(
         "embedding_sqrt_dim",
@@ -1783,6 +1843,8 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("RoPE parameters per layer type")
     if profile.nope_field or profile.nope_layer_type:
         extras.append("no RoPE on the ``nope_layers``")
+    if profile.query_position_scale is not None:
+        extras.append("queries scaled by their position in long contexts")
     if profile.moe:
         extras.append(
             "mixture-of-experts MLPs"

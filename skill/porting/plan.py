@@ -34,6 +34,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    QueryPositionScale,
     RotaryDirection,
     RotaryStyle,
     RouterScoring,
@@ -129,6 +130,9 @@ class PortPlan(BaseModel):
         default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
     )
     clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
+    query_position_scale: QueryPositionScale | None = Field(
+        default=None, description="queries scaled by their absolute position, and the config paths of its constants"
+    )
     clip_after_qk_norm: bool = Field(
         default=False, description="q and k are clamped after the QK norm (OLMoE), not as they leave wq/wk"
     )
@@ -257,7 +261,17 @@ class PortPlan(BaseModel):
         description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
         "empty for SwiGLU experts",
     )
+    nullable_fields: list[str] = Field(
+        default_factory=list, description="config fields HF accepts as None with another forward (the analysis')"
+    )
     tied: bool
+    tying_field: str | None = Field(
+        default="tie_word_embeddings",
+        description="config field the tying follows; None: HF ties (or keeps its own head) whatever it says",
+    )
+    padding_idx_field: str | None = Field(
+        default=None, description="config field of the embedding row HF never trains (padding_idx), if any"
+    )
     lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
     embedding_projection_field: str | None = Field(
         default=None,
@@ -410,6 +424,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         clip_qkv_field=att.clip_qkv_field,
+        query_position_scale=att.query_position_scale,
         clip_after_qk_norm=bool(att.clip_qkv_after_qk_norm) and att.qk_norm is not QKNormKind.NONE,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
@@ -496,7 +511,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         expert_activation_fields=dict(ffn.activation_fields)
         if moe is not None and ffn.activation == "clamped_swiglu"
         else {},
+        nullable_fields=list(report.checklist.nullable_fields),
         tied=sc.tie_word_embeddings,
+        tying_field=sc.tying_field,
+        padding_idx_field=sc.padding_idx_field,
         lm_head_bias=sc.lm_head_bias,
         embedding_projection_field=sc.embedding_projection_field,
         moe_layer_types_field=next(

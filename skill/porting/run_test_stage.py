@@ -15,6 +15,7 @@ import skill
 from skill.codemod import StagedTree
 from skill.porting.child_process import run_python_module, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
+from skill.porting.edit_args import nullable_cases
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
 from skill.porting.overrides import ConfigOverrides, ModelTypeName
@@ -141,13 +142,24 @@ def ensure_test_file(
     if source is None:
         _require_known_model_type(model_type)
     profile = plan_for(source or model_type, trust_remote_code)
+    config = load_config(source or model_type, trust_remote_code)
     rope_parameters = None
     if profile.rope_type != "default":
-        config = load_config(source or model_type, trust_remote_code)
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
+    # The config leaves the row HF never trains unset: the tests set one (see test_file_source).
+    unset_pad = profile.padding_idx_field is not None and getattr(config, profile.padding_idx_field, None) is None
     summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
     remote_source = str(Path(source).resolve()) if trust_remote_code and source else None
-    text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters, remote_source)
+    text = test_file_source(
+        layout.names.camel,
+        model_type,
+        profile,
+        summary,
+        rope_parameters,
+        remote_source,
+        unset_pad=unset_pad,
+        nullable=nullable_cases(profile, config),
+    )
     from skill.porting.provenance import header_lines, stamp
 
     pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
