@@ -26,9 +26,11 @@ import textwrap
 
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     prune_unused_imports,
     remove_statements,
     replace_in_function,
+    replace_text,
 )
 from skill.porting.plan import PortPlan
 
@@ -160,7 +162,7 @@ def _switch_check(plan: PortPlan) -> str:
     )
 
 
-def router_args(text: str, plan: PortPlan, camel: str) -> str:
+def router_args(text: Document, plan: PortPlan, camel: str) -> Document:
     """The copied deepseek_v3 args' ``_moe_args`` routing as the family's (see the module doc)."""
     if not plan.moe or not differs_from_reference(plan):
         return text
@@ -192,7 +194,7 @@ def router_args(text: str, plan: PortPlan, camel: str) -> str:
     if plan.route_norm_fixed is not None and _UNREAD_FIELDS not in text:
         if _REQUIRED_MOE_LINE not in text:
             raise CodemodError("the copied args do not hold the reference's _REQUIRED_MOE_HF_FIELDS.")
-        text = text.replace(_REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
+        text = replace_text(text, _REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
     if plan.score_correction_key is None:
         # No score-correction bias: no expert_bias buffer, so no load-balancing speed.
         text = remove_statements(text, lambda code: "_BIAS_UPDATE_SPEED = " in code)
@@ -213,11 +215,11 @@ _ADAPTER_BIAS_TEXT = (
 _ADAPTER_NO_BIAS_TEXT = "-> ``kv_norm``, ...). Published checkpoints may also hold"
 
 
-def no_correction_bias_adapter(text: str) -> str:
+def no_correction_bias_adapter(text: Document) -> Document:
     """The deepseek_v3 adapter's docstring without the score-correction bias (the map entry
     goes with :func:`is_correction_bias_entry`)."""
     if _ADAPTER_BIAS_TEXT in text:
-        return text.replace(_ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
+        return replace_text(text, _ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
     if _ADAPTER_NO_BIAS_TEXT in text:
         return text
     raise CodemodError("the copied adapter does not name the reference's score-correction bias.")
