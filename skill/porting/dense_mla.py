@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     class_field_names,
     prune_unused_imports,
     remove_function,
     remove_method,
     remove_statements,
     replace_in_function,
+    replace_text,
     set_class_fields,
 )
 from skill.porting.mla_router import BALANCING_KWARGS_DOC, REFERENCE_CALL
@@ -41,19 +43,19 @@ _ARGS_TEXT = (
 _ARGS_CLASS_FIELDS = ("moe_inter_dim", "moe_args", "first_k_dense_replace")
 
 
-def _replace_once(text: str, old: str, new: str, where: str) -> str:
+def _replace_once(text: Document, old: str, new: str, where: str) -> Document:
     if old not in text:
         if new and new in text:
             return text  # applied
         if not new:
             return text
         raise CodemodError(f"the copied {where} does not hold the reference's text {old.strip()[:60]!r}.")
-    if text.count(old) != 1:
+    if text.code.count(old) != 1:
         raise CodemodError(f"the copied {where} holds {old.strip()[:60]!r} more than once.")
-    return text.replace(old, new)
+    return replace_text(text, old, new)
 
 
-def dense_args(text: str, args_class: str) -> str:
+def dense_args(text: Document, args_class: str) -> Document:
     """The deepseek_v3 args without MoE: no MoEArgs, expert widths, layer rule or helpers."""
     for old, new in _ARGS_TEXT:
         text = _replace_once(text, old, new, "args")
@@ -96,7 +98,7 @@ def dense_args(text: str, args_class: str) -> str:
     return prune_unused_imports(text)
 
 
-def remove_statements_in_class(text: str, class_name: str, field: str) -> str:
+def remove_statements_in_class(text: Document, class_name: str, field: str) -> Document:
     """Drop the annotated field ``field`` of ``class_name`` (a no-op when absent)."""
     if field not in class_field_names(text, class_name):
         return text
@@ -183,7 +185,7 @@ _EXPERT_ID_CHECK = (
 )
 
 
-def dense_adapter(text: str, adapter_class: str) -> str:
+def dense_adapter(text: Document, adapter_class: str) -> Document:
     """The deepseek_v3 adapter without expert stacking: every key maps one to one."""
     for old, new in _ADAPTER_TEXT:
         text = _replace_once(text, old, new, "adapter")
@@ -205,10 +207,10 @@ def dense_adapter(text: str, adapter_class: str) -> str:
     for method in ("_split_experts", "_stack_experts"):
         if f"def {method}(" in text:
             text = remove_method(text, adapter_class, method)
-    text = text.replace(
-        "    # -- MoE experts -------------------------------------------------------------------\n\n", ""
+    text = replace_text(
+        text, "    # -- MoE experts -------------------------------------------------------------------\n\n", ""
     )
-    text = text.replace("        # What to_hf of expert-sharded DTensors records for the matching from_hf.\n", "")
+    text = replace_text(text, "        # What to_hf of expert-sharded DTensors records for the matching from_hf.\n", "")
     return prune_unused_imports(text)
 
 

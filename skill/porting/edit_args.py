@@ -20,12 +20,14 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     class_field_names,
     remove_function,
     remove_method,
     remove_statements,
     replace_function,
     replace_in_function,
+    replace_text,
     set_call_kwarg,
     set_class_fields,
     set_docstring,
@@ -1058,21 +1060,22 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     if profile.reference not in EDITABLE_REFERENCES:
         return _reference_mapping_args(tree, layout, text, profile, config, request)
     fields = arg_fields(profile, config)
+    doc = Document(text)
     spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
-    stale = [n for n in class_field_names(text, layout.args_class) if n not in spec]
-    text = set_class_fields(text, layout.args_class, spec, remove=stale)
-    text = set_docstring(
-        text,
+    stale = [n for n in class_field_names(doc, layout.args_class) if n not in spec]
+    doc = set_class_fields(doc, layout.args_class, spec, remove=stale)
+    doc = set_docstring(
+        doc,
         layout.args_class,
         f"{camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``.",
     )
-    text = set_docstring(
-        text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``."
+    doc = set_docstring(
+        doc, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``."
     )
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
-    text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
-    text = upsert_function(
-        text,
+    doc = set_module_assign(doc, "_REQUIRED_HF_FIELDS", f"({required}\n)")
+    doc = upsert_function(
+        doc,
         "_check_supported",
         check_supported_source(
             profile,
@@ -1085,17 +1088,16 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     )
     if profile.partial_rotary:
         helper = snippet("args", "_partial_rotary_factor")
-        text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
+        doc = upsert_function(doc, "_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.per_layer_rope:
         helper_source = snippet("args", "_layer_rope_parameters")
-        text = upsert_function(text, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
+        doc = upsert_function(doc, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
     if profile.rope_type != "default":
         helper = "_layer_rope_freq_scaling" if profile.per_layer_rope else "_rope_freq_scaling"
-        text = upsert_function(text, helper, snippet("args", helper), before_class=layout.args_class)
-        if "\nfrom dataclasses import dataclass\n" in text:
-            text = text.replace("\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
-    text = replace_function(
-        text,
+        doc = upsert_function(doc, helper, snippet("args", helper), before_class=layout.args_class)
+        doc = replace_text(doc, "\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
+    doc = replace_function(
+        doc,
         layout.args_class,
         "from_hf_config",
         from_hf_config_source(
@@ -1114,8 +1116,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     )
     if profile.sliding_window or profile.attn_softcap or profile.attn_sinks:
         # The package's own attention kernel serves every attn_type AReaL's engine passes.
-        text = replace_in_function(
-            text,
+        doc = replace_in_function(
+            doc,
             layout.args_class,
             "__post_init__",
             'if self.attn_type not in ("varlen", "sdpa"):\n'
@@ -1124,21 +1126,21 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         )
     if profile.moe and not profile.all_layers_moe and profile.moe_layer_rule != "sparse_step":
         # The family's own per-layer rule replaces the reference's decoder_sparse_step rule.
-        text = replace_function(
-            text,
+        doc = replace_function(
+            doc,
             layout.args_class,
             "is_moe_layer",
             snippet_method("moe_layers", MOE_LAYER_RULES[profile.moe_layer_rule], "is_moe_layer"),
         )
-        text = _drop_sparse_step_check(text, layout.args_class)
+        doc = _drop_sparse_step_check(doc, layout.args_class)
     if profile.all_layers_moe:
         # Every layer routes to experts: the per-layer rule and its check go.
-        text = remove_method(text, layout.args_class, "is_moe_layer")
-        text = _drop_sparse_step_check(text, layout.args_class)
+        doc = remove_method(doc, layout.args_class, "is_moe_layer")
+        doc = _drop_sparse_step_check(doc, layout.args_class)
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
-    text = remove_function(text, "_num_experts")
-    text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
-    checks = verify_args_source(text, layout.args_class, fields, request.source, request.trust_remote_code)
+    doc = remove_function(doc, "_num_experts")
+    doc = remove_statements(doc, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
+    checks = verify_args_source(doc.code, layout.args_class, fields, request.source, request.trust_remote_code)
     failed = [c for c in checks if not c.passed]
     if failed:
         detail = "; ".join(
@@ -1146,7 +1148,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         )
         raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
     changed: list[str] = []
-    write_if_changed(tree, layout.args, text, changed)
+    write_if_changed(tree, layout.args, doc.code, changed)
     skipped = list(profile.unsupported) if request.allow_unsupported else []
     return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
@@ -1194,7 +1196,7 @@ def scalar_arg(profile: PortPlan, name: str, config: Any) -> ArgField:
     )
 
 
-def mla_scalar_fields(text: str, args_class: str, profile: PortPlan, config: Any) -> str:
+def mla_scalar_fields(text: Document, args_class: str, profile: PortPlan, config: Any) -> Document:
     """The scalar factors' args fields on a copied deepseek_v3 args module (its mapping is
     kept, so each factor adds one dataclass field and one keyword of the ``cls(...)`` call)."""
     fields = [scalar_arg(profile, name, config) for name in profile.multipliers]
@@ -1207,7 +1209,7 @@ def mla_scalar_fields(text: str, args_class: str, profile: PortPlan, config: Any
     return text
 
 
-def _drop_sparse_step_check(text: str, args_class: str) -> str:
+def _drop_sparse_step_check(text: Document, args_class: str) -> Document:
     """Remove the reference's ``decoder_sparse_step`` check (the family has no such field)."""
     return replace_in_function(
         text,
@@ -1313,12 +1315,12 @@ _LEADING_DENSE_RULE = (
 )
 
 
-def _moe_layers_by_type(text: str, field_name: str) -> str:
+def _moe_layers_by_type(text: Document, field_name: str) -> Document:
     """The reference's leading-dense rule replaced by the family's per-layer list of MLP kinds."""
     for old, new in _LEADING_DENSE_RULE:
-        if text.count(old) != 1:
+        if text.code.count(old) != 1:
             raise CodemodError(f"the copied args do not hold the reference's MoE layer rule ({old.strip()!r}).")
-        text = text.replace(old, new.format(field=field_name))
+        text = replace_text(text, old, new.format(field=field_name))
     return text
 
 
@@ -1338,32 +1340,33 @@ def _reference_mapping_args(
     class defaults, read through that mapping; each field is then checked against the
     mapping on the default and on the tiny config.
     """
+    doc = Document(text)
     if profile.moe_layer_types_field is not None:
-        text = _moe_layers_by_type(text, profile.moe_layer_types_field)
+        doc = _moe_layers_by_type(doc, profile.moe_layer_types_field)
     if not profile.moe:
         # A dense family keeps none of the reference's MoE machinery.
-        text = dense_args(text, layout.args_class)
-    text = router_args(text, profile, layout.names.camel)
-    text = mla_scalar_fields(text, layout.args_class, profile, config)
+        doc = dense_args(doc, layout.args_class)
+    doc = router_args(doc, profile, layout.names.camel)
+    doc = mla_scalar_fields(doc, layout.args_class, profile, config)
     if profile.rotary_style_field is None:
         # The config has no switch of the rotation's pairing: the measured one is fixed.
         interleaved = "True" if profile.rotary_interleaved else "False"
-        text = set_call_kwarg(text, "cls", "rope_interleave", interleaved)
-    args_class = _exec_args_class(text, layout.args_class)
-    missing = _missing_moe_fields(text, layout.args_class, config)
+        doc = set_call_kwarg(doc, "cls", "rope_interleave", interleaved)
+    args_class = _exec_args_class(doc.code, layout.args_class)
+    missing = _missing_moe_fields(doc.code, layout.args_class, config)
     defaults = args_class.from_hf_config(_moe_fields_filled(config, missing))
-    own_fields = class_field_names(text, layout.args_class)
+    own_fields = class_field_names(doc, layout.args_class)
     spec: dict[str, str] = {}
     for f in dataclasses.fields(args_class):
         value = getattr(defaults, f.name)
         if f.name in CALLER_ARGS or not _literal_default(value) or f.name not in own_fields:
             continue
         spec[f.name] = f"{f.type} = {_literal(value)}"
-    text = set_class_fields(text, layout.args_class, spec)
+    doc = set_class_fields(doc, layout.args_class, spec)
     _, _, rest = (args_class.__doc__ or "").partition("\n")
-    doc = f"{layout.names.camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``."
-    text = set_docstring(text, layout.args_class, doc + ("\n" + rest if rest.strip() else ""))
-    written = _exec_args_class(text, layout.args_class)
+    summary = f"{layout.names.camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``."
+    doc = set_docstring(doc, layout.args_class, summary + ("\n" + rest if rest.strip() else ""))
+    written = _exec_args_class(doc.code, layout.args_class)
     checks: list[FieldCheck] = []
     # The config class's defaults lack an MoE field from_hf_config requires (DeepseekV2Config
     # leaves num_experts_per_tok unset): it refuses them, and stage 1 proves that it does.
@@ -1385,5 +1388,5 @@ def _reference_mapping_args(
         detail = "; ".join(f"{c.field} ({c.config}): expected {c.expected!r}, got {c.actual!r}" for c in failed)
         raise ValueError(f"the {profile.reference} args mapping does not fit {profile.config_class}: {detail}.")
     changed: list[str] = []
-    write_if_changed(tree, layout.args, text, changed)
+    write_if_changed(tree, layout.args, doc.code, changed)
     return EditArgsResult(fields=spec, checks=checks, skipped_features=[], changed_files=changed)

@@ -10,6 +10,7 @@ from pydantic import Field
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
+from skill.codemod.cst import Document
 from skill.porting.common import (
     HAND_EDIT_MARKER,
     PackageLayout,
@@ -20,7 +21,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, apply_model_edits, select_edits
+from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_document, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def edit_model(request: EditModelRequest) -> EditModelResult:
         return apply_edit_model(tree, request)
 
 
-def mark_hand_edits(text: str, features: list[str], model_class: str) -> str:
+def mark_hand_edits(text: Document, features: list[str], model_class: str) -> Document:
     """A marker comment per unsupported feature, at the place its hand edit goes."""
     for feature in features:
         name = feature.removeprefix("unsupported: ")
@@ -129,11 +130,11 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
         )
     names = request.edits if request.edits is not None else select_edits(plan, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)
-    new_text = apply_model_edits(text, ctx, names)
+    edited = edit_document(Document(text), ctx, names)
     skipped = list(plan.unsupported) if request.allow_unsupported else []
     if skipped:
-        new_text = mark_hand_edits(new_text, skipped, layout.model_class)
+        edited = mark_hand_edits(edited, skipped, layout.model_class)
     changed: list[str] = []
-    write_if_changed(tree, layout.model, new_text, changed)
+    write_if_changed(tree, layout.model, edited.code, changed)
     logger.info("model edits for %s: %s", layout.names.package, ", ".join(names) or "none")
     return EditModelResult(edits=names, skipped_features=skipped, changed_files=changed)

@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import textwrap
 
-from skill.codemod.cst import CodemodError, prune_unused_imports, replace_in_function
+from skill.codemod.cst import (
+    CodemodError,
+    Document,
+    prune_unused_imports,
+    replace_in_function,
+    replace_text,
+)
 from skill.porting.plan import PortPlan
 
 # The reference's group count and MoEArgs construction, as _moe_args holds them.
@@ -83,10 +89,10 @@ _UNREAD_FIELDS = (
 )
 
 
-def _swap(text: str, reference: str, new: str, what: str) -> str:
+def _swap(text: Document, reference: str, new: str, what: str) -> Document:
     """``text`` with the reference's ``reference`` replaced by ``new`` (already replaced: unchanged)."""
     if reference in text:
-        return text.replace(reference, new, 1)
+        return replace_text(text, reference, new, 1)
     if new in text:
         return text
     raise CodemodError(f"the copied args do not hold the reference's {what}: the deepseek_v3 reference changed.")
@@ -188,7 +194,7 @@ def _switch_check(plan: PortPlan) -> str:
     )
 
 
-def router_args(text: str, plan: PortPlan, camel: str) -> str:
+def router_args(text: Document, plan: PortPlan, camel: str) -> Document:
     """The copied deepseek_v3 args' ``_moe_args`` routing as the family's (see the module doc)."""
     if not plan.moe or not differs_from_reference(plan):
         return text
@@ -220,7 +226,7 @@ def router_args(text: str, plan: PortPlan, camel: str) -> str:
     if plan.route_norm_fixed is not None and _UNREAD_FIELDS not in text:
         if _REQUIRED_MOE_LINE not in text:
             raise CodemodError("the copied args do not hold the reference's _REQUIRED_MOE_HF_FIELDS.")
-        text = text.replace(_REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
+        text = replace_text(text, _REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
     if plan.score_correction_key is None:
         # No score-correction bias: nothing to balance, so no opt-in for it.
         text = _swap(text, _REFERENCE_SIGNATURE, _NO_BALANCING_SIGNATURE, "_moe_args' signature")
@@ -243,11 +249,11 @@ _ADAPTER_BIAS_TEXT = (
 _ADAPTER_NO_BIAS_TEXT = "-> ``kv_norm``, ...). Published checkpoints may also hold"
 
 
-def no_correction_bias_adapter(text: str) -> str:
+def no_correction_bias_adapter(text: Document) -> Document:
     """The deepseek_v3 adapter's docstring without the score-correction bias (the map entry
     goes with :func:`is_correction_bias_entry`)."""
     if _ADAPTER_BIAS_TEXT in text:
-        return text.replace(_ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
+        return replace_text(text, _ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
     if _ADAPTER_NO_BIAS_TEXT in text:
         return text
     raise CodemodError("the copied adapter does not name the reference's score-correction bias.")

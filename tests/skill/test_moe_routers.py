@@ -21,6 +21,7 @@ from archon_models.moe.router import TokenChoiceTopKRouter
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.analysis.detect import moe_layer_rule
 from skill.analysis.modules import layer_has_experts
+from skill.codemod.cst import Document
 from skill.features import Feature, MoEFeatures, feature_values, is_supported
 from skill.porting.edit_args import BALANCING_KWARG, router_setup
 from skill.porting.plan import plan_from_report
@@ -449,10 +450,10 @@ def _glm4_moe_adapter_with_unit_axes(transposed: list[str]) -> type:
 
     layout = PackageLayout.for_name("glm4_moe")
     text = (Path(__file__).parents[2] / "archon_models/glm4_moe/model/state_dict_adapter.py").read_text()
-    text = apply_transposed_adapter(text, layout, transposed)
+    transposed_adapter = apply_transposed_adapter(Document(text), layout, transposed)
     keys = {"model.layers.{}.mlp.gate.e_score_correction_bias": 1}
-    edited = apply_unit_axes_adapter(text, layout, keys)
-    assert apply_unit_axes_adapter(edited, layout, keys) == edited  # idempotent
+    edited = apply_unit_axes_adapter(transposed_adapter, layout, keys).code
+    assert apply_unit_axes_adapter(Document(edited), layout, keys).code == edited  # idempotent
     name = "_unit_axes_adapter"
     module = types.ModuleType(name)
     sys.modules[name] = module
