@@ -632,17 +632,37 @@ if router_dtype is not None:
 """
 
 
-def nullable_split(profile: PortPlan, fields: list[ArgField] | None) -> tuple[list[str], list[str]]:
-    """The analysis' nullable fields (HF's forward treats their ``None`` apart): those the
-    args map with ``None`` kept (a generated stage case proves each), and those they do not
-    (``_check_supported`` refuses ``None``, naming the field). ``fields`` is ``None`` for a
-    reference's own mapping (deepseek_v3), which reads what it reproduces: every one is a case."""
+def nullable_split(
+    profile: PortPlan, fields: list[ArgField] | None, config: Any = None
+) -> tuple[list[str], list[str]]:
+    """The analysis' nullable fields (HF's forward treats their ``None`` apart from the
+    config's value): those the args map (a generated stage case with ``None`` proves each),
+    and those they do not (``_check_supported`` refuses ``None``, naming the field).
+
+    A field is mapped when an args field keeps its ``None`` (an optional annotation reading
+    it), or when the args field of that name computes a value from a config holding ``None``
+    (``head_dim``: ``hidden_size // num_attention_heads``, as HF derives it). ``fields`` is
+    ``None`` for a reference's own mapping (deepseek_v3), which reads what it reproduces:
+    every one is a case."""
     if fields is None:
         return list(profile.nullable_fields), []
+
+    def derives(name: str) -> bool:
+        field = next((f for f in fields if f.name == name), None)
+        if field is None or config is None:
+            return False
+        without = copy.deepcopy(config)
+        setattr(without, name, None)
+        try:
+            return field.expected(without) is not None
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            return False
+
     mapped = [
         name
         for name in profile.nullable_fields
         if any("None" in f.annotation and re.search(rf'(hf_config\.{name}\b|"{name}")', f.expression) for f in fields)
+        or derives(name)
     ]
     return mapped, [name for name in profile.nullable_fields if name not in mapped]
 
@@ -650,7 +670,7 @@ def nullable_split(profile: PortPlan, fields: list[ArgField] | None) -> tuple[li
 def nullable_cases(profile: PortPlan, config: Any) -> list[str]:
     """The nullable fields a generated stage case sets to ``None`` (see :func:`nullable_split`)."""
     fields = arg_fields(profile, config) if profile.reference in EDITABLE_REFERENCES else None
-    return nullable_split(profile, fields)[0]
+    return nullable_split(profile, fields, config)[0]
 
 
 def check_supported_source(
@@ -1082,7 +1102,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             config,
             camel,
             read=" ".join(f.expression for f in fields),
-            refused_none=nullable_split(profile, fields)[1],
+            refused_none=nullable_split(profile, fields, config)[1],
         ),
         before_class=layout.args_class,
     )

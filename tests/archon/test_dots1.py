@@ -23,6 +23,7 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Two KV heads for four query heads, so grouped-query attention is exercised.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 # A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.
 # Two expert groups of which one is kept, so grouped top-k routing is exercised.
 # One leading dense layer before the MoE layers, so both kinds are exercised.
@@ -31,6 +32,7 @@ CASES = [
         model_type="dots1",
         config_overrides={
             "num_key_value_heads": 2,
+            "pad_token_id": 7,
             "routed_scaling_factor": 2.5,
             "n_group": 2,
             "topk_group": 1,

@@ -28,7 +28,7 @@ from skill.harness.distributed import run_stage5
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # Soft-caps small enough to bend the tiny model's scores and logits.
 # query_pre_attn_scalar away from head_dim, so the scale it sets is exercised.
-# A case with each of attn_logit_softcapping, final_logit_softcapping None, which HF's forward treats apart.
+# One case each with attn_logit_softcapping, final_logit_softcapping set to None, which HF's forward treats apart.
 CASES = [
     ModelCase(
         model_type="gemma2",

@@ -23,12 +23,14 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Two KV heads for four query heads, so grouped-query attention is exercised.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 # A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.
 CASES = [
     ModelCase(
         model_type="hy_v3",
         config_overrides={
             "num_key_value_heads": 2,
+            "pad_token_id": 7,
             "router_scaling_factor": 2.5,
         },
     )

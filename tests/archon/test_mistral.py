@@ -24,7 +24,7 @@ from skill.harness.distributed import run_stage5
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # pad_token_id=7, so the embedding row HF never trains is in the documents.
-# A case with each of sliding_window None, which HF's forward treats apart.
+# One case each with sliding_window set to None, which HF's forward treats apart.
 CASES = [
     ModelCase(
         model_type="mistral",

@@ -187,7 +187,9 @@ class BiogptModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         # Learned absolute positions; position p is row p + 2 (the checkpoint keeps 2 rows before 0).
         self.pos_embeddings = nn.Embedding(model_args.max_seq_len + 2, model_args.dim)
         self.layers = nn.ModuleDict(

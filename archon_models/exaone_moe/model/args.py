@@ -70,6 +70,7 @@ class ExaoneMoeModelArgs(BaseModelArgs):
     max_seq_len: int = 2048
     depth_init: bool = True
     eos_id: int = 53
+    pad_id: int | None = 0
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -155,6 +156,7 @@ class ExaoneMoeModelArgs(BaseModelArgs):
             first_k_dense_replace=hf_config.first_k_dense_replace or 0,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

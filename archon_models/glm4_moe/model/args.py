@@ -86,6 +86,7 @@ class Glm4MoeModelArgs(BaseModelArgs):
     max_seq_len: int = 131_072
     depth_init: bool = True
     eos_id: int = 0
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -169,6 +170,7 @@ class Glm4MoeModelArgs(BaseModelArgs):
             first_k_dense_replace=hf_config.first_k_dense_replace or 0,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

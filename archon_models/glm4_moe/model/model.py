@@ -173,6 +173,8 @@ class CorrectionBiasMoE(MoE):
     would then zero the bias in ``init_buffers``; this one keeps the checkpoint's to start from.
     """
 
+    expert_bias: torch.Tensor
+
     def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int):
         super().__init__(moe_args, dim, hidden_dim)
         device = self.router.gate.weight.device
@@ -273,7 +275,9 @@ class Glm4MoeModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}

@@ -191,7 +191,9 @@ class Jais2Model(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}

@@ -69,6 +69,7 @@ class MinimaxM2ModelArgs(BaseModelArgs):
     max_seq_len: int = 196_608
     depth_init: bool = True
     eos_id: int = 200_020
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -136,6 +137,7 @@ class MinimaxM2ModelArgs(BaseModelArgs):
             moe_args=moe_args,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

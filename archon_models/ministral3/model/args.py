@@ -81,6 +81,7 @@ class Ministral3ModelArgs(BaseModelArgs):
     max_seq_len: int = 262_144
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = 11
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -142,6 +143,7 @@ class Ministral3ModelArgs(BaseModelArgs):
             query_scale_period=int(hf_config.rope_parameters["original_max_position_embeddings"]),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

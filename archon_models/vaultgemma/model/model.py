@@ -360,7 +360,9 @@ class VaultgemmaModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
@@ -443,7 +445,8 @@ class VaultgemmaModel(BaseArchonModel):
         if self.is_critic:
             return head(h)
         logits = head(h)
-        # The LM head's logits are soft-capped: cap * tanh(logits / cap).
+        # The LM head's logits are soft-capped: cap * tanh(logits / cap); no cap when it is None.
         cap = self.model_args.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits

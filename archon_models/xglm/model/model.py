@@ -231,7 +231,9 @@ class XglmModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         # Fixed sinusoidal positions: position p reads row p + 2; row pad_token_id is zero.
         self.pos_embeddings = SinusoidalPositions(
             model_args.max_seq_len, model_args.dim, offset=2, zero_row=model_args.pad_token_id
