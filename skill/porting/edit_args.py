@@ -632,9 +632,7 @@ if router_dtype is not None:
 """
 
 
-def nullable_split(
-    profile: PortPlan, fields: list[ArgField] | None, config: Any = None
-) -> tuple[list[str], list[str]]:
+def nullable_split(profile: PortPlan, fields: list[ArgField] | None, config: Any = None) -> tuple[list[str], list[str]]:
     """The analysis' nullable fields (HF's forward treats their ``None`` apart from the
     config's value): those the args map (a generated stage case with ``None`` proves each),
     and those they do not (``_check_supported`` refuses ``None``, naming the field).
