@@ -9,6 +9,7 @@ import sys
 import pydantic
 import pytest
 import torch
+from torch import nn
 
 import archon_models
 from skill.harness import (
@@ -308,3 +309,38 @@ def test_parity_says_so_when_the_package_cannot_run_in_float64(monkeypatch):
     assert note.passed and "got Double" in note.detail
     assert not any("[float64]" in c.name for c in result.checks)
     assert all(c.error_vs_truth is not None for c in result.checks if c.name.startswith("logits"))
+
+
+def test_stage6_puts_back_a_pad_row_transformers_zeroes_and_fails_any_other_change():
+    """youtu's from_pretrained zeroes a tied embedding's padding_idx row on load (HF's own
+    save/reload does too): named and put back, so the logits judge the port. Any other
+    tensor the loader changes fails the check."""
+    from skill.harness.checkpoint import _check_loader_keeps_tensors
+
+    written = {"embed_weight": torch.randn(10, 4), "head_weight": torch.randn(3, 4)}
+    reloaded = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in written.items()})
+    with torch.no_grad():
+        reloaded["embed_weight"][7] = 0
+    rec = StageRecorder(CASE, 6)
+    _check_loader_keeps_tensors(rec, _StateOf(reloaded), written, {"pad_token_id": (7,)})
+    (check,) = rec.checks
+    assert check.passed and "zeroed embed_weight rows [7]" in check.detail
+    assert torch.equal(reloaded["embed_weight"], written["embed_weight"])
+
+    with torch.no_grad():
+        reloaded["head_weight"][0] += 1
+    rec = StageRecorder(CASE, 6)
+    _check_loader_keeps_tensors(rec, _StateOf(reloaded), written, {"pad_token_id": (7,)})
+    (check,) = rec.checks
+    assert not check.passed and "head_weight" in check.detail
+
+
+class _StateOf(nn.Module):
+    """A module whose state dict is ``params``' entries under their own keys."""
+
+    def __init__(self, params: nn.ParameterDict):
+        super().__init__()
+        self.params = params
+
+    def state_dict(self, *args, **kwargs):
+        return {k: v.data for k, v in self.params.items()}

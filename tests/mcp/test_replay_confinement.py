@@ -140,10 +140,10 @@ def _call(tool: str, arguments: dict, base: dict | None = None, seq: int = 1) ->
 def _remote_case(marker: Path) -> dict:
     folder = "tests/composition/evilfam"
     generated = (REPO / "tests/archon/test_llama.py").read_text()
-    one_case = 'CASES = [ModelCase(model_type="llama", config_overrides={"num_key_value_heads": 2})]'
-    assert one_case in generated
-    remote = f'CASES = [ModelCase(model_type="llama", source="{folder}", trust_remote_code=True)]'
-    case = generated.replace(one_case, remote)
+    start = generated.index("CASES = [")
+    end = generated.index("\n]\n", start) + 3
+    remote = f'CASES = [ModelCase(model_type="llama", source="{folder}", trust_remote_code=True)]\n'
+    case = generated[:start] + remote + generated[end:]
     config = {"model_type": "llama", "auto_map": {"AutoConfig": "configuration_evilfam.EvilConfig"}}
     configuration = (
         _marker_code(marker)
