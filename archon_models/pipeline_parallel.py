@@ -7,6 +7,11 @@ model with the modules it does not own set to ``None`` (and the layers it does n
 own deleted from the ``ModuleDict``), so the model's forward must skip ``None``
 modules: a stage without ``tok_embeddings`` receives hidden states in ``tokens``.
 
+A model with another top-level module (an embedding norm, a position table) needs it
+named on a stage: its spec's ``pipelining_fn`` adds it to the lists
+:func:`generate_llm_fqn_per_model_part` returns. :func:`pipeline_module_split` refuses
+a module no stage lists, where AReaL's sets it to ``None`` on every stage.
+
 Packed inputs travel as keyword arguments to every stage: ``positions`` is split
 into micro-batches with the tokens (one row each), ``cu_seqlens`` and
 ``max_seqlen`` are shared by all micro-batches.
@@ -136,6 +141,19 @@ def _stage_indices(pp_rank: int, pp_degree: int, num_stages: int, pp_schedule: s
     return tuple(pp_rank + s * pp_degree for s in range(stages_per_rank))
 
 
+def _on_no_stage(model: nn.Module, module_names_per_stage: list[list[str]]) -> list[str]:
+    """Top-level modules (and entries of top-level containers) that no stage lists."""
+    listed = {name for names in module_names_per_stage for name in names}
+    missing: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            keys = child.keys() if isinstance(child, nn.ModuleDict) else (str(i) for i in range(len(child)))
+            missing += [f"{name}.{key}" for key in keys if f"{name}.{key}" not in listed]
+        elif name not in listed:
+            missing.append(name)
+    return missing
+
+
 def _keep_only(model: nn.Module, module_names: list[str]) -> None:
     """Drop, in place, every top-level module and layer not in ``module_names``."""
     keep = set(module_names)
@@ -165,6 +183,17 @@ def pipeline_module_split(
     and each rank materialises only its part); a model with real weights works too
     and keeps them, which is what tests comparing against one process want.
     """
+    missing = _on_no_stage(whole_model, module_names_per_stage)
+    if missing:
+        # AReaL's split sets such a module to None on every stage, and the first forward that
+        # needs it fails with "'NoneType' object is not callable" on one rank while its peers
+        # wait in a collective: refused here, on every rank, before any stage is built.
+        raise ValueError(
+            f"{type(whole_model).__name__} has modules no pipeline stage lists: {', '.join(missing)}. "
+            "Every stage would set them to None. Name each on the stage that runs it (a module used "
+            "before the first layer on the first stage, one used after the last layer on the last): "
+            "give the ModelSpec a pipelining_fn that adds them to generate_llm_fqn_per_model_part's lists."
+        )
     pp_rank = pp_mesh.get_local_rank()
     num_stages = len(module_names_per_stage)
     stages: list[PipelineStage] = []

@@ -131,6 +131,14 @@ class RotaryStyle(StrEnum):
     INTERLEAVED = "interleaved"
 
 
+class RotaryDirection(StrEnum):
+    """Which way each pair turns: transformers' ``rotate_half`` ``(x1, x2) -> (-x2, x1)``
+    (standard), or ``(x2, -x1)`` (reversed, nanochat: the standard rotation by minus the angle)."""
+
+    STANDARD = "standard"
+    REVERSED = "reversed"
+
+
 class NormKind(StrEnum):
     RMS = "rms"
     RMS_ONE_PLUS_W = "rms_one_plus_w"
@@ -176,6 +184,15 @@ class SlidingWindow(_Frozen):
     evidence: str = Field("", description="config field, mask probe, or both")
 
 
+class QueryPositionScale(_Frozen):
+    """Queries scaled by their absolute position, RoPE unchanged (Ministral3's long-context
+    temperature): ``q * (1 + beta * log(1 + floor(p / period)))``, the form verified on HF's
+    forward. Fields are config paths: ``rope_parameters.llama_4_scaling_beta``."""
+
+    beta_field: str
+    period_field: str
+
+
 class MLA(_Frozen):
     """Multi-head latent attention (DeepSeek-V2/V3 style low-rank Q and KV)."""
 
@@ -209,7 +226,11 @@ class AttentionFeatures(_Frozen):
         None, description="bool config field, set, that makes one KV head whatever the head counts say (multi_query)"
     )
     head_dim: int | None = None
-    explicit_head_dim: bool = Field(False, description="head_dim differs from hidden_size // n_heads")
+    explicit_head_dim: bool = Field(
+        False,
+        description="head_dim differs from hidden_size // n_heads; with MLA always true (head_dim is then the "
+        "query/key width, qk_nope_head_dim + qk_rope_head_dim, set by its own fields)",
+    )
     sliding_window: SlidingWindow = SlidingWindow()
     logit_softcap: float | None = Field(None, description="tanh soft-capping of attention scores")
     custom_scaling: bool = Field(
@@ -244,6 +265,11 @@ class AttentionFeatures(_Frozen):
     )
     nope_layer_type: str | None = Field(
         None, description="the layer_types value whose layers apply no RoPE (full_attention: EXAONE-4, Cohere2)"
+    )
+    query_position_scale: QueryPositionScale | None = Field(
+        None,
+        description="queries scaled by a function of their absolute position (probed with RoPE held fixed); "
+        "None when only relative positions reach the scores",
     )
     clip_qkv: float | None = Field(None, description="clamp of the q/k/v projections to [-c, c] (the config's value)")
     clip_qkv_field: str | None = Field(
@@ -321,7 +347,7 @@ class MoEFeatures(_Frozen):
     moe_layer_rule: str = Field(
         "",
         description="the config rule that reproduces moe_layers: sparse_step (decoder_sparse_step, "
-        "mlp_only_layers), first_k_dense (first_k_dense_replace), layer_types (mlp_layer_types), "
+        "mlp_only_layers), first_k_dense (first_k_dense_replace or num_dense_layers), layer_types (mlp_layer_types), "
         "start_end_interval (moe_layer_start_index/end_index/interval); empty when none does",
     )
     moe_layer_fields: list[str] = Field(default_factory=list, description="config fields the layer rule reads")
@@ -387,6 +413,11 @@ class PositionFeatures(_Frozen):
     rope_scaling: dict[str, Any] = Field(default_factory=dict, description="the scaling parameters besides theta")
     theta: float | None = None
     rotary_style: RotaryStyle = RotaryStyle.HALF
+    rotary_direction: RotaryDirection = Field(
+        RotaryDirection.STANDARD,
+        description="which way the rotary function turns each pair, probed on HF's apply_rotary_pos_emb "
+        "(standard when the function takes another signature: the evidence says so)",
+    )
     partial_rotary_factor: float = 1.0
     per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
     rope_layer_types: list[str] = Field(
@@ -446,7 +477,19 @@ class ScalarFeatures(_Frozen):
         None, description="config field of the logit factor, when the forward reads it (even at 1.0)"
     )
     final_logit_softcap: float | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = Field(
+        False, description="HF's LM head is the token embedding, for this config (probed)"
+    )
+    tying_field: str | None = Field(
+        "tie_word_embeddings",
+        description="the config field HF's tying follows, probed with it True and False; None when HF ties, or "
+        "keeps its own head, whatever it says (remote code that defines no tying)",
+    )
+    padding_idx_field: str | None = Field(
+        None,
+        description="config field naming the token embedding's row HF gives no gradient through its lookups "
+        "(nn.Embedding's padding_idx: pad_token_id), probed with two ids; None when every row trains",
+    )
     lm_head_bias: bool = Field(False, description="the LM head (output projection) has a bias the checkpoint holds")
     embedding_projection_field: str | None = Field(
         None,
@@ -474,6 +517,11 @@ class Checklist(_Frozen):
         default_factory=list,
         description="fields of a nested config (MPT's attn_config.clip_qkv) the forward reads, found unset (None): "
         "no edit reads a nested field, so a port reproduces them unset and refuses a config that sets them (probed)",
+    )
+    nullable_fields: list[str] = Field(
+        default_factory=list,
+        description="config fields whose class allows None, set here, with which HF's forward differs (None is "
+        "no ordinary value: no cap, no window, no latent): a port proves each with a case or refuses None (probed)",
     )
     forward_switches: dict[str, bool] = Field(
         default_factory=dict,
@@ -504,6 +552,7 @@ class Feature(StrEnum):
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
     QKV_CLIP = "qkv_clip"
+    QUERY_POSITION_SCALE = "query_position_scale"
     NOPE_LAYERS = "nope_layers"
     FFN_KIND = "ffn_kind"
     ACTIVATION = "activation"
@@ -525,6 +574,7 @@ class Feature(StrEnum):
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
+    ROTARY_DIRECTION = "rotary_direction"
     PARTIAL_ROTARY = "partial_rotary"
     PER_LAYER_ROPE = "per_layer_rope"
     NORM_KIND = "norm_kind"
@@ -536,6 +586,7 @@ class Feature(StrEnum):
     LOGIT_MULTIPLIER = "logit_multiplier"
     FINAL_SOFTCAP = "final_softcap"
     WEIGHT_TYING = "weight_tying"
+    PADDING_IDX = "padding_idx"
     LM_HEAD_BIAS = "lm_head_bias"
     EMBEDDING_PROJECTION = "embedding_projection"
     PROJECTION_ORIENTATION = "projection_orientation"
@@ -559,6 +610,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
     Feature.QKV_CLIP: "q/k/v clipping",
+    Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
     Feature.NOPE_LAYERS: "layers without RoPE",
     Feature.FFN_KIND: "FFN kind",
     Feature.ACTIVATION: "activation",
@@ -580,6 +632,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
+    Feature.ROTARY_DIRECTION: "RoPE rotation direction",
     Feature.PARTIAL_ROTARY: "partial rotary",
     Feature.PER_LAYER_ROPE: "per-layer-type RoPE",
     Feature.NORM_KIND: "norm kind",
@@ -591,6 +644,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.LOGIT_MULTIPLIER: "logit multiplier",
     Feature.FINAL_SOFTCAP: "final logit soft-capping",
     Feature.WEIGHT_TYING: "weight tying",
+    Feature.PADDING_IDX: "embedding row without gradient (padding_idx)",
     Feature.LM_HEAD_BIAS: "LM head bias",
     Feature.EMBEDDING_PROJECTION: "embedding projection in/out",
     Feature.PROJECTION_ORIENTATION: "projection weights stored [in, out]",
@@ -628,6 +682,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.GQA: frozenset({"true", "false"}),
     Feature.EXPLICIT_HEAD_DIM: frozenset({"true", "false"}),
     Feature.WEIGHT_TYING: frozenset({"true", "false"}),
+    # The references' embedding freezes the pad_token_id row as HF's does (padding_idx);
+    # model_edits.trained_pad_row drops it where HF's embedding trains every row.
+    Feature.PADDING_IDX: frozenset({"pad_token_id", "none"}),
     # Shared MoE module (MoEArgs): sigmoid scoring, renormalisation, route scale,
     # node-limited groups, shared experts with a gate; qwen3's decoder_sparse_step.
     Feature.MOE: frozenset({"true", "false"}),
@@ -675,6 +732,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
         }
     ),
     Feature.QKV_CLIP: frozenset({"true", "false"}),  # clamped as they leave the projections
+    # model_edits.query_position_scale: q * (1 + beta * log(1 + floor(p / period))) after RoPE.
+    Feature.QUERY_POSITION_SCALE: frozenset({"none", "log_floor"}),
     Feature.ATTN_SCALING: frozenset({"default", "custom"}),  # custom: a config multiplier (Granite)
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     # Entries of the one activation table (skill/activations.py) the activation edit writes.
@@ -722,6 +781,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.EMBEDDING_PROJECTION: frozenset({"none", "in_out"}),
     Feature.ROPE_TYPE: frozenset({"default", "linear", "llama3", "yarn"}),
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
+    # model_edits.reversed_rotation: the RoPE cache holds -sin (the rotation by minus the angle).
+    Feature.ROTARY_DIRECTION: frozenset({RotaryDirection.STANDARD, RotaryDirection.REVERSED}),
     Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
     # One RoPE cache per layer type (model_edits.py per_layer_rope, edit_args.py sliding_rope_*).
     Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
@@ -875,6 +936,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         if att.output_gate
         else "false",
         Feature.QKV_CLIP: _flag(att.clip_qkv is not None or att.clip_qkv_field is not None),
+        Feature.QUERY_POSITION_SCALE: "log_floor" if att.query_position_scale is not None else "none",
         Feature.NOPE_LAYERS: _nope_rule(att),
         Feature.FFN_KIND: ffn.kind.value,
         Feature.ACTIVATION: ffn.activation,
@@ -891,6 +953,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         Feature.LOGIT_MULTIPLIER: _multiplier(sc.logit_multiplier, sc.logit_multiplier_source),
         Feature.FINAL_SOFTCAP: _flag(sc.final_logit_softcap is not None),
         Feature.WEIGHT_TYING: _flag(sc.tie_word_embeddings),
+        Feature.PADDING_IDX: sc.padding_idx_field or "none",
         Feature.LM_HEAD_BIAS: _flag(sc.lm_head_bias),
         Feature.EMBEDDING_PROJECTION: "in_out" if sc.embedding_projection_field is not None else "none",
         Feature.PROJECTION_ORIENTATION: (
@@ -904,6 +967,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
             {
                 Feature.ROPE_TYPE: pos.rope_type or "default",
                 Feature.ROTARY_STYLE: pos.rotary_style.value,
+                Feature.ROTARY_DIRECTION: pos.rotary_direction.value,
                 Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
                 Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
             }

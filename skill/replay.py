@@ -48,6 +48,7 @@ from skill.codemod.workspace import (
     confine,
     find_project_root,
 )
+from skill.replay_compare import compare_call, compare_files
 from skill.scratch import make_scratch_dir
 from skill.session import (
     IGNORED_SUFFIXES,
@@ -60,7 +61,6 @@ from skill.session import (
     SessionRecorder,
     apply_patch,
     engine_version,
-    first_difference,
     is_ignored_dir,
     patch_paths,
     patch_writes,
@@ -289,37 +289,14 @@ def _restore_base(root: Path, records: Sequence[object]) -> None:
 
 
 def _compare_files(expected: dict[str, str | None], actual: dict[str, str | None]) -> str | None:
-    for rel in sorted(set(expected) | set(actual)):
-        if rel not in actual:
-            return f"{rel}: the recording changed it (to {expected[rel]}), the replay did not"
-        if rel not in expected:
-            return f"{rel}: the replay changed it (to {actual[rel]}), the recording did not"
-        got = actual[rel]
-        if expected[rel] != got:
-            state = "deleted" if got is None else f"sha256 {got[:12]}"
-            return f"{rel}: expected sha256 {str(expected[rel])[:12]}, got {state}"
-    return None
+    return compare_files(expected, actual)
 
 
 def _check_call(record: CallRecord, replayed: CallRecord) -> ReplayMismatch | None:
-    def mismatch(kind: str, detail: str) -> ReplayMismatch:
-        return ReplayMismatch(seq=record.seq, tool=record.tool, kind=kind, detail=detail)
-
-    if record.ok != replayed.ok:
-        if record.ok:
-            return mismatch("outcome", f"recorded success, replay failed: {replayed.error}")
-        return mismatch("outcome", f"recorded failure ({record.error}), replay succeeded")
-    if not record.ok and (record.error is None or replayed.error is None or record.error != replayed.error):
-        return mismatch("error", f"expected {record.error}, got {replayed.error}")
-    if record.result_digest != replayed.result_digest:
-        detail = None
-        if record.result is not None and replayed.result is not None:
-            detail = first_difference(record.result, replayed.result)
-        return mismatch("result", detail or f"digest {record.result_digest} != {replayed.result_digest}")
-    files = _compare_files(record.files, replayed.files)
-    if files:
-        return mismatch("files", files)
-    return None
+    difference = compare_call(record, replayed)
+    if difference is None:
+        return None
+    return ReplayMismatch(seq=record.seq, tool=record.tool, kind=difference.kind, detail=difference.detail)
 
 
 def replay_session(request: ReplayInput) -> ReplayReport:

@@ -42,6 +42,7 @@ from pydantic_core import to_jsonable_python
 
 from skill import __version__
 from skill.codemod.workspace import STATE_DIR, Workspace, confine
+from skill.replay_compare import normalise_volatile
 from skill.tools import Tool, active_recorder, recording_into, state_dir
 
 logger = logging.getLogger(__name__)
@@ -235,8 +236,10 @@ def _plain(value: Any) -> Any:
 
 
 def normalise_text(text: str, root: str) -> str:
-    """``text`` with the workspace root as ``<workspace>`` and other temporary paths as ``<tmp>``."""
-    return _TMP_PATH_RE.sub(TMP_TOKEN, text.replace(root, WORKSPACE_TOKEN))
+    """``text`` with the workspace root as ``<workspace>``, other temporary paths as ``<tmp>``,
+    and what else belongs to the run (endpoints, pids, durations: :func:`normalise_volatile`)
+    as placeholders."""
+    return normalise_volatile(_TMP_PATH_RE.sub(TMP_TOKEN, text.replace(root, WORKSPACE_TOKEN)))
 
 
 def _normalise(value: Any, root: str) -> Any:
@@ -280,31 +283,6 @@ def portable_arguments(arguments: Mapping[str, Any] | BaseModel, workspace: Work
         return value
 
     return relative(data)
-
-
-def first_difference(expected: Any, actual: Any, where: str = "result") -> str | None:
-    """The JSON path of the first difference between two plain values, with both values."""
-    if type(expected) is not type(actual):
-        return f"{where}: expected {expected!r}, got {actual!r}"
-    if isinstance(expected, dict):
-        for key in sorted(set(expected) | set(actual)):
-            if key not in actual:
-                return f"{where}.{key}: missing (expected {expected[key]!r})"
-            if key not in expected:
-                return f"{where}.{key}: unexpected {actual[key]!r}"
-            found = first_difference(expected[key], actual[key], f"{where}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(expected, list):
-        for index, (a, b) in enumerate(zip(expected, actual, strict=False)):
-            found = first_difference(a, b, f"{where}[{index}]")
-            if found:
-                return found
-        if len(expected) != len(actual):
-            return f"{where}: expected {len(expected)} items, got {len(actual)}"
-        return None
-    return None if expected == actual else f"{where}: expected {expected!r}, got {actual!r}"
 
 
 # --- workspace state ------------------------------------------------------------------------------

@@ -3,12 +3,11 @@
 # Regenerate with: archon-port add biogpt --overwrite
 """Registers Biogpt with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
-from archon_models.biogpt.infra.parallelize import parallelize_biogpt
+from archon_models.biogpt.infra.parallelize import parallelize_biogpt, pipeline_biogpt
 from archon_models.biogpt.model.args import BiogptModelArgs
 from archon_models.biogpt.model.model import BiogptModel
 from archon_models.biogpt.model.state_dict_adapter import BiogptStateDictAdapter
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
 
 BIOGPT_SPEC = ModelSpec(
     name="biogpt",
@@ -17,7 +16,7 @@ BIOGPT_SPEC = ModelSpec(
     state_dict_adapter_class=BiogptStateDictAdapter,
     parallelize_fn=parallelize_biogpt,
     supported_model_types=frozenset({"biogpt"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_biogpt,
 )
 
 register_model_spec(BIOGPT_SPEC)

@@ -4,11 +4,10 @@
 """Registers Opt with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.opt.infra.parallelize import parallelize_opt
+from archon_models.opt.infra.parallelize import parallelize_opt, pipeline_opt
 from archon_models.opt.model.args import OptModelArgs
 from archon_models.opt.model.model import OptModel
 from archon_models.opt.model.state_dict_adapter import OptStateDictAdapter
-from archon_models.pipeline_parallel import pipeline_llm
 
 OPT_SPEC = ModelSpec(
     name="opt",
@@ -17,7 +16,7 @@ OPT_SPEC = ModelSpec(
     state_dict_adapter_class=OptStateDictAdapter,
     parallelize_fn=parallelize_opt,
     supported_model_types=frozenset({"opt"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_opt,
 )
 
 register_model_spec(OPT_SPEC)

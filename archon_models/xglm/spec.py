@@ -4,8 +4,7 @@
 """Registers Xglm with the Archon model registry (imported from ``archon_models/__init__.py``)."""
 
 from archon_models.model_spec import ModelSpec, register_model_spec
-from archon_models.pipeline_parallel import pipeline_llm
-from archon_models.xglm.infra.parallelize import parallelize_xglm
+from archon_models.xglm.infra.parallelize import parallelize_xglm, pipeline_xglm
 from archon_models.xglm.model.args import XglmModelArgs
 from archon_models.xglm.model.model import XglmModel
 from archon_models.xglm.model.state_dict_adapter import XglmStateDictAdapter
@@ -17,7 +16,7 @@ XGLM_SPEC = ModelSpec(
     state_dict_adapter_class=XglmStateDictAdapter,
     parallelize_fn=parallelize_xglm,
     supported_model_types=frozenset({"xglm"}),
-    pipelining_fn=pipeline_llm,
+    pipelining_fn=pipeline_xglm,
 )
 
 register_model_spec(XGLM_SPEC)

@@ -12,7 +12,9 @@ import copy
 import logging
 import math
 import re
+import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
+from skill.analysis.saved_names import SavedLocation, saved_locations
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
     MLA,
@@ -43,6 +46,8 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    QueryPositionScale,
+    RotaryDirection,
     RotaryStyle,
     RouterScoring,
     ScalarFeatures,
@@ -80,6 +85,14 @@ class Context:
     evidence: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
     _scalars: dict[str, ScalarField] | None = None
+    _locations: dict[str, SavedLocation] | None = None
+
+    def saved_location(self, parameter: str) -> SavedLocation | None:
+        """Where ``save_pretrained`` writes the tiny model's ``parameter`` (found by value once,
+        see :func:`skill.analysis.saved_names.saved_locations`)."""
+        if self._locations is None:
+            self._locations = saved_locations(self.model)
+        return self._locations.get(parameter)
 
     def scalar_fields(self) -> dict[str, ScalarField]:
         """Config scalars the forward reads, by role (measured once, see :func:`config_scalars`)."""
@@ -337,6 +350,68 @@ def forward_switches(ctx: Context) -> dict[str, bool]:
             continue
         ctx.evidence.append(f"config switch {name}={full}: flipping it changes the logits (probe)")
         found[name] = full
+    return found
+
+
+def _allows_none(config_class: type, name: str) -> bool:
+    """Whether the config class's annotation of ``name`` accepts ``None``."""
+    try:
+        hints = typing.get_type_hints(config_class)
+    except (NameError, TypeError):
+        hints = dict(getattr(config_class, "__annotations__", {}))
+    hint = hints.get(name)
+    return hint is not None and ("None" in str(hint) or "Optional" in str(hint))
+
+
+def nullable_fields(ctx: Context) -> list[str]:
+    """Config fields whose class allows ``None``, set here, with which HF's forward differs:
+    ``None`` is no ordinary value there (no cap, no window, no query latent). Each field is
+    set to ``None`` in the tiny config (the class's own checks run; a field it refills is
+    left out), a model with the same seed is built and run and compared with the config's
+    value and with one a few tokens feel (a window of 2, a cap of 0.5); a boolean field whose
+    ``None`` acts as ``False`` is no special value. A port proves each with a generated case
+    or refuses ``None`` naming it."""
+    tiny = ctx.tiny
+    bookkeeping = set(PretrainedConfig().to_dict())
+    tokens = probes.tokens_for(tiny, 6)
+    base = probes.logits(ctx.model, tokens)
+
+    def logits_with(name: str, value: Any) -> torch.Tensor | None:
+        try:
+            config = type(tiny).from_dict({**tiny.to_dict(), name: value})
+            if getattr(config, name, "unset") != value:
+                return None  # the class refills it (a derived default): not kept
+            return probes.logits(build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code), tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("%s=%r failed: %s", name, value, exc)
+            return None
+
+    found: list[str] = []
+    for name, value in sorted(tiny.to_dict().items()):
+        if value is None or name in bookkeeping or name == "rope_parameters" or name.endswith("_token_id"):
+            continue
+        if not _allows_none(type(tiny), name):
+            continue
+        without = logits_with(name, None)
+        if without is None:
+            continue
+        others: list[torch.Tensor | None]
+        if isinstance(value, bool):
+            # None is special unless it acts as False.
+            others = [logits_with(name, False)]
+        else:
+            # The config's value, and one that bites on a few tokens (a window of 2, a cap of
+            # 0.5), so a field a tiny model does not feel at its default still shows.
+            biting = 2 if isinstance(value, int) else 0.5 if isinstance(value, float) else None
+            others = [base, logits_with(name, biting) if biting is not None else None]
+        if not any(
+            other is not None
+            and (other.shape != without.shape or not torch.allclose(other, without, atol=1e-6, rtol=1e-5))
+            for other in others
+        ):
+            continue
+        ctx.evidence.append(f"config field {name}: the class allows None, and HF's forward differs with it (probe)")
+        found.append(name)
     return found
 
 
@@ -916,6 +991,119 @@ def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[Fus
     return layout, fixed, order if layout is FusedQKVLayout.BLOCKED else None
 
 
+def _config_path(config: PretrainedConfig, path: str) -> Any:
+    """A config value by path: a field, or ``rope_parameters.<key>``."""
+    if path.startswith("rope_parameters."):
+        rope = getattr(config, "rope_parameters", None)
+        return rope.get(path.split(".", 1)[1]) if isinstance(rope, dict) else None
+    return getattr(config, path, None)
+
+
+def _with_config_path(config: PretrainedConfig, path: str, value: Any) -> PretrainedConfig:
+    moved = copy.deepcopy(config)
+    if path.startswith("rope_parameters."):
+        moved.rope_parameters = {**moved.rope_parameters, path.split(".", 1)[1]: value}
+    else:
+        setattr(moved, path, value)
+    return moved
+
+
+def _numeric_paths(config: PretrainedConfig) -> dict[str, float]:
+    """Numeric config values by path: the flat ``rope_parameters`` entries, then the fields."""
+    found: dict[str, float] = {}
+    rope = getattr(config, "rope_parameters", None)
+    sources = [("rope_parameters.", rope)] if isinstance(rope, dict) else []
+    sources.append(("", config.to_dict()))
+    for prefix, values in sources:
+        for name, value in sorted(values.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+                found[f"{prefix}{name}"] = value
+    return found
+
+
+def _log_floor_scale(beta: float, period: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def scale(positions: torch.Tensor) -> torch.Tensor:
+        return 1 + beta * torch.log(1 + torch.floor(positions / period))
+
+    return scale
+
+
+def _query_projections(ctx: Context, model: nn.Module) -> list[nn.Module]:
+    """Every layer's query projection in ``model`` (a tiny model of the same config)."""
+    q = _attention_projections(ctx).get("q")
+    layer0 = ctx.anatomy.layers[0]
+    relative = next((n for n, m in layer0.named_modules() if q is not None and m is q.module), None)
+    if relative is None:
+        return []
+    _, layers = mt.find_layers(model, int(ctx.tiny.num_hidden_layers))
+    return [layer.get_submodule(relative) for layer in layers]
+
+
+def query_position_scale(ctx: Context) -> QueryPositionScale | None:
+    """Queries scaled by their absolute position (RoPE aside), and the config fields setting it.
+
+    The logits of a short sequence are compared at positions near 0 and near the end of the
+    context with RoPE pinned (:func:`skill.analysis.probes.pinned_rope_logits`); where they
+    differ, the numeric config value whose zeroing removes the difference is the scale's
+    ``beta``, and ``q * (1 + beta * log(1 + floor(p / period)))`` applied to the queries of
+    a model without it must give the same far logits, for one config value as the period
+    (each candidate tried on a window that straddles a multiple of it). A dependence no
+    such pair explains is named in ``other``."""
+    tiny = ctx.tiny
+    length = probes.ABSOLUTE_PROBE_LENGTH
+    limit = getattr(tiny, "max_position_embeddings", None)
+    far = limit - length if isinstance(limit, int) and limit > 64 * length else 1 << 16
+    measured = probes.pinned_rope_logits(ctx.model, tiny, far)
+    if measured is None or torch.allclose(*measured, atol=1e-6, rtol=1e-5):
+        return None
+    paths = _numeric_paths(tiny)
+    for beta_path, beta in paths.items():
+        try:
+            without = build_tiny_model(
+                _with_config_path(tiny, beta_path, type(beta)(0)), seed=0, trust_remote_code=ctx.trust_remote_code
+            )
+        except Exception as exc:  # config validators raise several exception types
+            logger.debug("zeroing %s failed: %s", beta_path, exc)
+            continue
+        plain = probes.pinned_rope_logits(without, tiny, far)
+        # Zeroed, the value must remove the dependence and change nothing near position 0
+        # (a size or a constant the whole forward reads is no such scale).
+        if plain is None or not torch.allclose(*plain, atol=1e-6, rtol=1e-5):
+            continue
+        if not torch.allclose(plain[0], measured[0], atol=1e-6, rtol=1e-5):
+            continue
+        queries = _query_projections(ctx, without)
+        for period_path, period in paths.items():
+            if period_path == beta_path or not isinstance(period, int) or period < 2 or period > far:
+                continue
+            start = (far // period) * period - length // 2  # positions on both sides of a multiple
+            ours = probes.pinned_rope_logits(ctx.model, tiny, start)
+            theirs = probes.pinned_rope_logits(
+                without, tiny, start, query_scale=_log_floor_scale(float(beta), period), query_modules=queries
+            )
+            if ours is not None and theirs is not None and torch.allclose(ours[1], theirs[1], atol=1e-5, rtol=1e-4):
+                ctx.evidence.append(
+                    f"queries scaled by absolute position: 1 + {beta_path} * log(1 + floor(p / {period_path})) "
+                    "(probe, RoPE pinned)"
+                )
+                return QueryPositionScale(beta_field=beta_path, period_field=period_path)
+        ctx.other.append(f"queries scaled by absolute position by {beta_path} in a form no probe matched")
+        return None
+    ctx.other.append("attention reads absolute positions beyond RoPE (no config value found that sets it)")
+    return None
+
+
+def _mla_qk_width(ctx: Context) -> int | None:
+    """The query/key head width of multi-head latent attention (``qk_nope_head_dim +
+    qk_rope_head_dim``), or ``None`` without MLA."""
+    if not isinstance(ctx.get("kv_lora_rank"), int):
+        return None
+    nope, rope = ctx.get("qk_nope_head_dim"), ctx.get("qk_rope_head_dim")
+    if not (isinstance(nope, int) and isinstance(rope, int)):
+        return None
+    return nope + rope
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -931,6 +1119,11 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     hidden = ctx.get("hidden_size")
     derived = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
     explicit = isinstance(head_dim, int) and derived is not None and head_dim != derived
+    qk_width = _mla_qk_width(ctx)
+    if qk_width is not None:
+        # MLA's head widths are their own fields (a config's head_dim, when it has one, is
+        # the RoPE slice or a serving hint): a query/key head is qk_nope + qk_rope wide.
+        head_dim, explicit = qk_width, True
     softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
     custom, scaling_source = _custom_scaling(ctx)
@@ -990,6 +1183,11 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     nope, nope_field, nope_type = _nope_with_rule(ctx)
     gate = _output_gate(ctx, roles)
     qkv_layout, qkv_blocks, qkv_order = fused_qkv_layout(ctx, roles)
+    stacked = saved_qkv(ctx, roles) if qkv is None else None
+    if stacked is not None:
+        # Separate in memory, one tensor on disk: its rows are the projections' rows, stacked.
+        ctx.evidence.append(f"q/k/v saved as one tensor {stacked[0]} (rows: {', '.join(stacked[1])}; by value)")
+        qkv_layout = FusedQKVLayout.STACKED if stacked[1] == ["q", "k", "v"] else FusedQKVLayout.OTHER
     if ctx.get("attention_chunk_size"):
         ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
     return AttentionFeatures(
@@ -1012,7 +1210,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         custom_scaling=custom,
         scaling_field=scaling_source.field if scaling_source else None,
         scaling_source=scaling_source,
-        fused_qkv=qkv is not None,
+        fused_qkv=qkv is not None or stacked is not None,
         fused_qkv_layout=qkv_layout,
         fused_qkv_blocks=qkv_blocks,
         fused_qkv_order=qkv_order,
@@ -1025,6 +1223,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
+        query_position_scale=query_position_scale(ctx) if probes.rotary_modules(ctx.model) else None,
         clip_qkv=clip_value,
         clip_qkv_field=clip_field,
         clip_qkv_after_qk_norm=clip_after_norm,
@@ -1273,8 +1472,14 @@ def _sparse_step_rule(config: PretrainedConfig, n: int) -> list[int]:
     return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
-def _first_k_dense_rule(config: PretrainedConfig, n: int) -> list[int]:
-    return [i for i in range(n) if i >= int(config.first_k_dense_replace)]
+def _first_k_dense_rule(field: str):
+    """The first ``config.<field>`` layers are dense (DeepSeek's ``first_k_dense_replace``,
+    AFMoE's ``num_dense_layers``), every later one routes to experts."""
+
+    def predict(config: PretrainedConfig, n: int) -> list[int]:
+        return [i for i in range(n) if i >= int(getattr(config, field))]
+
+    return predict
 
 
 def _layer_types_rule(config: PretrainedConfig, n: int) -> list[int]:
@@ -1290,7 +1495,8 @@ def _start_end_interval_rule(config: PretrainedConfig, n: int) -> list[int]:
 
 
 MOE_LAYER_RULES: tuple[tuple[str, tuple[str, ...], Any], ...] = (
-    ("first_k_dense", ("first_k_dense_replace",), _first_k_dense_rule),
+    ("first_k_dense", ("first_k_dense_replace",), _first_k_dense_rule("first_k_dense_replace")),
+    ("first_k_dense", ("num_dense_layers",), _first_k_dense_rule("num_dense_layers")),
     ("layer_types", ("mlp_layer_types",), _layer_types_rule),
     (
         "start_end_interval",
@@ -1362,7 +1568,14 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
     )
     index = expert_layers[0] if expert_layers else 0
     layer = ctx.layer_prefix[: -len("0.")] + f"{index}." if ctx.layer_prefix else ""
-    keys = {k: s for k, s in ctx.saved_keys.items() if k.startswith(layer) and "shared" not in k}
+    # Not the attention's tensors: a mixture-of-attention (JetMoE's MoA) stacks its own
+    # experts' projections as 3D tensors too.
+    attention = f"{layer}{ctx.anatomy.attention_name}." if ctx.anatomy.attention_name else None
+    keys = {
+        k: s
+        for k, s in ctx.saved_keys.items()
+        if k.startswith(layer) and "shared" not in k and not (attention and k.startswith(attention))
+    }
     per_expert = {k: s for k, s in keys.items() if re.search(r"\.experts\.\d+\.", k) and k.endswith("weight")}
     if per_expert:
         first = re.search(r"\.experts\.(\d+)\.", next(iter(per_expert))).group(1)  # type: ignore[union-attr]
@@ -1373,7 +1586,9 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
             return None
         up = next((k for k in ins if re.search(r"(up|gate|w1|w3|fc1)", k)), ins[0])
         orientation = WeightOrientation.OUT_IN if one[up][-1] == hidden else WeightOrientation.IN_OUT
-        bias = any(k.endswith("bias") and ".experts." in k for k in keys)
+        # An expert's own bias (experts.{e}.gate_proj.bias); a per-expert vector saved beside
+        # the experts (Laguna's experts.e_score_correction_bias) is the router's, not theirs.
+        bias = any(re.search(r"\.experts\.\d+\.", k) and k.endswith(".bias") for k in keys)
         return ExpertTensors(
             ExpertLayout.PER_EXPERT_2D,
             orientation,
@@ -1526,7 +1741,9 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
     attention = ctx.anatomy.attention_name
     for key, shape in sorted(ctx.saved_keys.items()):
         match = layer.match(key)
-        if match is None or ".experts." in key or "shared" in key:
+        # Not an expert's own tensor (experts.{e}.*); a vector saved under the experts'
+        # module (Laguna writes its router's bias as mlp.experts.e_score_correction_bias) counts.
+        if match is None or re.search(r"\.experts\.\d+\.", key) or "shared" in key:
             continue
         if attention and key[match.end() :].startswith(f"{attention}."):
             continue
@@ -1912,6 +2129,15 @@ def position_features(ctx: Context) -> PositionFeatures:
         if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and v is not None
     }
     interleaved = rotary_interleaved(ctx.config, ctx.source)
+    direction = RotaryDirection.STANDARD
+    measured = _measured_rotation(ctx)
+    if measured is not None:
+        pairing, reversed_ = measured
+        if pairing is not None:
+            if (pairing == "interleaved") != interleaved:
+                ctx.evidence.append(f"RoPE pairing: {pairing} as the rotary function computes it, not as read")
+            interleaved = pairing == "interleaved"
+        direction = RotaryDirection.REVERSED if reversed_ else RotaryDirection.STANDARD
     if not rotary:
         ctx.evidence.append("RoPE: the attention class applies the rotation itself (no rotary module)")
     factor = _partial_rotary(ctx, rotary[0] if rotary else None, first or {})
@@ -1921,10 +2147,47 @@ def position_features(ctx: Context) -> PositionFeatures:
         rope_scaling=scaling,
         theta=float(theta) if isinstance(theta, (int, float)) else None,
         rotary_style=RotaryStyle.INTERLEAVED if interleaved else RotaryStyle.HALF,
+        rotary_direction=direction,
         partial_rotary_factor=factor,
         per_layer_type_rope=per_layer,
         rope_layer_types=sorted(rope) if per_layer else [],
     )
+
+
+def _measured_rotation(ctx: Context) -> tuple[str | None, bool] | None:
+    """``(pairing, reversed)`` of the rotary function the attention's modeling module
+    defines (``apply_rotary_pos_emb``), probed (:func:`probes.probe_rotation`). A module
+    with several rotary functions (DeepSeek-V3 picks one by ``rope_interleave``) gives a
+    direction only when they turn the same way, and no pairing (the config's and source's
+    stands); ``None`` when nothing could be probed."""
+    attention = ctx.anatomy.attention
+    module = sys.modules.get(type(attention).__module__) if attention is not None else None
+    functions = {
+        name: value
+        for name, value in vars(module).items()
+        if module is not None and name.startswith("apply_rotary") and callable(value)
+    }
+    measured = {name: probes.probe_rotation(fn) for name, fn in sorted(functions.items())}
+    found = {name: m for name, m in measured.items() if m is not None}
+    if not found:
+        if functions:
+            ctx.evidence.append(
+                f"RoPE direction: {', '.join(functions)} take no (q, k, cos, sin) to probe; taken as standard"
+            )
+        return None
+    directions = {reversed_ for _, reversed_ in found.values()}
+    if len(directions) != 1:
+        ctx.other.append(f"rotary functions turning both ways ({', '.join(found)})")
+        return None
+    (reversed_,) = directions
+    way = "reversed, (x1, x2) -> (x2, -x1)" if reversed_ else "standard, (x1, x2) -> (-x2, x1)"
+    ctx.evidence.append(f"RoPE direction: {way} ({', '.join(found)}, probed)")
+    if len(found) == 1:
+        ((name, (pairing, _)),) = found.items()
+        ctx.evidence.append(f"RoPE pairing: {pairing} ({name}, probed)")
+        return pairing, reversed_
+    # Several functions, one picked by a config field: their direction, the config's pairing.
+    return None, reversed_
 
 
 def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
@@ -2039,23 +2302,31 @@ def _partial_rotary(ctx: Context, rotary: nn.Module | None, rope: dict[str, Any]
         return float(declared)
     if isinstance(ctx.get("kv_lora_rank"), int):
         return 1.0  # MLA rotates its own rope slice of qk_rope_head_dim
+    inv_freq = next((b for n, b in rotary.named_buffers() if "inv_freq" in n), None) if rotary is not None else None
     dims = _rotary_dims_field(ctx)
+    if inv_freq is not None:
+        # What the model rotates: its rotary table holds one frequency per rotated pair. A
+        # config field naming another width is not read (MiniMax-M3's rotary_dim).
+        factor = round(2 * inv_freq.numel() / ctx.tiny_head_dim(), 4)
+        if not math.isclose(factor, 1.0):
+            ctx.evidence.append(f"partial rotary from the rotary table: {inv_freq.numel()} frequencies")
+        if dims is not None:
+            tiny_dims = getattr(ctx.tiny, dims[0], None)
+            read = isinstance(tiny_dims, int) and math.isclose(tiny_dims / ctx.tiny_head_dim(), factor, rel_tol=1e-3)
+            ctx.evidence.append(
+                f"config field {dims[0]}={dims[1]}: "
+                + ("the rotated width" if read else f"not what the model rotates (factor {factor} from its table)")
+            )
+        return factor
     head_dim = ctx.get("head_dim")
     heads = ctx.get("num_attention_heads")
     if not isinstance(head_dim, int) and isinstance(ctx.get("hidden_size"), int) and isinstance(heads, int) and heads:
         head_dim = ctx.get("hidden_size") // heads
     if dims is not None and isinstance(head_dim, int) and head_dim > 0:
+        # No rotary table to read (GPT-J and CodeGen build sin/cos of rotary_dim themselves).
         ctx.evidence.append(f"partial rotary from the config: {dims[0]}={dims[1]} of head_dim {head_dim}")
         return round(dims[1] / head_dim, 4)
-    if rotary is None:
-        return 1.0
-    inv_freq = next((b for n, b in rotary.named_buffers() if "inv_freq" in n), None)
-    if inv_freq is None:
-        return 1.0
-    factor = 2 * inv_freq.numel() / ctx.tiny_head_dim()
-    if not math.isclose(factor, 1.0):
-        ctx.evidence.append(f"partial rotary from the rotary table: {inv_freq.numel()} frequencies")
-    return round(factor, 4)
+    return 1.0
 
 
 # ----------------------------------------------------------------------- norm
@@ -2080,64 +2351,21 @@ def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[s
 
     Some families save a module under another name than its attribute (Kolibri1's
     ``post_self_attn_layernorm`` is written as ``post_attn_norm``): each norm of layer 0
-    whose name the checkpoint lacks is tagged with its own constant weight, the tiny model
-    saved once, and the saved key holding that constant names it."""
-    layers = ctx.anatomy.layers
+    whose name the checkpoint lacks is looked up by value in what ``save_pretrained``
+    writes (:meth:`Context.saved_location`)."""
     missing = [n for n in block_norms if f"{ctx.layer_prefix}{n}.weight" not in ctx.saved_keys]
-    if not missing or not layers or not ctx.layer_prefix:
+    if not missing or not ctx.anatomy.layers or not ctx.layer_prefix:
         return block_norms
-    tags: dict[float, str] = {}
-    saved_weights: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for index, name in enumerate(missing):
-        weight = getattr(layers[0].get_submodule(name), "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        tag = 3.0 + 0.25 * index
-        saved_weights.append((weight, weight.detach().clone()))
-        tags[tag] = name
-        with torch.no_grad():
-            weight.fill_(tag)
-    try:
-        state = _saved_state(ctx.model)
-    finally:
-        with torch.no_grad():
-            for weight, original in saved_weights:
-                weight.copy_(original)
     renamed: dict[str, str] = {}
-    for key, tensor in state.items():
-        if not key.startswith(ctx.layer_prefix) or not key.endswith(".weight") or not tensor.numel():
-            continue
-        value = float(tensor.reshape(-1)[0])
-        if value in tags and bool((tensor == value).all()):
-            renamed[tags[value]] = key[len(ctx.layer_prefix) : -len(".weight")]
+    for name in missing:
+        location = ctx.saved_location(f"{ctx.anatomy.layers_path}.0.{name}.weight")
+        if location is not None and location.whole and location.key.startswith(ctx.layer_prefix):
+            renamed[name] = location.module[len(ctx.layer_prefix) :]
     if renamed:
         ctx.evidence.append(
             "block norms saved under other names: " + ", ".join(f"{a} -> {b}" for a, b in sorted(renamed.items()))
         )
     return {renamed.get(name, name): role for name, role in block_norms.items()}
-
-
-def _saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What ``save_pretrained`` writes for ``model``: its checkpoint tensors by saved key."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-    from transformers.utils import logging as hf_logging
-
-    from skill.scratch import scratch_dir
-
-    bars_were_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with scratch_dir("names") as folder:
-            model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
-            state: dict[str, torch.Tensor] = {}
-            for file in sorted(Path(folder).glob("*.safetensors")):
-                state.update(load_file(str(file)))
-            return state
-    finally:
-        if bars_were_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def norm_features(ctx: Context) -> NormFeatures:
@@ -2256,7 +2484,8 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
                     ConfigScalar(field=match[0], relation=match[1]) if match else None
                 )
         logit_value = _full_size_value(ctx, logit_source, logit)
-    tied = bool(ctx.get("tie_word_embeddings", False))
+    tied, tying_field = weight_tying(ctx)
+    padding_field = padding_idx_field(ctx)
     return ScalarFeatures(
         embedding_scale=value,
         embedding_scale_kind=kind,
@@ -2272,11 +2501,78 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
         logit_multiplier_source=logit_source,
         final_logit_softcap=final_cap,
         tie_word_embeddings=tied,
+        tying_field=tying_field,
+        padding_idx_field=padding_field,
         lm_head_bias=head_bias,
         embedding_projection_field=projection.field if isinstance(projection, EmbeddingProjection) else None,
         embedding_projection_in=projection.in_module if isinstance(projection, EmbeddingProjection) else None,
         embedding_projection_out=projection.out_module if isinstance(projection, EmbeddingProjection) else None,
     )
+
+
+TYING_FIELD = "tie_word_embeddings"
+
+
+def weight_tying(ctx: Context) -> tuple[bool, str | None]:
+    """Whether HF's LM head is the embedding for this config, and the config field that
+    decides it: the tiny model is built with ``tie_word_embeddings`` True and False and
+    its head probed each time (:func:`skill.analysis.probes.probe_head_is_embedding`).
+
+    ``(config value, "tie_word_embeddings")`` when HF follows the field; ``(False, None)``
+    when it keeps its own head either way (remote code that defines no tying); ``(True,
+    None)`` when it ties either way."""
+    configured = bool(ctx.get(TYING_FIELD, False))
+    outcomes: dict[bool, bool | None] = {}
+    for value in (True, False):
+        if bool(getattr(ctx.tiny, TYING_FIELD, False)) == value:
+            outcomes[value] = probes.probe_head_is_embedding(ctx.model)
+            continue
+        config = copy.deepcopy(ctx.tiny)
+        setattr(config, TYING_FIELD, value)
+        try:
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        except Exception as exc:  # config validators and constructors raise several exception types
+            logger.debug("building with %s=%s failed: %s", TYING_FIELD, value, exc)
+            outcomes[value] = None
+            continue
+        outcomes[value] = probes.probe_head_is_embedding(model)
+    if None in outcomes.values() or outcomes == {True: True, False: False}:
+        return configured, TYING_FIELD
+    tied = bool(outcomes[True])
+    ctx.evidence.append(
+        f"weight tying probe: the LM head {'is' if tied else 'is not'} the embedding with {TYING_FIELD} True and "
+        f"False alike; the port {'ties' if tied else 'keeps its own head'} whatever the config says"
+    )
+    return tied, None
+
+
+PAD_FIELD = "pad_token_id"
+
+
+def padding_idx_field(ctx: Context) -> str | None:
+    """The config field naming the embedding row HF never trains (``padding_idx``): with
+    ``pad_token_id`` set to one id, then another, the tiny model's token embedding gives
+    that row no gradient and the other one some (both probed; see
+    :func:`skill.analysis.probes.probe_frozen_embedding_row`). ``None`` when the config has
+    no such field or the embedding trains every row it looks up."""
+    if PAD_FIELD not in ctx.tiny.to_dict():
+        return None
+    vocab = int(ctx.tiny.vocab_size)
+    first, second = 3 % vocab, 5 % vocab
+    frozen = []
+    for row, other in ((first, second), (second, first)):
+        config = copy.deepcopy(ctx.tiny)
+        setattr(config, PAD_FIELD, row)
+        try:
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        except Exception as exc:  # config validators and constructors raise several exception types
+            logger.debug("building with %s=%s failed: %s", PAD_FIELD, row, exc)
+            return None
+        frozen.append(probes.probe_frozen_embedding_row(model, row, other))
+    if frozen != [True, True]:
+        return None
+    ctx.evidence.append(f"embedding padding_idx probe: the row {PAD_FIELD} names gets no gradient from its lookups")
+    return PAD_FIELD
 
 
 @dataclass(frozen=True)
@@ -2656,6 +2952,28 @@ _ATTENTION_PARTS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv
 OUTPUT_GATE_PART = "attention.wg"
 
 
+def saved_qkv(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[str, list[str]] | None:
+    """Separate q, k and v projections in memory that ``save_pretrained`` writes as one
+    tensor (SarvamMoE's ``attention.query_key_value``): that module, ``{}`` for the layer,
+    and the roles in the order its rows hold them; ``None`` otherwise."""
+    names = {id(module): name for name, module in ctx.model.named_modules()}
+    locations = {}
+    for role in ("q", "k", "v"):
+        proj = roles.get(role)
+        name = names.get(id(proj.module)) if proj is not None else None
+        location = ctx.saved_location(f"{name}.weight") if name else None
+        if location is None or location.whole:
+            return None
+        locations[role] = location
+    if len({loc.key for loc in locations.values()}) != 1:
+        return None
+    key = locations["q"].module
+    if not key.startswith(ctx.layer_prefix):
+        return None
+    order = sorted(locations, key=lambda role: locations[role].start)
+    return ctx.layer_prefix.removesuffix("0.") + "{}." + key[len(ctx.layer_prefix) :], order
+
+
 def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
     """HF module -> Archon module, found by structure, for the modules the checkpoint holds.
 
@@ -2677,11 +2995,23 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
 
     def template(module: nn.Module) -> str | None:
         name = names.get(id(module))
-        if name is None or name not in saved_modules or not name.startswith(layer0):
+        if name is None or not name.startswith(layer0):
             return None
-        return f"{anatomy.layers_path}.{{}}.{name[len(layer0) :]}"
+        if name in saved_modules:
+            return f"{anatomy.layers_path}.{{}}.{name[len(layer0) :]}"
+        # Saved under another name (transformers' checkpoint conversion renames it).
+        location = ctx.saved_location(f"{name}.weight")
+        if location is None or not location.whole or not location.key.startswith(ctx.layer_prefix):
+            return None
+        return ctx.layer_prefix.removesuffix("0.") + "{}." + location.module[len(ctx.layer_prefix) :]
 
-    for role, proj in _attention_projections(ctx).items():
+    roles = _attention_projections(ctx)
+    stacked = saved_qkv(ctx, roles)
+    if stacked is not None:
+        fused[stacked[0]] = [f"layers.{{}}.{_ATTENTION_PARTS[role]}" for role in stacked[1]]
+    for role, proj in roles.items():
+        if stacked is not None and role in stacked[1]:
+            continue
         hf = template(proj.module)
         if hf is None:
             continue
@@ -2711,13 +3041,22 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             hf = template(proj.module)
             if hf is not None:
                 mapping[hf] = f"layers.{{}}.feed_forward.{part}"
+    if anatomy.attention is not None:
+        # The QK norms, found by structure (Archon's q_norm / k_norm whatever HF calls them).
+        for pair, archon in zip(mt.qk_norms(anatomy.attention), ("q_norm", "k_norm"), strict=True):
+            hf = template(pair[1]) if pair is not None else None
+            if hf is not None:
+                mapping[hf] = f"layers.{{}}.attention.{archon}"
     for module, archon, needs_saved in (
         (anatomy.embedding, "tok_embeddings", True),
         (anatomy.final_norm, "norm", True),
         (anatomy.lm_head, "output", False),
     ):
         name = names.get(id(module)) if module is not None else None
-        if name and (name in saved_modules or not needs_saved):
+        if name and name not in saved_modules and needs_saved:
+            location = ctx.saved_location(f"{name}.weight")
+            name = location.module if location is not None and location.whole else None
+        if name:
             mapping[name] = archon
     projection = embedding_projection(ctx)
     if isinstance(projection, EmbeddingProjection):

@@ -182,6 +182,7 @@ def _inspect(
     ctx.other.extend(detect.layer_stack_structure(ctx))
     pinned = detect.nested_forward_fields(ctx)
     switches = detect.forward_switches(ctx)
+    nullable = detect.nullable_fields(ctx)
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -191,6 +192,7 @@ def _inspect(
         scalars=scalars,
         transposed_weights=detect.transposed_weights(ctx),
         pinned_nested_fields=pinned,
+        nullable_fields=nullable,
         forward_switches=switches,
         other=sorted(set(ctx.other)),
     )

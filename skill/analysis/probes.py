@@ -1513,3 +1513,167 @@ def probe_renormalises_without_field(
         return None
     sums = weights.float().sum(-1)
     return bool(torch.allclose(sums, sums[:1].expand_as(sums), atol=1e-4) and sums[0].abs() > 1e-6)
+
+
+# A head width for the rotation probe: even, and wide enough that the half-split partner of
+# dimension 0 (index 4) and its interleaved partner (index 1) differ.
+_ROTATION_PROBE_DIM = 8
+
+
+def probe_rotation(apply_rotary: Callable[..., Any]) -> tuple[str, bool] | None:
+    """The pairing and direction of a HF rotary function ``apply_rotary(q, k, cos, sin)``
+    (transformers' ``apply_rotary_pos_emb`` signature), read from what it computes:
+    ``(pairing, reversed)`` with pairing ``"half"`` (dimension ``i`` rotates with
+    ``i + d/2``) or ``"interleaved"`` (``2i`` with ``2i + 1``), and ``reversed`` true when
+    the rotation goes the other way: transformers' ``rotate_half`` is ``(x1, x2) -> (-x2, x1)``,
+    nanochat's ``(x2, -x1)``, which is the standard rotation by minus the angle.
+
+    With ``cos = 1, sin = 0`` the function only lays the features out (a layout some
+    implementations permute); with ``cos = 0, sin = 1`` it also turns every pair by a quarter
+    turn. The quarter turn of unit vector ``e_0``, read against the layout of each ``e_j``,
+    is ``+1`` at ``e_0``'s partner for the standard direction and ``-1`` for the reversed
+    one, whatever the layout. ``None`` when the function does not take that signature or
+    computes no rotation of pairs.
+    """
+    dim = _ROTATION_PROBE_DIM
+    basis = torch.eye(dim).view(dim, 1, 1, dim)  # [batch, heads, seq, dim]: one unit vector per batch row
+    ones, zeros = torch.ones(dim, 1, dim), torch.zeros(dim, 1, dim)  # [batch, seq, dim]
+    try:
+        with torch.no_grad():
+            layout = apply_rotary(basis, basis, ones, zeros)[0]
+            turned = apply_rotary(basis, basis, zeros, ones)[0]
+    except Exception as exc:  # a rotary function of another signature or layout
+        logger.debug("rotation probe: %s(q, k, cos, sin) raised %s", getattr(apply_rotary, "__name__", "?"), exc)
+        return None
+    if not isinstance(layout, torch.Tensor) or layout.shape != basis.shape or turned.shape != basis.shape:
+        return None
+    # Row j: the quarter turn of e_0 against the layout of e_j.
+    inner = (layout.reshape(dim, dim) @ turned.reshape(dim, dim)[0]).tolist()
+    partners = [j for j, value in enumerate(inner) if abs(value) > 0.5]
+    if len(partners) != 1 or abs(abs(inner[partners[0]]) - 1.0) > 1e-5:
+        return None
+    partner = partners[0]
+    if partner not in (1, dim // 2):
+        return None
+    return ("interleaved" if partner == 1 else "half"), inner[partner] < 0
+
+
+# ------------------------------------------------------- absolute positions beyond RoPE
+
+ABSOLUTE_PROBE_LENGTH = 6
+
+
+def pinned_rope_logits(
+    model: nn.Module,
+    config: Any,
+    start: int,
+    length: int = ABSOLUTE_PROBE_LENGTH,
+    query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    query_modules: list[nn.Module] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The logits of the same tokens at positions ``0, 1, ...`` and at ``start, start + 1, ...``
+    with every rotary module's output in the second run replaced by the one it gave in the
+    first. RoPE then sees the same angles in both runs: what still differs reads the absolute
+    position (Ministral3's query scale ``1 + beta * log(1 + floor(p / period))``). ``None``
+    without a rotary module to pin, or when a run fails.
+
+    ``query_scale`` (positions ``[1, T]`` -> factors ``[1, T]``) multiplies the output of each
+    of ``query_modules`` (the query projections) in the second run: a factor on the queries
+    written out, to compare a model without it against one that applies it itself."""
+    rotaries = rotary_modules(model)
+    if not rotaries:
+        return None
+    tokens = tokens_for(config, length)
+    # Every call's output, in order: a rotary module may run once per layer type (Gemma3).
+    near_outputs: dict[int, list[Any]] = {}
+    replayed: dict[int, int] = {}
+
+    def keep(index: int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            near_outputs.setdefault(index, []).append(output)
+
+        return hook
+
+    def replay(index: int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            calls = near_outputs.get(index, [])
+            call = replayed.get(index, 0)
+            replayed[index] = call + 1
+            return calls[call] if call < len(calls) else output
+
+        return hook
+
+    def scaled(positions: torch.Tensor):
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            assert query_scale is not None
+            return output * query_scale(positions).to(output.dtype).unsqueeze(-1)
+
+        return hook
+
+    def run(positions: torch.Tensor, far: bool) -> torch.Tensor | None:
+        handles = [rotary.register_forward_hook((replay if far else keep)(i)) for i, rotary in enumerate(rotaries)]
+        if far and query_scale is not None:
+            handles += [module.register_forward_hook(scaled(positions)) for module in query_modules or []]
+        try:
+            with torch.no_grad():
+                return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        except Exception as exc:  # a forward with a zeroed config value raises several exception types
+            logger.debug("absolute-position probe failed: %s", exc)
+            return None
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    near = run(torch.arange(length).unsqueeze(0), far=False)
+    if near is None or not near_outputs:
+        return None
+    far = run(torch.arange(start, start + length).unsqueeze(0), far=True)
+    if far is None or far.shape != near.shape:
+        return None
+    return near, far
+
+
+# ------------------------------------------------------------------ weight tying
+
+
+def probe_head_is_embedding(model: nn.Module) -> bool | None:
+    """Whether the LM head's weight is the token embedding's: the same tensor, or one that
+    follows a change of the embedding (a head that copies it). ``None`` without both.
+
+    transformers ties by its class's ``_tied_weights_keys`` when the config says so; a
+    remote-code class without them keeps its own head whatever ``tie_word_embeddings`` is."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    embedding_weight = getattr(embedding, "weight", None)
+    head_weight = getattr(head, "weight", None)
+    if not isinstance(embedding_weight, torch.Tensor) or not isinstance(head_weight, torch.Tensor):
+        return None
+    if head_weight is embedding_weight or head_weight.data_ptr() == embedding_weight.data_ptr():
+        return True
+    if head_weight.shape != embedding_weight.shape:
+        return False
+    with _preserved(embedding), torch.no_grad():
+        embedding_weight.add_(torch.randn(embedding_weight.shape, generator=_generator()))
+        return bool(torch.equal(head_weight, embedding_weight))
+
+
+# ------------------------------------------------------------ embedding rows without gradient
+
+
+def probe_frozen_embedding_row(model: nn.Module, row: int, other: int) -> bool | None:
+    """Whether the token embedding gives row ``row`` no gradient through its lookup while
+    row ``other`` gets one (``nn.Embedding``'s ``padding_idx``): both ids are looked up and
+    a random projection of the output is back-propagated. ``None`` when the embedding has
+    no weight or neither row is reached."""
+    embedding = model.get_input_embeddings()  # type: ignore[operator]
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or max(row, other) >= weight.shape[0]:
+        return None
+    tokens = torch.tensor([[other, row, other, row]])
+    with torch.enable_grad():
+        out = embedding(tokens)
+        out = out[0] if isinstance(out, tuple) else out
+        projection = torch.randn(out.shape, generator=_generator(), dtype=out.dtype)
+        (grad,) = torch.autograd.grad((out * projection).sum(), weight, allow_unused=True)
+    if grad is None or not bool(grad[other].abs().gt(0).any()):
+        return None
+    return not bool(grad[row].abs().gt(0).any())

@@ -28,6 +28,7 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    RotaryDirection,
     SlidingWindowKind,
     feature_values,
     is_supported,
@@ -211,6 +212,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
     ):
         limits.append(f"{att.qk_norm.value} QK norm after RoPE (only a per-head one moves after it)")
     pos = checklist.positions
+    if pos.rotary_direction is RotaryDirection.REVERSED and pos.per_layer_type_rope:
+        # The edit negates the sine of the one [cos | sin] cache; a cache per layer type is built
+        # by two branches. (On the MLA reference no edit turns it: the delta says so.)
+        limits.append("RoPE turning each pair the other way with RoPE parameters per layer type")
     if pos.per_layer_type_rope and not att.sliding_window.layer_pattern:
         limits.append("per-layer-type RoPE without a per-layer layer_types pattern")
     if sc.embedding_norm is not None and sc.embedding_norm is not norm.kind:
@@ -238,6 +243,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         if set(ffn.activation_fields) != {"alpha", "limit"}:
             limits.append("clamped SwiGLU whose alpha and limit no config field sets")
     if moe is not None:
+        if att.fused_qkv:
+            # edit_adapter_map splits a fused tensor inside the dense reference's rename loop; the
+            # MoE reference's from_hf stacks experts in a loop of its own (found by the fuzzer).
+            limits.append("a fused q/k/v projection in a MoE family (the MoE adapter does not split it)")
         if ffn.activation not in ("silu", "clamped_swiglu"):
             limits.append(f"MoE experts with the {ffn.activation!r} activation (shared experts run SiLU)")
         if moe.expert_bias and moe.expert_layout is not ExpertLayout.FUSED_3D:

@@ -7,12 +7,13 @@ model_type, every check goes through AReaL's registry and shared modules:
 
 - the engine's keyword arguments (``attn_type``, ``router_dtype`` and an unknown one)
   are accepted, and ``router_dtype`` reaches every router gate;
-- the model is built as ``ArchonEngine`` builds it (meta device, ``to_empty``,
-  ``init_weights``, ``init_buffers``) and loaded as ``load_model_from_hf`` loads it
-  (``to_hf`` of the model's state dict, ``dcp.load`` through the adapter's HF storage
-  reader, ``from_hf``, strict ``load_state_dict``), for ``sdpa`` and ``varlen``;
-- logits and gradients match HF fp32 on CPU for several packed documents, judged by HF's
-  float64 run (``skill.harness.parity``'s comparison);
+- the model is built and loaded by AReaL's own ``ArchonEngine`` code
+  (:mod:`skill.areal.engine_load`: meta device, the spec's parallelize, ``to_empty``, AReaL's
+  ``load_model_from_hf``, ``init_buffers``), for ``sdpa`` and ``varlen``; afterwards every
+  checkpoint tensor is in the model, the score-correction bias included, and a tied head is
+  still tied, also after a training step (:mod:`skill.areal.engine_checks`);
+- logits and gradients match HF fp32 on CPU for several packed documents
+  judged by HF's float64 run (``skill.harness.parity``'s comparison);
 - ``to_hf`` reproduces the checkpoint; ``convert_single_to_hf`` per parameter, joined,
   equals ``to_hf``, also under activation-checkpoint and compile wrapper names;
 - the critic (``is_critic=True``) builds and yields one value per token;
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from skill.areal.engine_checks import check_materialised, check_training_step
+from skill.areal.engine_load import EngineStandIn, build_as_engine
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.inputs import make_packed_inputs
@@ -87,27 +90,9 @@ class AReaLCheckResult(BaseModel):
         return bool(self.checks) and all(c.passed for c in self.checks)
 
 
-def _engine_build(spec: Any, hf_config: Any, attn_type: str, is_critic: bool = False) -> tuple[Any, Any]:
-    """``ArchonEngine``'s model creation and materialisation, on CPU."""
-    args = spec.model_args_class.from_hf_config(hf_config, is_critic=is_critic, attn_type=attn_type, router_dtype=None)
-    with torch.device("meta"):
-        model = spec.model_class(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    model.init_buffers(buffer_device="cpu")
-    return args, model
-
-
-def _engine_load(model: Any, adapter: Any, checkpoint: Path) -> None:
-    """``load_model_from_hf``, one process: HF-keyed views, ``dcp.load``, ``from_hf``, strict load."""
-    import torch.distributed.checkpoint as dcp
-
-    state = model.state_dict()
-    hf_state = adapter.to_hf(state)
-    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(str(checkpoint)))
-    archon_state = adapter.from_hf(hf_state)
-    model.load_state_dict(archon_state, strict=True)
+def _engine_model(engine: EngineStandIn) -> ArchonModel:
+    model = engine.model
+    return ArchonModel(spec=engine.spec, args=model.model_args, model=model, adapter=engine.state_dict_adapter)
 
 
 def _wrapped(name: str, wrapper: str) -> str:
@@ -158,7 +143,9 @@ def _check_checkpoint_roundtrip(rec: StageRecorder, model: Any, adapter: Any, ch
 
 
 def _check_critic(rec: StageRecorder, spec: Any, hf_config: Any, checkpoint: Path) -> None:
-    args, critic = _engine_build(spec, hf_config, "sdpa", is_critic=True)
+    # A critic starts from scratch in AReaL's order (init_weights, no load), then takes the trunk.
+    engine = build_as_engine(spec, hf_config, None, "sdpa", is_critic=True)
+    critic, args = engine.model, engine.model.model_args
     adapter = spec.state_dict_adapter_class(hf_config, str(checkpoint))
     # The checkpoint is a causal LM's: its LM head has no place in a critic, whose
     # ``score`` head starts fresh.
@@ -208,8 +195,7 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
         dims_cls=ArchonParallelDims,
         ac_config_cls=ActivationCheckpointConfig,
     )
-    per_rank = distributed.launch(distributed._stage5_worker, distributed.WORLD_SIZE, args=(setup, case))
-    for check in distributed._merge_ranks(per_rank):
+    for check in distributed.run_parallelisms(setup, case):
         rec.add(check.model_copy(update={"name": f"AReaL helpers: {check.name}"}))
 
 
@@ -238,14 +224,14 @@ def run_areal_checks(request: AReaLCheckRequest, workdir: str | Path | None = No
             truth = float64_truth(rec, lambda: truth_reference(hf_model, inputs, truth_grads), "tiny model")
             loaded = None
             for attn_type in ATTN_TYPES:
-                args, model = _engine_build(spec, hf_config, attn_type)
-                adapter = spec.state_dict_adapter_class(hf_config, str(checkpoint))
-                _engine_load(model, adapter, checkpoint)
-                archon = ArchonModel(spec=spec, args=args, model=model, adapter=adapter)
+                engine = build_as_engine(spec, hf_config, checkpoint, attn_type)
+                check_materialised(rec, engine, checkpoint, f"AReaL, {attn_type}")
+                archon = _engine_model(engine)
                 check_against_hf(rec, ref, archon_outputs(archon, inputs), inputs, f"AReaL, {attn_type}", truth)
                 if attn_type == "sdpa":
                     loaded = archon
             assert loaded is not None
+            check_training_step(rec, spec, hf_config, checkpoint, inputs, "sdpa")
             _check_checkpoint_roundtrip(rec, loaded.model, loaded.adapter, checkpoint)
             _check_critic(rec, spec, hf_config, checkpoint)
             if request.distributed:

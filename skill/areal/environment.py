@@ -1,6 +1,10 @@
 """Cached virtual environments next to this interpreter's packages: one holding a real
 AReaL (``.venv-areal/``), one holding the oldest transformers this project accepts
-(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family.
+(``.venv-tf53/``, no AReaL), in which CI runs stages 1-4 of every committed family, one
+holding the newest transformers on the registry when this was last checked
+(``.venv-tf-newest/``, no AReaL), and one holding AReaL with the torch and transformers its
+own pins allow (``.venv-areal-torch210/``: torch 2.10.0, transformers 5.3.0), in which CI runs
+stages 1-4 and the AReaL tier.
 
 AReaL's wheel pins ``torch<2.11`` and ``transformers<=5.3.0``; installing it with its
 dependencies would replace the CPU torch this project runs on. So the environment is
@@ -13,6 +17,12 @@ matches is reused, any other is rebuilt. A file lock keeps two test workers from
 building it at once. The transformers venv is built the same way, with no ``areal`` and
 no AReaL requirements: only ``transformers==<version>`` (and what pip needs to satisfy its
 pins) lands in the venv, everything else comes from this interpreter.
+
+A venv pinned to another torch (``--torch``) gets that torch in the venv itself. PyPI's torch
+2.10.0 for Linux is a CUDA build: it imports only with the ``nvidia-*`` libraries it names
+(measured: installed with ``--no-deps`` it fails on ``libcudart.so.12``), and with them it runs
+on a machine without a GPU. Measured here: ``.venv-areal-torch210/`` is 6.9 GB (torch, the
+nvidia libraries, triton, transformers 5.3.0) and takes about 4 minutes to build from PyPI.
 """
 
 from __future__ import annotations
@@ -57,9 +67,17 @@ AREAL_RUNTIME_REQUIREMENTS: tuple[str, ...] = (
 )
 
 DEFAULT_VENV_DIR = ".venv-areal"
+# The newest torch AReaL 1.0.4 allows (its pins: torch>=2.9.1,<2.11), and the venv holding it.
+AREAL_TORCH = "2.10.0"
+DEFAULT_AREAL_TORCH_VENV_DIR = ".venv-areal-torch210"
 # The oldest transformers pyproject.toml accepts (AReaL 1.0.4's newest allowed), and its venv.
 OLDEST_TRANSFORMERS = "5.3.0"
 DEFAULT_TF_VENV_DIR = ".venv-tf53"
+# The newest transformers on the registry (`pip index versions transformers`, 2026-12-04),
+# and its venv. Families only it knows are analysed and ported there (bench/analyze_all.py,
+# bench/port_all.py); move the pin when a newer one appears.
+NEWEST_TRANSFORMERS = "5.25.0"
+NEWEST_TF_VENV_DIR = ".venv-tf-newest"
 _STAMP = "archon-port-env.json"
 _BRIDGE_PTH = "_archon_port_parent_site.pth"
 
@@ -88,14 +106,14 @@ def _torch_pin(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def default_spec(transformers_version: str | None = None) -> AReaLEnvSpec:
-    """The spec for this interpreter: its torch, and its transformers unless told another."""
+def default_spec(transformers_version: str | None = None, torch_version: str | None = None) -> AReaLEnvSpec:
+    """The spec for this interpreter: its torch and its transformers, unless told others."""
     parent = [*site.getsitepackages()]
     for extra in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]):
         if extra not in parent:
             parent.append(extra)
     return AReaLEnvSpec(
-        torch=_torch_pin(installed_version("torch")),
+        torch=_torch_pin(torch_version or installed_version("torch")),
         transformers=transformers_version or installed_version("transformers"),
         parent_site=tuple(p for p in parent if Path(p).is_dir()),
         python=f"{sys.version_info.major}.{sys.version_info.minor}",
@@ -174,18 +192,23 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         description="Create or reuse a cached venv: AReaL (default), or with --no-areal only a pinned "
-        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`); "
-        "prints its python."
+        f"transformers (e.g. `{DEFAULT_TF_VENV_DIR} --no-areal --transformers {OLDEST_TRANSFORMERS}`, "
+        f"`{NEWEST_TF_VENV_DIR} --no-areal --transformers {NEWEST_TRANSFORMERS}`), "
+        f"or AReaL on its own pins (`{DEFAULT_AREAL_TORCH_VENV_DIR} --torch {AREAL_TORCH} "
+        f"--transformers {OLDEST_TRANSFORMERS}`); prints its python."
     )
     parser.add_argument("venv", nargs="?", default=DEFAULT_VENV_DIR)
     parser.add_argument("--transformers", help="pin this transformers version in the venv")
+    parser.add_argument("--torch", help="pin this torch version in the venv (default: this interpreter's)")
     parser.add_argument("--no-areal", action="store_true", help="no AReaL, no AReaL requirements")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.no_areal:
         spec = transformers_spec(args.transformers or OLDEST_TRANSFORMERS)
+        if args.torch:
+            spec = spec.model_copy(update={"torch": _torch_pin(args.torch)})
     else:
-        spec = default_spec(args.transformers)
+        spec = default_spec(args.transformers, args.torch)
     python = ensure_areal_env(args.venv, spec)
     print(python)
     return 0

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from skill.areal.checks import AReaLCheckResult
-from skill.areal.rename import ARCHON_PREFIX, AREAL_PREFIX, rewrite_import_prefix
+from skill.areal.rename import ARCHON_PREFIX, AREAL_PREFIX, rename_in_text, rewrite_prefix
 from skill.codemod import StagedTree, Workspace, journal, validate_model_name
 from skill.codemod.workspace import find_project_root
 
@@ -195,7 +195,7 @@ def stage_export(
     for path in files:
         rel = f"{target}/{path.relative_to(source_dir).as_posix()}"
         text = path.read_text(encoding="utf-8")
-        new_files[rel] = rewrite_import_prefix(text, filename=str(path)) if path.suffix == ".py" else text
+        new_files[rel] = rewrite_prefix(text, filename=str(path)) if path.suffix == ".py" else rename_in_text(text)
     existing = tree.list_files(target)
     if existing and not overwrite and {k: tree.read_text(k) for k in existing} != new_files:
         raise ExportError(

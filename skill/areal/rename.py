@@ -1,13 +1,19 @@
-"""Rewrite a package's import prefix (``archon_models`` -> ``areal.experimental.models.archon``).
+"""Rewrite a package's prefix (``archon_models`` -> ``areal.experimental.models.archon``).
 
-Only ``from <module> import ...`` statements change; comments, docstrings and formatting
-stay as written (libcst re-emits the file unchanged elsewhere). A plain
+``from <module> import ...`` statements import from the new prefix, and every string
+(docstrings and messages included, f-string text too) and comment that names the old one
+names the new one: ``archon_models/qwen3`` as a path becomes
+``areal/experimental/models/archon/qwen3``, any other mention the dotted module name. A
+longer name that merely starts with it (``archon_models_extra``) is another name and stays.
+Code and formatting stay as written (libcst re-emits the file unchanged elsewhere). A plain
 ``import archon_models...`` binds the name ``archon_models`` that the code then uses, so
 renaming it would need the whole body rewritten: such a file is refused, naming the line
 (packages the engine writes use ``from`` imports only).
 """
 
 from __future__ import annotations
+
+import re
 
 import libcst as cst
 import libcst.helpers
@@ -23,6 +29,12 @@ def _dotted(name: str) -> cst.Attribute | cst.Name:
     for part in parts[1:]:
         node = cst.Attribute(value=node, attr=cst.Name(part))
     return node
+
+
+def rename_in_text(text: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX) -> str:
+    """``text`` with ``old`` as a whole name renamed: ``old/...`` as a path, else dotted."""
+    pattern = re.compile(rf"(?<![\w.]){re.escape(old)}(?!\w)(?P<path>/)?")
+    return pattern.sub(lambda m: new.replace(".", "/") + "/" if m["path"] else new, text)
 
 
 def _renamed(module: str, old: str, new: str) -> str | None:
@@ -42,7 +54,7 @@ class _PlainImportError(Exception):
 
 
 class _PrefixRewriter(cst.CSTTransformer):
-    """Renames the prefix in ``from`` imports; raises on a plain import of it.
+    """Renames the prefix in ``from`` imports, strings and comments; raises on a plain import of it.
 
     Runs without metadata: a ``MetadataWrapper`` copies the whole tree and computes every
     node's position, several times the cost of the rewrite itself (the AReaL tier exports
@@ -52,6 +64,20 @@ class _PrefixRewriter(cst.CSTTransformer):
     def __init__(self, old: str, new: str):
         super().__init__()
         self.old, self.new = old, new
+
+    def _prose(self, text: str) -> str:
+        return rename_in_text(text, self.old, self.new)
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.SimpleString:
+        return updated.with_changes(value=self._prose(updated.value))
+
+    def leave_FormattedStringText(
+        self, original: cst.FormattedStringText, updated: cst.FormattedStringText
+    ) -> cst.FormattedStringText:
+        return updated.with_changes(value=self._prose(updated.value))
+
+    def leave_Comment(self, original: cst.Comment, updated: cst.Comment) -> cst.Comment:
+        return updated.with_changes(value=self._prose(updated.value))
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         if updated.relative or updated.module is None:
@@ -80,10 +106,9 @@ class _PlainImportLocator(cst.CSTVisitor):
             self.line = self.get_metadata(PositionProvider, node).start.line
 
 
-def rewrite_import_prefix(
-    source: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX, filename: str = "<source>"
-) -> str:
-    """``source`` with every absolute ``from`` import of ``old`` (or a submodule) importing ``new``."""
+def rewrite_prefix(source: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX, filename: str = "<source>") -> str:
+    """``source`` with every absolute ``from`` import of ``old`` (or a submodule) importing
+    ``new``, and every string and comment naming ``old`` naming ``new``."""
     module = cst.parse_module(source)
     try:
         return module.visit(_PrefixRewriter(old, new)).code

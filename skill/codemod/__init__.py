@@ -1,8 +1,9 @@
 """Source edits for the porting engine.
 
-Every change to an existing file goes through libcst (``cst``), so comments,
-formatting and hand edits survive, and every set of writes goes through a
-transaction (``workspace``), so a failure or Ctrl-C leaves the tree as it was.
+Every change to an existing file goes through libcst (``cst``), on one parse of the file
+(``document.Document``) that its edits rebuild and that is printed once, so comments,
+formatting and hand edits survive; and every set of writes goes through a transaction
+(``workspace``), so a failure or Ctrl-C leaves the tree as it was.
 """
 
 from skill.codemod.format import FormatError, format_python

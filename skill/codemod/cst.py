@@ -1,32 +1,69 @@
-"""libcst helpers: each takes module source and returns edited source.
+"""libcst helpers: each takes a :class:`Document` and returns it edited.
 
-Every helper edits only the nodes it names and returns the input unchanged when the
-edit is already in place, so a step run twice changes nothing and comments and hand
-edits elsewhere in the file survive.
+Every helper edits only the nodes it names and returns the document it was given (the
+same object) when the edit is already in place, so a step run twice changes nothing and
+comments and hand edits elsewhere in the file survive. No helper parses or prints the
+document: a step parses a file once (``Document(text)``), applies its edits, and reads
+``.code`` once (see ``skill.codemod.document``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeGuard
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TypeGuard, TypeVar
 
 import libcst as cst
 import libcst.matchers as m
 
-from skill.codemod import parse_cache
+from skill.codemod.document import CodemodError, Document, node_code, replace_node, replace_nodes, walk
 from skill.codemod.literals import python_string
 
+_N = TypeVar("_N", bound=cst.CSTNode)
 
-class CodemodError(ValueError):
-    """The source does not have the shape an edit expects."""
-
-
-def _parse(source: str) -> cst.Module:
-    try:
-        return parse_cache.parse_module(source)
-    except cst.ParserSyntaxError as e:
-        raise CodemodError(f"cannot parse source: {e}") from e
+__all__ = [
+    "CodemodError",
+    "Document",
+    "add_parameter",
+    "append_statements",
+    "class_code",
+    "class_field_names",
+    "edit_dict_literal",
+    "ensure_import_line",
+    "has_class",
+    "has_method",
+    "has_statement",
+    "insert_after_statement_assigning",
+    "insert_before_class",
+    "insert_class_statement_after",
+    "keep_else_branch",
+    "leading_lines",
+    "prune_unused_imports",
+    "read_all",
+    "read_dict_literal",
+    "remove_call_kwarg",
+    "remove_class",
+    "remove_from_all",
+    "remove_function",
+    "remove_method",
+    "remove_statements",
+    "rename_identifiers",
+    "replace_class",
+    "replace_function",
+    "replace_in_function",
+    "replace_name",
+    "replace_node",
+    "replace_return",
+    "replace_statement_assigning",
+    "replace_text",
+    "set_call_kwarg",
+    "set_class_fields",
+    "set_docstring",
+    "set_module_assign",
+    "statements",
+    "top_level_names",
+    "upsert_function",
+    "upsert_method",
+]
 
 
 def _replace_all(text: str, pairs: Sequence[tuple[str, str]]) -> str:
@@ -36,40 +73,96 @@ def _replace_all(text: str, pairs: Sequence[tuple[str, str]]) -> str:
     return text
 
 
-class _Renamer(cst.CSTTransformer):
-    def __init__(self, pairs: Sequence[tuple[str, str]]):
-        super().__init__()
-        self.pairs = pairs
-
-    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
-        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
-
-    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.SimpleString:
-        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
-
-    def leave_Comment(self, original_node: cst.Comment, updated_node: cst.Comment) -> cst.Comment:
-        return updated_node.with_changes(value=_replace_all(updated_node.value, self.pairs))
-
-
-def rename_identifiers(source: str, pairs: Sequence[tuple[str, str]]) -> str:
+def rename_identifiers(doc: Document, pairs: Sequence[tuple[str, str]]) -> Document:
     """Rename every identifier, dotted module path, string and comment by substring pairs.
 
     ``[("Qwen2", "Mistral"), ("QWEN2", "MISTRAL"), ("qwen2", "mistral")]`` turns
     ``Qwen2Model`` into ``MistralModel``, ``archon_models.qwen2.model`` into
     ``archon_models.mistral.model`` and ``QWEN2_SPEC`` into ``MISTRAL_SPEC``.
     """
-    return _parse(source).visit(_Renamer(pairs)).code
+
+    def renamed(stmt: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
+        found: dict[cst.CSTNode, cst.CSTNode] = {}
+        for node in walk(stmt):
+            if isinstance(node, (cst.Name, cst.SimpleString, cst.Comment)):
+                value = _replace_all(node.value, pairs)
+                if value != node.value:
+                    found[node] = node.with_changes(value=value)
+        return found
+
+    module = doc.module
+    edited = _edit_statements(doc, renamed)
+    header, footer = (tuple(_replaced_in(line, renamed) for line in lines) for lines in (module.header, module.footer))
+    if all(a is b for a, b in zip((*header, *footer), (*module.header, *module.footer), strict=True)):
+        return edited
+    return edited.with_module(edited.module.with_changes(header=header, footer=footer))
+
+
+def replace_text(doc: Document, old: str, new: str, count: int = -1) -> Document:
+    """``doc`` with ``old`` replaced by ``new`` in its source as ``str.replace(old, new, count)``
+    replaces it, re-parsing only the top-level statements that hold it.
+
+    For an edit that names text rather than nodes (a comment line, a line of a docstring).
+    Where ``old`` straddles two statements, or a statement re-parsed alone would not print
+    back as the text it was made from, the whole source is parsed again.
+    """
+    if old not in doc:
+        return doc
+    expected = doc.code.replace(old, new, count)
+    body: list[cst.BaseStatement] = []
+    left = count
+    for stmt in doc.module.body:
+        code = doc.statement_code(stmt)
+        found = code.count(old) if left != 0 else 0
+        if not found:
+            body.append(stmt)
+            continue
+        taken = found if left < 0 else min(found, left)
+        left = left if left < 0 else left - taken
+        parsed = _statements_printing_as(doc, code.replace(old, new, taken))
+        if parsed is None:
+            return Document(expected)
+        body.extend(parsed)
+    edited = doc.with_body(body)
+    return edited if edited.code == expected else Document(expected)
+
+
+def _statements_printing_as(doc: Document, code: str) -> list[cst.BaseStatement] | None:
+    """The top-level statements ``code`` parses to, if they print as ``code`` in ``doc``."""
+    lead = "pass" + doc.module.default_newline  # keeps leading comment lines on the first statement
+    try:
+        part = cst.parse_module(lead + code)
+    except cst.ParserSyntaxError:
+        return None
+    parsed: list[cst.BaseStatement] = list(part.body[1:])
+    if part.header or part.footer or "".join(doc.statement_code(stmt) for stmt in parsed) != code:
+        return None
+    return parsed
+
+
+def _edit_statements(doc: Document, edit: Callable[[cst.BaseStatement], Mapping[cst.CSTNode, cst.CSTNode]]) -> Document:
+    """``doc`` with the replacements ``edit`` finds in each top-level statement made there
+    (only the statements holding one are rebuilt)."""
+    body = list(doc.module.body)
+    changed = False
+    for i, stmt in enumerate(body):
+        new = _replaced_in(stmt, edit)
+        if new is not stmt:
+            body[i] = new
+            changed = True
+    return doc.with_body(body) if changed else doc
+
+
+def _replaced_in(node: _N, edit: Callable[[_N], Mapping[cst.CSTNode, cst.CSTNode]]) -> _N:
+    replacements = edit(node)
+    if not replacements:
+        return node
+    new = replace_nodes(node, replacements)
+    assert isinstance(new, type(node))
+    return new
 
 
 # --- imports -------------------------------------------------------------------------
-
-
-def _stmt_key(stmt: cst.CSTNode) -> str:
-    """A statement's code without comments or layout, for equality checks."""
-    module = cst.Module(body=[])
-    if isinstance(stmt, cst.SimpleStatementLine):
-        return " ; ".join(module.code_for_node(s) for s in stmt.body)
-    return module.code_for_node(stmt)
 
 
 def _is_import_line(stmt: cst.CSTNode) -> TypeGuard[cst.SimpleStatementLine]:
@@ -78,10 +171,10 @@ def _is_import_line(stmt: cst.CSTNode) -> TypeGuard[cst.SimpleStatementLine]:
     )
 
 
-def has_statement(source: str, statement: str) -> bool:
+def has_statement(doc: Document, statement: str) -> bool:
     """Whether a module-level statement equal to ``statement`` (ignoring comments) exists."""
-    wanted = _stmt_key(cst.parse_statement(statement))
-    return any(_stmt_key(s) == wanted for s in _parse(source).body)
+    wanted = doc.key(cst.parse_statement(statement))
+    return any(doc.key(s) == wanted for s in doc.module.body)
 
 
 def _same_import_group(stmt: cst.SimpleStatementLine, new: cst.BaseStatement) -> bool:
@@ -93,27 +186,26 @@ def _same_import_group(stmt: cst.SimpleStatementLine, new: cst.BaseStatement) ->
         imp = node.body[0]
         if not isinstance(imp, cst.ImportFrom) or imp.module is None or isinstance(imp.names, cst.ImportStar):
             return None
-        root = _target_code(imp.module).split(".")[0]
-        names = ",".join(_target_code(a.name) for a in imp.names)
+        root = node_code(imp.module).split(".")[0]
+        names = ",".join(node_code(a.name) for a in imp.names)
         return root, names
 
     return shape(stmt) is not None and shape(stmt) == shape(new)
 
 
-def ensure_import_line(source: str, statement: str) -> str:
+def ensure_import_line(doc: Document, statement: str) -> Document:
     """Add ``statement`` after the last module-level import unless it is already there."""
-    module = _parse(source)
+    module = doc.module
     new_stmt = cst.parse_statement(statement)
-    wanted = _stmt_key(new_stmt)
+    wanted = doc.key(new_stmt)
     body = list(module.body)
-    if any(_stmt_key(s) == wanted for s in body):
-        return source
-    wanted_code = _stmt_key(new_stmt)
+    if any(doc.key(s) == wanted for s in body):
+        return doc
     siblings = [i for i, s in enumerate(body) if _is_import_line(s) and _same_import_group(s, new_stmt)]
     if siblings:
         # Keep a group of like lines (one per registered package) sorted, so the file does
         # not depend on the order in which packages were added.
-        later = [i for i in siblings if _stmt_key(body[i]) > wanted_code]
+        later = [i for i in siblings if doc.key(body[i]) > wanted]
         index = later[0] if later else siblings[-1] + 1
         if isinstance(new_stmt, cst.SimpleStatementLine):
             new_stmt = new_stmt.with_changes(leading_lines=[])
@@ -122,7 +214,7 @@ def ensure_import_line(source: str, statement: str) -> str:
             new_stmt = new_stmt.with_changes(leading_lines=body[index].leading_lines)
             body[index] = body[index].with_changes(leading_lines=[])
         body.insert(index, new_stmt)
-        return module.with_changes(body=body).code
+        return doc.with_body(body)
     last_import = max((i for i, s in enumerate(body) if _is_import_line(s)), default=-1)
     if last_import < 0:
         # after a module docstring, if any
@@ -130,24 +222,19 @@ def ensure_import_line(source: str, statement: str) -> str:
     if isinstance(new_stmt, cst.SimpleStatementLine):
         new_stmt = new_stmt.with_changes(leading_lines=[])
     body.insert(last_import + 1, new_stmt)
-    return module.with_changes(body=body).code
+    return doc.with_body(body)
 
 
-def remove_statements(source: str, predicate) -> str:
+def remove_statements(doc: Document, predicate: Callable[[str], bool]) -> Document:
     """Drop the module-level statements for which ``predicate(code)`` is true."""
-    module = _parse(source)
-    empty = cst.Module(body=[])
-    body = [s for s in module.body if not predicate(_stmt_key(s) if _is_import_line(s) else empty.code_for_node(s))]
+    module = doc.module
+    body = [s for s in module.body if not predicate(doc.key(s) if _is_import_line(s) else node_code(s))]
     if len(body) == len(module.body):
-        return source
-    return module.with_changes(body=body).code
+        return doc
+    return doc.with_body(body)
 
 
 # --- dict literals ---------------------------------------------------------------------
-
-
-def _target_code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
 
 
 def leading_lines(stmt: cst.CSTNode) -> Sequence[cst.EmptyLine]:
@@ -165,7 +252,7 @@ def _docstring_code(stmt: cst.CSTNode) -> str | None:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     ):
-        return _target_code(stmt.body[0].value)
+        return node_code(stmt.body[0].value)
     return None
 
 
@@ -173,77 +260,8 @@ def statements(suite: cst.BaseSuite) -> list[cst.BaseStatement]:
     """The statements of an indented block (a class or function body written on one line,
     ``class A: pass``, has none the edits could match)."""
     if not isinstance(suite, cst.IndentedBlock):
-        raise CodemodError(f"expected an indented block, found {_target_code(suite).strip()!r}")
+        raise CodemodError(f"expected an indented block, found {node_code(suite).strip()!r}")
     return list(suite.body)
-
-
-def replaced_code(
-    module: cst.Module, old: cst.CSTNode, new: cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel[Any]
-) -> str:
-    """The code of ``module`` with ``old`` replaced by ``new`` (a node inside the module,
-    so the result is a module again). ``new`` may come from ``node.visit(transformer)``,
-    typed as possibly removing the node; the transformers here never do."""
-    if not isinstance(new, cst.CSTNode):
-        raise CodemodError(f"internal error: a transform removed {_target_code(old).strip()[:60]!r}")
-    result = replace_node(module, old, new)
-    if not isinstance(result, cst.Module):  # only when old is the module itself
-        raise CodemodError("internal error: a replacement inside a module did not return a module")
-    return result.code
-
-
-def replace_node(root: cst.CSTNode, old: cst.CSTNode, new: cst.CSTNode) -> cst.CSTNode:
-    """``root`` with the node ``old`` (found by identity) replaced by ``new``.
-
-    What libcst's ``deep_replace`` returns, built by rebuilding only ``old``'s ancestors:
-    ``deep_replace`` rebuilds every node of the tree, and a port makes hundreds of edits to
-    modules of a few thousand nodes (a quarter of an edit's time went there).
-    """
-    if root is old:
-        return new
-    path = _path_to(root, old)
-    if path is None:
-        raise CodemodError(f"internal error: {_target_code(old).strip()[:60]!r} is not inside the module edited")
-    node = new
-    for parent, name, index in reversed(path):
-        if index is None:
-            value: Any = node
-        else:
-            items = getattr(parent, name)
-            value = (*items[:index], node, *items[index + 1 :])
-        node = parent.with_changes(**{name: value})
-    return node
-
-
-def _path_to(root: cst.CSTNode, target: cst.CSTNode) -> list[tuple[cst.CSTNode, str, int | None]] | None:
-    """The (parent, field, index in a sequence field or None) steps from ``root`` to ``target``."""
-    stack: list[tuple[cst.CSTNode, list[tuple[cst.CSTNode, str, int | None]]]] = [(root, [])]
-    while stack:
-        node, path = stack.pop()
-        for name in _child_fields(type(node)):
-            value = getattr(node, name)
-            if isinstance(value, cst.CSTNode):
-                step = [*path, (node, name, None)]
-                if value is target:
-                    return step
-                stack.append((value, step))
-            elif isinstance(value, (tuple, list)):
-                for index, item in enumerate(value):
-                    if isinstance(item, cst.CSTNode):
-                        step = [*path, (node, name, index)]
-                        if item is target:
-                            return step
-                        stack.append((item, step))
-    return None
-
-
-_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _child_fields(cls: type) -> tuple[str, ...]:
-    fields = _CHILD_FIELDS.get(cls)
-    if fields is None:
-        fields = _CHILD_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
-    return fields
 
 
 def _string_value(node: cst.BaseExpression) -> str | None:
@@ -261,17 +279,12 @@ def _literal(value: str | None) -> cst.BaseExpression:
 
 def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:
     found: list[cst.Dict] = []
-
-    class _Finder(cst.CSTVisitor):
-        def visit_Assign(self, node: cst.Assign) -> None:
-            if isinstance(node.value, cst.Dict) and any(_target_code(t.target) == target for t in node.targets):
+    for node in (small for stmt in module.body for small in _small_statements(stmt)):
+        if isinstance(node, cst.Assign):
+            if isinstance(node.value, cst.Dict) and any(node_code(t.target) == target for t in node.targets):
                 found.append(node.value)
-
-        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-            if isinstance(node.value, cst.Dict) and _target_code(node.target) == target:
-                found.append(node.value)
-
-    module.visit(_Finder())
+        elif isinstance(node, cst.AnnAssign) and isinstance(node.value, cst.Dict) and node_code(node.target) == target:
+            found.append(node.value)
     if not found:
         raise CodemodError(f"no dict literal assigned to {target!r}")
     if len(found) > 1:
@@ -279,10 +292,10 @@ def _find_dict_literal(module: cst.Module, target: str) -> cst.Dict:
     return found[0]
 
 
-def read_dict_literal(source: str, target: str) -> dict[str, str | None]:
+def read_dict_literal(doc: Document, target: str) -> dict[str, str | None]:
     """The string-keyed entries of the dict literal assigned to ``target``."""
     result: dict[str, str | None] = {}
-    for element in _find_dict_literal(_parse(source), target).elements:
+    for element in _find_dict_literal(doc.module, target).elements:
         if not isinstance(element, cst.DictElement):
             continue
         key = _string_value(element.key)
@@ -296,17 +309,17 @@ def read_dict_literal(source: str, target: str) -> dict[str, str | None]:
 
 
 def edit_dict_literal(
-    source: str,
+    doc: Document,
     target: str,
     set_entries: Mapping[str, str | None] | None = None,
     remove: Iterable[str] = (),
     *,
     raw_values: bool = False,
-) -> str:
+) -> Document:
     """Set, add or remove string entries of the dict literal assigned to ``target``.
 
     Existing entries keep their place, comments and layout; new entries are appended
-    with the layout of the last one. Returns ``source`` unchanged when nothing differs.
+    with the layout of the last one. Returns ``doc`` unchanged when nothing differs.
     With ``raw_values`` the values are expression sources (``"SequenceParallel()"``).
     """
     set_entries = dict(set_entries or {})
@@ -317,7 +330,7 @@ def edit_dict_literal(
             return cst.parse_expression(value or "None")
 
         def holds(node: cst.BaseExpression, value: str | None) -> bool:
-            return _target_code(node) == _target_code(make_value(value))
+            return node_code(node) == node_code(make_value(value))
 
     else:
         make_value = _literal
@@ -327,8 +340,7 @@ def edit_dict_literal(
                 return value is None
             return _string_value(node) == value
 
-    module = _parse(source)
-    original = _find_dict_literal(module, target)
+    original = _find_dict_literal(doc.module, target)
     elements: list[cst.BaseDictElement] = []
     origins: list[int | None] = []
     seen: set[str] = set()
@@ -359,10 +371,9 @@ def edit_dict_literal(
         elements.append(new)
         origins.append(None)
     if not changed:
-        return source
+        return doc
     elements = _relayout_commas(original, elements, origins)
-    new_dict = original.with_changes(elements=elements)
-    return replaced_code(module, original, new_dict)
+    return doc.replaced(original, original.with_changes(elements=elements))
 
 
 def _clean_comma(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:
@@ -401,20 +412,36 @@ def _relayout_commas(
 # --- classes and functions -------------------------------------------------------------
 
 
-def _find_class(module: cst.Module, class_name: str) -> cst.ClassDef:
+def find_class(module: cst.Module, class_name: str) -> cst.ClassDef:
+    """The top-level class ``class_name``; ``CodemodError`` when there is none."""
     for stmt in module.body:
         if isinstance(stmt, cst.ClassDef) and stmt.name.value == class_name:
             return stmt
     raise CodemodError(f"no top-level class {class_name!r}")
 
 
-def has_class(source: str, class_name: str) -> bool:
-    return any(isinstance(s, cst.ClassDef) and s.name.value == class_name for s in _parse(source).body)
+def has_class(doc: Document, class_name: str) -> bool:
+    return any(isinstance(s, cst.ClassDef) and s.name.value == class_name for s in doc.module.body)
 
 
-def _find_function(module: cst.Module, class_name: str | None, func_name: str) -> cst.FunctionDef:
+def class_code(doc: Document, class_name: str) -> str:
+    """The code of top-level class ``class_name`` (printed once per version of the class)."""
+    return doc.statement_code(find_class(doc.module, class_name))
+
+
+def has_method(doc: Document, class_name: str, func_name: str) -> bool:
+    """Whether top-level class ``class_name`` defines method ``func_name``."""
+    return any(
+        isinstance(s, cst.FunctionDef) and s.name.value == func_name
+        for s in statements(find_class(doc.module, class_name).body)
+    )
+
+
+def find_function(module: cst.Module, class_name: str | None, func_name: str) -> cst.FunctionDef:
+    """Module-level function ``func_name`` (``class_name=None``) or a method of a top-level
+    class; ``CodemodError`` when there is none."""
     scope: Sequence[cst.CSTNode] = (
-        module.body if class_name is None else statements(_find_class(module, class_name).body)
+        module.body if class_name is None else statements(find_class(module, class_name).body)
     )
     for stmt in scope:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == func_name:
@@ -423,20 +450,24 @@ def _find_function(module: cst.Module, class_name: str | None, func_name: str) -
     raise CodemodError(f"no function {func_name!r} in {where}")
 
 
-def replace_function(source: str, class_name: str | None, func_name: str, new_source: str) -> str:
+def _with_block(node: cst.ClassDef | cst.FunctionDef, body: Sequence[cst.BaseStatement]) -> cst.CSTNode:
+    """A class or function with the statements of its indented body replaced."""
+    return node.with_changes(body=node.body.with_changes(body=body))
+
+
+def replace_function(doc: Document, class_name: str | None, func_name: str, new_source: str) -> Document:
     """Replace one function or method (decorators included) by ``new_source``.
 
     ``new_source`` is written at column 0; a method is re-indented by libcst.
     """
-    module = _parse(source)
-    old = _find_function(module, class_name, func_name)
+    old = find_function(doc.module, class_name, func_name)
     new = _parse_def(new_source, in_class=class_name is not None)
     if not isinstance(new, cst.FunctionDef):
         raise CodemodError(f"replacement for {func_name!r} is not a function definition")
     new = new.with_changes(leading_lines=old.leading_lines)
-    if _target_code(new.with_changes(leading_lines=[])) == _target_code(old.with_changes(leading_lines=[])):
-        return source
-    return replaced_code(module, old, new)
+    if node_code(new.with_changes(leading_lines=[])) == node_code(old.with_changes(leading_lines=[])):
+        return doc
+    return doc.replaced(old, new)
 
 
 def _parse_def(new_source: str, *, in_class: bool) -> cst.BaseStatement:
@@ -450,31 +481,30 @@ def _parse_def(new_source: str, *, in_class: bool) -> cst.BaseStatement:
     return statements(wrapper.body)[0]
 
 
-def replace_class(source: str, class_name: str, new_source: str, *, new_name: str | None = None) -> str:
+def replace_class(doc: Document, class_name: str, new_source: str) -> Document:
     """Replace a top-level class by ``new_source`` (which may define another name)."""
-    module = _parse(source)
-    old = _find_class(module, class_name)
+    old = find_class(doc.module, class_name)
     new = cst.parse_statement(new_source)
     if not isinstance(new, cst.ClassDef):
         raise CodemodError(f"replacement for class {class_name!r} is not a class definition")
     new = new.with_changes(leading_lines=old.leading_lines)
-    if _target_code(new) == _target_code(old):
-        return source
-    return replaced_code(module, old, new)
+    if node_code(new) == node_code(old):
+        return doc
+    return doc.replaced(old, new)
 
 
-def insert_before_class(source: str, anchor: str, new_source: str) -> str:
+def insert_before_class(doc: Document, anchor: str, new_source: str) -> Document:
     """Insert top-level statements before class ``anchor`` unless a class they define exists."""
-    module = _parse(source)
-    new_module = _parse(new_source)
+    module = doc.module
+    new_module = _parse_module(new_source)
     existing = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
     new_stmts = [
         s for s in new_module.body if not (isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value in existing)
     ]
     if not new_stmts:
-        return source
+        return doc
     body = list(module.body)
-    index = body.index(_find_class(module, anchor))
+    index = body.index(find_class(module, anchor))
     spaced = [
         s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
         if isinstance(s, (cst.ClassDef, cst.FunctionDef))
@@ -482,65 +512,142 @@ def insert_before_class(source: str, anchor: str, new_source: str) -> str:
         for s in new_stmts
     ]
     body[index:index] = spaced
-    return module.with_changes(body=body).code
+    return doc.with_body(body)
 
 
-def remove_class(source: str, class_name: str) -> str:
-    module = _parse(source)
+def _parse_module(source: str) -> cst.Module:
     try:
-        old = _find_class(module, class_name)
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        raise CodemodError(f"cannot parse source: {e}") from e
+
+
+def remove_class(doc: Document, class_name: str) -> Document:
+    try:
+        old = find_class(doc.module, class_name)
     except CodemodError:
-        return source
-    return module.with_changes(body=[s for s in module.body if s is not old]).code
+        return doc
+    return doc.with_body([s for s in doc.module.body if s is not old])
 
 
-def replace_in_function(source: str, class_name: str | None, func_name: str, old: str, new: str) -> str:
+def _blocks_rebuilt(node: cst.CSTNode, edit: Callable[[cst.IndentedBlock], cst.IndentedBlock]) -> cst.CSTNode:
+    """``node`` with ``edit`` applied to each indented block inside it, innermost first
+    (a block's statements are edited before the block holding them, as a libcst
+    transformer's ``leave_IndentedBlock`` sees them); a node nothing changed in is returned
+    as it is, so unchanged statements keep their identity."""
+    changes: dict[str, cst.CSTNode | tuple[cst.CSTNode, ...]] = {}
+    for name, value in _statement_fields(node):
+        if isinstance(value, cst.CSTNode):
+            new = _blocks_rebuilt(value, edit)
+            if new is not value:
+                changes[name] = new
+        else:
+            items = [_blocks_rebuilt(item, edit) for item in value]
+            if any(a is not b for a, b in zip(items, value, strict=True)):
+                changes[name] = tuple(items)
+    rebuilt = node.with_changes(**changes) if changes else node
+    return edit(rebuilt) if isinstance(rebuilt, cst.IndentedBlock) else rebuilt
+
+
+# The fields that hold statements, blocks or the clauses of a compound statement (an
+# expression holds no indented block).
+_BLOCK_HOLDERS = (
+    cst.BaseSuite,
+    cst.BaseCompoundStatement,
+    cst.Else,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+    cst.Finally,
+    cst.MatchCase,
+)
+
+
+def _statement_fields(node: cst.CSTNode) -> Iterator[tuple[str, cst.CSTNode | tuple[cst.CSTNode, ...]]]:
+    if isinstance(node, cst.IndentedBlock):
+        yield "body", tuple(node.body)
+        return
+    if not isinstance(node, _BLOCK_HOLDERS):
+        return
+    for name in ("body", "orelse", "handlers", "finalbody", "cases"):
+        value = getattr(node, name, None)
+        if isinstance(value, _BLOCK_HOLDERS):
+            yield name, value
+        elif isinstance(value, (tuple, list)):
+            yield name, tuple(item for item in value if isinstance(item, _BLOCK_HOLDERS))
+
+
+def _nested_statements(node: cst.CSTNode) -> Iterator[cst.BaseStatement]:
+    """Every statement inside ``node``, at any depth (compound statements' bodies included)."""
+    for _, value in _statement_fields(node):
+        for child in (value,) if isinstance(value, cst.CSTNode) else value:
+            if isinstance(child, cst.BaseStatement):
+                yield child
+            yield from _nested_statements(child)
+
+
+def replace_in_function(doc: Document, class_name: str | None, func_name: str, old: str, new: str) -> Document:
     """Replace one statement (matched by its code, ignoring layout) inside a function body.
 
     ``old`` and ``new`` are single statements; ``new`` may be several lines or empty
     (the statement is removed). Already-applied edits are a no-op.
     """
-    module = _parse(source)
-    func = _find_function(module, class_name, func_name)
-    wanted = _stmt_key(cst.parse_statement(old))
+    func = find_function(doc.module, class_name, func_name)
+    wanted = doc.key(cst.parse_statement(old))
     replacement = _parse_statements(new) if new.strip() else []
-    replacement_keys = [_stmt_key(s) for s in replacement]
+    hits = 0
 
-    class _Swap(cst.CSTTransformer):
-        hits = 0
+    def swap(block: cst.IndentedBlock) -> cst.IndentedBlock:
+        nonlocal hits
+        if not any(doc.key(stmt) == wanted for stmt in block.body):
+            return block
+        body: list[cst.BaseStatement] = []
+        carried: Sequence[cst.EmptyLine] | None = None
+        for stmt in block.body:
+            if doc.key(stmt) == wanted:
+                hits += 1
+                if not replacement:
+                    carried = leading_lines(stmt)  # a blank line before a removed statement stays
+                    continue
+                body.extend(
+                    r.with_changes(leading_lines=[*leading_lines(stmt), *r.leading_lines])
+                    if i == 0 and isinstance(r, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+                    else r
+                    for i, r in enumerate(replacement)
+                )
+            else:
+                if carried is not None and isinstance(stmt, _WITH_LEADING_LINES) and not stmt.leading_lines:
+                    stmt = stmt.with_changes(leading_lines=carried)
+                carried = None
+                body.append(stmt)
+        return block.with_changes(body=body)
 
-        def leave_IndentedBlock(
-            self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
-        ) -> cst.IndentedBlock:
-            body: list[cst.BaseStatement] = []
-            carried: Sequence[cst.EmptyLine] | None = None
-            for stmt in updated_node.body:
-                if _stmt_key(stmt) == wanted:
-                    self.hits += 1
-                    if not replacement:
-                        carried = leading_lines(stmt)  # a blank line before a removed statement stays
-                        continue
-                    body.extend(
-                        r.with_changes(leading_lines=[*leading_lines(stmt), *r.leading_lines])
-                        if i == 0 and isinstance(r, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
-                        else r
-                        for i, r in enumerate(replacement)
-                    )
-                else:
-                    if carried is not None and hasattr(stmt, "leading_lines") and not stmt.leading_lines:
-                        stmt = stmt.with_changes(leading_lines=carried)
-                    carried = None
-                    body.append(stmt)
-            return updated_node.with_changes(body=body)
-
-    swap = _Swap()
-    new_func = func.visit(swap)
-    if swap.hits == 0:
-        keys = [_stmt_key(s) for s in statements(func.body)]
-        if not replacement_keys or all(k in _all_stmt_keys(func) for k in replacement_keys):
-            return source  # already applied
+    new_func = _blocks_rebuilt(func, swap)
+    if hits == 0:
+        keys = [doc.key(s) for s in statements(func.body)]
+        if not replacement or all(doc.key(s) in _all_stmt_keys(doc, func) for s in replacement):
+            return doc  # already applied
         raise CodemodError(f"statement {old.strip()!r} not found in {func_name!r}; found: {keys}")
-    return replaced_code(module, func, new_func)
+    return doc.replaced(func, new_func)
+
+
+_WITH_LEADING_LINES = (cst.SimpleStatementLine, cst.BaseCompoundStatement)
+
+
+def keep_else_branch(doc: Document, class_name: str | None, func_name: str, test: str) -> Document:
+    """The top-level ``if <test>: ... else: ...`` of a function becomes the statements of its
+    ``else`` branch (the blank and comment lines above the ``if`` stay); a no-op when the
+    function has no such ``if``."""
+    func = find_function(doc.module, class_name, func_name)
+    body = statements(func.body)
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.If) and node_code(stmt.test) == test:
+            if not isinstance(stmt.orelse, cst.Else):
+                raise CodemodError(f"'if {test}:' in {func_name!r} has no else branch to keep")
+            kept = statements(stmt.orelse.body)
+            kept[0] = kept[0].with_changes(leading_lines=[*stmt.leading_lines, *leading_lines(kept[0])])
+            body[i : i + 1] = kept
+            return doc.replaced(func, _with_block(func, body))
+    return doc
 
 
 def _parse_statements(source: str) -> list[cst.BaseStatement]:
@@ -550,26 +657,18 @@ def _parse_statements(source: str) -> list[cst.BaseStatement]:
     return body[1:]
 
 
-def _all_stmt_keys(node: cst.CSTNode) -> set[str]:
-    keys: set[str] = set()
-
-    class _Collect(cst.CSTVisitor):
-        def visit_SimpleStatementLine(self, n):
-            keys.add(_stmt_key(n))
-
-        def visit_If(self, n):
-            keys.add(_stmt_key(n))
-
-        def visit_For(self, n):
-            keys.add(_stmt_key(n))
-
-    node.visit(_Collect())
-    return keys
+def _all_stmt_keys(doc: Document, node: cst.CSTNode) -> set[str]:
+    """The keys of every simple statement line, ``if`` and ``for`` inside ``node``."""
+    return {
+        doc.key(stmt)
+        for stmt in _nested_statements(node)
+        if isinstance(stmt, (cst.SimpleStatementLine, cst.If, cst.For))
+    }
 
 
-def class_field_names(source: str, class_name: str) -> list[str]:
+def class_field_names(doc: Document, class_name: str) -> list[str]:
     """Annotated field names of a (dataclass) class, in order."""
-    cls = _find_class(_parse(source), class_name)
+    cls = find_class(doc.module, class_name)
     names = []
     for stmt in statements(cls.body):
         if isinstance(stmt, cst.SimpleStatementLine):
@@ -580,18 +679,17 @@ def class_field_names(source: str, class_name: str) -> list[str]:
 
 
 def set_class_fields(
-    source: str,
+    doc: Document,
     class_name: str,
     fields: Mapping[str, str],
     remove: Iterable[str] = (),
-) -> str:
+) -> Document:
     """Set annotated class fields: ``{"name": "int = 4"}``; add missing ones after the last field.
 
     Fields named in ``remove`` are dropped. Existing fields keep their comments.
     """
     remove = set(remove)
-    module = _parse(source)
-    cls = _find_class(module, class_name)
+    cls = find_class(doc.module, class_name)
     body = statements(cls.body)
     seen: set[str] = set()
     last_field = -1
@@ -608,7 +706,7 @@ def set_class_fields(
             new_stmt = new_stmt.with_changes(
                 leading_lines=stmt.leading_lines, trailing_whitespace=stmt.trailing_whitespace
             )
-            if _stmt_key(new_stmt) != _stmt_key(stmt):
+            if doc.key(new_stmt) != doc.key(stmt):
                 stmt = new_stmt
                 changed = True
         new_body.append(stmt)
@@ -620,9 +718,8 @@ def set_class_fields(
         insert_at = last_field + 1 if last_field >= 0 else _after_docstring(new_body)
         new_body[insert_at:insert_at] = additions
     if not changed:
-        return source
-    new_cls = cls.with_changes(body=cls.body.with_changes(body=new_body))
-    return replaced_code(module, cls, new_cls)
+        return doc
+    return doc.replaced(cls, _with_block(cls, new_body))
 
 
 def _field_name(stmt: cst.CSTNode) -> str | None:
@@ -639,121 +736,185 @@ def _after_docstring(body: list[cst.BaseStatement]) -> int:
     return 0
 
 
-def top_level_names(source: str) -> list[str]:
+def top_level_names(doc: Document) -> list[str]:
     """Names of top-level classes and functions."""
-    return [s.name.value for s in _parse(source).body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
+    return [s.name.value for s in doc.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
 
 
 def _call_name(call: cst.Call) -> str:
-    return _target_code(call.func)
+    return node_code(call.func)
 
 
-def get_call_kwarg(source: str, func_name: str, kwarg: str) -> str | None:
-    """The source of keyword ``kwarg`` in the first call to ``func_name``, or ``None``."""
-    found: list[str] = []
+def remove_call_kwarg(doc: Document, func_name: str, kwarg: str, *, target: str | None = None) -> Document:
+    """Drop keyword ``kwarg`` from calls to ``func_name`` (only those assigned to ``target``
+    when given); the document unchanged when no such call has it."""
 
-    class _Finder(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if _call_name(node) == func_name and not found:
-                for arg in node.args:
-                    if arg.keyword is not None and arg.keyword.value == kwarg:
-                        found.append(_target_code(arg.value))
+    def edit(stmt: cst.BaseStatement) -> dict[cst.CSTNode, cst.CSTNode]:
+        scopes: Iterable[cst.CSTNode] = (
+            [stmt]
+            if target is None
+            else [
+                small
+                for small in _small_statements(stmt)
+                if (isinstance(small, cst.Assign) and any(node_code(t.target) == target for t in small.targets))
+                or (isinstance(small, cst.AnnAssign) and node_code(small.target) == target)
+            ]
+        )
+        edits: dict[cst.CSTNode, cst.CSTNode] = {}
+        for scope in scopes:
+            for node in walk(scope):
+                if not isinstance(node, cst.Call) or _call_name(node) != func_name:
+                    continue
+                kept = [a for a in node.args if a.keyword is None or a.keyword.value != kwarg]
+                if len(kept) == len(node.args):
+                    continue
+                if kept:
+                    kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                edits[node] = node.with_changes(args=kept)
+        return edits
 
-    _parse(source).visit(_Finder())
-    return found[0] if found else None
+    return _edit_statements(doc, edit)
 
 
-def set_call_kwarg(source: str, func_name: str, kwarg: str, value_source: str, *, target: str | None = None) -> str:
+def set_call_kwarg(
+    doc: Document, func_name: str, kwarg: str, value_source: str, *, target: str | None = None
+) -> Document:
     """Set keyword ``kwarg`` to the expression ``value_source`` in calls to ``func_name``.
 
     With ``target`` only calls assigned to that target (``self.wo``) are edited. A
     missing keyword is appended. Raises ``CodemodError`` when no call matches.
     """
     value = cst.parse_expression(value_source)
-    hits = [0]
+    hits = 0
 
-    class _Edit(cst.CSTTransformer):
-        def __init__(self) -> None:
-            super().__init__()
-            self._inside: list[bool] = []
+    def edit(stmt: cst.BaseStatement) -> dict[cst.CSTNode, cst.CSTNode]:
+        nonlocal hits
+        scopes: Iterable[cst.CSTNode] = (
+            [stmt]
+            if target is None
+            else [
+                small
+                for small in _small_statements(stmt)
+                if isinstance(small, cst.Assign) and any(node_code(t.target) == target for t in small.targets)
+            ]
+        )
+        calls = [
+            node
+            for scope in scopes
+            for node in walk(scope)
+            if isinstance(node, cst.Call) and _call_name(node) == func_name
+        ]
+        hits += len(calls)
+        return {call: new for call in calls if (new := _with_kwarg(call, kwarg, value, value_source)) is not call}
 
-        def visit_Assign(self, node: cst.Assign) -> None:
-            self._inside.append(target is None or any(_target_code(t.target) == target for t in node.targets))
-
-        def leave_Assign(self, original_node, updated_node):
-            self._inside.pop()
-            return updated_node
-
-        def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-            if _call_name(updated_node) != func_name:
-                return updated_node
-            if target is not None and not (self._inside and self._inside[-1]):
-                return updated_node
-            hits[0] += 1
-            args = list(updated_node.args)
-            for i, arg in enumerate(args):
-                if arg.keyword is not None and arg.keyword.value == kwarg:
-                    if _target_code(arg.value) != value_source:
-                        args[i] = arg.with_changes(value=value)
-                    return updated_node.with_changes(args=args)
-            if args and isinstance(args[-1].comma, cst.MaybeSentinel):
-                args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            args.append(
-                cst.Arg(
-                    value=value,
-                    keyword=cst.Name(kwarg),
-                    equal=cst.AssignEqual(
-                        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
-                    ),
-                )
-            )
-            return updated_node.with_changes(args=args)
-
-    new = _parse(source).visit(_Edit())
-    if hits[0] == 0:
+    edited = _edit_statements(doc, edit)
+    if hits == 0:
         where = f" assigned to {target}" if target else ""
         raise CodemodError(f"no call to {func_name}{where}")
-    code = new.code
-    return source if code == source else code
+    return edited
 
 
-def set_module_assign(source: str, name: str, value_source: str) -> str:
+def _small_statements(stmt: cst.CSTNode) -> Iterator[cst.BaseSmallStatement]:
+    """Every small statement (an assignment, a return, an expression, ...) inside ``stmt``."""
+    if isinstance(stmt, cst.SimpleStatementLine | cst.SimpleStatementSuite):
+        yield from stmt.body
+        return
+    for _, value in _statement_fields(stmt):
+        for child in (value,) if isinstance(value, cst.CSTNode) else value:
+            yield from _small_statements(child)
+
+
+def _with_kwarg(call: cst.Call, kwarg: str, value: cst.BaseExpression, value_source: str) -> cst.Call:
+    """``call`` with keyword ``kwarg`` set to ``value`` (appended when missing)."""
+    args = list(call.args)
+    for i, arg in enumerate(args):
+        if arg.keyword is not None and arg.keyword.value == kwarg:
+            if node_code(arg.value) == value_source:
+                return call
+            args[i] = arg.with_changes(value=value.deep_clone())
+            return call.with_changes(args=args)
+    if args and isinstance(args[-1].comma, cst.MaybeSentinel):
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    args.append(
+        cst.Arg(
+            value=value.deep_clone(),
+            keyword=cst.Name(kwarg),
+            equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+            ),
+        )
+    )
+    return call.with_changes(args=args)
+
+
+def set_module_assign(doc: Document, name: str, value_source: str) -> Document:
     """Set the value of a module-level ``name = ...`` (plain or annotated) assignment."""
-    module = _parse(source)
     value = cst.parse_expression(value_source)
-    body = list(module.body)
+    body = list(doc.module.body)
     for i, stmt in enumerate(body):
         if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
             continue
         small = stmt.body[0]
-        if isinstance(small, cst.Assign) and any(_target_code(t.target) == name for t in small.targets):
-            if _target_code(small.value) == _target_code(value):
-                return source
+        if isinstance(small, cst.Assign) and any(node_code(t.target) == name for t in small.targets):
+            if node_code(small.value) == node_code(value):
+                return doc
             body[i] = stmt.with_changes(body=[small.with_changes(value=value)])
-            return module.with_changes(body=body).code
-        if isinstance(small, cst.AnnAssign) and _target_code(small.target) == name:
-            if small.value is not None and _target_code(small.value) == _target_code(value):
-                return source
+            return doc.with_body(body)
+        if isinstance(small, cst.AnnAssign) and node_code(small.target) == name:
+            if small.value is not None and node_code(small.value) == node_code(value):
+                return doc
             body[i] = stmt.with_changes(body=[small.with_changes(value=value)])
-            return module.with_changes(body=body).code
+            return doc.with_body(body)
     raise CodemodError(f"no module-level assignment to {name!r}")
 
 
-def upsert_function(source: str, func_name: str, new_source: str, *, before_class: str | None = None) -> str:
+def upsert_function(doc: Document, func_name: str, new_source: str, *, before_class: str | None = None) -> Document:
     """Replace module-level function ``func_name``, or insert it (before ``before_class``
     or at the end) when the module has none."""
-    module = _parse(source)
+    module = doc.module
     if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in module.body):
-        return replace_function(source, None, func_name, new_source)
+        return replace_function(doc, None, func_name, new_source)
     if before_class is not None:
-        return insert_before_class(source, before_class, new_source)
+        return insert_before_class(doc, before_class, new_source)
     new = cst.parse_statement(new_source).with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return module.with_changes(body=[*module.body, new]).code
+    return doc.with_body([*module.body, new])
 
 
-def set_docstring(source: str, class_name: str | None, text: str) -> str:
+def replace_return(doc: Document, class_name: str | None, func_name: str, target: str, new_source: str) -> Document:
+    """In ``func_name``, turn the last top-level ``return <expr>`` into ``<target> = <expr>``
+    followed by the statements of ``new_source`` (which return in its place)."""
+    func = find_function(doc.module, class_name, func_name)
+    body = statements(func.body)
+
+    def returned_value(stmt: cst.BaseStatement) -> cst.BaseExpression | None:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Return):
+            return stmt.body[0].value
+        return None
+
+    index = next((i for i in range(len(body) - 1, -1, -1) if returned_value(body[i]) is not None), None)
+    if index is None:
+        raise CodemodError(f"{func_name!r} has no top-level return of a value")
+    line, value = body[index], returned_value(body[index])
+    assert isinstance(line, cst.SimpleStatementLine) and value is not None
+    assign = line.with_changes(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(target))], value=value)])
+    body[index : index + 1] = [assign, *_parse_statements(new_source)]
+    return doc.replaced(func, _with_block(func, body))
+
+
+def append_statements(doc: Document, new_source: str) -> Document:
+    """Append top-level statements at the end of the module, two blank lines before the
+    first (a leading comment stays with it)."""
+    new_stmts = _parse_statements(new_source)
+    if not new_stmts:
+        return doc
+    first = new_stmts[0]
+    new_stmts[0] = first.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *leading_lines(first)])
+    return doc.with_body([*doc.module.body, *new_stmts])
+
+
+def set_docstring(doc: Document, class_name: str | None, text: str) -> Document:
     """Set the docstring of the module (``class_name=None``) or of a top-level class."""
-    module = _parse(source)
+    module = doc.module
     literal = '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
     doc_stmt = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(literal))])
     docstring_pattern = m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])
@@ -762,124 +923,116 @@ def set_docstring(source: str, class_name: str | None, text: str) -> str:
         body = list(module.body)
         if body and isinstance(body[0], cst.SimpleStatementLine) and m.matches(body[0], docstring_pattern):
             if _docstring_code(body[0]) == literal:
-                return source
+                return doc
             body[0] = body[0].with_changes(body=doc_stmt.body)
         else:
             body.insert(0, doc_stmt)
-        return module.with_changes(body=body).code
-    cls = _find_class(module, class_name)
+        return doc.with_body(body)
+    cls = find_class(module, class_name)
     body = statements(cls.body)
     if body and isinstance(body[0], cst.SimpleStatementLine) and m.matches(body[0], docstring_pattern):
         if _docstring_code(body[0]) == literal:
-            return source
+            return doc
         body[0] = body[0].with_changes(body=doc_stmt.body)
     else:
         body.insert(0, doc_stmt)
-    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+    return doc.replaced(cls, _with_block(cls, body))
 
 
-def remove_from_all(source: str, names: Iterable[str]) -> str:
-    """Drop ``names`` from the module's ``__all__`` list literal, if present."""
-    names = set(names)
-    module = _parse(source)
-    for stmt in module.body:
+def read_all(doc: Document) -> list[str]:
+    """The names of the module's ``__all__`` list or tuple literal (``[]`` without one)."""
+    for stmt in doc.module.body:
         if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
             small = stmt.body[0]
-            if isinstance(small, cst.Assign) and any(_target_code(t.target) == "__all__" for t in small.targets):
+            if (
+                isinstance(small, cst.Assign)
+                and any(node_code(t.target) == "__all__" for t in small.targets)
+                and isinstance(small.value, (cst.List, cst.Tuple))
+            ):
+                return [v for e in small.value.elements if (v := _string_value(e.value)) is not None]
+    return []
+
+
+def remove_from_all(doc: Document, names: Iterable[str]) -> Document:
+    """Drop ``names`` from the module's ``__all__`` list literal, if present."""
+    names = set(names)
+    for stmt in doc.module.body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and any(node_code(t.target) == "__all__" for t in small.targets):
                 value = small.value
                 if isinstance(value, (cst.List, cst.Tuple)):
                     kept = [e for e in value.elements if _string_value(e.value) not in names]
                     if len(kept) == len(value.elements):
-                        return source
+                        return doc
                     if kept:
                         kept[-1] = kept[-1].with_changes(comma=value.elements[-1].comma)
-                    new_value = value.with_changes(elements=kept)
-                    return replaced_code(module, value, new_value)
-    return source
+                    return doc.replaced(value, value.with_changes(elements=kept))
+    return doc
 
 
-class _NameSwap(cst.CSTTransformer):
-    def __init__(self, old: str, new: cst.BaseExpression):
-        super().__init__()
-        self.old, self.new = old, new
+def replace_name(doc: Document, old: str, new_expression: str) -> Document:
+    """Replace every use of the bare name ``old`` by ``new_expression`` (``RMSNorm`` -> ``nn.LayerNorm``).
 
-    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
-        return self.new if updated_node.value == self.old else updated_node
+    An attribute's member name is not a use: ``x.RMSNorm`` stays."""
+    new = cst.parse_expression(new_expression)
 
-    def leave_Attribute(self, original_node, updated_node):
-        # never swap an attribute's member name (x.RMSNorm stays)
-        if isinstance(original_node.attr, cst.Name) and original_node.attr.value == self.old:
-            return updated_node.with_changes(attr=original_node.attr)
-        return updated_node
+    def uses(stmt: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
+        nodes = list(walk(stmt))
+        members = {node.attr for node in nodes if isinstance(node, cst.Attribute)}
+        return {
+            node: new.deep_clone()
+            for node in nodes
+            if isinstance(node, cst.Name) and node.value == old and node not in members
+        }
 
-
-def replace_name(source: str, old: str, new_expression: str) -> str:
-    """Replace every use of the bare name ``old`` by ``new_expression`` (``RMSNorm`` -> ``nn.LayerNorm``)."""
-    module = _parse(source)
-    return module.visit(_NameSwap(old, cst.parse_expression(new_expression))).code
+    return _edit_statements(doc, uses)
 
 
 def _assigns_target(node: cst.CSTNode, target: str) -> bool:
-    found = [False]
-
-    class _Find(cst.CSTVisitor):
-        def visit_Assign(self, n: cst.Assign) -> None:
-            if any(_target_code(t.target) == target for t in n.targets):
-                found[0] = True
-
-        def visit_AnnAssign(self, n: cst.AnnAssign) -> None:
-            if _target_code(n.target) == target:
-                found[0] = True
-
-    node.visit(_Find())
-    return found[0]
+    return any(
+        (isinstance(n, cst.Assign) and any(node_code(t.target) == target for t in n.targets))
+        or (isinstance(n, cst.AnnAssign) and node_code(n.target) == target)
+        for n in _small_statements(node)
+    )
 
 
 def replace_statement_assigning(
-    source: str, class_name: str | None, func_name: str, target: str, new_source: str
-) -> str:
+    doc: Document, class_name: str | None, func_name: str, target: str, new_source: str
+) -> Document:
     """Replace the top-level statement of a function body that assigns ``target``
     (a plain assignment or an ``if`` choosing between assignments) by ``new_source``."""
-    module = _parse(source)
-    func = _find_function(module, class_name, func_name)
+    func = find_function(doc.module, class_name, func_name)
     body = statements(func.body)
     replacement = _parse_statements(new_source)
     for i, stmt in enumerate(body):
         if _assigns_target(stmt, target):
-            if [_stmt_key(s) for s in replacement] == [_stmt_key(stmt)]:
-                return source
+            if [doc.key(s) for s in replacement] == [doc.key(stmt)]:
+                return doc
             replacement[0] = replacement[0].with_changes(
                 leading_lines=[*leading_lines(stmt), *leading_lines(replacement[0])]
             )
             body[i : i + 1] = replacement
-            new_func = func.with_changes(body=func.body.with_changes(body=body))
-            return replaced_code(module, func, new_func)
+            return doc.replaced(func, _with_block(func, body))
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
 
 
-def prune_unused_imports(source: str) -> str:
+def prune_unused_imports(doc: Document) -> Document:
     """Drop names imported with ``from x import a, b`` that the module never uses."""
-    module = _parse(source)
+    module = doc.module
     used: set[str] = set()
-
-    class _Uses(cst.CSTVisitor):
-        def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
-            return False
-
-        def visit_Name(self, node: cst.Name) -> None:
+    for node in walk(module, skip=(cst.ImportFrom,)):  # an imported name is no use of it
+        if isinstance(node, cst.Name):
             used.add(node.value)
-
-        def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        elif isinstance(node, cst.SimpleString):
             value = _string_value(node)
             if value and value.isidentifier():
                 used.add(value)  # names listed in __all__
-
-    module.visit(_Uses())
     body = []
     changed = False
     carried: Sequence[cst.EmptyLine] | None = None
     for stmt in module.body:
-        if carried is not None and hasattr(stmt, "leading_lines") and not stmt.leading_lines:
+        if carried is not None and isinstance(stmt, _WITH_LEADING_LINES) and not stmt.leading_lines:
             stmt = stmt.with_changes(leading_lines=carried)
         carried = None
         imp = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
@@ -887,9 +1040,9 @@ def prune_unused_imports(source: str) -> str:
             isinstance(stmt, cst.SimpleStatementLine)
             and isinstance(imp, cst.ImportFrom)
             and not isinstance(imp.names, cst.ImportStar)
-            and (imp.module is None or _target_code(imp.module) != "__future__")
+            and (imp.module is None or node_code(imp.module) != "__future__")
         ):
-            kept = [a for a in imp.names if _target_code(a.asname.name if a.asname else a.name) in used]
+            kept = [a for a in imp.names if node_code(a.asname.name if a.asname else a.name) in used]
             if len(kept) != len(imp.names):
                 changed = True
                 if not kept:
@@ -905,98 +1058,102 @@ def prune_unused_imports(source: str) -> str:
                     imp = imp.with_changes(names=kept)
                 stmt = stmt.with_changes(body=[imp])
         body.append(stmt)
-    return module.with_changes(body=body).code if changed else source
+    return doc.with_body(body) if changed else doc
 
 
-def add_parameter(source: str, class_name: str | None, func_name: str, param_source: str) -> str:
+def add_parameter(doc: Document, class_name: str | None, func_name: str, param_source: str) -> Document:
     """Append a parameter (``"sliding_window: int | None = None"``) to a function's signature."""
-    module = _parse(source)
-    func = _find_function(module, class_name, func_name)
+    func = find_function(doc.module, class_name, func_name)
     probe = cst.parse_statement(f"def _probe({param_source}): pass")
     assert isinstance(probe, cst.FunctionDef)
     param = probe.params.params[0] if probe.params.params else probe.params.kwonly_params[0]
     if any(p.name.value == param.name.value for p in (*func.params.params, *func.params.kwonly_params)):
-        return source
+        return doc
     params = list(func.params.params)
     if params:
         params[-1] = params[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     params.append(param)
-    new_func = func.with_changes(params=func.params.with_changes(params=params))
-    return replaced_code(module, func, new_func)
+    return doc.replaced(func, func.with_changes(params=func.params.with_changes(params=params)))
 
 
-def remove_function(source: str, func_name: str) -> str:
+def remove_function(doc: Document, func_name: str) -> Document:
     """Drop a module-level function, if present."""
-    module = _parse(source)
-    body = [s for s in module.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
-    return source if len(body) == len(module.body) else module.with_changes(body=body).code
+    body = [s for s in doc.module.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
+    return doc if len(body) == len(doc.module.body) else doc.with_body(body)
 
 
-def remove_method(source: str, class_name: str, func_name: str) -> str:
+def remove_method(doc: Document, class_name: str, func_name: str) -> Document:
     """Drop a method of a top-level class, if present."""
-    module = _parse(source)
-    cls = _find_class(module, class_name)
-    body = [s for s in cls.body.body if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
-    if len(body) == len(cls.body.body):
-        return source
-    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+    cls = find_class(doc.module, class_name)
+    body = [s for s in statements(cls.body) if not (isinstance(s, cst.FunctionDef) and s.name.value == func_name)]
+    if len(body) == len(statements(cls.body)):
+        return doc
+    return doc.replaced(cls, _with_block(cls, body))
 
 
 def insert_after_statement_assigning(
-    source: str, class_name: str | None, func_name: str, target: str, new_source: str
-) -> str:
+    doc: Document, class_name: str | None, func_name: str, target: str, new_source: str
+) -> Document:
     """Insert statements right after the top-level statement of a function that assigns
     ``target``; a no-op when the first new statement is already there."""
-    module = _parse(source)
-    func = _find_function(module, class_name, func_name)
+    func = find_function(doc.module, class_name, func_name)
     body = statements(func.body)
     new_stmts = _parse_statements(new_source)
-    keys = {_stmt_key(s) for s in body}
-    if _stmt_key(new_stmts[0]) in keys:
-        return source
+    first = doc.key(new_stmts[0])
+    if any(doc.key(s) == first for s in body):
+        return doc
     for i, stmt in enumerate(body):
         if _assigns_target(stmt, target):
             body[i + 1 : i + 1] = new_stmts
-            new_func = func.with_changes(body=func.body.with_changes(body=body))
-            return replaced_code(module, func, new_func)
+            return doc.replaced(func, _with_block(func, body))
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
 
 
-def insert_class_statement_after(source: str, class_name: str, target: str, new_source: str) -> str:
+def insert_class_statement_after(doc: Document, class_name: str, target: str, new_source: str) -> Document:
     """Put one class-body statement right after the one assigning ``target``; when a
     statement assigning the same name already exists it is replaced (a no-op if equal)."""
-    module = _parse(source)
-    cls = _find_class(module, class_name)
+    cls = find_class(doc.module, class_name)
     new_stmts = _parse_statements(new_source)
     if len(new_stmts) != 1:
         raise CodemodError("insert_class_statement_after takes exactly one statement")
     new = new_stmts[0]
-    new_target = next(
-        (_target_code(n.target) for n in getattr(new, "body", []) if isinstance(n, cst.AnnAssign)),
-        None,
-    ) or next((_target_code(n.targets[0].target) for n in getattr(new, "body", []) if isinstance(n, cst.Assign)), None)
+    new_target = _assigned_name(new)
     body = statements(cls.body)
     if new_target is not None:
         for i, stmt in enumerate(body):
             if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, new_target):
-                if _stmt_key(stmt) == _stmt_key(new):
-                    return source
+                if doc.key(stmt) == doc.key(new):
+                    return doc
                 body[i] = new.with_changes(leading_lines=stmt.leading_lines)
-                return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+                return doc.replaced(cls, _with_block(cls, body))
     for i, stmt in enumerate(body):
         if isinstance(stmt, cst.SimpleStatementLine) and _assigns_target(stmt, target):
             body[i + 1 : i + 1] = [new]
-            return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+            return doc.replaced(cls, _with_block(cls, body))
     raise CodemodError(f"no class-level statement assigning {target} in class {class_name!r}")
 
 
-def upsert_method(source: str, class_name: str, func_name: str, new_source: str, *, after: str | None = None) -> str:
+def _assigned_name(stmt: cst.BaseStatement) -> str | None:
+    """The target of the first annotated assignment of a line, else of its first plain one."""
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return None
+    for small in stmt.body:
+        if isinstance(small, cst.AnnAssign):
+            return node_code(small.target)
+    for small in stmt.body:
+        if isinstance(small, cst.Assign):
+            return node_code(small.targets[0].target)
+    return None
+
+
+def upsert_method(
+    doc: Document, class_name: str, func_name: str, new_source: str, *, after: str | None = None
+) -> Document:
     """Replace method ``func_name`` of ``class_name``, or insert it after method ``after``
     (at the end of the class when ``after`` is None or absent)."""
-    module = _parse(source)
-    cls = _find_class(module, class_name)
+    cls = find_class(doc.module, class_name)
     if any(isinstance(s, cst.FunctionDef) and s.name.value == func_name for s in statements(cls.body)):
-        return replace_function(source, class_name, func_name, new_source)
+        return replace_function(doc, class_name, func_name, new_source)
     new = _parse_def(new_source, in_class=True).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body = statements(cls.body)
     index = len(body)
@@ -1004,4 +1161,4 @@ def upsert_method(source: str, class_name: str, func_name: str, new_source: str,
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == after:
             index = i + 1
     body[index:index] = [new]
-    return replaced_code(module, cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+    return doc.replaced(cls, _with_block(cls, body))

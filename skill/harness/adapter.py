@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from archon_models.base import BaseStateDictAdapter
+from skill.analysis.probes import probe_head_is_embedding
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.keys import distinct_state_dict, join_single, key_indices, mapped_archon_key, wrapped_names
@@ -30,13 +31,15 @@ OUTPUT_KEY = "output.weight"
 EMBEDDING_KEY = "tok_embeddings.weight"
 
 
-def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor]]:
+def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor], bool]:
+    """The adapter, a state dict of distinct values, and whether the port ties its head."""
     archon = build_archon_model(hf_config)
     state = distinct_state_dict(archon.model, seed)
-    if getattr(hf_config, "tie_word_embeddings", False) and OUTPUT_KEY in state:
+    tied = bool(getattr(archon.args, "enable_weight_tying", False))
+    if tied and OUTPUT_KEY in state:
         # A tied model's output projection is its embedding, whatever the module layout.
         state[OUTPUT_KEY] = state[EMBEDDING_KEY].clone()
-    return archon.adapter, state
+    return archon.adapter, state, tied
 
 
 def _hf_side(case: ModelCase, hf_config: PretrainedConfig, directory: Path) -> dict[str, torch.Tensor]:
@@ -189,14 +192,26 @@ def check_fused_experts(
 
 
 def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
-    """Tied embeddings: to_hf writes no output projection, from_hf refills it."""
+    """Tied embeddings: to_hf writes no output projection, from_hf refills it. Where HF keeps
+    a head of its own even with ``tie_word_embeddings=True`` (remote code that defines no
+    tying), the port must not tie either, and the head travels as any weight."""
     tied_case = case.model_copy(update={"config_overrides": {**case.config_overrides, "tie_word_embeddings": True}})
     hf_config = build_hf_config(tied_case)
     if not getattr(hf_config, "tie_word_embeddings", False):
         rec.check("tied embeddings", True, f"{type(hf_config).__name__} cannot tie embeddings")
         return
-    hf_state = _hf_side(tied_case, hf_config, directory)
-    adapter, archon_state = _archon_side(hf_config, case.seed)
+    hf_model = build_hf_model(tied_case, hf_config)
+    adapter, archon_state, ties = _archon_side(hf_config, case.seed)
+    if probe_head_is_embedding(hf_model) is False:
+        rec.check(
+            "tie_word_embeddings=True: HF keeps its own LM head, and so does the port",
+            not ties,
+            "the port ties the output projection to the embedding" if ties else "",
+        )
+        hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, directory))
+        check_roundtrips(rec, adapter, archon_state, hf_state, label="tie_word_embeddings=True: ")
+        return
+    hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, directory))
     hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state, label="tied: ")
     output_keys = {k for k, _ in adapter.convert_single_to_hf(OUTPUT_KEY, archon_state[OUTPUT_KEY])}
     written = sorted(output_keys & set(hf_from_archon))
@@ -261,9 +276,8 @@ def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_
         with tempfile.TemporaryDirectory(prefix="archon-stage2-", dir=workdir) as tmp:
             hf_config = build_hf_config(case)
             hf_state = _hf_side(case, hf_config, Path(tmp) / "hf")
-            adapter, archon_state = _archon_side(hf_config, case.seed)
+            adapter, archon_state, tied = _archon_side(hf_config, case.seed)
             hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state)
-            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
             check_single_conversion(rec, adapter, archon_state, hf_from_archon, tied=tied)
             check_expert_split(rec, adapter, archon_state)
             check_bad_keys(rec, adapter, hf_state)

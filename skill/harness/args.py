@@ -74,6 +74,7 @@ ARGS_FIELD_SOURCES: dict[str, FieldSource] = {
     "max_seq_len": FieldSource(("max_position_embeddings",)),
     "eos_id": FieldSource(("eos_token_id",), normalize=_first_id),
     "enable_weight_tying": FieldSource(("tie_word_embeddings",)),
+    "pad_id": FieldSource(("pad_token_id",)),
     "num_experts": FieldSource(("num_experts", "num_local_experts", "n_routed_experts")),
     "top_k": FieldSource(("num_experts_per_tok",)),
     "route_norm": FieldSource(("norm_topk_prob",)),
@@ -200,8 +201,28 @@ def hf_renormalises_regardless(case: ModelCase, config: PretrainedConfig) -> boo
     return bool(probe_renormalises_without_field(model, layer, config, top_k))
 
 
+def hf_ties_regardless(case: ModelCase, config: PretrainedConfig) -> bool | None:
+    """What HF's tiny model of ``config`` does with its LM head whatever ``tie_word_embeddings``
+    says: ``True`` (it is the embedding either way), ``False`` (a head of its own either way:
+    remote code that defines no tying), ``None`` when it follows the field."""
+    from skill.analysis.probes import probe_head_is_embedding
+
+    outcomes = []
+    for value in (True, False):
+        changed = copy.deepcopy(config)
+        changed.tie_word_embeddings = value
+        outcomes.append(probe_head_is_embedding(build_hf_model(case, changed)))
+    if outcomes[0] is None or outcomes[0] != outcomes[1]:
+        return None
+    return outcomes[0]
+
+
 def check_args_against_config(
-    rec: StageRecorder, config: PretrainedConfig, label: str, renormalises_regardless: bool = False
+    rec: StageRecorder,
+    config: PretrainedConfig,
+    label: str,
+    renormalises_regardless: bool = False,
+    ties_regardless: bool | None = None,
 ) -> None:
     """One check per args field: right value, and it follows its source attribute."""
     args_class = get_spec(config.model_type).model_args_class
@@ -211,6 +232,13 @@ def check_args_against_config(
         if leaf_of(path) == "route_norm" and renormalises_regardless:
             detail = "HF's router renormalises whatever config.norm_topk_prob says (probed): expected True"
             rec.check(name, value is True, f"{detail}, got {value!r}")
+            continue
+        if leaf_of(path) == "enable_weight_tying" and ties_regardless is not None:
+            detail = (
+                f"HF's LM head {'is' if ties_regardless else 'is not'} the embedding whatever "
+                f"config.tie_word_embeddings says (probed): expected {ties_regardless}"
+            )
+            rec.check(name, value is ties_regardless, f"{detail}, got {value!r}")
             continue
         source = source_for(path, config)
         if source is None:
@@ -365,13 +393,14 @@ def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_
         tiny = build_hf_config(case)
         # The router's semantics do not depend on sizes: measured once, on the tiny model.
         regardless = hf_renormalises_regardless(case, tiny)
-        check_args_against_config(rec, tiny, "tiny", regardless)
+        ties = hf_ties_regardless(case, tiny)
+        check_args_against_config(rec, tiny, "tiny", regardless, ties)
         defaults = type(tiny)()
         unset = unset_required_fields(defaults)
         if unset:
             check_refuses_unset_fields(rec, defaults, unset)
         else:
-            check_args_against_config(rec, defaults, "defaults", regardless)
+            check_args_against_config(rec, defaults, "defaults", regardless, ties)
         _check_caller_fields(rec, tiny)
 
     return run_stage(case, 1, body, raise_on_failure)

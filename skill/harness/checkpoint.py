@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from archon_models.base import SAFETENSORS_INDEX
 from skill.harness.case import ModelCase
-from skill.harness.inputs import PackedInputs, make_packed_inputs
+from skill.harness.inputs import PackedInputs, make_packed_inputs, special_token_ids
 from skill.harness.models import ArchonModel, build_model_pair, copy_remote_code
 from skill.harness.parity import float64_copy, float64_run, float64_truth
 from skill.harness.results import StageRecorder, StageResult, run_stage
@@ -124,7 +124,9 @@ def run_checkpoint_stage(
                     f"{found[:5]}" if found else "",
                 )
 
-            inputs = make_packed_inputs(case.doc_lens, pair.hf_config.vocab_size, seed=case.seed)
+            inputs = make_packed_inputs(
+                case.doc_lens, pair.hf_config.vocab_size, seed=case.seed, special=special_token_ids(pair.hf_config)
+            )
             expected = _hf_packed_logits(reloaded, inputs)
             got = _archon_packed_logits(archon.model, inputs)
             name = "logits of the reloaded HF model equal Archon's"

@@ -71,11 +71,11 @@ from torch.distributed.tensor import DTensor
 from archon_models.activation_checkpoint import ActivationCheckpointConfig
 from archon_models.model_spec import ModelSpec, ParallelizeFn
 from archon_models.parallel_dims import ArchonParallelDims
-from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule, pipeline_llm
+from archon_models.pipeline_parallel import ArchonPipelineConfig, build_pipeline_schedule
 from archon_models.ulysses import ulysses_gather_output, ulysses_slice_inputs
 from archon_models.utils import validate_cp_constraints, validate_ep_constraints, validate_tp_constraints
 from skill.harness.case import ModelCase
-from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss
+from skill.harness.inputs import PackedInputs, make_packed_inputs, next_token_loss, special_token_ids
 from skill.harness.models import build_model_pair
 from skill.harness.results import CheckResult, StageRecorder, StageResult, run_stage
 from skill.harness.truth import TRUTH_DTYPE, float64_default, judge, judge_dicts
@@ -88,6 +88,7 @@ __all__ = [
     "applicable_parallelisms",
     "launch",
     "not_run_checks",
+    "run_parallelisms",
     "run_stage5",
 ]
 
@@ -146,6 +147,7 @@ def _worker_main(
     conn: Connection,
 ) -> None:
     phase = _RENDEZVOUS
+    joined = False
     try:
         # Two workers share the cores; more threads each only contend.
         torch.set_num_threads(1)
@@ -155,19 +157,23 @@ def _worker_main(
         if not isinstance(port, int):
             raise RuntimeError(f"the launcher sent no store port within {COLLECTIVE_TIMEOUT_S:.0f}s")
         _rendezvous(rank, world_size, port)
+        joined = True
         phase = _RUN
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
         # Plain pickle, not the Connection's ForkingPickler: that one hands tensors over
         # as shared-memory handles, which die with the worker.
-        conn.send_bytes(pickle.dumps(("ok", result)))
+        report = pickle.dumps(("ok", result))
     except BaseException as exc:
         message = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        conn.send_bytes(pickle.dumps((phase, message)))
+        report = pickle.dumps((phase, message))
+    try:
+        # Reported before the process group closes: a peer blocked in a collective with this
+        # rank fails when its connections close, so this report is the first of the two.
+        conn.send_bytes(report)
     finally:
         conn.close()
+        if joined:
+            dist.destroy_process_group()
 
 
 def launch(
@@ -175,6 +181,7 @@ def launch(
     world_size: int = WORLD_SIZE,
     args: tuple[Any, ...] = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    stop_when: Callable[[Any], bool] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes on gloo.
 
@@ -182,6 +189,11 @@ def launch(
     ``args`` are inherited through fork, not pickled, so they may hold models. Raises
     :class:`WorkerFailure` with the worker's traceback if any rank raises, dies
     or runs past ``timeout_s``; the other workers are then terminated.
+
+    ``stop_when(result)`` true says a rank caught its own failure and returned it: its peers
+    may be blocked in a collective with it until the collective timeout. The others then
+    get :data:`ERROR_GRACE_S` to report, and those that have not are terminated, their
+    result ``None``.
 
     When the ranks never form their process group (no rank reached ``fn``), nothing
     about ``fn`` is known yet: the launch starts again with fresh processes, up to
@@ -191,7 +203,7 @@ def launch(
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
         try:
-            return _launch_once(fn, world_size, args, timeout_s)
+            return _launch_once(fn, world_size, args, timeout_s, stop_when)
         except _RendezvousFailure as failure:
             if attempt == RENDEZVOUS_ATTEMPTS:
                 raise WorkerFailure(
@@ -216,6 +228,7 @@ def _launch_once(
     world_size: int,
     args: tuple[Any, ...],
     timeout_s: float,
+    stop_when: Callable[[Any], bool] | None = None,
 ) -> list[Any]:
     ctx = mp.get_context("fork")
     procs: list[mp.process.BaseProcess] = []
@@ -260,11 +273,14 @@ def _launch_once(
     errors: list[str] = []
     # Each report's kind: "ok", a worker's error phase, "died" or "timeout".
     reports: list[str] = []
+    stopping = False  # a rank returned a failure its peers may be blocked on
     try:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if not errors:
+                if stopping and not errors:
+                    logger.info("ranks %s stopped: another rank failed", sorted(pending))
+                elif not errors:
                     reports.append("timeout")
                     errors.append(
                         f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s "
@@ -286,6 +302,9 @@ def _launch_once(
                 reports.append(status)
                 if status == "ok":
                     results[rank] = payload
+                    if stop_when is not None and not stopping and stop_when(payload):
+                        stopping = True
+                        deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 else:
                     if not errors:
                         # The first failure usually breaks its peers' collectives too;
@@ -294,7 +313,7 @@ def _launch_once(
                     errors.append(payload)
     finally:
         for worker in procs:
-            if errors:
+            if errors or stopping:
                 worker.terminate()
             worker.join(timeout=10.0)
             if worker.is_alive():
@@ -343,14 +362,17 @@ def _has_moe(model: nn.Module) -> bool:
     return any(getattr(block, "moe_enabled", False) for block in layers.values())
 
 
-def applicable_parallelisms(model: nn.Module) -> dict[str, str | None]:
-    """Each parallelism, with ``None`` if it applies to ``model`` or the reason it does not."""
+def applicable_parallelisms(model: nn.Module, spec: ModelSpec | None = None) -> dict[str, str | None]:
+    """Each parallelism, with ``None`` if it applies to ``model`` (registered as ``spec``)
+    or the reason it does not."""
     reasons: dict[str, str | None] = dict.fromkeys(PARALLELISMS)
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
         reasons["ep_tp"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
         reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
+    elif spec is not None and spec.pipelining_fn is None:
+        reasons["pp"] = "the ModelSpec has no pipelining_fn (AReaL's engine refuses pipeline parallelism for it)"
     try:
         # AReaL's TP splits the KV heads over the ranks: one KV head (multi-query) cannot be.
         validate_tp_constraints(_model_args(model), WORLD_SIZE)
@@ -611,7 +633,12 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     microbatches = setup.batches
     ref = setup.reference("sum")
     dims = setup.dims_cls(pp=WORLD_SIZE, world_size=WORLD_SIZE, device_type="cpu")
-    stages, parts, has_first, has_last = pipeline_llm(
+    # The spec's pipelining_fn, as AReaL's engine calls it (pipeline_llm, or the package's own
+    # when its model has modules around the blocks that pipeline_llm would drop).
+    pipelining_fn = setup.spec.pipelining_fn
+    if pipelining_fn is None:
+        raise ValueError(f"{setup.spec.name}'s ModelSpec has no pipelining_fn")
+    stages, parts, has_first, has_last = pipelining_fn(
         copy.deepcopy(setup.model),
         torch.device("cpu"),
         dims,
@@ -685,37 +712,68 @@ _CHECKS: dict[str, Callable[[StageRecorder, _Setup, int], None]] = {
 }
 
 
-def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -> list[dict[str, Any]]:
+@dataclass
+class _RankReport:
+    """What one rank found: its checks, and when one of them raised (``time.monotonic()``,
+    one clock for every process of the machine), after which it ran nothing more."""
+
+    checks: list[dict[str, Any]]
+    ran: list[str]  # the parallelisms it ran, the one that raised included
+    raised_at: float | None = None
+
+
+def _stage5_worker(rank: int, world_size: int, setup: _Setup, case: ModelCase) -> _RankReport:
     rec = StageRecorder(case, 5)
+    ran: list[str] = []
     for name in setup.parallelisms:
         start = time.perf_counter()
+        ran.append(name)
         try:
             _CHECKS[name](rec, setup, rank)
         except Exception as exc:
+            raised_at = time.monotonic()
             where = traceback.extract_tb(exc.__traceback__)[-1]
             rec.check(
                 f"raised ({LABELS[name]})", False, f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"
             )
             logger.exception("rank %d: %s check raised", rank, name)
+            # A peer may be blocked in a collective this rank left: the process group is not
+            # usable for another check.
+            return _RankReport([check.model_dump() for check in rec.checks], ran, raised_at)
         logger.info("rank %d: %s checks took %.2fs", rank, name, time.perf_counter() - start)
-    return [check.model_dump() for check in rec.checks]
+    return _RankReport([check.model_dump() for check in rec.checks], ran)
 
 
-def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult]:
+def _raised(report: _RankReport) -> bool:
+    return report.raised_at is not None
+
+
+def _merge_ranks(reports: Sequence[_RankReport | None]) -> list[CheckResult]:
     """One check per name: passed on every rank that ran it, the largest difference, and the
-    errors against the float64 truth of the rank nearest its bound."""
+    errors against the float64 truth of the rank nearest its bound.
+
+    A failed check lists each different detail once, with the ranks that reported it. When
+    a rank raised, a peer whose check raised later with another error, or that was stopped
+    before it reported (``None``), failed because of it: it is named as stopped by that rank
+    rather than as a failure of its own (its error is the collective it was left in).
+    """
+    raised_at = {rank: r.raised_at for rank, r in enumerate(reports) if r is not None and r.raised_at is not None}
+    first = min(raised_at, key=lambda rank: raised_at[rank]) if raised_at else None
     merged: dict[str, list[tuple[int, CheckResult]]] = {}
-    for rank, checks in enumerate(per_rank):
-        for data in checks:
+    for rank, report in enumerate(reports):
+        for data in report.checks if report is not None else ():
             check = CheckResult.model_validate(data)
             merged.setdefault(check.name, []).append((rank, check))
+    # The check the first failing rank raised in: the last it recorded.
+    first_report = reports[first] if first is not None else None
+    root_check = first_report.checks[-1]["name"] if first_report is not None else None
     results = []
-    for entries in merged.values():
+    for name, entries in merged.items():
         failed = [(rank, c) for rank, c in entries if not c.passed]
         diffs = [c.max_abs_diff for _, c in entries if c.max_abs_diff is not None]
         ranks = ",".join(str(rank) for rank, _ in entries)
         if failed:
-            detail = "; ".join(f"rank {rank}: {c.detail}" for rank, c in failed)
+            detail = _failed_detail(name, failed, reports, first, root_check)
         else:
             detail = f"ranks {ranks}" + (f": {entries[0][1].detail}" if entries[0][1].detail else "")
         worst = max((c for _, c in entries), key=lambda c: c.share_of_bound() or 0.0)
@@ -725,6 +783,66 @@ def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult]:
             )
         )
     return results
+
+
+def _failed_detail(
+    name: str,
+    failed: list[tuple[int, CheckResult]],
+    reports: Sequence[_RankReport | None],
+    first: int | None,
+    root_check: str | None,
+) -> str:
+    root_detail = next((c.detail for rank, c in failed if rank == first), None)
+    by_detail: dict[str, list[int]] = {}
+    stopped: list[int] = []
+    for rank, check in failed:
+        if first is not None and name == root_check and rank != first and check.detail != root_detail:
+            stopped.append(rank)
+        else:
+            by_detail.setdefault(check.detail, []).append(rank)
+    if name == root_check:
+        stopped += [rank for rank, report in enumerate(reports) if report is None]
+    parts = [
+        f"{'ranks' if len(ranks) > 1 else 'rank'} {','.join(map(str, ranks))}: {detail}"
+        for detail, ranks in by_detail.items()
+    ]
+    if stopped:
+        who = "ranks " + ",".join(map(str, sorted(stopped))) if len(stopped) > 1 else f"rank {stopped[0]}"
+        parts.append(f"{who} stopped when rank {first} failed")
+    return "; ".join(parts)
+
+
+def run_parallelisms(setup: _Setup, case: ModelCase, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[CheckResult]:
+    """``setup.parallelisms`` on forked workers, merged over ranks.
+
+    The parallelisms of one world size share one launch. A rank that fails leaves its peers
+    in a collective: the launch's workers are stopped (:func:`launch`'s ``stop_when``)
+    without waiting for the collective timeout, and the parallelisms it had not reached
+    start again on fresh workers, so a failure never shows as another's. A launch that dies
+    (a crashed worker, a timeout) is retried one parallelism per launch, to name the one.
+    """
+    checks: list[CheckResult] = []
+    for world_size in sorted({WORLD_SIZES[p] for p in setup.parallelisms}):
+        pending = [p for p in setup.parallelisms if WORLD_SIZES[p] == world_size]
+        while pending:
+            group = dataclasses.replace(setup, parallelisms=tuple(pending))
+            for name in pending:  # in the parent, before forking: shared by the ranks
+                setup.reference(_REFERENCE_OF[name])
+            try:
+                reports = launch(_stage5_worker, world_size, args=(group, case), timeout_s=timeout_s, stop_when=_raised)
+            except WorkerFailure as failure:
+                if len(pending) == 1:
+                    checks.append(CheckResult(name=f"raised ({LABELS[pending[0]]})", passed=False, detail=str(failure)))
+                    pending = []
+                else:
+                    checks += run_parallelisms(dataclasses.replace(setup, parallelisms=(pending[0],)), case, timeout_s)
+                    pending = pending[1:]
+                continue
+            checks += _merge_ranks(reports)
+            # Done: up to the first parallelism a rank raised in, or all of them.
+            raised = [len(r.ran) for r in reports if r is not None and r.raised_at is not None]
+            pending = pending[min(raised) :] if raised else []
+    return checks
 
 
 def run_stage5(
@@ -751,7 +869,7 @@ def run_stage5(
         with tempfile.TemporaryDirectory(prefix="archon-stage5-", dir=workdir) as tmp:
             pair = build_model_pair(case, tmp, attn_type="sdpa")
         model = pair.archon.model
-        reasons = applicable_parallelisms(model)
+        reasons = applicable_parallelisms(model, pair.archon.spec)
         if requested is None:
             chosen = tuple(p for p in PARALLELISMS if reasons[p] is None)
             for check in not_run_checks(reasons):
@@ -764,21 +882,17 @@ def run_stage5(
             chosen = requested
         doc_lens = _padded_doc_lens(case.doc_lens, 2 * WORLD_SIZE)
         vocab = _model_args(model).vocab_size
-        batches = [make_packed_inputs(doc_lens, vocab, seed=case.seed + rank) for rank in range(WORLD_SIZE)]
+        special = special_token_ids(pair.hf_config)
+        batches = [
+            make_packed_inputs(doc_lens, vocab, seed=case.seed + rank, special=special) for rank in range(WORLD_SIZE)
+        ]
         spec = pair.archon.spec
         if parallelize_fn is not None:
             spec = dataclasses.replace(spec, parallelize_fn=parallelize_fn)
-        references: dict[str, _Reference] = {}
-        # One launch per world size: every parallelism of a size shares its workers.
-        for world_size in sorted({WORLD_SIZES[p] for p in chosen}):
-            group = tuple(p for p in chosen if WORLD_SIZES[p] == world_size)
-            setup = _Setup(spec=spec, model=model, batches=batches, parallelisms=group, references=references)
-            for p in group:
-                setup.reference(_REFERENCE_OF[p])
-            per_rank = launch(_stage5_worker, world_size, args=(setup, case), timeout_s=timeout_s)
-            for check in _merge_ranks(per_rank):
-                rec.add(check)
-        missing = sorted({ref.truth_missing for ref in references.values() if ref.truth is None})
+        setup = _Setup(spec=spec, model=model, batches=batches, parallelisms=chosen)
+        for check in run_parallelisms(setup, case, timeout_s):
+            rec.add(check)
+        missing = sorted({ref.truth_missing for ref in setup.references.values() if ref.truth is None})
         for reason in missing:
             rec.check("not run (float64 one-process reference)", True, f"{reason}; judged by assert_close's defaults")
 

@@ -45,19 +45,45 @@ class PackedInputs:
         )
 
 
-def untrained_token_ids(hf_config: Any) -> tuple[int, ...]:
-    """Token ids HF never trains the embedding row of: ``pad_token_id``, the ``padding_idx``
-    of the HF embedding, whose lookup gives that row no gradient. Archon's embeddings, like
-    AReaL's, have no ``padding_idx``, so gradient parity is proven on inputs without them."""
-    pad = getattr(hf_config, "pad_token_id", None)
-    return (pad,) if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else ()
+SPECIAL_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def special_token_ids(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """The config's pad, bos and eos ids inside its vocabulary, by field (an eos list gives
+    each of its ids). Real documents hold them: a bos opens each, an eos ends each, and
+    padded batches hold the pad id, whose embedding row HF's ``padding_idx`` never trains."""
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+    found: dict[str, tuple[int, ...]] = {}
+    for field in SPECIAL_TOKEN_FIELDS:
+        value = getattr(hf_config, field, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids = tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab)
+        if ids:
+            found[field] = ids
+    return found
+
+
+def _place_special_ids(tokens: torch.Tensor, lens: tuple[int, ...], special: dict[str, tuple[int, ...]]) -> None:
+    """Write the special ids into each document, in place: the pad id(s) in its middle, then
+    the bos id first and the eos id last (so a short document keeps both ends)."""
+    start = 0
+    for index, length in enumerate(lens):
+        for field, position in (
+            ("pad_token_id", length // 2),
+            ("bos_token_id", 0),
+            ("eos_token_id", length - 1),
+        ):
+            ids = special.get(field)
+            if ids:
+                tokens[0, start + position] = ids[index % len(ids)]
+        start += length
 
 
 def make_packed_inputs(
-    doc_lens: Sequence[int], vocab_size: int, seed: int = 0, avoid: Sequence[int] = ()
+    doc_lens: Sequence[int], vocab_size: int, seed: int = 0, special: dict[str, tuple[int, ...]] | None = None
 ) -> PackedInputs:
-    """Seeded random tokens for documents of the given lengths, packed; a token in ``avoid``
-    becomes the next id not in it (the other tokens stay those of the seed)."""
+    """Seeded random tokens for documents of the given lengths, packed; ``special`` (from
+    :func:`special_token_ids`) places the pad, bos and eos ids in every document."""
     lens = tuple(int(n) for n in doc_lens)
     if not lens or min(lens) < 1:
         raise ValueError(f"doc_lens={lens}: every document needs at least one token.")
@@ -66,14 +92,8 @@ def make_packed_inputs(
     generator = torch.Generator().manual_seed(seed)
     total = sum(lens)
     tokens = torch.randint(0, vocab_size, (1, total), generator=generator, dtype=torch.long)
-    avoided = {int(t) for t in avoid if 0 <= int(t) < vocab_size}
-    if len(avoided) >= vocab_size:
-        raise ValueError(f"avoid={sorted(avoided)} leaves no token of a vocabulary of {vocab_size}.")
-    for token in sorted(avoided):
-        replacement = token
-        while replacement in avoided:
-            replacement = (replacement + 1) % vocab_size
-        tokens[tokens == token] = replacement
+    if special:
+        _place_special_ids(tokens, lens, special)
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).unsqueeze(0)
     bounds = torch.tensor((0, *lens), dtype=torch.int64).cumsum(0).to(torch.int32)
     return PackedInputs(

@@ -43,7 +43,7 @@ from skill.harness.inputs import (
     PackedInputs,
     make_packed_inputs,
     next_token_loss,
-    untrained_token_ids,
+    special_token_ids,
 )
 from skill.harness.models import (
     ArchonModel,
@@ -202,9 +202,9 @@ def check_against_hf(
 
 
 def parity_inputs(case: ModelCase, hf_config: PretrainedConfig) -> PackedInputs:
-    """The packed documents HF and Archon are compared on: the case's seeded tokens, less
-    the ids whose embedding row HF never trains (see ``untrained_token_ids``)."""
-    return make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, avoid=untrained_token_ids(hf_config))
+    """The packed documents HF and Archon are compared on: the case's seeded tokens, with
+    the config's pad, bos and eos ids in every document (see ``special_token_ids``)."""
+    return make_packed_inputs(case.doc_lens, hf_config.vocab_size, seed=case.seed, special=special_token_ids(hf_config))
 
 
 def float64_truth(rec: StageRecorder, compute: Callable[[], T], what: str) -> T | None:

@@ -8,11 +8,11 @@ import logging
 from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree, Workspace
-from skill.codemod.cst import CodemodError, read_dict_literal
+from skill.codemod.cst import CodemodError, Document, read_dict_literal
 from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, PackageRequest
 from skill.porting.edit_adapter_map import FUSED_EXPERTS_MAP, FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
-from skill.porting.register_spec import ARCHON_INIT, _types_from_literal, import_line_for
+from skill.porting.register_spec import ARCHON_INIT, import_line_for, spec_model_types
 from skill.porting.tp_plan import PlanTraceError, trace_tp_plan
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,10 @@ def _check(name: str, passed: bool, detail: str = "") -> PackageCheck:
 
 
 def _from_hf_map(adapter_text: str) -> dict[str, str | None]:
+    adapter = Document(adapter_text)
     for target in MAP_TARGETS:
         try:
-            return read_dict_literal(adapter_text, target)
+            return read_dict_literal(adapter, target)
         except CodemodError:
             continue
     return {}
@@ -163,16 +164,7 @@ def _fused_map(adapter_text: str) -> dict[str, list[str]]:
 
 
 def _spec_types(spec_text: str) -> list[str]:
-    try:
-        tree = ast.parse(spec_text)
-    except SyntaxError:
-        return []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ModelSpec":
-            for kw in node.keywords:
-                if kw.arg == "supported_model_types":
-                    return _types_from_literal(ast.unparse(kw.value))
-    return []
+    return spec_model_types(spec_text) or []
 
 
 def _has_import(init_text: str, package: str) -> bool:

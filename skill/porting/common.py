@@ -118,6 +118,12 @@ class PackageLayout(BaseModel):
         return f"parallelize_{self.names.package}"
 
     @property
+    def pipelining_fn(self) -> str:
+        """The pipelining function ``infra/parallelize.py`` defines for a model with modules
+        of its own around the blocks (the spec's ``pipelining_fn``; else ``pipeline_llm``)."""
+        return f"pipeline_{self.names.package}"
+
+    @property
     def spec_constant(self) -> str:
         return f"{self.names.upper}_SPEC"
 

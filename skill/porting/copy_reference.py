@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 
 from skill.analysis.reference import REFERENCES as _REFERENCE_TYPES
 from skill.codemod import ModelNames, StagedTree, format_python, validate_model_name
-from skill.codemod.cst import rename_identifiers, set_docstring
+from skill.codemod.cst import Document, rename_identifiers, set_docstring
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
@@ -72,10 +72,10 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
         # Prose names the reference's family as its authors write it ("DeepSeek-V3").
         pairs.append((DISPLAY_NAMES[reference], new.camel))
     target_dir = PackageLayout(names=new).package_dir
-    result: dict[str, str] = {}
+    result: dict[str, Document] = {}
     for path in files:
         text = tree.read_text(path) or ""
-        result[target_dir + path[len(source_dir) :]] = rename_identifiers(text, pairs)
+        result[target_dir + path[len(source_dir) :]] = rename_identifiers(Document(text), pairs)
     # The reference's package docstring describes the reference; the copy gets its own.
     init = f"{target_dir}/__init__.py"
     if init in result:
@@ -83,7 +83,7 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
             result[init], None, f"The {new.camel} Archon package: model, args and state-dict adapter of the family."
         )
     # Renamed identifiers change line lengths: the copy is formatted as it will be written.
-    return {path: format_python(text, path) for path, text in result.items()}
+    return {path: format_python(doc.code, path) for path, doc in result.items()}
 
 
 def apply_copy_reference(tree: StagedTree, request: CopyReferenceRequest) -> CopyReferenceResult:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     class_field_names,
     prune_unused_imports,
     remove_function,
     remove_method,
     remove_statements,
     replace_in_function,
+    replace_text,
     set_class_fields,
 )
+from skill.porting.mla_router import BALANCING_KWARGS_DOC, REFERENCE_CALL
 
 # (reference text, dense text): plain replacements in the copied args module.
 _ARGS_TEXT = (
@@ -40,19 +43,19 @@ _ARGS_TEXT = (
 _ARGS_CLASS_FIELDS = ("moe_inter_dim", "moe_args", "first_k_dense_replace")
 
 
-def _replace_once(text: str, old: str, new: str, where: str) -> str:
+def _replace_once(text: Document, old: str, new: str, where: str) -> Document:
     if old not in text:
         if new and new in text:
             return text  # applied
         if not new:
             return text
         raise CodemodError(f"the copied {where} does not hold the reference's text {old.strip()[:60]!r}.")
-    if text.count(old) != 1:
+    if text.code.count(old) != 1:
         raise CodemodError(f"the copied {where} holds {old.strip()[:60]!r} more than once.")
-    return text.replace(old, new)
+    return replace_text(text, old, new)
 
 
-def dense_args(text: str, args_class: str) -> str:
+def dense_args(text: Document, args_class: str) -> Document:
     """The deepseek_v3 args without MoE: no MoEArgs, expert widths, layer rule or helpers."""
     for old, new in _ARGS_TEXT:
         text = _replace_once(text, old, new, "args")
@@ -66,9 +69,7 @@ def dense_args(text: str, args_class: str) -> str:
         text = remove_function(text, "_moe_args")
     text = remove_statements(
         text,
-        lambda code: any(
-            line.startswith(("_REQUIRED_MOE_HF_FIELDS", "_BIAS_UPDATE_SPEED")) for line in code.splitlines()
-        ),
+        lambda code: any(line.startswith("_REQUIRED_MOE_HF_FIELDS") for line in code.splitlines()),
     )
     for statement in ('has_experts = bool(getattr(hf_config, "n_routed_experts", None))',):
         text = replace_in_function(text, args_class, "from_hf_config", statement, "")
@@ -81,22 +82,23 @@ def dense_args(text: str, args_class: str) -> str:
     )
     for keyword in (
         'moe_inter_dim=getattr(hf_config, "moe_intermediate_size", None) or cls.moe_inter_dim,',
-        'moe_args=_moe_args(hf_config, kwargs.get("router_dtype")),',
+        f"moe_args={REFERENCE_CALL},",
         'first_k_dense_replace=getattr(hf_config, "first_k_dense_replace", None) or 0,',
     ):
         text = _replace_once(text, f"            {keyword}\n", "", "args")
     text = _replace_once(
         text,
-        "        (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
-        "        the router GEMM; ``None`` keeps HF's fp32). Any other keyword is ignored, as\n",
-        "        (outputs of a critic's ``score`` head, default 1). Any other keyword (such as\n"
-        "        ``router_dtype``: there is no router) is ignored, as\n",
+        BALANCING_KWARGS_DOC,
+        "(outputs of a critic's ``score`` head, default 1). Any other keyword (such as\n"
+        "        ``router_dtype``: there is no router) is ignored, as\n"
+        "        AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of ``None`` keeps the\n"
+        "        default; a list takes its first id.",
         "args",
     )
     return prune_unused_imports(text)
 
 
-def remove_statements_in_class(text: str, class_name: str, field: str) -> str:
+def remove_statements_in_class(text: Document, class_name: str, field: str) -> Document:
     """Drop the annotated field ``field`` of ``class_name`` (a no-op when absent)."""
     if field not in class_field_names(text, class_name):
         return text
@@ -183,7 +185,7 @@ _EXPERT_ID_CHECK = (
 )
 
 
-def dense_adapter(text: str, adapter_class: str) -> str:
+def dense_adapter(text: Document, adapter_class: str) -> Document:
     """The deepseek_v3 adapter without expert stacking: every key maps one to one."""
     for old, new in _ADAPTER_TEXT:
         text = _replace_once(text, old, new, "adapter")
@@ -205,10 +207,10 @@ def dense_adapter(text: str, adapter_class: str) -> str:
     for method in ("_split_experts", "_stack_experts"):
         if f"def {method}(" in text:
             text = remove_method(text, adapter_class, method)
-    text = text.replace(
-        "    # -- MoE experts -------------------------------------------------------------------\n\n", ""
+    text = replace_text(
+        text, "    # -- MoE experts -------------------------------------------------------------------\n\n", ""
     )
-    text = text.replace("        # What to_hf of expert-sharded DTensors records for the matching from_hf.\n", "")
+    text = replace_text(text, "        # What to_hf of expert-sharded DTensors records for the matching from_hf.\n", "")
     return prune_unused_imports(text)
 
 

@@ -13,6 +13,7 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     edit_dict_literal,
     insert_after_statement_assigning,
     insert_before_class,
@@ -21,6 +22,7 @@ from skill.codemod.cst import (
     read_dict_literal,
     remove_method,
     replace_in_function,
+    replace_text,
     set_docstring,
     upsert_function,
     upsert_method,
@@ -385,7 +387,7 @@ class EditAdapterMapResult(StepResult):
 MAP_TARGETS = ("self.from_hf_map", "from_hf_map")
 
 
-def _map_target(source: str) -> str:
+def _map_target(source: Document) -> str:
     for target in MAP_TARGETS:
         try:
             read_dict_literal(source, target)
@@ -409,7 +411,7 @@ def edit_adapter_map(request: EditAdapterMapRequest) -> EditAdapterMapResult:
 def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> EditAdapterMapResult:
     layout = PackageLayout.for_name(request.model_name)
     require_package(tree, layout)
-    text = require_file(tree, layout.adapter, "run copy_reference first.")
+    text = Document(require_file(tree, layout.adapter, "run copy_reference first."))
     target = _map_target(text)
     current = read_dict_literal(text, target)
     remove = set(request.remove)
@@ -484,8 +486,6 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         text = apply_transposed_adapter(text, layout, sorted(transposed))
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
-        if buffers:
-            text = expect_init_buffers(text, layout)
         if plan.lm_head_bias:
             text = apply_head_bias_adapter(text, layout)
         moe = checklist.moe
@@ -501,7 +501,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
     stale = [k for k in current if k not in wanted]
     new_text = edit_dict_literal(text, target, set_entries=wanted, remove=stale)
     changed: list[str] = []
-    write_if_changed(tree, layout.adapter, new_text, changed)
+    write_if_changed(tree, layout.adapter, new_text.code, changed)
     added = sorted(k for k in wanted if current.get(k, object()) != wanted[k])
     return EditAdapterMapResult(
         from_hf_map=read_dict_literal(new_text, target), added=added, removed=sorted(stale), changed_files=changed
@@ -637,12 +637,12 @@ if ".attention.wq." in self.fused_from_hf_map[template][0]:
 
 
 def apply_fused_adapter(
-    text: str,
+    text: Document,
     layout: PackageLayout,
     fused: dict[str, list[str]],
     grouped: bool = False,
     blocked: tuple[int, str] | None = None,
-) -> str:
+) -> Document:
     """Teach a copied adapter a fused on-disk layout: ``from_hf`` splits each fused key
     along dim 0 by its parts' sizes, ``to_hf`` concatenates them back, and
     ``convert_single_to_hf`` names, for one part, the fused key its slice belongs to.
@@ -654,7 +654,8 @@ def apply_fused_adapter(
         return text
     cls = layout.adapter_class
     camel = layout.names.camel
-    text = text.replace(
+    text = replace_text(
+        text,
         f"Renames {camel} weights between Archon and HF checkpoints; no tensor is changed.",
         f"Renames {camel} weights between Archon and HF checkpoints; splits and re-stacks fused tensors.",
     )
@@ -839,8 +840,8 @@ _PER_EXPERT_INIT = (
 
 
 def apply_fused_experts_adapter(
-    text: str, layout: PackageLayout, experts: dict[str, list[str]], moe: MoEFeatures
-) -> str:
+    text: Document, layout: PackageLayout, experts: dict[str, list[str]], moe: MoEFeatures
+) -> Document:
     """Teach a copied MoE adapter (qwen3's) checkpoints that hold every expert of a
     projection in one 3D tensor: ``from_hf`` splits gate/up (in the probed order) and
     transposes (in, out) experts, ``to_hf`` fuses them back; the per-expert stacking goes."""
@@ -959,31 +960,6 @@ def apply_fused_experts_adapter(
     return prune_unused_imports(text)
 
 
-_META_MODEL = """
-with torch.device("meta"):
-    model = {model_class}(self.model_args)
-"""
-
-_META_MODEL_WITH_BUFFERS = """
-with torch.device("meta"):
-    model = {model_class}(self.model_args)
-    # AReaL's MoE registers its saved expert_bias buffer in init_buffers, not in __init__.
-    model.init_buffers(buffer_device="meta")
-"""
-
-
-def expect_init_buffers(text: str, layout: PackageLayout) -> str:
-    """The adapter's expected keys include the saved buffers (``expert_bias``) that AReaL's
-    MoE registers only in ``init_buffers``: the meta model it builds calls it."""
-    return replace_in_function(
-        text,
-        layout.adapter_class,
-        "_expected_archon_keys",
-        _META_MODEL.format(model_class=layout.model_class).strip(),
-        _META_MODEL_WITH_BUFFERS.format(model_class=layout.model_class).strip(),
-    )
-
-
 # --- projections stored (in, out) (transformers' Conv1D) --------------------------------------
 
 TRANSPOSED = "transposed_hf_keys"
@@ -1002,7 +978,7 @@ def _oriented(self, hf_key: str, value: Any) -> Any:
 """
 
 
-def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) -> str:
+def apply_transposed_adapter(text: Document, layout: PackageLayout, keys: list[str]) -> Document:
     """Teach a copied adapter the checkpoint keys stored ``(in, out)`` (GPT-2's ``Conv1D``):
     ``from_hf`` transposes them before anything else (a fused one is then split like any
     other), ``convert_single_to_hf`` (and so ``to_hf``) transposes them back, after a fused
@@ -1018,10 +994,10 @@ def apply_transposed_adapter(text: str, layout: PackageLayout, keys: list[str]) 
     )
     anchor = FUSED_MAP if FUSED_MAP in text else "from_hf_map"
     text = insert_class_statement_after(text, cls, anchor, literal)
-    text = text.replace(
-        "splits and re-stacks fused tensors.",
-        "splits, re-stacks and transposes (Conv1D) tensors.",
-    ).replace("; no tensor is changed.", "; transposes Conv1D-stored tensors.")
+    text = replace_text(
+        text, "splits and re-stacks fused tensors.", "splits, re-stacks and transposes (Conv1D) tensors."
+    )
+    text = replace_text(text, "; no tensor is changed.", "; transposes Conv1D-stored tensors.")
     try:
         text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_ORIENT.strip() + "\n")
         text = replace_in_function(
@@ -1054,7 +1030,7 @@ CRITIC_DROP_WITH_BIAS = """if self.model_args.is_critic and state_dict.pop("outp
 """
 
 
-def apply_head_bias_adapter(text: str, layout: PackageLayout) -> str:
+def apply_head_bias_adapter(text: Document, layout: PackageLayout) -> Document:
     """A critic built from a checkpoint whose LM head has a bias drops that bias with the
     head's weight (``from_hf``), so AReaL's strict load of the critic meets no stray key."""
     if 'state_dict.pop("output.bias", None)' in text:
@@ -1078,7 +1054,7 @@ hf_state_dict = {
 """
 
 
-def apply_unit_axes_adapter(text: str, layout: PackageLayout, keys: dict[str, int]) -> str:
+def apply_unit_axes_adapter(text: Document, layout: PackageLayout, keys: dict[str, int]) -> Document:
     """Teach a copied adapter the checkpoint keys stored with leading axes of size 1
     (``{key template: axes}``; ERNIE-4.5's ``[1, E]`` score-correction bias, which
     AReaL's ``expert_bias`` holds as ``[E]``): ``from_hf`` drops the axes before anything

@@ -20,12 +20,14 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     class_field_names,
     remove_function,
     remove_method,
     remove_statements,
     replace_function,
     replace_in_function,
+    replace_text,
     set_call_kwarg,
     set_class_fields,
     set_docstring,
@@ -238,6 +240,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 operator.attrgetter(clip),
             )
         )
+    if profile.query_position_scale is not None:
+        # The constants of the queries' position scale (config paths, rope_parameters.<key>).
+        scale = profile.query_position_scale
+        fields += [
+            _config_path_arg("query_scale_beta", scale.beta_field, float, config),
+            _config_path_arg("query_scale_period", scale.period_field, int, config),
+        ]
     if profile.position_zero_row_field is not None:
         # The row of the sinusoidal table the checkpoint's code zeroes (XGLM: pad_token_id).
         zero = profile.position_zero_row_field
@@ -245,11 +254,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             ArgField(zero, "int | None", getattr(config, zero), f"hf_config.{zero}", operator.attrgetter(zero))
         )
     if profile.sliding_window:
+        # None (whole documents) where HF's config class allows it and means it.
+        nullable = "sliding_window" in profile.nullable_fields
         fields.append(
             ArgField(
                 "sliding_window",
-                "int",
-                int(config.sliding_window),
+                "int | None" if nullable else "int",
+                config.sliding_window if nullable else int(config.sliding_window),
                 "hf_config.sliding_window",
                 lambda c: c.sliding_window,
             )
@@ -270,7 +281,12 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         ("attn_logit_softcapping", profile.attn_softcap),
         ("final_logit_softcapping", profile.final_softcap),
     ):
-        if wanted:
+        if wanted and name in profile.nullable_fields:
+            # None: no cap, as HF's forward reads it.
+            value = getattr(config, name)
+            default = None if value is None else float(value)
+            fields.append(ArgField(name, "float | None", default, f"hf_config.{name}", operator.attrgetter(name)))
+        elif wanted:
             fields.append(
                 ArgField(name, "float", float(getattr(config, name)), f"hf_config.{name}", operator.attrgetter(name))
             )
@@ -308,8 +324,7 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 groups, kept = (getattr(c, f) for f in profile.expert_group_fields)
                 if (groups or 1) > 1:
                     moe_args.num_expert_groups, moe_args.num_limited_groups = groups, kept
-            if profile.score_correction_key is not None:
-                moe_args.load_balance_coeff = CORRECTION_BIAS_COEFF
+            # A score-correction bias stays fixed (load_balance_coeff None) unless the caller opts in.
             return moe_args
 
         fields += [
@@ -349,13 +364,8 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     fields += [scalar_arg(profile, name, config) for name in profile.multipliers]
     fields += [
         ArgField("eos_id", "int", eos_default, "_eos_id(hf_config, cls.eos_id)", lambda c: _eos(c, eos_default)),
-        ArgField(
-            "enable_weight_tying",
-            "bool",
-            bool(getattr(config, "tie_word_embeddings", False)),
-            'bool(getattr(hf_config, "tie_word_embeddings", False))',
-            lambda c: bool(getattr(c, "tie_word_embeddings", False)),
-        ),
+        _tying_arg(profile, config),
+        *_padding_idx_args(profile, config),
         ArgField("is_critic", "bool", False, "is_critic", lambda c: False),
         ArgField("num_labels", "int", 1, 'kwargs.get("num_labels", cls.num_labels)', lambda c: 1),
     ]
@@ -366,13 +376,16 @@ def moe_layer_fields(plan: PortPlan, config: Any) -> list[ArgField]:
     """The args fields the family's per-layer MoE rule reads (``plan.moe_layer_rule``)."""
     rule = plan.moe_layer_rule
     if rule == "first_k_dense":
+        # The config field counting the leading dense layers, as the analysis measured it
+        # (first_k_dense_replace, AFMoE's num_dense_layers).
+        dense = plan.moe_layer_fields[0] if plan.moe_layer_fields else "first_k_dense_replace"
         return [
             ArgField(
                 "first_k_dense_replace",
                 "int",
-                int(config.first_k_dense_replace or 0),
-                "hf_config.first_k_dense_replace or 0",
-                lambda c: c.first_k_dense_replace or 0,
+                int(getattr(config, dense) or 0),
+                f"hf_config.{dense} or 0",
+                lambda c: getattr(c, dense) or 0,
             )
         ]
     if rule == "layer_types":
@@ -438,6 +451,59 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         )
         for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
     ]
+
+
+def _padding_idx_args(profile: PortPlan, config: Any) -> list[ArgField]:
+    """``pad_id``: the embedding row HF gives no gradient (its ``padding_idx``), read from the
+    field the analysis probed (``pad_token_id``); none where HF trains every row."""
+    field = profile.padding_idx_field
+    if field is None:
+        return []
+
+    def pad(c: Any) -> int | None:
+        value = getattr(c, field, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return [ArgField("pad_id", "int | None", pad(config), f'getattr(hf_config, "{field}", None)', pad)]
+
+
+def _tying_arg(profile: PortPlan, config: Any) -> ArgField:
+    """``enable_weight_tying``: the config field HF's tying follows, or, where HF ties (or
+    keeps its own head) whatever the config says, what it does (the analysis probes both)."""
+    field = profile.tying_field
+    if field is None:
+        return ArgField("enable_weight_tying", "bool", profile.tied, repr(profile.tied), lambda c: profile.tied)
+    return ArgField(
+        "enable_weight_tying",
+        "bool",
+        bool(getattr(config, field, False)),
+        f'bool(getattr(hf_config, "{field}", False))',
+        lambda c: bool(getattr(c, field, False)),
+    )
+
+
+def _config_path_arg(name: str, path: str, cast: type[int] | type[float], config: Any) -> ArgField:
+    """An args field read from a config path (a field or ``rope_parameters.<key>``)."""
+
+    def expected(c: Any) -> int | float:
+        return cast(config_path_value(c, path))
+
+    kind = cast.__name__
+    return ArgField(name, kind, expected(config), f"{kind}({config_path_expression(path)})", expected)
+
+
+def config_path_value(config: Any, path: str) -> Any:
+    """A config value by the analysis' path: a field, or ``rope_parameters.<key>``."""
+    if path.startswith("rope_parameters."):
+        return (getattr(config, "rope_parameters", None) or {}).get(path.split(".", 1)[1])
+    return getattr(config, path)
+
+
+def config_path_expression(path: str) -> str:
+    """The generated ``from_hf_config`` expression reading ``path`` off ``hf_config``."""
+    if path.startswith("rope_parameters."):
+        return f'hf_config.rope_parameters["{path.split(".", 1)[1]}"]'
+    return f"hf_config.{path}"
 
 
 def _rope_scaling_fields(profile: PortPlan, config: Any) -> list[ArgField]:
@@ -566,15 +632,65 @@ if router_dtype is not None:
 """
 
 
-def check_supported_source(profile: PortPlan, config: Any, camel: str, read: str = "") -> str:
+def nullable_split(profile: PortPlan, fields: list[ArgField] | None, config: Any = None) -> tuple[list[str], list[str]]:
+    """The analysis' nullable fields (HF's forward treats their ``None`` apart from the
+    config's value): those the args map (a generated stage case with ``None`` proves each),
+    and those they do not (``_check_supported`` refuses ``None``, naming the field).
+
+    A field is mapped when an args field keeps its ``None`` (an optional annotation reading
+    it), or when the args field of that name computes a value from a config holding ``None``
+    (``head_dim``: ``hidden_size // num_attention_heads``, as HF derives it). ``fields`` is
+    ``None`` for a reference's own mapping (deepseek_v3), which reads what it reproduces:
+    every one is a case."""
+    if fields is None:
+        return list(profile.nullable_fields), []
+
+    def derives(name: str) -> bool:
+        field = next((f for f in fields if f.name == name), None)
+        if field is None or config is None:
+            return False
+        without = copy.deepcopy(config)
+        setattr(without, name, None)
+        try:
+            return field.expected(without) is not None
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            return False
+
+    mapped = [
+        name
+        for name in profile.nullable_fields
+        if any("None" in f.annotation and re.search(rf'(hf_config\.{name}\b|"{name}")', f.expression) for f in fields)
+        or derives(name)
+    ]
+    return mapped, [name for name in profile.nullable_fields if name not in mapped]
+
+
+def nullable_cases(profile: PortPlan, config: Any) -> list[str]:
+    """The nullable fields a generated stage case sets to ``None`` (see :func:`nullable_split`)."""
+    fields = arg_fields(profile, config) if profile.reference in EDITABLE_REFERENCES else None
+    return nullable_split(profile, fields, config)[0]
+
+
+def check_supported_source(
+    profile: PortPlan, config: Any, camel: str, read: str = "", refused_none: list[str] | None = None
+) -> str:
     """``_check_supported``: refuse configs whose math the port does not reproduce.
 
     ``read``: the code of ``from_hf_config``'s field expressions; a forward switch it reads
-    is mapped, not pinned."""
+    is mapped, not pinned. ``refused_none``: fields whose ``None`` HF's forward treats apart
+    and the port does not map (see :func:`nullable_split`)."""
     lines = [
         "def _check_supported(hf_config: Any) -> None:",
         '    """Refuse configs whose math this implementation does not reproduce."""',
     ]
+    for name in refused_none or []:
+        lines += [
+            f'    if getattr(hf_config, "{name}", 0) is None:',
+            "        raise ValueError(",
+            f'            "{name}=None is not supported by {camel} in Archon: HF\'s forward treats it apart "',
+            '            "from every value this port maps."',
+            "        )",
+        ]
     act_field = profile.activation_field
     if act_field is not None:
         # The table's name and the checkpoint's own spelling of the same function (gelu_new).
@@ -766,11 +882,10 @@ moe_args.use_shared_expert_gate = True
 """
 
 
-# ``load_balance_coeff`` of a family whose checkpoint holds a score-correction bias: any
-# positive value makes AReaL's MoE register its ``expert_bias`` buffer, the bias the router
-# adds to the scores it chooses experts by (and only to those). 1e-3 is DeepSeek-V3's bias
-# update speed, for a trainer that balances load by updating it; AReaL 1.0.4 does not.
-CORRECTION_BIAS_COEFF = 1e-3
+# The from_hf_config keyword that opts a family with a score-correction bias into AReaL's
+# auxiliary-loss-free balancing of it (``MoEArgs.load_balance_coeff``: the step a trainer that
+# updates the bias takes; AReaL 1.0.4's engine takes none). Without it the bias stays as loaded.
+BALANCING_KWARG = "load_balance_coeff"
 
 
 def router_setup(plan: PortPlan) -> str:
@@ -815,8 +930,9 @@ def router_setup(plan: PortPlan) -> str:
         shifted = "logits (before the score function)" if plan.logit_selection_bias else "scores"
         lines += [
             f"# The checkpoint's {key} shifts the {shifted} that choose experts, not the",
-            "# weights: AReaL's expert_bias buffer, which load_balance_coeff creates.",
-            f"moe_args.load_balance_coeff = {CORRECTION_BIAS_COEFF}",
+            "# weights (the MoE's expert_bias); it stays as loaded in training unless the caller",
+            f"# opts into balancing it with {BALANCING_KWARG} (AReaL's MoEArgs field of that name).",
+            f'moe_args.load_balance_coeff = kwargs.get("{BALANCING_KWARG}")',
         ]
     if plan.shared_experts_field is not None:
         lines += [
@@ -841,6 +957,7 @@ def from_hf_config_source(
     camel: str,
     config_class: str,
     moe: bool = False,
+    correction_bias: bool = False,
     route_norm: bool = False,
     route_norm_field_ignored: str | None = None,
     shared_expert: bool = False,
@@ -857,6 +974,13 @@ def from_hf_config_source(
     args = "\n".join(f"        {f.name}={f.expression}," for f in fields if f.expression)
     kwargs_doc = (
         'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
+        "    (outputs of a critic's ``score`` head, default 1), ``router_dtype`` (dtype of the\n"
+        "    router GEMM; reaches ``MoEArgs.router_dtype``) and ``load_balance_coeff`` (opts\n"
+        "    into auxiliary-loss-free balancing of the score-correction bias, AReaL's\n"
+        "    ``MoEArgs.load_balance_coeff``; by default the checkpoint's bias stays fixed in\n"
+        "    training). Any other keyword is ignored, as AReaL's own ``from_hf_config`` ignores it."
+        if moe and correction_bias
+        else 'Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``\n'
         "    (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of\n"
         "    the router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored,\n"
         "    as AReaL's own ``from_hf_config`` ignores it."
@@ -954,38 +1078,44 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     if profile.reference not in EDITABLE_REFERENCES:
         return _reference_mapping_args(tree, layout, text, profile, config, request)
     fields = arg_fields(profile, config)
+    doc = Document(text)
     spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
-    stale = [n for n in class_field_names(text, layout.args_class) if n not in spec]
-    text = set_class_fields(text, layout.args_class, spec, remove=stale)
-    text = set_docstring(
-        text,
+    stale = [n for n in class_field_names(doc, layout.args_class) if n not in spec]
+    doc = set_class_fields(doc, layout.args_class, spec, remove=stale)
+    doc = set_docstring(
+        doc,
         layout.args_class,
         f"{camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``.",
     )
-    text = set_docstring(
-        text, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``."
+    doc = set_docstring(
+        doc, None, f"{camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``."
     )
     required = "".join(f'\n    "{n}",' for n in required_fields(profile, config))
-    text = set_module_assign(text, "_REQUIRED_HF_FIELDS", f"({required}\n)")
-    text = upsert_function(
-        text,
+    doc = set_module_assign(doc, "_REQUIRED_HF_FIELDS", f"({required}\n)")
+    doc = upsert_function(
+        doc,
         "_check_supported",
-        check_supported_source(profile, config, camel, read=" ".join(f.expression for f in fields)),
+        check_supported_source(
+            profile,
+            config,
+            camel,
+            read=" ".join(f.expression for f in fields),
+            refused_none=nullable_split(profile, fields, config)[1],
+        ),
         before_class=layout.args_class,
     )
     if profile.partial_rotary:
         helper = snippet("args", "_partial_rotary_factor")
-        text = upsert_function(text, "_partial_rotary_factor", helper, before_class=layout.args_class)
+        doc = upsert_function(doc, "_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.per_layer_rope:
         helper_source = snippet("args", "_layer_rope_parameters")
-        text = upsert_function(text, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
+        doc = upsert_function(doc, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
     if profile.rope_type != "default":
         helper = "_layer_rope_freq_scaling" if profile.per_layer_rope else "_rope_freq_scaling"
-        text = upsert_function(text, helper, snippet("args", helper), before_class=layout.args_class)
-        if "\nfrom dataclasses import dataclass\n" in text:
-            text = text.replace("\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
-    text = replace_function(
-        text,
+        doc = upsert_function(doc, helper, snippet("args", helper), before_class=layout.args_class)
+        doc = replace_text(doc, "\nfrom dataclasses import dataclass\n", "\nfrom dataclasses import dataclass, field\n")
+    doc = replace_function(
+        doc,
         layout.args_class,
         "from_hf_config",
         from_hf_config_source(
@@ -993,6 +1123,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             camel,
             profile.config_class,
             profile.moe,
+            correction_bias=profile.score_correction_key is not None,
             route_norm=profile.route_norm,
             route_norm_field_ignored=profile.route_norm_field_ignored,
             shared_expert=profile.shared_expert,
@@ -1003,8 +1134,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     )
     if profile.sliding_window or profile.attn_softcap or profile.attn_sinks:
         # The package's own attention kernel serves every attn_type AReaL's engine passes.
-        text = replace_in_function(
-            text,
+        doc = replace_in_function(
+            doc,
             layout.args_class,
             "__post_init__",
             'if self.attn_type not in ("varlen", "sdpa"):\n'
@@ -1013,21 +1144,21 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         )
     if profile.moe and not profile.all_layers_moe and profile.moe_layer_rule != "sparse_step":
         # The family's own per-layer rule replaces the reference's decoder_sparse_step rule.
-        text = replace_function(
-            text,
+        doc = replace_function(
+            doc,
             layout.args_class,
             "is_moe_layer",
             snippet_method("moe_layers", MOE_LAYER_RULES[profile.moe_layer_rule], "is_moe_layer"),
         )
-        text = _drop_sparse_step_check(text, layout.args_class)
+        doc = _drop_sparse_step_check(doc, layout.args_class)
     if profile.all_layers_moe:
         # Every layer routes to experts: the per-layer rule and its check go.
-        text = remove_method(text, layout.args_class, "is_moe_layer")
-        text = _drop_sparse_step_check(text, layout.args_class)
+        doc = remove_method(doc, layout.args_class, "is_moe_layer")
+        doc = _drop_sparse_step_check(doc, layout.args_class)
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
-    text = remove_function(text, "_num_experts")
-    text = remove_statements(text, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
-    checks = verify_args_source(text, layout.args_class, fields, request.source, request.trust_remote_code)
+    doc = remove_function(doc, "_num_experts")
+    doc = remove_statements(doc, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))
+    checks = verify_args_source(doc.code, layout.args_class, fields, request.source, request.trust_remote_code)
     failed = [c for c in checks if not c.passed]
     if failed:
         detail = "; ".join(
@@ -1035,7 +1166,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         )
         raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
     changed: list[str] = []
-    write_if_changed(tree, layout.args, text, changed)
+    write_if_changed(tree, layout.args, doc.code, changed)
     skipped = list(profile.unsupported) if request.allow_unsupported else []
     return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
@@ -1083,7 +1214,7 @@ def scalar_arg(profile: PortPlan, name: str, config: Any) -> ArgField:
     )
 
 
-def mla_scalar_fields(text: str, args_class: str, profile: PortPlan, config: Any) -> str:
+def mla_scalar_fields(text: Document, args_class: str, profile: PortPlan, config: Any) -> Document:
     """The scalar factors' args fields on a copied deepseek_v3 args module (its mapping is
     kept, so each factor adds one dataclass field and one keyword of the ``cls(...)`` call)."""
     fields = [scalar_arg(profile, name, config) for name in profile.multipliers]
@@ -1096,7 +1227,7 @@ def mla_scalar_fields(text: str, args_class: str, profile: PortPlan, config: Any
     return text
 
 
-def _drop_sparse_step_check(text: str, args_class: str) -> str:
+def _drop_sparse_step_check(text: Document, args_class: str) -> Document:
     """Remove the reference's ``decoder_sparse_step`` check (the family has no such field)."""
     return replace_in_function(
         text,
@@ -1202,12 +1333,12 @@ _LEADING_DENSE_RULE = (
 )
 
 
-def _moe_layers_by_type(text: str, field_name: str) -> str:
+def _moe_layers_by_type(text: Document, field_name: str) -> Document:
     """The reference's leading-dense rule replaced by the family's per-layer list of MLP kinds."""
     for old, new in _LEADING_DENSE_RULE:
-        if text.count(old) != 1:
+        if text.code.count(old) != 1:
             raise CodemodError(f"the copied args do not hold the reference's MoE layer rule ({old.strip()!r}).")
-        text = text.replace(old, new.format(field=field_name))
+        text = replace_text(text, old, new.format(field=field_name))
     return text
 
 
@@ -1227,32 +1358,33 @@ def _reference_mapping_args(
     class defaults, read through that mapping; each field is then checked against the
     mapping on the default and on the tiny config.
     """
+    doc = Document(text)
     if profile.moe_layer_types_field is not None:
-        text = _moe_layers_by_type(text, profile.moe_layer_types_field)
+        doc = _moe_layers_by_type(doc, profile.moe_layer_types_field)
     if not profile.moe:
         # A dense family keeps none of the reference's MoE machinery.
-        text = dense_args(text, layout.args_class)
-    text = router_args(text, profile, layout.names.camel)
-    text = mla_scalar_fields(text, layout.args_class, profile, config)
+        doc = dense_args(doc, layout.args_class)
+    doc = router_args(doc, profile, layout.names.camel)
+    doc = mla_scalar_fields(doc, layout.args_class, profile, config)
     if profile.rotary_style_field is None:
         # The config has no switch of the rotation's pairing: the measured one is fixed.
         interleaved = "True" if profile.rotary_interleaved else "False"
-        text = set_call_kwarg(text, "cls", "rope_interleave", interleaved)
-    args_class = _exec_args_class(text, layout.args_class)
-    missing = _missing_moe_fields(text, layout.args_class, config)
+        doc = set_call_kwarg(doc, "cls", "rope_interleave", interleaved)
+    args_class = _exec_args_class(doc.code, layout.args_class)
+    missing = _missing_moe_fields(doc.code, layout.args_class, config)
     defaults = args_class.from_hf_config(_moe_fields_filled(config, missing))
-    own_fields = class_field_names(text, layout.args_class)
+    own_fields = class_field_names(doc, layout.args_class)
     spec: dict[str, str] = {}
     for f in dataclasses.fields(args_class):
         value = getattr(defaults, f.name)
         if f.name in CALLER_ARGS or not _literal_default(value) or f.name not in own_fields:
             continue
         spec[f.name] = f"{f.type} = {_literal(value)}"
-    text = set_class_fields(text, layout.args_class, spec)
+    doc = set_class_fields(doc, layout.args_class, spec)
     _, _, rest = (args_class.__doc__ or "").partition("\n")
-    doc = f"{layout.names.camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``."
-    text = set_docstring(text, layout.args_class, doc + ("\n" + rest if rest.strip() else ""))
-    written = _exec_args_class(text, layout.args_class)
+    summary = f"{layout.names.camel} hyper-parameters. Defaults are those of transformers' ``{profile.config_class}``."
+    doc = set_docstring(doc, layout.args_class, summary + ("\n" + rest if rest.strip() else ""))
+    written = _exec_args_class(doc.code, layout.args_class)
     checks: list[FieldCheck] = []
     # The config class's defaults lack an MoE field from_hf_config requires (DeepseekV2Config
     # leaves num_experts_per_tok unset): it refuses them, and stage 1 proves that it does.
@@ -1274,5 +1406,5 @@ def _reference_mapping_args(
         detail = "; ".join(f"{c.field} ({c.config}): expected {c.expected!r}, got {c.actual!r}" for c in failed)
         raise ValueError(f"the {profile.reference} args mapping does not fit {profile.config_class}: {detail}.")
     changed: list[str] = []
-    write_if_changed(tree, layout.args, text, changed)
+    write_if_changed(tree, layout.args, doc.code, changed)
     return EditArgsResult(fields=spec, checks=checks, skipped_features=[], changed_files=changed)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
+from skill.codemod.cst import Document
 from skill.porting.common import (
     HAND_EDIT_MARKER,
     PackageLayout,
@@ -19,25 +21,57 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, apply_model_edits, select_edits
+from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_document, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
 
-# Where the hand edit for an unsupported feature goes, by the words of its name: the
-# first function of the Archon module contract whose part the feature belongs to.
-_MARKER_PLACES: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
-    (("router", "expert", "moe", "mixture"), "TransformerBlock", "__init__"),
-    # A per-layer choice of rotating q/k or not is made where the attention applies RoPE.
-    (("without rope",), "Attention", "forward"),
-    (("rope", "rotary", "position", "alibi"), None, "_precompute_rope_cache"),
-    (("attention", "qk", "query", "key", "sink", "window", "clip", "head", "projection"), "Attention", "forward"),
-    (("norm",), "TransformerBlock", "forward"),
-    (("ffn", "mlp", "activation", "feed"), "FeedForward", "forward"),
-    (("embedding",), None, "forward"),
-    (("logit", "head", "lm"), None, "forward"),
+@dataclass(frozen=True)
+class MarkerPlace:
+    """Where the hand edit of a feature goes in the Archon module contract: a function of a
+    class (``None``: the model class), above the statement holding ``anchor`` when it has one."""
+
+    keywords: tuple[str, ...]
+    class_name: str | None
+    function: str
+    anchor: str | None = None
+
+    def where(self, model_class: str) -> str:
+        return f"{self.class_name or model_class}.{self.function}"
+
+
+# The statement where an attention applies RoPE: the order of q/k norms, clipping or no
+# rotation at all is decided there.
+ROPE_STATEMENT = "apply_rotary_emb("
+_EMBEDDING_STATEMENT = "self.tok_embeddings(tokens)"
+# A feature's place is the one named by the word that comes first in the feature's name (its
+# subject): "weightless QK norm after RoPE" is about the QK norm, not about RoPE.
+MARKER_PLACES: tuple[MarkerPlace, ...] = (
+    MarkerPlace(("router", "expert", "moe", "mixture"), "TransformerBlock", "__init__"),
+    MarkerPlace(("without rope",), "Attention", "forward", ROPE_STATEMENT),
+    MarkerPlace(("qk", "q/k", "query", "key", "attention", "sink", "window", "clip", "alibi"), "Attention", "forward"),
+    MarkerPlace(("rope", "rotary", "rotation"), None, "_precompute_rope_cache"),
+    MarkerPlace(("embedding", "position"), None, "forward", _EMBEDDING_STATEMENT),
+    MarkerPlace(("logit", "lm head"), None, "forward", "head = "),
+    MarkerPlace(("norm",), "TransformerBlock", "forward"),
+    MarkerPlace(("ffn", "mlp", "activation", "feed", "swiglu"), "FeedForward", "forward"),
 )
+_DEFAULT_PLACE = MarkerPlace((), "TransformerBlock", "forward")
+
+
+def marker_place(feature: str) -> MarkerPlace:
+    """The place of an unsupported feature's hand edit, by the first word of its name that
+    names a part of the module contract. An attention feature that concerns RoPE is marked
+    where the attention applies RoPE."""
+    words = feature.lower().removeprefix("unsupported: ")
+    hits = [(words.find(k), i) for i, place in enumerate(MARKER_PLACES) for k in place.keywords if k in words]
+    if not hits:
+        return _DEFAULT_PLACE
+    place = MARKER_PLACES[min(hits)[1]]
+    if place.class_name == "Attention" and place.anchor is None and ("rope" in words or "rotary" in words):
+        return MarkerPlace(place.keywords, place.class_name, place.function, ROPE_STATEMENT)
+    return place
 
 
 class EditModelRequest(SourceRequest):
@@ -69,20 +103,14 @@ def edit_model(request: EditModelRequest) -> EditModelResult:
         return apply_edit_model(tree, request)
 
 
-def _marker_place(feature: str, model_class: str) -> tuple[str | None, str]:
-    words = feature.lower()
-    for keys, class_name, func in _MARKER_PLACES:
-        if any(k in words for k in keys):
-            return (model_class if class_name is None else class_name), func
-    return "TransformerBlock", "forward"
-
-
-def mark_hand_edits(text: str, features: list[str], model_class: str) -> str:
+def mark_hand_edits(text: Document, features: list[str], model_class: str) -> Document:
     """A marker comment per unsupported feature, at the place its hand edit goes."""
     for feature in features:
         name = feature.removeprefix("unsupported: ")
-        class_name, func = _marker_place(name, model_class)
-        text = add_marker(text, class_name, func, f"{HAND_EDIT_MARKER.removeprefix('# ')} {name}")
+        place = marker_place(name)
+        class_name = place.class_name or model_class
+        comment = f"{HAND_EDIT_MARKER.removeprefix('# ')} {name}"
+        text = add_marker(text, class_name, place.function, comment, place.anchor)
     return text
 
 
@@ -102,11 +130,11 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
         )
     names = request.edits if request.edits is not None else select_edits(plan, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)
-    new_text = apply_model_edits(text, ctx, names)
+    edited = edit_document(Document(text), ctx, names)
     skipped = list(plan.unsupported) if request.allow_unsupported else []
     if skipped:
-        new_text = mark_hand_edits(new_text, skipped, layout.model_class)
+        edited = mark_hand_edits(edited, skipped, layout.model_class)
     changed: list[str] = []
-    write_if_changed(tree, layout.model, new_text, changed)
+    write_if_changed(tree, layout.model, edited.code, changed)
     logger.info("model edits for %s: %s", layout.names.package, ", ".join(names) or "none")
     return EditModelResult(edits=names, skipped_features=skipped, changed_files=changed)

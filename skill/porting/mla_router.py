@@ -1,15 +1,16 @@
 """An MoE family on the deepseek_v3 (MLA) reference whose router is not DeepSeek-V3's.
 
-The reference routes by sigmoid scores, a score-correction bias (AReaL's ``expert_bias``,
-created by ``load_balance_coeff``), groups scored by the sum of their two best experts and
-renormalisation by ``norm_topk_prob``. The analysis measures each of these on HF's own MoE
-block; this module rewrites the copied args' ``_moe_args`` (and the adapter's bias entry) so
-the package routes as the family does, still in AReaL's ``MoEArgs`` terms:
+The reference routes by sigmoid scores, a score-correction bias (the saved ``expert_bias``
+of its ``CorrectionBiasMoE``, fixed unless ``load_balance_coeff`` opts into balancing it),
+groups scored by the sum of their two best experts and renormalisation by ``norm_topk_prob``.
+The analysis measures each of these on HF's own MoE block; this module rewrites the copied
+args' ``_moe_args`` (and the adapter's bias entry) so the package routes as the family does,
+still in AReaL's ``MoEArgs`` terms:
 
 - softmax scores: ``score_func="softmax"`` (AReaL's router: softmax over every expert, then
   the top-k of those probabilities);
-- no score-correction bias: no ``load_balance_coeff`` (so no ``expert_bias`` buffer), and no
-  checkpoint key for it;
+- no score-correction bias: no ``load_balance_coeff`` opt-in, and no checkpoint key for it
+  (``model_edits.no_correction_bias`` builds AReaL's MoE instead);
 - a ``norm_topk_prob`` the forward never reads: ``route_norm`` fixed at what HF does;
 - a group limit switched on by a config value (``topk_method="group_limited_greedy"``):
   groups only under that value, any value HF does not implement refused.
@@ -26,9 +27,10 @@ import textwrap
 
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     prune_unused_imports,
-    remove_statements,
     replace_in_function,
+    replace_text,
 )
 from skill.porting.plan import PortPlan
 
@@ -45,8 +47,28 @@ _REFERENCE_RETURN = """return MoEArgs(
     router_dtype=router_dtype if router_dtype is not None else torch.float32,
     num_expert_groups=int(n_group) if n_group > 1 else None,
     num_limited_groups=int(topk_group) if n_group > 1 else None,
-    load_balance_coeff=_BIAS_UPDATE_SPEED,
+    # None: the checkpoint's bias stays as loaded; a value opts into balancing it.
+    load_balance_coeff=load_balance_coeff,
 )"""
+# from_hf_config's docstring on the keywords, with the balancing opt-in (the reference's) and without.
+BALANCING_KWARGS_DOC = """(outputs of a critic's ``score`` head, default 1), ``router_dtype`` (dtype of the
+        router GEMM; ``None`` keeps HF's fp32) and ``load_balance_coeff`` (opts into
+        auxiliary-loss-free balancing of the score-correction bias, AReaL's
+        ``MoEArgs.load_balance_coeff``; by default the checkpoint's bias stays fixed in
+        training). Any other keyword is ignored, as AReaL's own ``from_hf_config`` ignores
+        it. ``eos_token_id`` of ``None`` keeps the default; a list takes its first id."""
+_NO_BALANCING_KWARGS_DOC = """(outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of
+        the router GEMM; ``None`` keeps HF's fp32). Any other keyword is ignored, as
+        AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of ``None`` keeps the
+        default; a list takes its first id."""
+# The balancing opt-in: _moe_args' parameter, and from_hf_config's call passing it on.
+_REFERENCE_SIGNATURE = (
+    "def _moe_args(hf_config: Any, router_dtype: torch.dtype | None, load_balance_coeff: float | None)"
+    " -> MoEArgs | None:"
+)
+_NO_BALANCING_SIGNATURE = "def _moe_args(hf_config: Any, router_dtype: torch.dtype | None) -> MoEArgs | None:"
+REFERENCE_CALL = '_moe_args(hf_config, kwargs.get("router_dtype"), kwargs.get("load_balance_coeff"))'
+_NO_BALANCING_CALL = '_moe_args(hf_config, kwargs.get("router_dtype"))'
 _REFERENCE_DOC = '''"""DeepSeek-V3 routing in AReaL's ``MoEArgs`` terms; ``None`` when the config has no routed experts.
 
     Sigmoid scores; the score-correction bias (``expert_bias``) shifts which experts are
@@ -65,6 +87,15 @@ _UNREAD_FIELDS = (
     "# HF's router never reads norm_topk_prob (moe_args.route_norm does not follow it).\n"
     '_UNREAD_HF_FIELDS = ("norm_topk_prob",)\n'
 )
+
+
+def _swap(text: Document, reference: str, new: str, what: str) -> Document:
+    """``text`` with the reference's ``reference`` replaced by ``new`` (already replaced: unchanged)."""
+    if reference in text:
+        return replace_text(text, reference, new, 1)
+    if new in text:
+        return text
+    raise CodemodError(f"the copied args do not hold the reference's {what}: the deepseek_v3 reference changed.")
 
 
 def differs_from_reference(plan: PortPlan) -> bool:
@@ -102,7 +133,10 @@ def _return_statement(plan: PortPlan) -> str:
         "    num_limited_groups=int(topk_group) if n_group > 1 else None,",
     ]
     if plan.score_correction_key is not None:
-        lines.append("    load_balance_coeff=_BIAS_UPDATE_SPEED,")
+        lines += [
+            "    # None: the checkpoint's bias stays as loaded; a value opts into balancing it.",
+            "    load_balance_coeff=load_balance_coeff,",
+        ]
     return "\n".join([*lines, ")"])
 
 
@@ -160,7 +194,7 @@ def _switch_check(plan: PortPlan) -> str:
     )
 
 
-def router_args(text: str, plan: PortPlan, camel: str) -> str:
+def router_args(text: Document, plan: PortPlan, camel: str) -> Document:
     """The copied deepseek_v3 args' ``_moe_args`` routing as the family's (see the module doc)."""
     if not plan.moe or not differs_from_reference(plan):
         return text
@@ -192,10 +226,12 @@ def router_args(text: str, plan: PortPlan, camel: str) -> str:
     if plan.route_norm_fixed is not None and _UNREAD_FIELDS not in text:
         if _REQUIRED_MOE_LINE not in text:
             raise CodemodError("the copied args do not hold the reference's _REQUIRED_MOE_HF_FIELDS.")
-        text = text.replace(_REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
+        text = replace_text(text, _REQUIRED_MOE_LINE, _REQUIRED_MOE_LINE + _UNREAD_FIELDS, 1)
     if plan.score_correction_key is None:
-        # No score-correction bias: no expert_bias buffer, so no load-balancing speed.
-        text = remove_statements(text, lambda code: "_BIAS_UPDATE_SPEED = " in code)
+        # No score-correction bias: nothing to balance, so no opt-in for it.
+        text = _swap(text, _REFERENCE_SIGNATURE, _NO_BALANCING_SIGNATURE, "_moe_args' signature")
+        text = _swap(text, REFERENCE_CALL, _NO_BALANCING_CALL, "from_hf_config's call of _moe_args")
+        text = _swap(text, BALANCING_KWARGS_DOC, _NO_BALANCING_KWARGS_DOC, "from_hf_config's docstring")
     # The copy names the family where the reference's docstring names DeepSeek-V3.
     reference_doc = _REFERENCE_DOC.replace("DeepSeek-V3", camel, 1)
     text = replace_in_function(text, None, "_moe_args", reference_doc, _docstring_statement(plan))
@@ -213,11 +249,11 @@ _ADAPTER_BIAS_TEXT = (
 _ADAPTER_NO_BIAS_TEXT = "-> ``kv_norm``, ...). Published checkpoints may also hold"
 
 
-def no_correction_bias_adapter(text: str) -> str:
+def no_correction_bias_adapter(text: Document) -> Document:
     """The deepseek_v3 adapter's docstring without the score-correction bias (the map entry
     goes with :func:`is_correction_bias_entry`)."""
     if _ADAPTER_BIAS_TEXT in text:
-        return text.replace(_ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
+        return replace_text(text, _ADAPTER_BIAS_TEXT, _ADAPTER_NO_BIAS_TEXT, 1)
     if _ADAPTER_NO_BIAS_TEXT in text:
         return text
     raise CodemodError("the copied adapter does not name the reference's score-correction bias.")

@@ -33,11 +33,16 @@ from skill.codemod.contract import (
 )
 from skill.codemod.cst import (
     CodemodError,
+    Document,
     add_parameter,
+    class_code,
     ensure_import_line,
+    has_method,
     insert_after_statement_assigning,
     insert_before_class,
+    keep_else_branch,
     prune_unused_imports,
+    remove_call_kwarg,
     remove_class,
     remove_from_all,
     remove_function,
@@ -46,7 +51,9 @@ from skill.codemod.cst import (
     replace_function,
     replace_in_function,
     replace_name,
+    replace_return,
     replace_statement_assigning,
+    replace_text,
     set_call_kwarg,
     set_docstring,
     upsert_method,
@@ -69,7 +76,7 @@ class ModelEdit:
     name: str
     description: str
     applies: Callable[[PortPlan], bool]
-    apply: Callable[[str, EditContext], str]
+    apply: Callable[[Document, EditContext], Document]
     # Whether the copied reference's source still needs it (default: always).
     needed: Callable[[str], bool] = lambda text: True
 
@@ -77,7 +84,7 @@ class ModelEdit:
 # --- attention --------------------------------------------------------------------------
 
 
-def _projection_bias(text: str, ctx: EditContext) -> str:
+def _projection_bias(text: Document, ctx: EditContext) -> Document:
     qkv = "True" if ctx.profile.qkv_bias else "False"
     for target in ("self.wq", "self.wk", "self.wv"):
         text = set_call_kwarg(text, "nn.Linear", "bias", qkv, target=target)
@@ -105,7 +112,7 @@ HELPER_IMPORTS = (
 KERNEL_IMPORTS = {"AlibiAttention": ("import math",), "SlidingWindowAttention": ("import inspect",)}
 
 
-def _insert_kernel(text: str, kernel: str) -> str:
+def _insert_kernel(text: Document, kernel: str) -> Document:
     """The kernel class and the document drivers it uses, each once, before ``Attention``."""
     for helper in KERNEL_HELPERS[kernel]:
         if f"def {helper}(" not in text:
@@ -123,7 +130,7 @@ PER_LAYER_WINDOW = (
 )
 
 
-def _window_argument(text: str, ctx: EditContext) -> tuple[str, str]:
+def _window_argument(text: Document, ctx: EditContext) -> tuple[Document, str]:
     """The kernel's window: a per-layer ``sliding_window`` parameter of ``Attention`` (set by
     the block from ``layer_types``), the config's window on every layer, or none."""
     profile = ctx.profile
@@ -135,7 +142,7 @@ def _window_argument(text: str, ctx: EditContext) -> tuple[str, str]:
     return text, "model_args.sliding_window" if profile.sliding_window else "None"
 
 
-def _sliding_window(text: str, ctx: EditContext) -> str:
+def _sliding_window(text: Document, ctx: EditContext) -> Document:
     text = _insert_kernel(text, "SlidingWindowAttention")
     text = replace_statement_assigning(
         text,
@@ -147,7 +154,7 @@ def _sliding_window(text: str, ctx: EditContext) -> str:
     return text
 
 
-def _eager_attention(text: str, ctx: EditContext) -> str:
+def _eager_attention(text: Document, ctx: EditContext) -> Document:
     profile = ctx.profile
     text = _insert_kernel(text, "EagerAttention")
     softcap = "model_args.attn_logit_softcapping" if profile.attn_softcap else "None"
@@ -157,7 +164,7 @@ def _eager_attention(text: str, ctx: EditContext) -> str:
     )
 
 
-def _attention_sinks(text: str, ctx: EditContext) -> str:
+def _attention_sinks(text: Document, ctx: EditContext) -> Document:
     """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row."""
     if "self.sinks =" in text:
         return text
@@ -190,7 +197,7 @@ def _attention_sinks(text: str, ctx: EditContext) -> str:
 _GATE_FUNCTIONS = {"sigmoid": "torch.sigmoid({})", "softplus": "F.softplus({})"}
 
 
-def _output_gate(text: str, ctx: EditContext) -> str:
+def _output_gate(text: Document, ctx: EditContext) -> Document:
     """A projection of the block input (``wg``, HF's gate projection) gates the attention
     output before ``wo``: every element, or every head's channels by one value, scaled by
     the gate function of the projection."""
@@ -226,7 +233,7 @@ def _output_gate(text: str, ctx: EditContext) -> str:
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
 
 
-def _alibi_attention(text: str, ctx: EditContext) -> str:
+def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
     those of the heads it attends with (``head_offset``: its tensor-parallel block, which
@@ -254,7 +261,7 @@ def _alibi_attention(text: str, ctx: EditContext) -> str:
     )
 
 
-def _clip_qkv(text: str, ctx: EditContext) -> str:
+def _clip_qkv(text: Document, ctx: EditContext) -> Document:
     """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
     linear layers (before any view, norm or RoPE), when the checkpoint sets the field; q and
     k after their QK norm instead where the analysis measured that order (OLMoE)."""
@@ -278,7 +285,7 @@ def _clip_qkv(text: str, ctx: EditContext) -> str:
     return text
 
 
-def _attention_scale(text: str, ctx: EditContext) -> str:
+def _attention_scale(text: Document, ctx: EditContext) -> Document:
     """Scores scaled by the config field that sets them (``x`` or ``x**-0.5``)."""
     scale = ctx.profile.attn_scale
     assert scale is not None
@@ -286,7 +293,7 @@ def _attention_scale(text: str, ctx: EditContext) -> str:
     return replace_statement_assigning(text, "Attention", "__init__", "self.scaling", f"self.scaling = {value}\n")
 
 
-def _add_block_norms(text: str, names: tuple[str, ...]) -> str:
+def _add_block_norms(text: Document, names: tuple[str, ...]) -> Document:
     """Block norms ``names`` built like the block's existing ones, reset with them."""
     for name in names:
         if f"self.{name} =" in text:
@@ -312,7 +319,7 @@ def _add_block_norms(text: str, names: tuple[str, ...]) -> str:
     return text
 
 
-def _append_to_function(text: str, class_name: str, func: str, statement: str) -> str:
+def _append_to_function(text: Document, class_name: str, func: str, statement: str) -> Document:
     """Append ``statement`` after the function's last ``*.reset_parameters()`` call."""
     if statement in text:
         return text
@@ -350,7 +357,7 @@ def _block_wiring(plan: PortPlan) -> tuple[str, bool]:
     return sentence, bool(mult) or plan.all_layers_moe or plan.block == "parallel"
 
 
-def _set_block_doc(text: str, plan: PortPlan) -> str:
+def _set_block_doc(text: Document, plan: PortPlan) -> Document:
     """``TransformerBlock``'s docstring from the plan, so composed edits describe one block."""
     sentence, composed = _block_wiring(plan)
     lines = textwrap.wrap(sentence, width=88, break_on_hyphens=False) if composed else [sentence]
@@ -358,12 +365,12 @@ def _set_block_doc(text: str, plan: PortPlan) -> str:
     return set_docstring(text, "TransformerBlock", doc)
 
 
-def _post_branches(text: str) -> str:
+def _post_branches(text: Document) -> Document:
     text = wrap_residual_branch(text, "attention", "self.post_attention_norm({})", applied_if="post_attention_norm")
     return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
 
 
-def _sandwich_norm(text: str, ctx: EditContext) -> str:
+def _sandwich_norm(text: Document, ctx: EditContext) -> Document:
     """Norms before and after each sub-layer: ``x + post_norm(f(norm(x)))``."""
     text = _add_block_norms(text, ("post_attention_norm", "post_ffn_norm"))
     return _post_branches(text)
@@ -379,7 +386,7 @@ return logits
 """
 
 
-def _transform_logits(text: str, ctx: EditContext, statements: str) -> str:
+def _transform_logits(text: Document, ctx: EditContext, statements: str) -> Document:
     """Add ``statements`` (rewriting ``logits``) between the LM head and the return; a
     critic's scores are left alone. Logit transforms compose in the edits' order."""
     first = statements.strip().splitlines()[-1]
@@ -389,13 +396,22 @@ def _transform_logits(text: str, ctx: EditContext, statements: str) -> str:
     return replace_in_function(text, ctx.model_class, "forward", "return logits", f"{statements}return logits\n")
 
 
-def _final_softcap(text: str, ctx: EditContext) -> str:
+def _final_softcap(text: Document, ctx: EditContext) -> Document:
+    if "final_logit_softcapping" not in ctx.profile.nullable_fields:
+        return _transform_logits(
+            text,
+            ctx,
+            "# The LM head's logits are soft-capped: cap * tanh(logits / cap).\n"
+            "cap = self.model_args.final_logit_softcapping\n"
+            "logits = torch.tanh(logits / cap) * cap\n",
+        )
     return _transform_logits(
         text,
         ctx,
-        "# The LM head's logits are soft-capped: cap * tanh(logits / cap).\n"
+        "# The LM head's logits are soft-capped: cap * tanh(logits / cap); no cap when it is None.\n"
         "cap = self.model_args.final_logit_softcapping\n"
-        "logits = torch.tanh(logits / cap) * cap\n",
+        "if cap is not None:\n"
+        "    logits = torch.tanh(logits / cap) * cap\n",
     )
 
 
@@ -405,7 +421,7 @@ HEAD_INIT = """for head in (None if tied else self.output, self.score):
 """
 
 
-def _lm_head_bias(text: str, ctx: EditContext) -> str:
+def _lm_head_bias(text: Document, ctx: EditContext) -> Document:
     """The LM head adds a bias (HF's ``lm_head.bias``): ``output`` is built with one and
     starts it at zero. A critic's ``score`` head keeps none."""
     text = set_call_kwarg(text, "nn.Linear", "bias", "True", target="self.output")
@@ -422,7 +438,7 @@ def _lm_head_bias(text: str, ctx: EditContext) -> str:
     )
 
 
-def _remove_qk_norm(text: str, ctx: EditContext) -> str:
+def _remove_qk_norm(text: Document, ctx: EditContext) -> Document:
     """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
     if "self.q_norm" not in text:
         return text
@@ -438,7 +454,7 @@ def _remove_qk_norm(text: str, ctx: EditContext) -> str:
     return remove_function(text, "maybe_to_local")
 
 
-def _per_head_qk_norm(text: str, ctx: EditContext) -> str:
+def _per_head_qk_norm(text: Document, ctx: EditContext) -> Document:
     """RMSNorm over each head's ``head_dim`` features of q and k (one weight shared by the
     heads), before RoPE, on a copy without it (qwen2). The norm class is the block's, so a
     (1 + w) RMSNorm family gets (1 + w) QK norms."""
@@ -473,7 +489,7 @@ def _per_head_qk_norm(text: str, ctx: EditContext) -> str:
     )
 
 
-def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
+def _full_width_qk_norm(text: Document, ctx: EditContext) -> Document:
     """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE.
 
     On a copy that carries per-head QK norms (qwen3), those go first."""
@@ -514,7 +530,7 @@ def _full_width_qk_norm(text: str, ctx: EditContext) -> str:
     )
 
 
-def _post_norm(text: str, ctx: EditContext) -> str:
+def _post_norm(text: Document, ctx: EditContext) -> Document:
     """Norms after each sub-layer instead of before it: ``x + norm(f(x))``."""
     text = (
         replace_in_residual_branch(text, "attention", "self.attention_norm(x)", "x")
@@ -541,7 +557,7 @@ def _post_norm(text: str, ctx: EditContext) -> str:
     return _post_branches(text)
 
 
-def _post_ln(text: str, ctx: EditContext) -> str:
+def _post_ln(text: Document, ctx: EditContext) -> Document:
     """Post-LN (the original Transformer's block): each sub-layer reads the residual stream
     itself and the sum is normalised, ``x = attention_norm(x + attention(x))``, then
     ``ffn_norm(x + feed_forward(x))``. The norms keep their names; only where they sit moves."""
@@ -556,7 +572,7 @@ NORM_INIT = "if self.norm is not None:\n    self.norm.reset_parameters()\n"
 LAST_STAGE_PROJECTION = "self.project_out is not None and self.norm is not None"
 
 
-def _no_final_norm(text: str, ctx: EditContext) -> str:
+def _no_final_norm(text: Document, ctx: EditContext) -> Document:
     """No norm after the last block (a post-LN stack ends normalised): ``norm`` stays
     ``None``, as on a pipeline stage without it, and the hidden states go to the head."""
     if "self.norm: nn.Module | None = None" in text:
@@ -573,10 +589,12 @@ def _no_final_norm(text: str, ctx: EditContext) -> str:
     text = replace_in_function(text, ctx.model_class, "forward", NORM_LINE, "")
     if LAST_STAGE_PROJECTION in text:
         # The stage holding the head (there is no final norm to mark it) projects back out.
-        text = text.replace(
+        text = replace_text(
+            text,
             LAST_STAGE_PROJECTION,
             "self.project_out is not None and (self.output is not None or self.score is not None)",
-        ).replace("(on the stage that holds the final norm)", "(on the stage that holds the head)")
+        )
+        text = replace_text(text, "(on the stage that holds the final norm)", "(on the stage that holds the head)")
     return text
 
 
@@ -585,7 +603,7 @@ ROPE_ARGS = ("rope_cache", "positions")
 NO_BUFFERS = '"""No buffers: positions enter through the embeddings, nothing is precomputed."""'
 
 
-def _remove_rope(text: str, ctx: EditContext) -> str:
+def _remove_rope(text: Document, ctx: EditContext) -> Document:
     """No rotary embedding: the RoPE cache, its rotation and the arguments that carry it
     (and the positions, which only RoPE read inside a block) go."""
     if "apply_rotary_emb(" not in text and "_precompute_rope_cache" not in text:
@@ -614,7 +632,7 @@ def _remove_rope(text: str, ctx: EditContext) -> str:
     )
 
 
-def _learned_positions(text: str, ctx: EditContext) -> str:
+def _learned_positions(text: Document, ctx: EditContext) -> Document:
     """A learned absolute-position table added to the token embeddings; each token reads the
     row of its position within its own document (the packed batch's ``positions``)."""
     if "self.pos_embeddings(" in text:
@@ -656,7 +674,11 @@ else:
 """
 
 
-def _embedding_projection(text: str, ctx: EditContext) -> str:
+# The references' embedding leaves the pad_token_id row untrained, as HF's does.
+PADDING_IDX = "padding_idx=model_args.pad_id"
+
+
+def _embedding_projection(text: Document, ctx: EditContext) -> Document:
     """Token embeddings (and the LM head) of the config's embedding width: where it differs
     from ``dim``, ``project_in`` maps the embeddings up before the positions are added and
     ``project_out`` maps the final norm's output back down for the head (OPT's
@@ -665,12 +687,13 @@ def _embedding_projection(text: str, ctx: EditContext) -> str:
         return text
     width = f"model_args.{ctx.profile.embedding_projection_field}"
     head_bias = "True" if ctx.profile.lm_head_bias else "False"
+    padding = f", {PADDING_IDX}" if ctx.profile.padding_idx_field is not None else ""
     text = replace_statement_assigning(
         text,
         ctx.model_class,
         "__init__",
         "self.tok_embeddings",
-        f"self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, {width})\n",
+        f"self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, {width}{padding})\n",
     )
     text = insert_after_statement_assigning(
         text,
@@ -716,7 +739,7 @@ def _embedding_projection(text: str, ctx: EditContext) -> str:
     )
 
 
-def _sinusoidal_positions(text: str, ctx: EditContext) -> str:
+def _sinusoidal_positions(text: Document, ctx: EditContext) -> Document:
     """A fixed sinusoidal table (no checkpoint tensor) added to the (scaled) token embeddings;
     each token reads the row of its position within its own document, after the table's
     leading rows; the row the config's field names is zero, as the checkpoint's code has it."""
@@ -758,7 +781,7 @@ def _sinusoidal_positions(text: str, ctx: EditContext) -> str:
     )
 
 
-def _embedding_norm(text: str, ctx: EditContext) -> str:
+def _embedding_norm(text: Document, ctx: EditContext) -> Document:
     """A norm on the embeddings before layer 0 (Bloom's word_embeddings_layernorm), of the
     block norms' class, last in the embedding stage."""
     if "self.embedding_norm(" in text:
@@ -782,7 +805,7 @@ def _embedding_norm(text: str, ctx: EditContext) -> str:
     return append_to_embedding_stage(text, ctx.model_class, "h = self.embedding_norm(h)\n")
 
 
-def _parallel_block(text: str, ctx: EditContext) -> str:
+def _parallel_block(text: Document, ctx: EditContext) -> Document:
     """Attention and feed-forward both read the block input: ``x + attention(norm(x)) +
     mlp(norm'(x))``; with one shared norm, ``norm(x)`` is computed once and feeds both."""
     text = parallel_branches(text)
@@ -802,7 +825,7 @@ ROPE_CACHE_CALL = (
 )
 
 
-def _rope_cache(text: str, ctx: EditContext) -> str:
+def _rope_cache(text: Document, ctx: EditContext) -> Document:
     """The RoPE cache the family needs: over the rotary part of each head only (partial
     rotary) and/or with the checkpoint's frequency scaling (rope_parameters)."""
     plan = ctx.profile
@@ -819,10 +842,28 @@ def _rope_cache(text: str, ctx: EditContext) -> str:
     )
 
 
+# The cache holds [cos | sin] (every rope.py variant writes it so): negating sin turns each
+# pair the other way, whatever the frequencies, the rotary width or the pairing.
+REVERSED_ROTATION = (
+    "# The checkpoint turns each pair the other way, (x1, x2) -> (x2, -x1) where transformers'\n"
+    "# rotate_half gives (-x2, x1): that is the rotation by minus the angle, so the cache holds -sin.\n"
+    "cos, sin = cache.chunk(2, dim=-1)\n"
+    "return torch.cat([cos, -sin], dim=-1)\n"
+)
+
+
+def _reversed_rotation(text: Document, ctx: EditContext) -> Document:
+    """RoPE turning each pair the other way (nanochat's ``rotate_half`` is ``(x2, -x1)``):
+    the cache's sine negated, after whatever frequencies and width the cache has."""
+    if "torch.cat([cos, -sin], dim=-1)" in text:
+        return text
+    return replace_return(text, ctx.model_class, "_precompute_rope_cache", "cache", REVERSED_ROTATION)
+
+
 ROPE_CALL = "xq, xk = apply_rotary_emb(xq, xk, rope_cache, positions)"
 
 
-def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
+def _qk_norm_after_rope(text: Document, ctx: EditContext) -> Document:
     """The per-head QK norm moved after RoPE: queries and keys are rotated, then normalised.
 
     Under TP ``wq``/``wk`` keep DTensor outputs for the norms; this rank's heads are taken
@@ -844,7 +885,32 @@ def _qk_norm_after_rope(text: str, ctx: EditContext) -> str:
     )
 
 
-def _nope_layers(text: str, ctx: EditContext) -> str:
+def _query_position_scale(text: Document, ctx: EditContext) -> Document:
+    """Queries scaled by their position after RoPE (``query_position_scale``), with the
+    constants the config sets (``query_scale_beta``, ``query_scale_period``)."""
+    if "self.query_scale_beta =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "query_position_scale"))
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# Queries past query_scale_period positions are sharpened (long-context temperature).\n"
+        "self.query_scale_beta = model_args.query_scale_beta\n"
+        "self.query_scale_period = model_args.query_scale_period\n",
+    )
+    return replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        ROPE_CALL,
+        f"{ROPE_CALL}\n"
+        "xq = xq * query_position_scale(positions, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n",
+    )
+
+
+def _nope_layers(text: Document, ctx: EditContext) -> Document:
     """RoPE left out on the layers ``model_args.nope_layers`` names (read from the config)."""
     if "self.use_rope = use_rope" in text:
         return text
@@ -868,7 +934,7 @@ LAYER_LOOP = """for layer in self.layers.values():
 """
 
 
-def _per_layer_rope(text: str, ctx: EditContext) -> str:
+def _per_layer_rope(text: Document, ctx: EditContext) -> Document:
     """Two RoPE caches, one per layer type: full-attention layers rotate with ``rope_theta``
     (and ``rope_freq_scaling``), sliding-window layers with their own ``sliding_*`` ones;
     each layer gets the cache of its ``layer_types`` entry."""
@@ -925,7 +991,7 @@ def _per_layer_rope(text: str, ctx: EditContext) -> str:
 # --- norms ------------------------------------------------------------------------------
 
 
-def _norm_offset(text: str, ctx: EditContext) -> str:
+def _norm_offset(text: Document, ctx: EditContext) -> Document:
     """Norms scaled by ``1 + weight``: the RMS kind keeps the name ``RMSNorm``; the centred
     kind (LayerNorm1P) becomes ``LayerNorm``, with a bias."""
     if ctx.profile.norm == "layernorm_offset":
@@ -937,7 +1003,7 @@ def _norm_offset(text: str, ctx: EditContext) -> str:
     return replace_class(text, "RMSNorm", snippet("norms", "OffsetRMSNorm", rename="RMSNorm"))
 
 
-def _weightless_norm(text: str, ctx: EditContext) -> str:
+def _weightless_norm(text: Document, ctx: EditContext) -> Document:
     """RMS norms with no learned weight (a weightless LayerNorm is the layer_norm edit's)."""
     return replace_class(text, "RMSNorm", snippet("norms", "WeightlessRMSNorm", rename="RMSNorm"))
 
@@ -950,7 +1016,7 @@ LAYER_NORM_KWARGS = {
 }
 
 
-def _layer_norm(text: str, ctx: EditContext) -> str:
+def _layer_norm(text: Document, ctx: EditContext) -> Document:
     """torch's ``nn.LayerNorm`` in place of every RMSNorm: with bias, without (``bias=False``),
     or with neither weight nor bias (``elementwise_affine=False``)."""
     if "class RMSNorm" in text:
@@ -969,7 +1035,7 @@ def _activation_name(plan: PortPlan) -> str:
     return ACTIVATIONS[plan.activation].title
 
 
-def _activation(text: str, ctx: EditContext) -> str:
+def _activation(text: Document, ctx: EditContext) -> Document:
     """The feed-forward's activation (an entry of the one table, ``skill.activations``),
     whatever MLP shape the other edits chose; a helper the call needs is copied in
     before ``FeedForward``."""
@@ -990,7 +1056,7 @@ def _activation(text: str, ctx: EditContext) -> str:
             "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)\nself.act_fn.reset_parameters()\n",
         )
     text = replace_call(text, "FeedForward", "forward", "F.silu", entry.call)
-    gated = "self.w3" in text.split("class FeedForward", 1)[1].split("\nclass ", 1)[0]
+    gated = "self.w3" in class_code(text, "FeedForward")
     shape = "Gated MLP ``w2(act(w1(x)) * w3(x))``" if gated else "Two-layer MLP ``w2(act(w1(x)))``"
     roles = (
         "``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj."
@@ -1003,13 +1069,13 @@ def _activation(text: str, ctx: EditContext) -> str:
     return set_docstring(text, "FeedForward", doc)
 
 
-def _plain_mlp(text: str, ctx: EditContext) -> str:
+def _plain_mlp(text: Document, ctx: EditContext) -> Document:
     return replace_class(text, "FeedForward", snippet("mlp", "PlainFeedForward", rename="FeedForward"))
 
 
-def _mlp_bias(text: str, ctx: EditContext) -> str:
+def _mlp_bias(text: Document, ctx: EditContext) -> Document:
     for target in ("self.w1", "self.w2", "self.w3"):
-        if f"{target} = nn.Linear(" in text.split("class FeedForward", 1)[1]:
+        if f"{target} = nn.Linear(" in class_code(text, "FeedForward"):
             text = set_call_kwarg(text, "nn.Linear", "bias", "True", target=target)
     return text
 
@@ -1019,7 +1085,14 @@ def _mlp_bias(text: str, ctx: EditContext) -> str:
 EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
 
 
-def _embedding_sqrt_dim(text: str, ctx: EditContext) -> str:
+def _trained_pad_row(text: Document, ctx: EditContext) -> Document:
+    """The token embedding without ``padding_idx``: the family's HF embedding trains every
+    row it looks up (the references freeze the ``pad_token_id`` row, as HF's Qwen and
+    DeepSeek embeddings do)."""
+    return remove_call_kwarg(text, "nn.Embedding", "padding_idx", target="self.tok_embeddings")
+
+
+def _embedding_sqrt_dim(text: Document, ctx: EditContext) -> Document:
     if "h * torch.tensor(self.model_args.dim**0.5" in text:
         return text  # applied (later embedding edits may have added to the stage since)
     return replace_in_function(
@@ -1041,7 +1114,7 @@ else:
 LINE_LENGTH, FORWARD_INDENT = 120, 8
 
 
-def _embedding_multiplier(text: str, ctx: EditContext) -> str:
+def _embedding_multiplier(text: Document, ctx: EditContext) -> Document:
     field = ctx.profile.embedding_scale_field
     scaled = f"self.tok_embeddings(tokens) * self.model_args.{field}"
     if scaled in text or f"h = h * self.model_args.{field}" in text:
@@ -1058,7 +1131,7 @@ def _embedding_multiplier(text: str, ctx: EditContext) -> str:
     )
 
 
-def _residual_multiplier(text: str, ctx: EditContext) -> str:
+def _residual_multiplier(text: Document, ctx: EditContext) -> Document:
     """Both residual branches scaled before the add, whatever norms wrap them."""
     field = ctx.profile.residual_multiplier_field
     if "self.residual_multiplier =" not in text:
@@ -1072,21 +1145,21 @@ def _residual_multiplier(text: str, ctx: EditContext) -> str:
     return text
 
 
-def _logits_scaling(text: str, ctx: EditContext) -> str:
+def _logits_scaling(text: Document, ctx: EditContext) -> Document:
     field = ctx.profile.logit_divisor_field
     return _transform_logits(
         text, ctx, f"# The LM head's logits are divided by {field}.\nlogits = logits / self.model_args.{field}\n"
     )
 
 
-def _logits_multiplier(text: str, ctx: EditContext) -> str:
+def _logits_multiplier(text: Document, ctx: EditContext) -> Document:
     field = ctx.profile.logit_multiplier_field
     return _transform_logits(
         text, ctx, f"# The LM head's logits are multiplied by {field}.\nlogits = logits * self.model_args.{field}\n"
     )
 
 
-def _all_layers_moe(text: str, ctx: EditContext) -> str:
+def _all_layers_moe(text: Document, ctx: EditContext) -> Document:
     """Every layer routes its tokens to experts: no dense feed-forward, no per-layer switch.
 
     ``moe_enabled`` stays as a constant attribute: AReaL's parallelize helpers read it."""
@@ -1130,7 +1203,7 @@ def _all_layers_moe(text: str, ctx: EditContext) -> str:
 MLP_SWITCH = "mlp = self.moe if self.moe_enabled else self.feed_forward"
 
 
-def _dense_layers(text: str, ctx: EditContext) -> str:
+def _dense_layers(text: Document, ctx: EditContext) -> Document:
     """Every layer a dense feed-forward: no MoE, no per-layer switch, no MoE buffers."""
     for statement in (
         "self.moe_enabled = model_args.is_moe_layer(layer_id)",
@@ -1149,7 +1222,8 @@ def _dense_layers(text: str, ctx: EditContext) -> str:
         "mlp.init_weights(self.weight_init_std)",
         "self.feed_forward.init_weights(self.weight_init_std)",
     )
-    if "def init_buffers" in text.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]:
+    text = _remove_correction_bias_moe(text)
+    if has_method(text, "TransformerBlock", "init_buffers"):
         text = remove_method(text, "TransformerBlock", "init_buffers")
         text = replace_in_function(
             text,
@@ -1161,23 +1235,12 @@ def _dense_layers(text: str, ctx: EditContext) -> str:
     return text
 
 
-def _replace_moe_switch(text: str) -> str:
+def _replace_moe_switch(text: Document) -> Document:
     """The block's ``if self.moe_enabled: <MoE> else: <dense>`` becomes its dense branch."""
-    block = text.split("class TransformerBlock", 1)[1].split("\nclass ", 1)[0]
-    start = block.find("        if self.moe_enabled:\n")
-    if start < 0:
-        return text  # applied
-    end = block.find("            self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n", start)
-    if end < 0:
-        raise ValueError("the block's MoE switch has no dense branch building FeedForward")
-    end += len("            self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n")
-    new_block = (
-        block[:start] + "        self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)\n" + block[end:]
-    )
-    return text.replace(block, new_block, 1)
+    return keep_else_branch(text, "TransformerBlock", "__init__", "self.moe_enabled")
 
 
-def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
+def _sparse_mixer_router(text: Document, ctx: EditContext) -> Document:
     """The MoE's router picks two experts one after the other (sparse mixer) instead of a top-k."""
     field = ctx.profile.router_jitter_field
     text = insert_before_class(text, "TransformerBlock", snippet("router", "SparseMixerRouter"))
@@ -1202,7 +1265,7 @@ def _sparse_mixer_router(text: str, ctx: EditContext) -> str:
 _BUILD_MOE = "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)"
 
 
-def _max_group_router(text: str, ctx: EditContext) -> str:
+def _max_group_router(text: Document, ctx: EditContext) -> Document:
     """The MoE's router scores an expert group by its best expert, not AReaL's sum of its two best."""
     if "class MaxGroupTopKRouter(" not in text:
         text = insert_before_class(text, "TransformerBlock", snippet("router", "MaxGroupTopKRouter"))
@@ -1233,16 +1296,37 @@ def _max_group_router(text: str, ctx: EditContext) -> str:
     )
 
 
-# The deepseek_v3 reference builds the MoE's buffers at construction, for its score-correction bias.
-_BIAS_AT_CONSTRUCTION = "self.moe.init_buffers(self.moe.router.gate.weight.device)"
+# The statement building an MoE whose router is shifted by the checkpoint's score-correction
+# bias (the deepseek_v3 reference's, and what the correction_bias edit makes of _BUILD_MOE).
+_BUILD_MOE_WITH_BIAS = _BUILD_MOE.replace("= MoE(", "= CorrectionBiasMoE(", 1)
+CORRECTION_BIAS_MOE = "CorrectionBiasMoE"
 
 
-def _no_correction_bias(text: str, ctx: EditContext) -> str:
-    """No score-correction bias: the MoE's buffers wait for ``init_buffers``, as AReaL's do."""
-    return replace_in_function(text, "TransformerBlock", "__init__", _BIAS_AT_CONSTRUCTION, "")
+def _remove_correction_bias_moe(text: Document) -> Document:
+    text = remove_class(text, CORRECTION_BIAS_MOE)
+    return remove_from_all(text, [CORRECTION_BIAS_MOE])
 
 
-def _logit_selection_bias(text: str, ctx: EditContext) -> str:
+def _no_correction_bias(text: Document, ctx: EditContext) -> Document:
+    """No score-correction bias: the block builds AReaL's MoE, whose only bias buffer is the
+    one it makes in ``init_buffers`` when balancing."""
+    text = replace_in_function(text, "TransformerBlock", "__init__", _BUILD_MOE_WITH_BIAS, _BUILD_MOE)
+    return _remove_correction_bias_moe(text)
+
+
+def _correction_bias(text: Document, ctx: EditContext) -> Document:
+    """The router adds the checkpoint's score-correction bias to what chooses experts: the
+    package's ``CorrectionBiasMoE`` holds it as a saved fp32 ``expert_bias`` from construction
+    on and keeps it through ``init_buffers`` (AReaL's MoE makes that buffer only in
+    ``init_buffers``, as zeros, and only when ``load_balance_coeff`` switches on balancing)."""
+    if f"class {CORRECTION_BIAS_MOE}(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("moe", CORRECTION_BIAS_MOE))
+    for line in ("from collections.abc import Callable", "from archon_models.moe import MoEArgs"):
+        text = ensure_import_line(text, line)
+    return replace_in_function(text, "TransformerBlock", "__init__", _BUILD_MOE, _BUILD_MOE_WITH_BIAS)
+
+
+def _logit_selection_bias(text: Document, ctx: EditContext) -> Document:
     """The MoE's selection bias joins the gate logits before the score function (the package's
     ``LogitBiasRouter``), not the scores as AReaL's ``expert_bias`` does."""
     if "self.moe.router = SparseMixerRouter(" in text:
@@ -1280,7 +1364,7 @@ EXPERTS_IMPORTS = (
 )
 
 
-def _expert_bias(text: str, ctx: EditContext) -> str:
+def _expert_bias(text: Document, ctx: EditContext) -> Document:
     """The MoE's routed experts get gate, up and down biases (``w1_bias``, ``w3_bias``,
     ``w2_bias``): the package's own experts class, replacing AReaL's ``GroupedExperts``."""
     if "class BiasedGroupedExperts(" not in text:
@@ -1305,7 +1389,7 @@ def _expert_bias(text: str, ctx: EditContext) -> str:
     )
 
 
-def _clamped_swiglu_experts(text: str, ctx: EditContext) -> str:
+def _clamped_swiglu_experts(text: Document, ctx: EditContext) -> Document:
     """The biased experts activate by the clamped SwiGLU with the config's alpha and limit."""
     fields = ctx.profile.expert_activation_fields
     if "class BiasedGroupedExperts(" not in text:
@@ -1313,7 +1397,8 @@ def _clamped_swiglu_experts(text: str, ctx: EditContext) -> str:
     if "class ClampedSwiGLUExperts(" not in text:
         text = insert_before_class(text, "TransformerBlock", snippet("experts", "clamped_swiglu"))
         text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUExperts"))
-    text = text.replace(
+    text = replace_text(
+        text,
         "# The routed experts' projections have biases.\n",
         "# The routed experts' projections have biases; they activate by the clamped SwiGLU.\n",
     )
@@ -1333,7 +1418,7 @@ def _clamped_swiglu_experts(text: str, ctx: EditContext) -> str:
     )
 
 
-def _router_bias(text: str, ctx: EditContext) -> str:
+def _router_bias(text: Document, ctx: EditContext) -> Document:
     """The router's gate has a bias: it joins the logits before scoring and top-k, whatever
     router picks the experts. Zero at init, as the other biases."""
     if "class BiasedRouterGate(" not in text:
@@ -1453,6 +1538,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _qk_norm_after_rope,
     ),
     ModelEdit(
+        "query_position_scale",
+        "queries scaled by their absolute position after RoPE",
+        lambda p: p.query_position_scale is not None,
+        _query_position_scale,
+    ),
+    ModelEdit(
         "nope_layers",
         "RoPE left out on the layers the config names",
         lambda p: p.nope_field is not None or p.nope_layer_type is not None,
@@ -1469,6 +1560,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "one RoPE cache per layer type (full and sliding attention)",
         lambda p: p.per_layer_rope,
         _per_layer_rope,
+    ),
+    ModelEdit(
+        "reversed_rotation",
+        "RoPE turning each pair the other way: (x1, x2) -> (x2, -x1), the RoPE cache's sine negated",
+        lambda p: p.rotary_reversed,
+        _reversed_rotation,
     ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit(
@@ -1509,10 +1606,10 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ),
     ModelEdit(
         "no_correction_bias",
-        "no score-correction bias: no expert_bias buffer built with the block",
+        "no score-correction bias: AReaL's MoE, no expert_bias built with the block",
         lambda p: p.moe and p.score_correction_key is None,
         _no_correction_bias,
-        needed=lambda text: _BIAS_AT_CONSTRUCTION in text,
+        needed=lambda text: f"class {CORRECTION_BIAS_MOE}(" in text,
     ),
     ModelEdit(
         "max_group_router",
@@ -1545,6 +1642,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _router_bias,
     ),
     ModelEdit(
+        "correction_bias",
+        "the checkpoint's score-correction bias, saved with the MoE, shifts which experts are chosen",
+        lambda p: p.moe and p.score_correction_key is not None,
+        _correction_bias,
+        needed=lambda text: f"class {CORRECTION_BIAS_MOE}(" not in text,
+    ),
+    ModelEdit(
         "norm_offset",
         "RMSNorm or LayerNorm scaled by (1 + weight)",
         lambda p: p.norm in ("rms_offset", "layernorm_offset"),
@@ -1575,6 +1679,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.mlp_bias and not p.all_layers_moe,
         _mlp_bias,
         needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
+        "trained_pad_row",
+        "every embedding row trains (no padding_idx)",
+        lambda p: p.padding_idx_field is None,
+        _trained_pad_row,
+        needed=lambda text: PADDING_IDX in text,
     ),
     ModelEdit(
         "embedding_sqrt_dim",
@@ -1723,10 +1834,14 @@ def describe(profile: PortPlan, camel: str) -> str:
         extras.append("partial rotary embeddings")
     if profile.rotary_interleaved:
         extras.append("RoPE over adjacent feature pairs (interleaved)")
+    if profile.rotary_reversed:
+        extras.append("RoPE turning each pair the other way")
     if profile.per_layer_rope:
         extras.append("RoPE parameters per layer type")
     if profile.nope_field or profile.nope_layer_type:
         extras.append("no RoPE on the ``nope_layers``")
+    if profile.query_position_scale is not None:
+        extras.append("queries scaled by their position in long contexts")
     if profile.moe:
         extras.append(
             "mixture-of-experts MLPs"
@@ -1820,6 +1935,11 @@ def _attention_features(profile: PortPlan) -> str:
 def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
     """Apply the named edits in the canonical order of :data:`MODEL_EDITS` (whatever order
     they are named in), so two edits on one place always nest the same way."""
+    return edit_document(Document(text), ctx, names).code
+
+
+def edit_document(text: Document, ctx: EditContext, names: list[str]) -> Document:
+    """:func:`apply_model_edits` on a parsed ``model.py``: its one tree edited, not printed."""
     unknown = [name for name in names if name not in EDITS_BY_NAME]
     if unknown:
         raise ValueError(f"unknown model edit(s) {unknown}; known: {sorted(EDITS_BY_NAME)}")

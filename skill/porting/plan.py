@@ -34,6 +34,8 @@ from skill.features import (
     PositionKind,
     QKNormKind,
     QKNormPlacement,
+    QueryPositionScale,
+    RotaryDirection,
     RotaryStyle,
     RouterScoring,
     SlidingWindowKind,
@@ -67,13 +69,20 @@ AREAL_MOE_COUNT_FIELDS = ("num_experts", "num_local_experts")
 AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 
 
+# The steps that take ``allow_unsupported`` (apply every supported edit, mark the rest).
+ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
+
+
 def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
     """The one refusal: every unsupported feature of the report, and the way past it."""
     names = ", ".join(f.removeprefix("unsupported: ") for f in features)
+    if step in ALLOW_UNSUPPORTED_STEPS:
+        way = f"Pass allow_unsupported=true to {step}"
+    else:
+        way = f"Take the steps one by one with allow_unsupported=true passed to {' and '.join(ALLOW_UNSUPPORTED_STEPS)}"
     return UnsupportedFeatureError(
         f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. "
-        f"Pass allow_unsupported=true to {step} to apply every supported edit and leave a marker "
-        "where each hand edit goes.",
+        f"{way} to apply every supported edit and leave a marker where each hand edit goes.",
         features,
     )
 
@@ -121,6 +130,9 @@ class PortPlan(BaseModel):
         default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
     )
     clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
+    query_position_scale: QueryPositionScale | None = Field(
+        default=None, description="queries scaled by their absolute position, and the config paths of its constants"
+    )
     clip_after_qk_norm: bool = Field(
         default=False, description="q and k are clamped after the QK norm (OLMoE), not as they leave wq/wk"
     )
@@ -163,6 +175,9 @@ class PortPlan(BaseModel):
     nope_layer_type: str | None = Field(default=None, description="the layer type whose layers apply no RoPE")
     qk_norm_after_rope: bool = Field(default=False, description="queries and keys normalised after RoPE")
     rotary_interleaved: bool
+    rotary_reversed: bool = Field(
+        default=False, description="each pair turns the other way: (x1, x2) -> (x2, -x1) (nanochat)"
+    )
     moe: bool
     all_layers_moe: bool
     shared_expert: bool
@@ -246,7 +261,17 @@ class PortPlan(BaseModel):
         description="clamped SwiGLU experts: their constants (alpha, limit) -> the config fields setting them; "
         "empty for SwiGLU experts",
     )
+    nullable_fields: list[str] = Field(
+        default_factory=list, description="config fields HF accepts as None with another forward (the analysis')"
+    )
     tied: bool
+    tying_field: str | None = Field(
+        default="tie_word_embeddings",
+        description="config field the tying follows; None: HF ties (or keeps its own head) whatever it says",
+    )
+    padding_idx_field: str | None = Field(
+        default=None, description="config field of the embedding row HF never trains (padding_idx), if any"
+    )
     lm_head_bias: bool = Field(default=False, description="the LM head (output projection) has a bias")
     embedding_projection_field: str | None = Field(
         default=None,
@@ -292,6 +317,25 @@ class PortPlan(BaseModel):
             self.logit_multiplier_field,
         ]
         return [f for f in fields if f]
+
+    @property
+    def first_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add before the first block (besides ``tok_embeddings``),
+        in the order the model runs them: the first pipeline stage must keep them."""
+        modules = []
+        if self.positions in ("learned", "sinusoidal"):
+            modules.append("pos_embeddings")
+        if self.embedding_projection_field is not None:
+            modules.append("project_in")
+        if self.embedding_norm_module is not None:
+            modules.append("embedding_norm")
+        return tuple(modules)
+
+    @property
+    def last_stage_modules(self) -> tuple[str, ...]:
+        """Top-level modules the edits add after the last block (besides ``norm`` and the
+        head): the last pipeline stage must keep them."""
+        return ("project_out",) if self.embedding_projection_field is not None else ()
 
     @property
     def portable(self) -> bool:
@@ -380,6 +424,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
         clip_qkv_field=att.clip_qkv_field,
+        query_position_scale=att.query_position_scale,
         clip_after_qk_norm=bool(att.clip_qkv_after_qk_norm) and att.qk_norm is not QKNormKind.NONE,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
@@ -404,6 +449,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         rope_type=pos.rope_type or "default",
         partial_rotary=pos.partial_rotary_factor != 1.0,
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
+        rotary_reversed=pos.rotary_direction is RotaryDirection.REVERSED,
         per_layer_rope=pos.per_layer_type_rope,
         nope_field=att.nope_layers_field,
         nope_layer_type=att.nope_layer_type,
@@ -465,7 +511,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         expert_activation_fields=dict(ffn.activation_fields)
         if moe is not None and ffn.activation == "clamped_swiglu"
         else {},
+        nullable_fields=list(report.checklist.nullable_fields),
         tied=sc.tie_word_embeddings,
+        tying_field=sc.tying_field,
+        padding_idx_field=sc.padding_idx_field,
         lm_head_bias=sc.lm_head_bias,
         embedding_projection_field=sc.embedding_projection_field,
         moe_layer_types_field=next(

@@ -20,7 +20,7 @@ from skill.porting.copy_reference import REFERENCES, CopyReferenceRequest, apply
 from skill.porting.edit_adapter_map import EditAdapterMapRequest, apply_edit_adapter_map
 from skill.porting.edit_args import EditArgsRequest, apply_edit_args
 from skill.porting.edit_model import EditModelRequest, apply_edit_model
-from skill.porting.plan import plan_for, refuse_unsupported
+from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
 from skill.porting.register_spec import RegisterSpecRequest, apply_register_spec, registered_types
 from skill.porting.run_test_stage import RunTestStageResult, ensure_test_file, run_stage_subprocess, stage_verdict
 from skill.porting.set_rope import SetRopeRequest, apply_set_rope
@@ -72,7 +72,10 @@ class PortModelResult(BaseModel):
     model_name: str
     model_types: list[str]
     reference: str | None = None
-    passed: bool
+    passed: bool = Field(
+        description="every step and stage passed: the field to read (a port that ran and failed is still a "
+        "result, not a tool error; failed_step and error say where and why)"
+    )
     failed_step: str | None = None
     error: str | None = None
     steps: list[StepReport]
@@ -120,7 +123,8 @@ def port_model(request: PortModelRequest) -> PortModelResult:
     file, apply all of it atomically, then run stages 1-6. Stops at the first failing step
     with what failed and why; refuses before writing anything when a feature has no edit
     or a different package exists without overwrite. Re-running on a ported family changes
-    nothing."""
+    nothing. A port that ran is a result whether it passed or not (isError false): read
+    `passed`, then `failed_step` and `error`, and `stage_results` for a failed stage."""
     return run_port(request)
 
 
@@ -184,9 +188,8 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
             name = request.model_name or validate_model_name(model_type.replace("-", "_"))
             state.update(model_name=name)
             refuse_reference(name)
-            refuse_unsupported(profile, "edit_model")
+            refuse_unsupported(profile, "port_model")
             state["reference"] = profile.reference
-        reference = state["reference"]
     except Exception as e:
         return result(
             False,
@@ -199,58 +202,9 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
         layout = PackageLayout.for_name(name)
         tree = StagedTree(workspace)
         existed = tree.exists(layout.package_dir)
-        # Build the package from scratch in memory; compare with disk at the end.
-        tree.delete_tree(layout.package_dir)
-        # Its extra cases (config overrides proving what a default hides) outlive the rewrite.
-        old_test_file = tree.read_text(layout.test_file)
-        if old_test_file is not None:
-            tree.delete(layout.test_file)
+        steps = package_steps(tree, request, name, profile)
+        source, trust = request.source, request.trust_remote_code
         common = {"model_name": name, "workspace": request.workspace}
-        trust = request.trust_remote_code
-        sourced = {**common, "source": request.source, "trust_remote_code": trust}
-        source = request.source
-        steps: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
-            (
-                "copy_reference",
-                lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
-                lambda r: f"{reference} -> {r.package_dir}",
-            ),
-            (
-                "edit_args",
-                lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile),
-                lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks",
-            ),
-            (
-                "edit_model",
-                lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile),
-                lambda r: ", ".join(r.edits),
-            ),
-            (
-                "set_rope",
-                lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile),
-                lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type,
-            ),
-            (
-                "edit_adapter_map",
-                lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)),
-                lambda r: f"{len(r.from_hf_map)} entries",
-            ),
-            (
-                "write_parallelize",
-                lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile),
-                lambda r: f"{len(r.layer_plan)} plan entries",
-            ),
-            (
-                "write_tests",
-                lambda: ensure_test_file(tree, name, model_type, source, trust, keep_cases_of=old_test_file),
-                lambda r: layout.test_file,
-            ),
-            (
-                "register_spec",
-                lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)),
-                lambda r: ", ".join(r.model_types),
-            ),
-        ]
         try:
             for step_name, fn, detail in steps:
                 value = runner.run(step_name, fn, detail)
@@ -322,6 +276,70 @@ def run_port(request: PortModelRequest, progress: Callable[[StepReport], None] |
                 max_abs_logit_diff=max_logit,
             )
     return result(True, changed_files=changed, stage_results=stage_results, max_abs_logit_diff=max_logit)
+
+
+Step = tuple[str, Callable[[], Any], Callable[[Any], str]]
+
+
+def package_steps(tree: StagedTree, request: PortModelRequest, name: str, profile: PortPlan) -> list[Step]:
+    """The steps that write package ``name`` from scratch into ``tree``, in order: (step name,
+    the call, a one-line summary of its result). The package and its stage test file are
+    cleared in ``tree`` first (the test file's extra cases are kept for ``write_tests``)."""
+    layout = PackageLayout.for_name(name)
+    reference = profile.reference
+    model_type = profile.model_type
+    # Build the package from scratch in memory; compare with disk at the end.
+    tree.delete_tree(layout.package_dir)
+    # Its extra cases (config overrides proving what a default hides) outlive the rewrite.
+    old_test_file = tree.read_text(layout.test_file)
+    if old_test_file is not None:
+        tree.delete(layout.test_file)
+    common = {"model_name": name, "workspace": request.workspace}
+    trust = request.trust_remote_code
+    sourced = {**common, "source": request.source, "trust_remote_code": trust}
+    source = request.source
+    return [
+        (
+            "copy_reference",
+            lambda: apply_copy_reference(tree, CopyReferenceRequest(reference=reference, overwrite=True, **common)),
+            lambda r: f"{reference} -> {r.package_dir}",
+        ),
+        (
+            "edit_args",
+            lambda: apply_edit_args(tree, EditArgsRequest(**sourced), profile),
+            lambda r: f"{len(r.fields)} fields, {len(r.checks)} checks",
+        ),
+        (
+            "edit_model",
+            lambda: apply_edit_model(tree, EditModelRequest(**sourced), profile),
+            lambda r: ", ".join(r.edits),
+        ),
+        (
+            "set_rope",
+            lambda: apply_set_rope(tree, SetRopeRequest(**sourced), profile),
+            lambda r: f"{r.rope_type}, re-exported" if r.reexported else r.rope_type,
+        ),
+        (
+            "edit_adapter_map",
+            lambda: apply_edit_adapter_map(tree, EditAdapterMapRequest(**sourced)),
+            lambda r: f"{len(r.from_hf_map)} entries",
+        ),
+        (
+            "write_parallelize",
+            lambda: apply_write_parallelize(tree, WriteParallelizeRequest(**sourced), profile),
+            lambda r: f"{len(r.layer_plan)} plan entries",
+        ),
+        (
+            "write_tests",
+            lambda: ensure_test_file(tree, name, model_type, source, trust, keep_cases_of=old_test_file),
+            lambda r: layout.test_file,
+        ),
+        (
+            "register_spec",
+            lambda: apply_register_spec(tree, RegisterSpecRequest(model_types=[model_type], **sourced)),
+            lambda r: ", ".join(r.model_types),
+        ),
+    ]
 
 
 def _package_serving(workspace: Workspace, model_type: str, source: str) -> tuple[str | None, bool]:

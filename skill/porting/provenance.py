@@ -14,8 +14,11 @@ by ``add``, which refuses it: its package holds hand edits, made in the session 
 under ``tests/mcp/sessions/<model_name>.jsonl``, so the second line says so and names the
 replay that rebuilds the package (in the kept copy) from the tools' calls and the hand edit::
 
-    # Hand edits for: layers without RoPE. Regenerate by replaying its recorded session:
-    #   archon-port replay --keep tests/mcp/sessions/smollm3.jsonl
+    # Hand edits for: layers without RoPE (model/model.py, Attention.forward). Regenerate by
+    #   replaying its recorded session: archon-port replay --keep tests/mcp/sessions/smollm3.jsonl
+
+Each feature is named with the function its hand edit goes in, where ``edit_model`` left
+its marker (:func:`skill.porting.edit_model.marker_place`).
 
 The edits are the ones the family's plan selects on the reference's pristine
 ``model.py`` (the same list ``add`` reports), so the header is a function of the
@@ -30,6 +33,7 @@ import textwrap
 from skill import __version__
 from skill.codemod import StagedTree, format_python
 from skill.porting.common import PackageLayout
+from skill.porting.edit_model import marker_place
 from skill.porting.model_edits import select_edits
 from skill.porting.plan import PortPlan
 
@@ -61,7 +65,11 @@ def header_lines(plan: PortPlan, model_name: str, reference_model_text: str) -> 
     listed = ", ".join(edits) if edits else "none"
     generated = f"{GENERATED} {__version__} from the {plan.reference} reference with edits: {listed}."
     if plan.unsupported:
-        features = ", ".join(f.removeprefix("unsupported: ") for f in plan.unsupported)
+        model_class = PackageLayout.for_name(model_name).model_class
+        features = "; ".join(
+            f"{name} (model/model.py, {marker_place(name).where(model_class)})"
+            for name in (f.removeprefix("unsupported: ") for f in plan.unsupported)
+        )
         second = f"{HAND_EDITED} {features}. Regenerate by replaying its recorded session:"
         return "".join(_wrap(line) for line in (generated, second)) + f"{CONTINUATION}{replay_command(model_name)}\n"
     else:

@@ -8,7 +8,7 @@ import logging
 from pydantic import Field, field_validator
 
 from skill.codemod import StagedTree, format_python
-from skill.codemod.cst import ensure_import_line, get_call_kwarg, set_call_kwarg
+from skill.codemod.cst import CodemodError, Document, ensure_import_line, prune_unused_imports, set_call_kwarg
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,10 @@ def _claims(tree: StagedTree) -> list[tuple[str, str]]:
         parts = path.split("/")
         if len(parts) != 3 or parts[2] != "spec.py":
             continue
-        literal = get_call_kwarg(tree.read_text(path) or "", "ModelSpec", "supported_model_types")
-        claims += [(model_type, parts[1]) for model_type in _types_from_literal(literal)]
+        model_types = spec_model_types(tree.read_text(path) or "")
+        if model_types is None:
+            raise CodemodError(f"cannot parse {path}")
+        claims += [(model_type, parts[1]) for model_type in model_types]
     return claims
 
 
@@ -91,13 +93,23 @@ def registered_types(tree: StagedTree) -> dict[str, str]:
     return dict(_claims(tree))
 
 
-def _types_from_literal(literal: str | None) -> list[str]:
-    if not literal:
-        return []
+def spec_model_types(spec_text: str) -> list[str] | None:
+    """The string literals of ``supported_model_types=`` in a spec module's ``ModelSpec(...)``
+    (None when the module does not parse). Read with ``ast``: every spec of the library is
+    read at each registration."""
     try:
-        node = ast.parse(literal, mode="eval").body
+        module = ast.parse(spec_text)
     except SyntaxError:
-        return []
+        return None
+    for node in ast.walk(module):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ModelSpec":
+            for keyword in node.keywords:
+                if keyword.arg == "supported_model_types":
+                    return _types_from_literal(keyword.value)
+    return []
+
+
+def _types_from_literal(node: ast.expr) -> list[str]:
     if isinstance(node, ast.Call) and node.args:
         node = node.args[0]
     if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
@@ -124,6 +136,18 @@ def check_model_types_free(tree: StagedTree, package: str, model_types: list[str
         )
 
 
+def _set_pipelining_fn(spec_text: str, layout: PackageLayout, parallelize_text: str) -> str:
+    """The spec's ``pipelining_fn``: the package's own when its ``infra/parallelize.py``
+    defines one (a model with modules around the blocks that AReaL's ``pipeline_llm``
+    would drop), else ``pipeline_llm``."""
+    own = layout.pipelining_fn
+    if f"def {own}(" not in parallelize_text:
+        return spec_text
+    doc = set_call_kwarg(Document(spec_text), "ModelSpec", "pipelining_fn", own)
+    doc = ensure_import_line(doc, f"from archon_models.{layout.names.package}.infra.parallelize import {own}")
+    return prune_unused_imports(doc).code
+
+
 def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> RegisterSpecResult:
     layout = PackageLayout.for_name(request.model_name)
     require_package(tree, layout)
@@ -139,16 +163,22 @@ def apply_register_spec(tree: StagedTree, request: RegisterSpecRequest) -> Regis
             camel=names.camel, package=names.package, upper=names.upper, types=types_literal(model_types)
         )
     else:
-        text = set_call_kwarg(current, "ModelSpec", "supported_model_types", f"frozenset({types_literal(model_types)})")
+        text = set_call_kwarg(
+            Document(current), "ModelSpec", "supported_model_types", f"frozenset({types_literal(model_types)})"
+        ).code
+    text = _set_pipelining_fn(text, layout, tree.read_text(layout.parallelize) or "")
     write_if_changed(tree, layout.spec, text, changed)
     line = import_line_for(names.package)
     init_text = tree.read_text(ARCHON_INIT)
     if init_text is None:
         raise FileNotFoundError(f"{ARCHON_INIT} is missing; the workspace is not an archon-port project.")
-    if ensure_import_line(init_text, line) != init_text:
+    registry = Document(init_text)
+    if ensure_import_line(registry, line) is not registry:
         # A function of the registry's content: re-applied on top of another call's import line.
         # Formatted (imports sorted as ruff sorts them) like every file the engine writes.
-        tree.update_text(ARCHON_INIT, lambda text: format_python(ensure_import_line(text, line), ARCHON_INIT))
+        tree.update_text(
+            ARCHON_INIT, lambda text: format_python(ensure_import_line(Document(text), line).code, ARCHON_INIT)
+        )
         changed.append(ARCHON_INIT)
     if request.source is not None:
         from skill.porting.plan import plan_for

@@ -15,6 +15,7 @@ import skill
 from skill.codemod import StagedTree
 from skill.porting.child_process import run_python_module, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
+from skill.porting.edit_args import nullable_cases
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
 from skill.porting.overrides import ConfigOverrides, ModelTypeName
@@ -86,7 +87,10 @@ class RunTestStageResult(StepResult):
     case_id: str | None = Field(
         default=None, description="the one case that ran (the overrides' case), else every case ran"
     )
-    passed: bool
+    passed: bool = Field(
+        description="every test of the stage passed: the field to read (a stage that ran and failed is still "
+        "a result, not a tool error; the failing checks are in tests[].checks)"
+    )
     tests: list[StageTest]
     max_abs_diff: float | None = Field(
         default=None, description="largest max abs diff of any check", json_schema_extra=_DIFF_IS_VOLATILE
@@ -138,13 +142,24 @@ def ensure_test_file(
     if source is None:
         _require_known_model_type(model_type)
     profile = plan_for(source or model_type, trust_remote_code)
+    config = load_config(source or model_type, trust_remote_code)
     rope_parameters = None
     if profile.rope_type != "default":
-        config = load_config(source or model_type, trust_remote_code)
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
+    # The config leaves the row HF never trains unset: the tests set one (see test_file_source).
+    unset_pad = profile.padding_idx_field is not None and getattr(config, profile.padding_idx_field, None) is None
     summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
     remote_source = str(Path(source).resolve()) if trust_remote_code and source else None
-    text = test_file_source(layout.names.camel, model_type, profile, summary, rope_parameters, remote_source)
+    text = test_file_source(
+        layout.names.camel,
+        model_type,
+        profile,
+        summary,
+        rope_parameters,
+        remote_source,
+        unset_pad=unset_pad,
+        nullable=nullable_cases(profile, config),
+    )
     from skill.porting.provenance import header_lines, stamp
 
     pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
@@ -173,7 +188,9 @@ def run_test_stage(request: RunTestStageRequest) -> RunTestStageResult:
     of archon_models/<model_name>/'s tests with pytest in a subprocess, writing the package's
     test file under tests/archon/ first if it is missing. With config_overrides, adds a case
     with them to that file (once) and runs only it. Returns pass/fail per check, the max abs
-    diffs and the time."""
+    diffs and the time. A stage that ran is a result whether it passed or not (isError false):
+    read `passed`, then `tests[].checks[]` (name, passed, detail) for what failed; isError is
+    true only when the stage could not run (bad arguments, no package, a timeout)."""
     model_type = request.model_type or request.model_name
     layout = PackageLayout.for_name(request.model_name)
     case = None

@@ -15,6 +15,10 @@ from skill.porting.plan import PortPlan
 logger = logging.getLogger(__name__)
 
 NON_TRIVIAL_SCALARS = (1.5, 0.5, 0.25, 2.0, 0.75, 3.0)
+# The period of a position-dependent query scale in the tests: shorter than the documents.
+QUERY_SCALE_PERIOD = 4
+# A pad id for a family whose config leaves it unset (inside the tiny vocabulary).
+TEST_PAD_ID = 7
 
 TEMPLATE = '''"""{title}
 
@@ -96,6 +100,8 @@ def test_file_source(
     summary: str,
     rope_parameters: dict | None = None,
     remote_source: str | None = None,
+    unset_pad: bool = False,
+    nullable: list[str] | None = None,
 ) -> str:
     comments = []
     overrides: dict[str, Any] = {}
@@ -138,6 +144,17 @@ def test_file_source(
     if rope_parameters:
         overrides["rope_parameters"] = rope_parameters
         comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
+    if profile.query_position_scale is not None:
+        # A short period, so the later positions of the 7- and 13-token documents get scaled queries.
+        period = profile.query_position_scale.period_field
+        if period.startswith("rope_parameters."):
+            key = period.split(".", 1)[1]
+            overrides["rope_parameters"] = {**overrides.get("rope_parameters", {}), key: QUERY_SCALE_PERIOD}
+        else:
+            overrides[period] = QUERY_SCALE_PERIOD
+        comments.append(
+            f"# A query-scale period of {QUERY_SCALE_PERIOD} positions, so queries past it in a document are scaled."
+        )
     # A factor computed from a field and a model size (scale_depth / sqrt(num_hidden_layers))
     # keeps the tiny config's value, already away from 1.0: its field may be no multiplier.
     multipliers = [f for f in profile.multipliers if f not in overrides and f not in profile.scalar_sources]
@@ -146,6 +163,12 @@ def test_file_source(
         for name, value in zip(multipliers, NON_TRIVIAL_SCALARS, strict=False):
             overrides[name] = value
         comments.append("# Multipliers away from 1.0 (and from each other), so each one is exercised.")
+    if unset_pad and profile.padding_idx_field is not None:
+        # The documents hold the config's pad id; one is set so its untrained row is exercised.
+        overrides[profile.padding_idx_field] = TEST_PAD_ID
+        comments.append(
+            f"# {profile.padding_idx_field}={TEST_PAD_ID}, so the embedding row HF never trains is in the documents."
+        )
     if profile.routed_scaling_field is not None:
         overrides[profile.routed_scaling_field] = 2.5
         comments.append("# A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.")
@@ -163,9 +186,9 @@ def test_file_source(
         overrides["norm_topk_prob"] = not profile.route_norm_fixed
         comments.append("# HF never reads norm_topk_prob: set against what HF does, it must change nothing.")
     if profile.moe_layer_rule == "first_k_dense":
-        overrides["first_k_dense_replace"] = 1
+        overrides[profile.moe_layer_fields[0] if profile.moe_layer_fields else "first_k_dense_replace"] = 1
         comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")
-    extra_cases = []
+    extra_cases: list[dict[str, Any]] = []
     if profile.expert_group_switch is not None:
         # The switch's other values (topk_method="greedy": every expert competes) get a case each.
         switch, method = profile.expert_group_switch
@@ -180,6 +203,14 @@ def test_file_source(
                 )
         if extra_cases:
             comments.append(f"# A case for each other {switch}, whose routing ignores the groups.")
+    for name in nullable or []:
+        # HF's forward treats the field's None apart from every value: a case proves the port does too.
+        none_case = {**overrides, name: None}
+        extra_cases.append(
+            {"model_type": model_type, "config_overrides": none_case, "name": f"{model_type}-{name}-None"}
+        )
+    if nullable:
+        comments.append(f"# One case each with {', '.join(nullable)} set to None, which HF's forward treats apart.")
     entries = [f"{_render(k, 12)}: {_render(v, 12)}" for k, v in overrides.items()]
     remote = ""
     if remote_source is not None:
@@ -189,9 +220,12 @@ def test_file_source(
     model_type_literal = _render(model_type, 8)
     overrides_literal = "{" + ", ".join(entries) + "}"
     one_line = f"CASES = [ModelCase(model_type={model_type_literal}, {remote}config_overrides={overrides_literal})]"
-    if extra_cases and remote_source is None:
+    if extra_cases:
         main = {"model_type": model_type, "config_overrides": overrides}
-        cases = "CASES = [\n" + "".join(_render_case(c) for c in [main, *extra_cases]) + "]"
+        every = [main, *extra_cases]
+        if remote_source is not None:
+            every = [{**case, "source": remote_source, "trust_remote_code": True} for case in every]
+        cases = "CASES = [\n" + "".join(_render_case(c) for c in every) + "]"
     elif len(one_line) <= 100:
         cases = one_line
     else:
@@ -265,7 +299,7 @@ def _slug(value: Any) -> str:
 
 def _render_case(case: dict[str, Any]) -> str:
     lines = ["    ModelCase("]
-    for key in ("model_type", "config_overrides", "name"):
+    for key in ("model_type", "source", "trust_remote_code", "config_overrides", "name"):
         if key in case:
             lines.append(f"        {key}={_render(case[key], 8)},")
     lines.append("    ),")

@@ -6,6 +6,7 @@ import logging
 import textwrap
 from collections.abc import Callable
 
+import libcst as cst
 from pydantic import Field
 
 from skill.activations import ACTIVATIONS
@@ -13,12 +14,19 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import append_to_if_block
 from skill.codemod.cst import (
+    Document,
+    append_statements,
     edit_dict_literal,
     ensure_import_line,
     insert_before_class,
+    read_all,
     read_dict_literal,
     replace_in_function,
+    replace_text,
     set_docstring,
+    set_module_assign,
+    statements,
+    upsert_function,
 )
 from skill.porting.common import (
     PackageLayout,
@@ -105,14 +113,9 @@ ALIBI_COMMENT = "# Each rank attends with its own block of heads, so it takes th
 ALIBI_OFFSET = "block.attention.head_offset = tp_mesh.get_local_rank() * (block.attention.n_heads // tp_mesh.size())"
 
 
-def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]) -> str:
+def _set_function_docstring(text: Document, function: str, edit: Callable[[str], str]) -> Document:
     """Rewrite a module-level function's docstring through ``edit`` (str -> str)."""
-    import libcst as cst
-
-    from skill.codemod.cst import replaced_code, statements
-
-    module = cst.parse_module(text)
-    for stmt in module.body:
+    for stmt in text.module.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == function:
             first = statements(stmt.body)[0]
             docstring = first.body[0] if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 else None
@@ -120,11 +123,11 @@ def _set_function_docstring(text: str, function: str, edit: Callable[[str], str]
                 old = docstring.value
                 new_value = edit(old.value)
                 if new_value != old.value:
-                    return replaced_code(module, old, old.with_changes(value=new_value))
+                    return text.replaced(old, old.with_changes(value=new_value))
     return text
 
 
-def _drop_qk_norm_plan(text: str) -> str:
+def _drop_qk_norm_plan(text: Document) -> Document:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
     text = edit_dict_literal(
         text,
@@ -160,14 +163,14 @@ ATTENTION_INPUTS = """# Only the hidden states are gathered; cu_seqlens and max_
 ),"""
 
 
-def _plan_without_rope(text: str) -> str:
+def _plan_without_rope(text: Document) -> Document:
     """The attention of a family without RoPE takes ``(x, cu_seqlens, max_seqlen)``."""
     if ATTENTION_INPUTS.splitlines()[3].strip() in text:
         return text
     old = textwrap.indent(ROPE_ATTENTION_INPUTS, " " * 12)
     if old not in text:
         raise ValueError("the TP plan has no attention input layouts of the reference's form to drop RoPE from")
-    return text.replace(old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
+    return replace_text(text, old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
 
 
 EMBEDDING_STAGE = "model.tok_embeddings is not None"
@@ -183,7 +186,7 @@ root_plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), de
 """
 
 
-def _plan_position_table(text: str, plan: str = POSITION_TABLE_PLAN) -> str:
+def _plan_position_table(text: Document, plan: str = POSITION_TABLE_PLAN) -> Document:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
     if 'root_plan["pos_embeddings"]' in text:
         return text
@@ -196,7 +199,7 @@ root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)
 """
 
 
-def _plan_embedding_norm(text: str) -> str:
+def _plan_embedding_norm(text: Document) -> Document:
     function = next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
     if 'root_plan["embedding_norm"]' in text:
         return text
@@ -223,7 +226,7 @@ PROJECT_OUT_NO_NORM_PLAN = """if model.project_out is not None:
 """
 
 
-def _plan_embedding_projection(text: str, final_norm: bool = True) -> str:
+def _plan_embedding_projection(text: Document, final_norm: bool = True) -> Document:
     """``project_in`` after the token embedding, ``project_out`` after the final norm (or the
     last block, without one), both where the model has them (the config's widths decide)."""
     function = _tp_function(text)
@@ -235,11 +238,11 @@ def _plan_embedding_projection(text: str, final_norm: bool = True) -> str:
     return append_to_if_block(text, None, function, "model.norm is not None", PROJECT_OUT_PLAN)
 
 
-def _tp_function(text: str) -> str:
+def _tp_function(text: Document) -> str:
     return next(name for name in ("apply_non_moe_tp", "apply_tp") if f"def {name}(" in text)
 
 
-def _plan_no_final_norm(text: str, projection: bool) -> str:
+def _plan_no_final_norm(text: Document, projection: bool) -> Document:
     """No final norm: its plan entry goes (``project_out``'s takes its place, when there is one)."""
     if FINAL_NORM_PLAN.splitlines()[1].strip() not in text:
         return text
@@ -256,7 +259,7 @@ BIASED_EXPERT_STYLES = {
 }
 
 
-def _plan_biased_experts(text: str) -> str:
+def _plan_biased_experts(text: Document) -> Document:
     """Routed experts with biases: the package's expert-parallel styles (snippets/
     expert_parallel.py) shard ``w1_bias``/``w2_bias``/``w3_bias`` with the weights."""
     if "class BiasedExpertParallel(" in text:
@@ -279,6 +282,44 @@ def _plan_biased_experts(text: str) -> str:
 _EXPERTS_MESH = {"TensorParallel()": "tp_mesh", "ExpertParallel()": "ep_mesh", "ExpertTensorParallel()": "ep_tp_mesh"}
 
 
+PIPELINE_IMPORTS = (
+    "import math",
+    "from collections.abc import Callable",
+    "from torch.distributed.pipelining import PipelineStage",
+    "from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class",
+    "from archon_models.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_module_split",
+)
+
+
+def _stage_modules_source(first: tuple[str, ...], last: tuple[str, ...]) -> str:
+    return (
+        "# Top-level modules besides AReaL's canonical ones (tok_embeddings, layers, norm, output/score):\n"
+        "# the pipeline split keeps those run before the first block on the first stage, those run\n"
+        "# after the final norm on the last, and would set them to None on every stage otherwise.\n"
+        f"FIRST_STAGE_MODULES: tuple[str, ...] = {first!r}\n"
+        f"LAST_STAGE_MODULES: tuple[str, ...] = {last!r}\n"
+    )
+
+
+def _plan_pipeline_stages(text: Document, layout: PackageLayout, profile: PortPlan) -> Document:
+    """A model with top-level modules of its own around the blocks (an embedding norm, a
+    position table, embedding projections) gets a pipelining function that keeps them on
+    the stage that runs them (snippets/pipeline.py); AReaL's ``pipeline_llm`` would drop them."""
+    first, last = profile.first_stage_modules, profile.last_stage_modules
+    if not first and not last:
+        return text
+    name = layout.pipelining_fn
+    if f"def {name}(" in text:
+        text = set_module_assign(text, "FIRST_STAGE_MODULES", repr(first))
+        return set_module_assign(text, "LAST_STAGE_MODULES", repr(last))
+    text = append_statements(text, _stage_modules_source(first, last))
+    text = upsert_function(text, name, snippet("pipeline", "pipeline_model", rename=name))
+    for line in PIPELINE_IMPORTS:
+        text = ensure_import_line(text, line)
+    listed = read_all(text)
+    return set_module_assign(text, "__all__", repr(sorted({*listed, name})).replace("'", '"'))
+
+
 def write_parallelize(request: WriteParallelizeRequest) -> WriteParallelizeResult:
     """Make archon_models/<model_name>/infra/parallelize.py's TP plan match the model: plan
     entries only for modules the family has (e.g. no w3 for a two-layer MLP), local outputs
@@ -292,7 +333,7 @@ def apply_write_parallelize(
 ) -> WriteParallelizeResult:
     layout = PackageLayout.for_name(request.model_name)
     require_package(tree, layout)
-    text = require_file(tree, layout.parallelize, "run copy_reference first.")
+    text = Document(require_file(tree, layout.parallelize, "run copy_reference first."))
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if profile.reference not in EDITABLE_REFERENCES:
         # The reference's plan follows its modules as the config builds them; no edit
@@ -412,7 +453,8 @@ def apply_write_parallelize(
         text = _plan_no_final_norm(text, projection=profile.embedding_projection_field is not None)
     if profile.embedding_projection_field is not None:
         text = _plan_embedding_projection(text, final_norm=profile.final_norm)
+    text = _plan_pipeline_stages(text, layout, profile)
     text = set_docstring(text, None, _docstring(layout.names.camel, profile))
     changed: list[str] = []
-    write_if_changed(tree, layout.parallelize, text, changed)
+    write_if_changed(tree, layout.parallelize, text.code, changed)
     return WriteParallelizeResult(layer_plan=sorted(read_dict_literal(text, PLAN_TARGET)), changed_files=changed)

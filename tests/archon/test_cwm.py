@@ -24,6 +24,7 @@ from skill.harness.distributed import run_stage5
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # The checkpoint's llama3 RoPE scaling, which the port is specialised to.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 CASES = [
     ModelCase(
         model_type="cwm",
@@ -37,6 +38,7 @@ CASES = [
                 "original_max_position_embeddings": 8192,
                 "rope_type": "llama3",
             },
+            "pad_token_id": 7,
         },
     )
 ]

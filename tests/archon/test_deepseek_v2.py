@@ -23,16 +23,19 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Multi-head latent attention: one key/value head per query head, from the latents.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 # A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.
 # Two expert groups of which one is kept, so grouped top-k routing is exercised.
 # topk_method='group_limited_greedy' turns the group limit on.
 # HF never reads norm_topk_prob: set against what HF does, it must change nothing.
 # One leading dense layer before the MoE layers, so both kinds are exercised.
 # A case for each other topk_method, whose routing ignores the groups.
+# One case each with q_lora_rank set to None, which HF's forward treats apart.
 CASES = [
     ModelCase(
         model_type="deepseek_v2",
         config_overrides={
+            "pad_token_id": 7,
             "routed_scaling_factor": 2.5,
             "n_group": 2,
             "topk_group": 1,
@@ -44,6 +47,7 @@ CASES = [
     ModelCase(
         model_type="deepseek_v2",
         config_overrides={
+            "pad_token_id": 7,
             "routed_scaling_factor": 2.5,
             "n_group": 2,
             "topk_group": 1,
@@ -52,6 +56,20 @@ CASES = [
             "first_k_dense_replace": 1,
         },
         name="deepseek_v2-topk_method-greedy",
+    ),
+    ModelCase(
+        model_type="deepseek_v2",
+        config_overrides={
+            "pad_token_id": 7,
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "topk_method": "group_limited_greedy",
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": None,
+        },
+        name="deepseek_v2-q_lora_rank-None",
     ),
 ]
 

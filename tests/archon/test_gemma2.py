@@ -28,6 +28,7 @@ from skill.harness.distributed import run_stage5
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # Soft-caps small enough to bend the tiny model's scores and logits.
 # query_pre_attn_scalar away from head_dim, so the scale it sets is exercised.
+# One case each with attn_logit_softcapping, final_logit_softcapping set to None, which HF's forward treats apart.
 CASES = [
     ModelCase(
         model_type="gemma2",
@@ -37,7 +38,27 @@ CASES = [
             "final_logit_softcapping": 0.5,
             "query_pre_attn_scalar": 24,
         },
-    )
+    ),
+    ModelCase(
+        model_type="gemma2",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": 0.5,
+            "query_pre_attn_scalar": 24,
+        },
+        name="gemma2-attn_logit_softcapping-None",
+    ),
+    ModelCase(
+        model_type="gemma2",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": None,
+            "query_pre_attn_scalar": 24,
+        },
+        name="gemma2-final_logit_softcapping-None",
+    ),
 ]
 
 

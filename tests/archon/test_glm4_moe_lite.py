@@ -22,17 +22,31 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Multi-head latent attention: one key/value head per query head, from the latents.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 # A routed scaling factor away from 1.0, so the scale on the expert weights is exercised.
 # Two expert groups of which one is kept, so grouped top-k routing is exercised.
+# One case each with q_lora_rank set to None, which HF's forward treats apart.
 CASES = [
     ModelCase(
         model_type="glm4_moe_lite",
         config_overrides={
+            "pad_token_id": 7,
             "routed_scaling_factor": 2.5,
             "n_group": 2,
             "topk_group": 1,
         },
-    )
+    ),
+    ModelCase(
+        model_type="glm4_moe_lite",
+        config_overrides={
+            "pad_token_id": 7,
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "q_lora_rank": None,
+        },
+        name="glm4_moe_lite-q_lora_rank-None",
+    ),
 ]
 
 

@@ -27,6 +27,7 @@ from skill.harness.distributed import run_stage5
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # The checkpoint's yarn RoPE scaling, which the port is specialised to.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 CASES = [
     ModelCase(
         model_type="gpt_oss",
@@ -41,6 +42,7 @@ CASES = [
                 "original_max_position_embeddings": 4096,
                 "rope_theta": 150000.0,
             },
+            "pad_token_id": 7,
         },
     )
 ]

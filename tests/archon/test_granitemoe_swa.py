@@ -27,6 +27,7 @@ from skill.harness.distributed import run_stage5
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
 # Multipliers away from 1.0 (and from each other), so each one is exercised.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 CASES = [
     ModelCase(
         model_type="granitemoe_swa",
@@ -36,6 +37,7 @@ CASES = [
             "residual_multiplier": 0.5,
             "attention_multiplier": 0.25,
             "logits_scaling": 2.0,
+            "pad_token_id": 7,
         },
     )
 ]

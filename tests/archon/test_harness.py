@@ -24,7 +24,7 @@ from skill.harness import (
 from skill.harness.compare import compare_tensor_dicts, compare_tensors
 from skill.harness.completeness import check_completeness
 from skill.harness.distributed import run_stage5
-from skill.harness.inputs import make_packed_inputs, untrained_token_ids
+from skill.harness.inputs import make_packed_inputs, special_token_ids
 from skill.harness.models import (
     build_archon_model,
     build_hf_config,
@@ -169,17 +169,38 @@ def test_packed_inputs_follow_the_forward_contract():
     assert [d.shape[1] for d in inputs.documents()] == [3, 5, 2]
 
 
-def test_packed_inputs_avoid_the_pad_token_whose_row_hf_never_trains():
-    """HF's embedding has ``padding_idx=pad_token_id`` (no gradient for that row), Archon's
-    none: parity inputs leave the pad token out and keep every other token of the seed."""
+def test_packed_inputs_hold_the_pad_bos_and_eos_ids():
+    """Real documents hold the special ids: bos first, eos last, and a pad id inside (the
+    row HF's padding_idx never trains); every other token stays the seed's."""
+    special = special_token_ids(build_hf_config(ModelCase(model_type="smollm3")))
+    assert special["pad_token_id"] == (251,)
     plain = make_packed_inputs((7, 13, 4), vocab_size=256, seed=0)
-    pad = int(plain.tokens[0, 5])
-    avoiding = make_packed_inputs((7, 13, 4), vocab_size=256, seed=0, avoid=(pad,))
-    assert pad not in avoiding.tokens.tolist()[0]
-    changed = plain.tokens != avoiding.tokens
-    assert (plain.tokens[changed] == pad).all() and (avoiding.tokens[changed] == pad + 1).all()
-    assert untrained_token_ids(build_hf_config(ModelCase(model_type="smollm3"))) == (251,)
-    assert untrained_token_ids(build_hf_config(ModelCase(model_type="qwen2"))) == ()
+    inputs = make_packed_inputs((7, 13, 4), vocab_size=256, seed=0, special=special)
+    bos, eos, pad = (special.get(f, (None,))[0] for f in ("bos_token_id", "eos_token_id", "pad_token_id"))
+    for document, original in zip(inputs.documents(), plain.documents(), strict=True):
+        ids = document[0].tolist()
+        if bos is not None:
+            assert ids[0] == bos
+        assert ids[-1] == eos and ids[len(ids) // 2] == pad
+        kept = [i for i in range(len(ids)) if i not in (0, len(ids) // 2, len(ids) - 1)]
+        assert [ids[i] for i in kept] == [original[0, i].item() for i in kept]
+    assert special_token_ids(build_hf_config(ModelCase(model_type="qwen2"))).get("pad_token_id") is None
+
+
+def test_parity_catches_a_port_that_trains_the_pad_row(spec, monkeypatch):
+    """HF's Qwen2 embedding has padding_idx=pad_token_id: with the pad id in the documents, a
+    port whose embedding trains that row has a wrong embedding gradient."""
+    original = spec.model_class.__init__
+
+    def without_padding_idx(self, model_args):
+        original(self, model_args)
+        self.tok_embeddings.padding_idx = None
+
+    monkeypatch.setattr(spec.model_class, "__init__", without_padding_idx)
+    case = ModelCase(model_type="qwen2", config_overrides={"num_key_value_heads": 2, "pad_token_id": 7})
+    failed = _failed(run_parity_stage(case, raise_on_failure=False))
+    assert any(name.startswith("gradients of every parameter") for name in failed)
+    assert not any(name.startswith("logits") for name in failed)
 
 
 # --------------------------------------------------------------- judged by the float64 truth

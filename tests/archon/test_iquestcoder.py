@@ -21,7 +21,16 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Two KV heads for four query heads, so grouped-query attention is exercised.
-CASES = [ModelCase(model_type="iquestcoder", config_overrides={"num_key_value_heads": 2})]
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
+CASES = [
+    ModelCase(
+        model_type="iquestcoder",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "pad_token_id": 7,
+        },
+    )
+]
 
 
 @pytest.mark.stage1

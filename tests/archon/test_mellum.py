@@ -24,9 +24,16 @@ from skill.harness.distributed import run_stage5
 
 # Two KV heads for four query heads, so grouped-query attention is exercised.
 # The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised.
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
 # Extra cases from run_test_stage(config_overrides=...): each proves a feature a default hides.
 CASES = [
-    ModelCase(model_type="mellum", config_overrides={"num_key_value_heads": 2}),
+    ModelCase(
+        model_type="mellum",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "pad_token_id": 7,
+        },
+    ),
     ModelCase(
         model_type="mellum",
         config_overrides={

@@ -24,7 +24,26 @@ from skill.harness.distributed import run_stage5
 
 # Multi-head latent attention: one key/value head per query head, from the latents.
 # Multipliers away from 1.0 (and from each other), so each one is exercised.
-CASES = [ModelCase(model_type="minicpm3", config_overrides={"scale_emb": 1.5})]
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
+# One case each with q_lora_rank set to None, which HF's forward treats apart.
+CASES = [
+    ModelCase(
+        model_type="minicpm3",
+        config_overrides={
+            "scale_emb": 1.5,
+            "pad_token_id": 7,
+        },
+    ),
+    ModelCase(
+        model_type="minicpm3",
+        config_overrides={
+            "scale_emb": 1.5,
+            "pad_token_id": 7,
+            "q_lora_rank": None,
+        },
+        name="minicpm3-q_lora_rank-None",
+    ),
+]
 
 
 @pytest.mark.stage1

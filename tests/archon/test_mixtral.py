@@ -22,7 +22,26 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Two KV heads for four query heads, so grouped-query attention is exercised.
-CASES = [ModelCase(model_type="mixtral", config_overrides={"num_key_value_heads": 2})]
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
+# One case each with head_dim set to None, which HF's forward treats apart.
+CASES = [
+    ModelCase(
+        model_type="mixtral",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "pad_token_id": 7,
+        },
+    ),
+    ModelCase(
+        model_type="mixtral",
+        config_overrides={
+            "num_key_value_heads": 2,
+            "pad_token_id": 7,
+            "head_dim": None,
+        },
+        name="mixtral-head_dim-None",
+    ),
+]
 
 
 @pytest.mark.stage1

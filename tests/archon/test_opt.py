@@ -33,6 +33,14 @@ CASES = [
         },
         name="opt-word_embed_proj_dim-64",
     ),
+    ModelCase(
+        model_type="opt",
+        config_overrides={
+            "tie_word_embeddings": False,
+            "word_embed_proj_dim": 16,
+        },
+        name="opt-tie_word_embeddings-false-word_embed_proj_dim-16",
+    ),
 ]
 
 

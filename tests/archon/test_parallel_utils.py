@@ -177,6 +177,24 @@ def test_pipeline_llm_refuses_what_it_cannot_split(tiny_qwen2):
         pipeline_llm(tied, cpu, ArchonParallelDims(pp=2, world_size=2), ArchonPipelineConfig(), never_called)
 
 
+def test_pipeline_split_refuses_a_module_no_stage_lists(tiny_qwen2):
+    """Issue 20: a top-level module outside the stage lists (an embedding norm) was set to
+    None on every stage, and the first stage's forward failed on one rank while the other
+    waited for it. The split refuses it on every rank, naming the module and the fix."""
+    import copy
+
+    from archon_models.pipeline_parallel import pipeline_module_split
+
+    model = copy.deepcopy(tiny_qwen2)
+    model.embedding_norm = nn.LayerNorm(model.model_args.dim)
+    names = generate_llm_fqn_per_model_part(2, model.model_args.n_layers)
+    no_mesh = None  # refused before the mesh is read
+    with pytest.raises(ValueError, match=r"modules no pipeline stage lists: embedding_norm\. .*pipelining_fn"):
+        pipeline_module_split(model, no_mesh, "1F1B", torch.device("cpu"), names)
+    with pytest.raises(ValueError, match=r"modules no pipeline stage lists: layers\.1\b"):
+        pipeline_module_split(tiny_qwen2, no_mesh, "1F1B", torch.device("cpu"), [["tok_embeddings", "layers.0"]])
+
+
 # ----------------------------------------------------------- activation checkpointing
 
 

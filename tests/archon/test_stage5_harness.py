@@ -132,3 +132,46 @@ def test_a_parallelism_that_does_not_apply_is_one_passing_line():
     # A dense model gets no line for the MoE-only parallelisms.
     dense = {c.name for c in not_run_checks(applicable_parallelisms(_qwen3_on_meta(n_kv_heads=1)))}
     assert dense == {"not run (tp=2)", "not run (pp=2)"}
+
+
+class _BrokenBlock(nn.Module):
+    """Stands in for a block whose forward fails (a module the split left None, say)."""
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("'NoneType' object is not callable")
+
+
+@pytest.mark.stage5
+def test_a_rank_that_fails_stops_its_peers_and_no_other_parallelism(monkeypatch, tmp_path):
+    """Issue 20: the first pipeline stage fails on rank 0 while rank 1 waits for its
+    activations. Rank 1 is stopped without the collective timeout, its wait is not reported
+    as a failure of its own, and the next parallelism runs on fresh workers and passes."""
+    import time
+
+    import archon_models.pipeline_parallel as pipeline_parallel
+    from skill.harness.distributed import COLLECTIVE_TIMEOUT_S
+
+    split = pipeline_parallel.pipeline_module_split
+
+    def break_first_stage(*args, **kwargs):
+        stages, parts = split(*args, **kwargs)
+        for stage, part in zip(stages, parts, strict=True):
+            if stage.is_first:
+                part.layers["0"] = _BrokenBlock()
+        return stages, parts
+
+    monkeypatch.setattr(pipeline_parallel, "pipeline_module_split", break_first_stage)
+    start = time.monotonic()
+    result = run_stage5(
+        ModelCase(model_type="qwen2"), workdir=tmp_path, raise_on_failure=False, parallelisms=["pp", "cp"]
+    )
+    elapsed = time.monotonic() - start
+    checks = _checks(result)
+    raised = checks["raised (pp=2)"]
+    assert not raised.passed
+    assert raised.detail.startswith("rank 0: TypeError: 'NoneType' object is not callable"), raised.detail
+    assert raised.detail.endswith("; rank 1 stopped when rank 0 failed"), raised.detail
+    assert "gloo" not in raised.detail and "Timed out" not in raised.detail
+    assert "raised (cp=2)" not in checks
+    assert all(checks[name].passed for name in ("logits (cp=2, gathered)", "loss (cp=2)", "gradients (cp=2)"))
+    assert elapsed < COLLECTIVE_TIMEOUT_S, f"stage 5 took {elapsed:.0f}s: a rank waited for the collective timeout"

@@ -22,7 +22,24 @@ from skill.harness import (
 from skill.harness.distributed import run_stage5
 
 # Multi-head latent attention: one key/value head per query head, from the latents.
-CASES = [ModelCase(model_type="youtu", config_overrides={})]
+# pad_token_id=7, so the embedding row HF never trains is in the documents.
+# One case each with q_lora_rank set to None, which HF's forward treats apart.
+CASES = [
+    ModelCase(
+        model_type="youtu",
+        config_overrides={
+            "pad_token_id": 7,
+        },
+    ),
+    ModelCase(
+        model_type="youtu",
+        config_overrides={
+            "pad_token_id": 7,
+            "q_lora_rank": None,
+        },
+        name="youtu-q_lora_rank-None",
+    ),
+]
 
 
 @pytest.mark.stage1

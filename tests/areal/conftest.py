@@ -2,7 +2,9 @@
 
 Once per test worker: the cached venv ``.venv-areal/`` is created or reused
 (``skill.areal.environment``: ``areal`` with ``--no-deps`` next to this interpreter's
-torch and transformers), its ``areal`` package is copied to a scratch directory, every
+torch and transformers), unless the Python running the tests imports ``areal`` itself (a
+cached venv such as ``.venv-areal-torch210/``, AReaL on its own torch, running pytest): then
+that Python is the AReaL. Its ``areal`` package is copied to a scratch directory, every
 committed package is exported into that copy (this project's references replace
 AReaL's own qwen2 and qwen3 there, so they are proven too), and one checker process
 that imports that AReaL answers every test. The tier never skips for lack of AReaL: it
@@ -11,10 +13,12 @@ installs it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +63,7 @@ class AReaLInstall:
 
 @pytest.fixture(scope="session")
 def areal_install() -> AReaLInstall:
-    python = ensure_areal_env(areal_venv_dir())
+    python = Path(sys.executable) if importlib.util.find_spec("areal") else ensure_areal_env(areal_venv_dir())
     # find_spec locates the package without running its __init__, which imports torch and
     # most of AReaL: 45 s against 0.2 s per test worker on the loaded 2-core machine.
     locate = (

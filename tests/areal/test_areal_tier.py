@@ -8,16 +8,33 @@ import pytest
 
 from skill.areal.checks import TP_REFUSED
 from skill.areal.export import AReaLChecker
+from skill.harness.case import ModelCase
+from skill.harness.models import build_hf_config
 from tests.areal.conftest import _PROPERTY, committed_packages
+from tests.conftest import ONE_PROCESS_OPTION
 
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
 MODEL_TYPES = [t for types in committed_packages().values() for t in types]
 
 
+def _maps_a_correction_bias(model_type: str) -> bool:
+    """Whether the package's adapter loads a checkpoint key into the router's ``expert_bias``."""
+    import archon_models
+
+    adapter = archon_models.get_model_spec(model_type).state_dict_adapter_class
+    return any(target and target.endswith(".moe.expert_bias") for target in adapter.from_hf_map.values())
+
+
+def _ties_its_head(model_type: str) -> bool:
+    """Whether the tier's model (the default case's config) ties the LM head to the embedding."""
+    return bool(getattr(build_hf_config(ModelCase(model_type=model_type)), "tie_word_embeddings", False))
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property) -> None:  # type: ignore[no-untyped-def]
-    result = areal_checker.check(model_type)
+def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property, request) -> None:  # type: ignore[no-untyped-def]
+    one_process = request.config.getoption(ONE_PROCESS_OPTION)
+    result = areal_checker.check(model_type, distributed=not one_process)
     record_property(
         _PROPERTY,
         json.dumps(
@@ -36,15 +53,28 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
     assert not failures, "\n".join(f"{c.name}: {c.detail}" for c in failures)
     # The checks that must be there: both attention types, the roundtrip, the critic, TP and FSDP
     # (TP unless AReaL's own validate_tp_constraints refuses the model, e.g. one KV head).
+    # Built by AReaL's own engine code: every checkpoint tensor in the model after its load, the
+    # router's score-correction bias kept (and fixed through a training step unless opted into
+    # balancing), a tied head still tied after materialisation and after a training step.
     names = " | ".join(c.name for c in result.checks)
-    tp = () if TP_REFUSED in names else ("(tp=2)",)
+    tp = () if TP_REFUSED in names or one_process else ("(tp=2)",)
+    fsdp = () if one_process else ("(fsdp=2)",)
+    bias = (
+        ("score-correction bias: the checkpoint's", "bias fixed through a training step", "opted into balancing")
+        if _maps_a_correction_bias(model_type)
+        else ()
+    )
+    tie = ("tied LM head is the embedding's", "tied LM head still") if _ties_its_head(model_type) else ()
     for required in (
         "[AReaL, sdpa]",
         "[AReaL, varlen]",
+        "every checkpoint tensor in the model after AReaL's load",
+        *bias,
+        *tie,
         "to_hf reproduces",
         "_orig_mod",
         "critic",
         *tp,
-        "(fsdp=2)",
+        *fsdp,
     ):
         assert required in names, f"missing check {required!r}"

@@ -10,12 +10,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from skill.areal.export import ARCHON_DIR, ExportRequest, export_to_areal
-from skill.areal.rename import rewrite_import_prefix
+from skill.areal.export import ARCHON_DIR, ExportRequest, export_to_areal, stage_export
+from skill.areal.rename import rename_in_text, rewrite_prefix
 from skill.cli import main
+from skill.codemod import StagedTree, Workspace
 from skill.codemod.workspace import WorkspaceError
 from skill.tools import get_tool, prepare_request
-from tests.areal.conftest import PROJECT_ROOT, AReaLInstall
+from tests.areal.conftest import PROJECT_ROOT, AReaLInstall, committed_packages
 
 LLAMA_INIT_LINE = "from areal.experimental.models.archon.llama import spec as llama_spec  # noqa: F401"
 
@@ -40,11 +41,11 @@ def _export(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 # --- the prefix rewrite (no AReaL needed) -----------------------------------------------
 
 
-def test_prefix_rewrite_changes_from_imports_only():
+def test_prefix_rewrite_renames_imports_strings_and_comments():
     source = (
         '"""Llama as in archon_models (see archon_models/qwen2)."""\n'
         "from __future__ import annotations\n"
-        "from archon_models.base import BaseModelArgs  # the contract\n"
+        "from archon_models.base import BaseModelArgs  # the contract of archon_models.base\n"
         "from archon_models.qwen2.model.rope import (\n"
         "    apply_rotary_emb,  # same formula\n"
         "    precompute_rope_cache,\n"
@@ -53,12 +54,15 @@ def test_prefix_rewrite_changes_from_imports_only():
         "from .args import LlamaModelArgs\n"
         "from archon_models_extra.thing import x\n"
         "NAME = 'archon_models.llama'\n"
+        'MESSAGE = f"{NAME} is not in archon_models; see archon_models/llama/spec.py"\n'
+        "OTHER = 'archon_models_extra and pkg.archon_models'\n"
     )
-    out = rewrite_import_prefix(source)
+    out = rewrite_prefix(source)
     assert out == (
-        '"""Llama as in archon_models (see archon_models/qwen2)."""\n'
+        '"""Llama as in areal.experimental.models.archon (see areal/experimental/models/archon/qwen2)."""\n'
         "from __future__ import annotations\n"
-        "from areal.experimental.models.archon.base import BaseModelArgs  # the contract\n"
+        "from areal.experimental.models.archon.base import BaseModelArgs  "
+        "# the contract of areal.experimental.models.archon.base\n"
         "from areal.experimental.models.archon.qwen2.model.rope import (\n"
         "    apply_rotary_emb,  # same formula\n"
         "    precompute_rope_cache,\n"
@@ -66,14 +70,32 @@ def test_prefix_rewrite_changes_from_imports_only():
         "from areal.experimental.models.archon import model_spec\n"
         "from .args import LlamaModelArgs\n"
         "from archon_models_extra.thing import x\n"
-        "NAME = 'archon_models.llama'\n"
+        "NAME = 'areal.experimental.models.archon.llama'\n"
+        'MESSAGE = f"{NAME} is not in areal.experimental.models.archon; '
+        'see areal/experimental/models/archon/llama/spec.py"\n'
+        "OTHER = 'archon_models_extra and pkg.archon_models'\n"
     )
-    assert rewrite_import_prefix(out) == out
+    assert rewrite_prefix(out) == out
+
+
+def test_no_committed_package_names_archon_models_once_exported(tmp_path: Path):
+    # The export of every committed package (its .py files and any other file), into a bare
+    # AReaL tree: not one mention of the prefix is left, in code, strings, docstrings or comments.
+    (tmp_path / ARCHON_DIR).mkdir(parents=True)
+    (tmp_path / ARCHON_DIR / "__init__.py").write_text("")
+    tree = StagedTree(Workspace(tmp_path, marker=ARCHON_DIR))
+    packages = committed_packages()
+    for package in packages:
+        stage_export(tree, PROJECT_ROOT, package, overwrite=True, replace_builtin=True)
+    files = tree.changes()
+    assert {rel.split("/")[4] for rel in files if rel.count("/") > 4} == set(packages)
+    named = sorted(rel for rel, text in files.items() if text is not None and "archon_models" in text)
+    assert not named, f"{len(named)} exported files still name archon_models: {named[:10]}"
 
 
 def test_prefix_rewrite_refuses_a_plain_import_naming_the_line():
     with pytest.raises(ValueError, match=r"model\.py:2: `import archon_models.base` binds the name"):
-        rewrite_import_prefix("import torch\nimport archon_models.base\n", filename="model.py")
+        rewrite_prefix("import torch\nimport archon_models.base\n", filename="model.py")
 
 
 def test_the_export_tool_reaches_outside_the_workspace_only_when_the_face_vouches(tmp_path: Path):
@@ -168,7 +190,7 @@ def test_overwrite_replaces_a_different_package_and_a_second_export_changes_noth
 
 
 @pytest.mark.areal
-def test_exported_files_differ_from_the_package_only_in_import_lines(areal_copy: Path, capsys):
+def test_exported_files_differ_from_the_package_only_where_they_name_the_prefix(areal_copy: Path, capsys):
     code, _, err = _export(capsys, "llama", "--areal", str(areal_copy), "--no-checks")
     assert code == 0, err
     source = PROJECT_ROOT / "archon_models/llama"
@@ -179,7 +201,7 @@ def test_exported_files_differ_from_the_package_only_in_import_lines(areal_copy:
         assert len(ours) == len(theirs), path
         for a, b in zip(ours, theirs, strict=True):
             if a != b:
-                assert a.replace("archon_models", "areal.experimental.models.archon", 1) == b, (path, a, b)
+                assert rename_in_text(a) == b, (path, a, b)
         tree = ast.parse("\n".join(theirs))
         modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in modules if m.split(".")[0] == "archon_models"], path

@@ -8,6 +8,8 @@ the porting engine has got.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import socket
 import sys
 import time
 from pathlib import Path
@@ -117,6 +119,36 @@ def run_sleeping_child(request: RunChildRequest) -> ReadNoteResult:
     return ReadNoteResult(text=f"exit {proc.returncode}")
 
 
+class PeerLostRequest(BaseModel):
+    model_name: str
+    fail: bool = Field(default=False, description="raise the message instead of returning it")
+    workspace: Path | None = None
+
+
+class PeerLostResult(BaseModel):
+    passed: bool
+    detail: str
+
+
+def peer_lost(request: PeerLostRequest) -> PeerLostResult:
+    """Report a distributed run whose peer left, as gloo words it: the endpoint (a port the OS
+    picks), the peer's process id and the time waited differ in every run."""
+    start = time.perf_counter()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    peer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.01,))
+    peer.start()
+    peer.join()
+    detail = (
+        f"rank 0: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:{port} (peer pid {peer.pid}, "
+        f"exit code {peer.exitcode}, after {time.perf_counter() - start:.3f}s)"
+    )
+    if request.fail:
+        raise RuntimeError(detail)
+    return PeerLostResult(passed=False, detail=detail)
+
+
 TOY_ENTRIES = (
     ToolEntry(name="toy_append_note", target=f"{__name__}:append_note", package_field="model_name", long_running=True),
     ToolEntry(name="toy_read_note", target=f"{__name__}:read_note", read_only=True, package_field="model_name"),
@@ -125,6 +157,7 @@ TOY_ENTRIES = (
     ToolEntry(
         name="toy_run_child", target=f"{__name__}:run_sleeping_child", package_field="model_name", long_running=True
     ),
+    ToolEntry(name="toy_peer_lost", target=f"{__name__}:peer_lost", read_only=True, package_field="model_name"),
 )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from skill.codemod.contract import append_to_embedding_stage
+from skill.codemod.cst import Document
 from skill.features import Feature, feature_values
 from skill.porting.edit_adapter_map import derive_from_hf_map, detect_fused_keys
 from skill.porting.hf_source import generalise_key
@@ -124,19 +125,19 @@ def test_position_table_without_offset_and_rope_selected_only_without_rope(refer
 
 def test_embedding_stage_appends_after_the_last_statement() -> None:
     text = MODELS["qwen2"]
-    once = append_to_embedding_stage(text, "Qwen2Model", "h = self.embedding_norm(h)\n")
-    twice = append_to_embedding_stage(once, "Qwen2Model", "h = h + self.pos_embeddings(positions)\n")
+    once = append_to_embedding_stage(Document(text), "Qwen2Model", "h = self.embedding_norm(h)\n")
+    twice = append_to_embedding_stage(once, "Qwen2Model", "h = h + self.pos_embeddings(positions)\n").code
     assert twice.index("h = self.embedding_norm(h)") < twice.index("h = h + self.pos_embeddings(positions)")
-    assert append_to_embedding_stage(twice, "Qwen2Model", "h = self.embedding_norm(h)\n") == twice
+    assert append_to_embedding_stage(Document(twice), "Qwen2Model", "h = self.embedding_norm(h)\n").code == twice
 
 
 @pytest.mark.parametrize("reference", sorted(PARALLELIZE))
 def test_tp_plan_without_rope_and_with_a_position_table(reference: str) -> None:
-    text = _plan_position_table(_plan_without_rope(PARALLELIZE[reference]))
+    text = _plan_position_table(_plan_without_rope(Document(PARALLELIZE[reference]))).code
     assert "input_layouts=(Shard(1), None, None)," in text
     assert "None, None, None, None" not in text
     assert 'root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))' in text
-    assert _plan_position_table(_plan_without_rope(text)) == text
+    assert _plan_position_table(_plan_without_rope(Document(text))).code == text
     compile(text, "<plan>", "exec")
 
 
@@ -241,8 +242,8 @@ def _adapter_with_transposed_keys(keys: list[str]):
 
     layout = PackageLayout.for_name("gpt_bigcode")
     text = (REPO / "archon_models/gpt_bigcode/model/state_dict_adapter.py").read_text()
-    edited = apply_transposed_adapter(text, layout, keys)
-    assert apply_transposed_adapter(edited, layout, keys) == edited  # idempotent
+    edited = apply_transposed_adapter(Document(text), layout, keys).code
+    assert apply_transposed_adapter(Document(edited), layout, keys).code == edited  # idempotent
     name = "_abspos_transposed_adapter"
     module = types.ModuleType(name)
     sys.modules[name] = module
@@ -366,9 +367,9 @@ def test_embedding_norm_keys_and_tp_plan() -> None:
     assert mapping["transformer.word_embeddings_layernorm.weight"] == "embedding_norm.weight"
     assert mapping["transformer.word_embeddings_layernorm.bias"] == "embedding_norm.bias"
     assert mapping["transformer.word_embeddings.weight"] == "tok_embeddings.weight"
-    plan = _plan_embedding_norm(PARALLELIZE["qwen2"])
+    plan = _plan_embedding_norm(Document(PARALLELIZE["qwen2"])).code
     assert 'root_plan["embedding_norm"] = SequenceParallel(use_local_output=True)' in plan
-    assert _plan_embedding_norm(plan) == plan
+    assert _plan_embedding_norm(Document(plan)).code == plan
 
 
 def test_stage5_skips_tp_only_for_one_kv_head() -> None:

@@ -15,6 +15,7 @@ from transformers.activations import ACT2FN
 
 from skill.activations import ACTIVATIONS, match_activation, probe_input
 from skill.analysis import probes
+from skill.codemod.cst import Document
 from skill.features import EXPERT_ACTIVATIONS, SUPPORTED_EDITS, Feature, NormKind
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import plan_for
@@ -365,7 +366,7 @@ def test_learned_activation_is_replicated_over_tp_with_summed_gradients() -> Non
 
     repo = Path(__file__).resolve().parents[2]
     text = (repo / "archon_models/apertus/infra/parallelize.py").read_text()
-    plan = read_dict_literal(text, PLAN_TARGET)  # keys (values that are calls read as None)
+    plan = read_dict_literal(Document(text), PLAN_TARGET)  # keys (values that are calls read as None)
     assert "feed_forward.act_fn" in plan and "feed_forward.w1" in plan and "feed_forward.w3" not in plan
     assert '"feed_forward.act_fn": SequenceParallel(sequence_dim=-1, use_local_output=True),' in text
     assert '"feed_forward.w1": ColwiseParallel(),' in text

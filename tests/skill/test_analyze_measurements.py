@@ -489,3 +489,43 @@ def test_mpt_nested_attention_fields_are_pinned_unset() -> None:
     for field, value in (("clip_qkv", 6.0), ("softmax_scale", 0.1)):
         with pytest.raises(ValueError, match=f"attn_config.{field}="):
             MptModelArgs.from_hf_config(MptConfig(attn_config={field: value}))
+
+
+# ------------------------------------------------------ RoPE rotation, probed (issue 20)
+
+
+@pytest.mark.parametrize(
+    ("module", "function", "expected"),
+    [
+        # transformers' rotate_half: (x1, x2) -> (-x2, x1), halves paired.
+        ("llama", "apply_rotary_pos_emb", ("half", False)),
+        # NanoChat's rotate_half: "Rotates half the hidden dims of the input with flipped signs".
+        ("nanochat", "apply_rotary_pos_emb", ("half", True)),
+        # GLM repeats cos/sin per pair and rotates (x[2i], x[2i+1]).
+        ("glm", "apply_rotary_pos_emb", ("interleaved", False)),
+        # DeepSeek-V3 permutes the features to halves first: the pairs are still adjacent ones.
+        ("deepseek_v3", "apply_rotary_pos_emb_interleave", ("interleaved", False)),
+        # GPT-J's takes (tensor, sin, cos): another signature, not measured.
+        ("gptj", "apply_rotary_pos_emb", None),
+    ],
+)
+def test_the_rotation_of_a_rotary_function_is_probed(module: str, function: str, expected) -> None:
+    import importlib
+
+    from skill.analysis.probes import probe_rotation
+
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    assert probe_rotation(getattr(modeling, function)) == expected
+
+
+def test_nanochat_rotates_the_other_way_and_the_port_negates_the_sine() -> None:
+    report = report_for("nanochat")
+    positions = report.checklist.positions
+    assert (positions.rotary_direction.value, positions.rotary_style.value) == ("reversed", "half")
+    assert feature_values(report.checklist)[Feature.ROTARY_DIRECTION] == "reversed"
+    delta = next(d for d in report.deltas if d.feature is Feature.ROTARY_DIRECTION)
+    assert (delta.reference, delta.target, delta.supported) == ("standard", "reversed", True)
+    assert "reversed" in SUPPORTED_EDITS[Feature.ROTARY_DIRECTION]
+    assert not [line for line in report.unsupported if "rotat" in line.lower()]
+    assert plan_for("nanochat").rotary_reversed
+    assert report_for("llama").checklist.positions.rotary_direction.value == "standard"

@@ -19,6 +19,10 @@ from those files through the adapter).
 | headgate | qwen2     | gated attention output: softplus, per head + per-head QK RMSNorm + GQA |
 | postqk   | qwen2     | post-LN blocks + no final norm + per-head QK RMSNorm + tied LM head    |
 | postmoe  | qwen3     | MoE + post-LN blocks + no final norm + full-width QK RMSNorm + residual multiplier |
+| revrot   | qwen2     | RoPE turning each pair the other way ((x2, -x1), as nanochat's) + partial  |
+|          |           | rotary + YaRN-scaled RoPE + q/k/v bias                                    |
+| embrms   | qwen2     | an RMSNorm module on the embeddings + untied LM head: stage 5 runs PP=2 with the |
+|          |           | norm kept on the first pipeline stage (the package's own pipelining_fn)           |
 """
 
 from __future__ import annotations
@@ -115,6 +119,22 @@ FAMILIES: dict[str, dict] = {
             "infra/parallelize.py": ['"ffn_norm": SequenceParallel(use_local_output=True)'],
         },
     },
+    "revrot": {
+        "reference": "qwen2",
+        "edits": {"reversed_rotation", "rope_cache", "projection_bias"},
+        "files": {"model/model.py": ["cos, sin = cache.chunk(2, dim=-1)", "return torch.cat([cos, -sin], dim=-1)"]},
+    },
+    "embrms": {
+        "reference": "qwen2",
+        "edits": {"embedding_norm"},
+        "files": {
+            "model/model.py": ["self.embedding_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)"],
+            "infra/parallelize.py": ['FIRST_STAGE_MODULES: tuple[str, ...] = ("embedding_norm",)'],
+            "spec.py": ["pipelining_fn=pipeline_embrms"],
+        },
+        # Issue 20: AReaL's pipeline split set the norm to None on every stage.
+        "stage5_checks": ["gradients (pp=2, stage 0)", "gradients (pp=2, stage 1)", "logits (pp=2, last stage)"],
+    },
     "headgate": {
         "reference": "qwen2",
         "edits": {"output_gate", "per_head_qk_norm"},
@@ -198,6 +218,11 @@ def test_family_ports_with_zero_hand_edits(tmp_path, name):
     own = [c for t in parity.tests for c in t.checks if "source folder's own weights" in c.name]
     assert len(own) == 4 and all(c.passed for c in own), [c.name for c in own]
     assert result.max_abs_logit_diff is not None and result.max_abs_logit_diff < 1e-5
+
+    distributed = next(r for r in result.stage_results if r.stage == 5)
+    ran = {c.name: c for t in distributed.tests for c in t.checks}
+    for check in expected.get("stage5_checks", []):
+        assert check in ran and ran[check].passed, f"stage 5 did not pass {check!r}: {sorted(ran)}"
 
     package = root / "archon_models" / name
     for relative, needles in expected["files"].items():

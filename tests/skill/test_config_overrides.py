@@ -45,11 +45,11 @@ def test_an_override_case_is_added_once_on_top_of_the_generated_case():
 
 
 def test_an_override_case_turns_a_one_line_case_list_into_one_case_a_line():
-    text = (REPO / "tests/archon/test_llama.py").read_text()
-    assert 'CASES = [ModelCase(model_type="llama", config_overrides={"num_key_value_heads": 2})]' in text
+    text = (REPO / "tests/archon/test_gemma.py").read_text()
+    assert 'CASES = [ModelCase(model_type="gemma", config_overrides={"num_key_value_heads": 2})]' in text
     new, case = add_override_case(text, None, {"hidden_act": "gelu", "rope_parameters": {"rope_type": "default"}})
-    assert case == "llama-hidden_act-gelu-rope_parameters-rope_type_default"
-    assert '    ModelCase(model_type="llama", config_overrides={"num_key_value_heads": 2}),\n' in new
+    assert case == "gemma-hidden_act-gelu-rope_parameters-rope_type_default"
+    assert '    ModelCase(model_type="gemma", config_overrides={"num_key_value_heads": 2}),\n' in new
     assert read_cases(new)[1]["config_overrides"] == {
         "num_key_value_heads": 2,
         "hidden_act": "gelu",
@@ -106,7 +106,8 @@ def test_run_test_stage_adds_the_override_case_runs_only_it_and_records_it(stage
     assert result.case_id == "llama-rms_norm_eps-0.5"
     assert result.changed_files == ["tests/archon/test_llama.py"]
     assert [t.test for t in result.tests] == ["test_stage1_args[llama-rms_norm_eps-0.5]"]
-    assert read_cases(test_file.read_text())[1]["config_overrides"] == {"num_key_value_heads": 2, "rms_norm_eps": 0.5}
+    generated = read_cases(test_file.read_text())[0]["config_overrides"]
+    assert read_cases(test_file.read_text())[1]["config_overrides"] == {**generated, "rms_norm_eps": 0.5}
     assert again.passed and again.changed_files == [] and again.case_id == result.case_id
     calls = [r for r in sessions.read_session(session) if r.kind == "call"]
     assert [c.arguments["config_overrides"] for c in calls] == [{"rms_norm_eps": 0.5}] * 2

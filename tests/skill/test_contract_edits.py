@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from skill.codemod.contract import residual_branch_code, wrap_residual_branch
+from skill.codemod.cst import Document
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import plan_for
 
@@ -21,7 +22,7 @@ WRAPS = {
 
 @pytest.mark.parametrize("reference", sorted(REFERENCES))
 def test_residual_branch_wraps_compose_on_both_references(reference):
-    text = REFERENCES[reference]
+    text = Document(REFERENCES[reference])
     (branch,) = residual_branch_code(text, "attention")
     wrapped = wrap_residual_branch(text, "attention", *WRAPS["post_norm"][:1], applied_if=WRAPS["post_norm"][1])
     wrapped = wrap_residual_branch(wrapped, "attention", WRAPS["multiplier"][0], applied_if=WRAPS["multiplier"][1])
@@ -31,7 +32,7 @@ def test_residual_branch_wraps_compose_on_both_references(reference):
     # Idempotent: applying both again changes nothing.
     again = wrap_residual_branch(wrapped, "attention", WRAPS["post_norm"][0], applied_if=WRAPS["post_norm"][1])
     again = wrap_residual_branch(again, "attention", WRAPS["multiplier"][0], applied_if=WRAPS["multiplier"][1])
-    assert again == wrapped
+    assert again.code == wrapped.code
     # The feed-forward branch is untouched by attention-branch edits.
     assert residual_branch_code(wrapped, "ffn") == residual_branch_code(text, "ffn")
 
@@ -64,11 +65,11 @@ def test_sandwich_norms_residual_multiplier_and_logit_transforms_compose(referen
         order: apply_model_edits(REFERENCES[reference], _ctx(plan, model_class), list(order)) for order in orders
     }
     canonical = results[tuple(names)]
-    (attention,) = residual_branch_code(canonical, "attention")
+    (attention,) = residual_branch_code(Document(canonical), "attention")
     assert attention.startswith("self.post_attention_norm(self.attention(") and attention.endswith(
         "* self.residual_multiplier"
     )
-    (ffn,) = residual_branch_code(canonical, "ffn")
+    (ffn,) = residual_branch_code(Document(canonical), "ffn")
     assert ffn.startswith("self.post_ffn_norm(") and ffn.endswith("* self.residual_multiplier")
     assert "logits = logits / self.model_args.logits_scaling" in canonical
     assert "logits = torch.tanh(logits / cap) * cap" in canonical
@@ -304,7 +305,9 @@ def test_dense_layers_compose_with_the_scalar_edits_in_any_order(reference, mode
     for gone in ("moe", "MoE", "mlp ="):
         assert gone not in block, gone
     assert "from archon_models.moe import" not in canonical
-    assert residual_branch_code(canonical, "ffn") == ["self.feed_forward(self.ffn_norm(x)) * self.residual_multiplier"]
+    assert residual_branch_code(Document(canonical), "ffn") == [
+        "self.feed_forward(self.ffn_norm(x)) * self.residual_multiplier"
+    ]
     assert "h = h * self.model_args.scale_emb" in canonical
     assert "logits = logits * self.model_args.logit_multiplier" in canonical
     # Applied again, nothing changes.
@@ -315,14 +318,16 @@ def test_dense_layers_compose_with_the_scalar_edits_in_any_order(reference, mode
 def test_dense_args_and_adapter_keep_no_moe_machinery():
     from skill.porting.dense_mla import dense_adapter, dense_args
 
-    args = dense_args((DEEPSEEK_V3 / "model/args.py").read_text(), "DeepseekV3ModelArgs")
-    adapter = dense_adapter((DEEPSEEK_V3 / "model/state_dict_adapter.py").read_text(), "DeepseekV3StateDictAdapter")
+    args = dense_args(Document((DEEPSEEK_V3 / "model/args.py").read_text()), "DeepseekV3ModelArgs").code
+    adapter = dense_adapter(
+        Document((DEEPSEEK_V3 / "model/state_dict_adapter.py").read_text()), "DeepseekV3StateDictAdapter"
+    ).code
     for text in (args, adapter):
         for word in ("MoEArgs", "moe_args", "moe_enabled", "num_experts", "MoEWeightConverter", "_stack_experts"):
             assert word not in text, word
         compile(text, "<dense>", "exec")
-    assert dense_args(args, "DeepseekV3ModelArgs") == args
-    assert dense_adapter(adapter, "DeepseekV3StateDictAdapter") == adapter
+    assert dense_args(Document(args), "DeepseekV3ModelArgs").code == args
+    assert dense_adapter(Document(adapter), "DeepseekV3StateDictAdapter").code == adapter
 
 
 def test_derived_scalar_expression_matches_its_value():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from skill.codemod.cst import Document
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import plan_for
 from skill.porting.write_parallelize import _plan_embedding_norm, _plan_embedding_projection, _plan_position_table
@@ -75,9 +76,10 @@ def test_tp_plan_projection_entries_compose_with_the_other_embedding_entries(ref
     steps = {"projection": _plan_embedding_projection, "positions": _plan_position_table, "norm": _plan_embedding_norm}
     texts = []
     for order in itertools.permutations(steps):
-        text = PARALLELIZE[reference]
+        doc = Document(PARALLELIZE[reference])
         for name in order:
-            text = steps[name](text)
+            doc = steps[name](doc)
+        text = doc.code
         texts.append(text)
         compile(text, "<plan>", "exec")
         for entry in ('root_plan["project_in"]', 'root_plan["project_out"]', 'root_plan["pos_embeddings"]'):
@@ -85,7 +87,7 @@ def test_tp_plan_projection_entries_compose_with_the_other_embedding_entries(ref
         assert "if model.project_in is not None:" in text and "if model.project_out is not None:" in text
         assert 'root_plan["project_in"] = SequenceParallel(use_local_output=True)' in text
         assert text.index('root_plan["norm"]') < text.index('root_plan["project_out"]')
-        assert _plan_embedding_projection(text) == text
+        assert _plan_embedding_projection(Document(text)).code == text
     # The position table's entry reads as before any other embedding entry was planned.
-    alone = _plan_position_table(PARALLELIZE[reference])
+    alone = _plan_position_table(Document(PARALLELIZE[reference])).code
     assert 'root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))' in alone

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import archon_models
+from skill.codemod.cst import Document
 from skill.harness import ModelCase, run_adapter_stage, run_completeness_stage
 from skill.harness.completeness import check_completeness, stacked_shape
 from skill.harness.models import build_archon_model, build_hf_config
@@ -77,11 +78,11 @@ def test_fused_adapter_edit_is_idempotent_and_a_noop_without_fused_keys():
     with open(archon_models.__path__[0] + "/qwen2/model/state_dict_adapter.py") as f:
         source = f.read()
     layout = PackageLayout.for_name("qwen2")
-    assert apply_fused_adapter(source, layout, {}) == source
+    assert apply_fused_adapter(Document(source), layout, {}).code == source
     fused = detect_fused_keys(SHAPES, CONFIG)
-    once = apply_fused_adapter(source, layout, fused)
+    once = apply_fused_adapter(Document(source), layout, fused).code
     assert "fused_from_hf_map" in once and "_split_fused" in once
-    assert apply_fused_adapter(once, layout, fused) == once
+    assert apply_fused_adapter(Document(once), layout, fused).code == once
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from skill.analysis.detect import qkv_rows
+from skill.codemod.cst import Document
 from skill.features import SUPPORTED_EDITS, Feature, FusedQKVLayout
 from skill.harness import ModelCase, run_adapter_stage, run_parity_stage
 from skill.porting.plan import plan_for
@@ -138,8 +139,8 @@ def test_blocked_adapter_edit_applies_once(reference: str) -> None:
     text = text.replace(f"{camel}StateDictAdapter", layout.adapter_class).replace(f"{camel}Model", layout.model_class)
     parts = ["layers.{}.attention.wq.weight", "layers.{}.attention.wk.weight", "layers.{}.attention.wv.weight"]
     fused = {"transformer.h.{}.attn.qkv_proj.weight": parts}
-    once = apply_fused_adapter(text, layout, fused, blocked=(4, "qvk"))
-    assert apply_fused_adapter(once, layout, fused, blocked=(4, "qvk")) == once
+    once = apply_fused_adapter(Document(text), layout, fused, blocked=(4, "qvk")).code
+    assert apply_fused_adapter(Document(once), layout, fused, blocked=(4, "qvk")).code == once
     compile(once, "state_dict_adapter.py", "exec")
     assert 'value = _unblock_qkv(value, args.n_heads, args.n_kv_heads, args.head_dim, blocks=4, order="qvk")' in once
     assert 'return _block_qkv(stacked, args.n_heads, args.n_kv_heads, args.head_dim, blocks=4, order="qvk")' in once

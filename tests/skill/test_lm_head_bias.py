@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from skill.codemod.cst import Document
 from skill.porting.common import PackageLayout
 from skill.porting.edit_adapter_map import apply_head_bias_adapter, derive_from_hf_map
 
@@ -22,10 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("reference", ["qwen2", "qwen3"])
 def test_critic_branch_drops_the_head_bias_on_both_references(reference: str) -> None:
     text = (REPO / f"archon_models/{reference}/model/state_dict_adapter.py").read_text()
-    edited = apply_head_bias_adapter(text, PackageLayout.for_name(reference))
+    edited = apply_head_bias_adapter(Document(text), PackageLayout.for_name(reference)).code
     compile(edited, "state_dict_adapter.py", "exec")
     assert edited.count('state_dict.pop("output.bias", None)') == 1
-    assert apply_head_bias_adapter(edited, PackageLayout.for_name(reference)) == edited
+    assert apply_head_bias_adapter(Document(edited), PackageLayout.for_name(reference)).code == edited
 
 
 def test_head_bias_keys_follow_the_head_name() -> None:

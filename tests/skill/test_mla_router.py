@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from archon_models.moe.router import TokenChoiceTopKRouter
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model, probes
 from skill.analysis import modules as mt
+from skill.codemod.cst import Document
 from skill.features import Feature, feature_values
 from skill.porting.mla_router import router_args
 from skill.porting.model_edits import EditContext, apply_model_edits
@@ -193,15 +194,15 @@ def test_max_group_router_refuses_more_picks_than_kept_experts() -> None:
 def test_router_args_rewrite_only_what_differs() -> None:
     text = (DEEPSEEK_V3 / "args.py").read_text()
     # DeepSeek-V3 itself routes as the reference does: nothing to rewrite.
-    assert router_args(text, plan_of("deepseek_v3"), "DeepSeek-V3") == text
+    assert router_args(Document(text), plan_of("deepseek_v3"), "DeepSeek-V3").code == text
     plan = plan_of("deepseek_v2")
-    written = router_args(text, plan, "DeepSeek-V3")
+    written = router_args(Document(text), plan, "DeepSeek-V3").code
     assert 'score_func="softmax"' in written and 'score_func="sigmoid"' not in written
     assert "route_norm=False," in written and 'norm_topk_prob", False)' not in written
     assert "_BIAS_UPDATE_SPEED" not in written and "load_balance_coeff" not in written
     assert 'grouped = hf_config.topk_method == "group_limited_greedy"' in written
     assert '_UNREAD_HF_FIELDS = ("norm_topk_prob",)' in written
-    assert router_args(written, plan, "DeepSeek-V3") == written  # applied twice, nothing changes
+    assert router_args(Document(written), plan, "DeepSeek-V3").code == written  # applied twice, nothing changes
     compile(written, "<args>", "exec")
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
 from skill.analysis.source_scan import scan_file
+from skill.codemod.cst import Document
 from skill.features import (
     SUPPORTED_EDITS,
     ExpertLayout,
@@ -164,9 +165,10 @@ def _moe(order: GateUpOrder, orientation: WeightOrientation) -> MoEFeatures:
 def _generated_adapter(tmp_path: Path, moe: MoEFeatures):
     """The qwen3 adapter with the fused-experts edit, imported from a scratch file."""
     text = (REPO / "archon_models/qwen3/model/state_dict_adapter.py").read_text()
-    edited = apply_fused_experts_adapter(text, PackageLayout.for_name("qwen3"), fused_expert_keys(moe), moe)
+    layout = PackageLayout.for_name("qwen3")
+    edited = apply_fused_experts_adapter(Document(text), layout, fused_expert_keys(moe), moe).code
     # Idempotent: the edit applied twice changes nothing more.
-    assert apply_fused_experts_adapter(edited, PackageLayout.for_name("qwen3"), fused_expert_keys(moe), moe) == edited
+    assert apply_fused_experts_adapter(Document(edited), layout, fused_expert_keys(moe), moe).code == edited
     assert "_stack_experts" not in edited and "MoEWeightConverter" not in edited
     path = tmp_path / f"adapter_{moe.expert_gate_up.value}_{moe.expert_orientation.value}.py"
     path.write_text(edited)

@@ -21,8 +21,9 @@ from archon_models.moe.router import TokenChoiceTopKRouter
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.analysis.detect import moe_layer_rule
 from skill.analysis.modules import layer_has_experts
+from skill.codemod.cst import Document
 from skill.features import Feature, MoEFeatures, feature_values, is_supported
-from skill.porting.edit_args import CORRECTION_BIAS_COEFF, router_setup
+from skill.porting.edit_args import BALANCING_KWARG, router_setup
 from skill.porting.plan import plan_from_report
 from skill.porting.snippets.moe_layers import FirstKDenseRule, LayerTypesRule, SparseStepRule, StartEndIntervalRule
 from skill.tiny_model import build_tiny_model, tiny_config
@@ -318,8 +319,9 @@ def test_ernie_softmax_router_with_selection_bias_is_areals_router() -> None:
 # --- the args code: router_setup for every feature, on the plan of a real family ------------
 
 
-def _run_setup(setup: str, config: Any) -> MoEArgs:
-    namespace: dict[str, Any] = {"moe_args": MoEArgs.from_hf_config(config), "hf_config": config}
+def _run_setup(setup: str, config: Any, **kwargs: Any) -> MoEArgs:
+    """The setup lines run as ``from_hf_config`` runs them (``kwargs``: its keyword arguments)."""
+    namespace: dict[str, Any] = {"moe_args": MoEArgs.from_hf_config(config), "hf_config": config, "kwargs": kwargs}
     exec(compile(setup, "<router_setup>", "exec"), namespace)
     return namespace["moe_args"]
 
@@ -332,7 +334,9 @@ def test_router_setup_maps_every_router_field(groups: int, kept: int) -> None:
     moe_args = _run_setup(router_setup(plan), config)
     assert moe_args.score_func == "sigmoid"
     assert moe_args.route_scale == 2.5
-    assert moe_args.load_balance_coeff == CORRECTION_BIAS_COEFF
+    # The checkpoint's correction bias stays fixed unless the caller opts into balancing it.
+    assert moe_args.load_balance_coeff is None
+    assert _run_setup(router_setup(plan), config, **{BALANCING_KWARG: 1e-3}).load_balance_coeff == 1e-3
     assert moe_args.num_shared_experts == 2
     if groups > 1:
         assert (moe_args.num_expert_groups, moe_args.num_limited_groups) == (2, 1)
@@ -446,10 +450,10 @@ def _glm4_moe_adapter_with_unit_axes(transposed: list[str]) -> type:
 
     layout = PackageLayout.for_name("glm4_moe")
     text = (Path(__file__).parents[2] / "archon_models/glm4_moe/model/state_dict_adapter.py").read_text()
-    text = apply_transposed_adapter(text, layout, transposed)
+    transposed_adapter = apply_transposed_adapter(Document(text), layout, transposed)
     keys = {"model.layers.{}.mlp.gate.e_score_correction_bias": 1}
-    edited = apply_unit_axes_adapter(text, layout, keys)
-    assert apply_unit_axes_adapter(edited, layout, keys) == edited  # idempotent
+    edited = apply_unit_axes_adapter(transposed_adapter, layout, keys).code
+    assert apply_unit_axes_adapter(Document(edited), layout, keys).code == edited  # idempotent
     name = "_unit_axes_adapter"
     module = types.ModuleType(name)
     sys.modules[name] = module

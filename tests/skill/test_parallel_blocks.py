@@ -14,6 +14,7 @@ import torch
 from skill.analysis.analyze import analyze_hf_model
 from skill.analysis.report import AnalyzeInput
 from skill.codemod.contract import parallel_branches, residual_branch_code
+from skill.codemod.cst import Document
 from skill.features import SUPPORTED_EDITS, Feature, FusedQKVLayout, NormPlacement
 from skill.porting.edit_adapter_map import derive_from_hf_map, fused_from_report
 from skill.porting.model_edits import EditContext, apply_model_edits
@@ -111,15 +112,15 @@ def test_parallel_and_layouts_are_supported_values() -> None:
 
 @pytest.mark.parametrize("reference", sorted(REFERENCES))
 def test_parallel_branches_read_the_block_input(reference: str) -> None:
-    text = REFERENCES[reference]
+    text = Document(REFERENCES[reference])
     (attention,) = residual_branch_code(text, "attention")
     (ffn,) = residual_branch_code(text, "ffn")
     parallel = parallel_branches(text)
-    assert parallel_branches(parallel) == parallel  # idempotent
+    assert parallel_branches(parallel) is parallel  # idempotent
     # One sum; both branches still found by the contract (so later edits can wrap them).
     assert residual_branch_code(parallel, "attention") == [attention]
     assert residual_branch_code(parallel, "ffn") == [ffn]
-    forward = parallel.split("class TransformerBlock", 1)[1].split("def init_weights", 1)[0]
+    forward = parallel.code.split("class TransformerBlock", 1)[1].split("def init_weights", 1)[0]
     assert "x = x + self.attention" not in forward
     assert f"return x + {attention} + {ffn}" in forward
 
@@ -146,8 +147,8 @@ def test_parallel_block_composes_with_other_block_edits_in_any_order(reference: 
     }
     canonical = results[tuple(names)]
     assert all(text == canonical for text in results.values())
-    (attention,) = residual_branch_code(canonical, "attention")
-    (ffn,) = residual_branch_code(canonical, "ffn")
+    (attention,) = residual_branch_code(Document(canonical), "attention")
+    (ffn,) = residual_branch_code(Document(canonical), "ffn")
     assert attention.endswith("* self.residual_multiplier") and ffn.endswith("* self.residual_multiplier")
     forward = canonical.split("class TransformerBlock", 1)[1].split("def init_weights", 1)[0]
     if shared:

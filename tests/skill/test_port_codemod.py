@@ -24,7 +24,7 @@ def test_rename_identifiers_renames_classes_modules_constants_and_strings():
         "QWEN2_SPEC = ModelSpec(name='qwen2', parallelize_fn=parallelize_qwen2)\n"
     )
     pairs = ModelNames.from_name("qwen2").rename_pairs(ModelNames.from_name("mistral"))
-    out = c.rename_identifiers(source, pairs)
+    out = c.rename_identifiers(c.Document(source), pairs).code
     assert out == (
         "from archon_models.mistral.model.model import MistralModel  # mistral\n"
         "MISTRAL_SPEC = ModelSpec(name='mistral', parallelize_fn=parallelize_mistral)\n"
@@ -37,17 +37,17 @@ def test_model_names_of_an_underscored_name():
 
 
 def test_edit_dict_literal_keeps_comments_and_is_idempotent():
-    out = c.edit_dict_literal(ADAPTER, "from_hf_map", {"a.weight": "y.weight", "c.bias": "z.bias"})
+    out = c.edit_dict_literal(c.Document(ADAPTER), "from_hf_map", {"a.weight": "y.weight", "c.bias": "z.bias"})
     assert '"a.weight": "y.weight",  # keep this comment' in out
     assert '"c.bias": "z.bias",' in out
-    assert c.edit_dict_literal(out, "from_hf_map", {"a.weight": "y.weight", "c.bias": "z.bias"}) == out
+    assert c.edit_dict_literal(out, "from_hf_map", {"a.weight": "y.weight", "c.bias": "z.bias"}) is out
     removed = c.edit_dict_literal(out, "from_hf_map", remove=["c.bias"])
     assert c.read_dict_literal(removed, "from_hf_map") == {"a.weight": "y.weight", "b.inv_freq": None}
 
 
 def test_edit_dict_literal_names_a_missing_target():
     with pytest.raises(c.CodemodError, match="no dict literal assigned to 'nope'"):
-        c.edit_dict_literal(ADAPTER, "nope", {"a": "b"})
+        c.edit_dict_literal(c.Document(ADAPTER), "nope", {"a": "b"})
 
 
 def test_ensure_import_line_is_idempotent_and_sorted_in_its_group():
@@ -57,11 +57,11 @@ def test_ensure_import_line_is_idempotent_and_sorted_in_its_group():
         "from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401\n"
     )
     line = "from archon_models.llama import spec as llama_spec  # noqa: F401"
-    out = c.ensure_import_line(source, line)
-    lines = out.splitlines()
+    out = c.ensure_import_line(c.Document(source), line)
+    lines = out.code.splitlines()
     assert lines.index(line) == lines.index("from archon_models.gemma import spec as gemma_spec  # noqa: F401") + 1
-    assert c.ensure_import_line(out, line) == out
-    assert c.ensure_import_line(out, "from archon_models.llama import spec as llama_spec") == out
+    assert c.ensure_import_line(out, line) is out
+    assert c.ensure_import_line(out, "from archon_models.llama import spec as llama_spec") is out
 
 
 def test_class_fields_and_functions_are_replaced_in_place():
@@ -69,12 +69,12 @@ def test_class_fields_and_functions_are_replaced_in_place():
         '@dataclass\nclass Args:\n    """Doc."""\n\n    dim: int = 1  # width\n    old: bool = True\n\n'
         "    def f(self):\n        return 1\n"
     )
-    out = c.set_class_fields(source, "Args", {"dim": "int = 1", "extra": "float = 0.5"}, remove=["old"])
+    out = c.set_class_fields(c.Document(source), "Args", {"dim": "int = 1", "extra": "float = 0.5"}, remove=["old"])
     assert "dim: int = 1  # width" in out and "extra: float = 0.5" in out and "old" not in out
-    assert c.set_class_fields(out, "Args", {"dim": "int = 1", "extra": "float = 0.5"}) == out
+    assert c.set_class_fields(out, "Args", {"dim": "int = 1", "extra": "float = 0.5"}) is out
     replaced = c.replace_function(out, "Args", "f", 'def f(self):\n    """Two."""\n    return 2\n')
     assert '        """Two."""\n        return 2' in replaced
-    assert c.replace_function(replaced, "Args", "f", 'def f(self):\n    """Two."""\n    return 2\n') == replaced
+    assert c.replace_function(replaced, "Args", "f", 'def f(self):\n    """Two."""\n    return 2\n') is replaced
 
 
 def test_set_call_kwarg_edits_only_the_named_target():
@@ -82,7 +82,7 @@ def test_set_call_kwarg_edits_only_the_named_target():
         "class A:\n    def __init__(self):\n        self.wq = nn.Linear(1, 2, bias=bias)\n"
         "        self.wo = nn.Linear(2, 1, bias=False)\n"
     )
-    out = c.set_call_kwarg(source, "nn.Linear", "bias", "True", target="self.wo")
+    out = c.set_call_kwarg(c.Document(source), "nn.Linear", "bias", "True", target="self.wo")
     assert "self.wq = nn.Linear(1, 2, bias=bias)" in out and "self.wo = nn.Linear(2, 1, bias=True)" in out
 
 

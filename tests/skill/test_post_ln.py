@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from archon_models.model_spec import get_model_spec
 from skill.codemod.contract import residual_branch_code
+from skill.codemod.cst import Document
 from skill.features import SUPPORTED_EDITS, Feature, NormPlacement, feature_values
 from skill.porting.edit_args import check_supported_source
 from skill.porting.model_edits import NORM_LINE, EditContext, apply_model_edits
@@ -66,9 +67,9 @@ def test_post_ln_composes_with_block_embedding_and_head_edits_in_any_order(refer
     assert "self.attention_norm(x)" not in canonical and "self.ffn_norm(x)" not in canonical
     assert "x = self.attention_norm(x + self.attention(x" in canonical
     assert "return self.ffn_norm(x + " in canonical
-    (attention,) = residual_branch_code(canonical, "attention")
+    (attention,) = residual_branch_code(Document(canonical), "attention")
     assert attention.startswith("self.attention(x") and attention.endswith("* self.residual_multiplier")
-    (ffn,) = residual_branch_code(canonical, "ffn")
+    (ffn,) = residual_branch_code(Document(canonical), "ffn")
     assert ffn.endswith("(x) * self.residual_multiplier")
     # No final norm: None (as a pipeline stage without it), never applied or reset.
     assert "self.norm: nn.Module | None = None" in canonical

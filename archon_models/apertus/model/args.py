@@ -82,6 +82,7 @@ class ApertusModelArgs(BaseModelArgs):
     max_seq_len: int = 65_536
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = 3
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -135,6 +136,7 @@ class ApertusModelArgs(BaseModelArgs):
             rope_freq_scaling=_rope_freq_scaling(hf_config),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

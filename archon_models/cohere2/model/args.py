@@ -70,6 +70,7 @@ class Cohere2ModelArgs(BaseModelArgs):
     max_seq_len: int = 8192
     depth_init: bool = True
     eos_id: int = 255_001
+    pad_id: int | None = 0
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
@@ -125,6 +126,7 @@ class Cohere2ModelArgs(BaseModelArgs):
             logit_scale=hf_config.logit_scale,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

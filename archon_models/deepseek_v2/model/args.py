@@ -169,6 +169,10 @@ class DeepseekV2ModelArgs(BaseModelArgs):
     its routed and shared experts are ``moe_inter_dim`` wide, the leading dense layers'
     MLPs ``hidden_dim``. The multi-token-prediction layers of published checkpoints
     (``num_nextn_predict_layers``) are not part of the forward pass and are not built.
+
+    ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
+    ``nn.Embedding(padding_idx=...)`` gives no gradient through its lookups; so does
+    ``tok_embeddings`` here (``None``: every row trains).
     """
 
     dim: int = 4096
@@ -183,6 +187,7 @@ class DeepseekV2ModelArgs(BaseModelArgs):
     depth_init: bool = True
     attention_bias: bool = False
     eos_id: int = 2
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -255,6 +260,7 @@ class DeepseekV2ModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             attention_bias=bool(getattr(hf_config, "attention_bias", False)),
             eos_id=_eos_id(hf_config, cls.eos_id),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),

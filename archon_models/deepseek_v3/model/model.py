@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,10 @@ from archon_models.deepseek_v3.model.rope import (
     precompute_rope_cache,
     yarn_mscale,
 )
-from archon_models.moe import MoE
+from archon_models.moe import MoE, MoEArgs
 from archon_models.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
 
-__all__ = ["Attention", "DeepseekV3Model", "FeedForward", "RMSNorm", "TransformerBlock"]
+__all__ = ["Attention", "CorrectionBiasMoE", "DeepseekV3Model", "FeedForward", "RMSNorm", "TransformerBlock"]
 
 # HF builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -206,6 +207,56 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
+class CorrectionBiasMoE(MoE):
+    """The shared MoE whose router adds the checkpoint's score-correction bias (HF's
+    ``e_score_correction_bias``) to the scores that choose experts, not to their weights.
+
+    The bias is ``expert_bias``, a saved fp32 buffer registered when the layer is built (on
+    the meta device too), so the checkpoint loads into it in any order: AReaL's engine loads
+    the weights before it calls ``init_buffers``, which keeps the loaded bias (on the buffer
+    device); ``init_weights`` zeroes it, as HF initialises it. Like HF's
+    ``_keep_in_fp32_modules``, it stays fp32 when the model is cast to another dtype.
+
+    Training leaves the bias as loaded unless ``load_balance_coeff`` is set: AReaL's switch
+    for auxiliary-loss-free load balancing, for a trainer that moves ``expert_bias`` by the
+    counts in ``tokens_per_expert``. (AReaL 1.0.4's engine has no such step.) The shared MoE
+    would then zero the bias in ``init_buffers``; this one keeps the checkpoint's to start from.
+    """
+
+    expert_bias: torch.Tensor
+
+    def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int):
+        super().__init__(moe_args, dim, hidden_dim)
+        device = self.router.gate.weight.device
+        self._set_expert_bias(torch.zeros(moe_args.num_experts, dtype=torch.float32, device=device))
+
+    def _set_expert_bias(self, bias: torch.Tensor) -> None:
+        if hasattr(self, "expert_bias"):
+            del self.expert_bias  # what the shared MoE set: None, or zeros when balancing
+        self.register_buffer("expert_bias", bias, persistent=True)
+
+    def init_weights(self, init_std: float = 0.02) -> None:
+        super().init_weights(init_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+
+    def init_buffers(self, buffer_device: torch.device | str | None) -> None:
+        # None while the shared MoE's own constructor builds its buffers.
+        bias = getattr(self, "expert_bias", None)
+        super().init_buffers(buffer_device)
+        if bias is not None:
+            self._set_expert_bias(bias.to(self.tokens_per_expert.device))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        moved = self._buffers.get("expert_bias")
+        if bias is not None and moved is not None and moved.dtype != bias.dtype:
+            # Moved, not cast: the scores that choose experts keep the checkpoint's fp32 bias.
+            self._buffers["expert_bias"] = bias.to(moved.device)
+        return self
+
+
 class TransformerBlock(nn.Module):
     """``x + attention(norm(x))``, then ``x + mlp(norm(x))`` where the MLP is dense or MoE.
 
@@ -226,10 +277,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward: FeedForward | None = None
         if self.moe_enabled:
             assert model_args.moe_args is not None
-            self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)
-            # AReaL's MoE registers its buffers only in init_buffers; the score-correction
-            # bias is checkpoint state, so it exists from construction on (meta included).
-            self.moe.init_buffers(self.moe.router.gate.weight.device)
+            self.moe = CorrectionBiasMoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)
         else:
             self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)
         # Depth-scaled init keeps the residual stream's variance bounded in deep stacks.
@@ -277,7 +325,9 @@ class DeepseekV3Model(BaseArchonModel):
         self.eos_id = model_args.eos_id
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
@@ -293,20 +343,26 @@ class DeepseekV3Model(BaseArchonModel):
         self._tie_weights()
 
     def _tie_weights(self) -> None:
-        """Share the embedding's parameter with the LM head when the checkpoint ties them.
-
-        Materialising a meta-device model (``to_empty``) gives every module its own new
-        parameter, so :meth:`init_weights` ties again.
-        """
+        """Share the embedding's parameter with the LM head when the checkpoint ties them."""
         if self.model_args.enable_weight_tying and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Materialise every tensor on ``device``, uninitialised, with the LM head still tied.
+
+        ``nn.Module.to_empty`` gives every module a new parameter of its own, which unties
+        the head that the constructor (and AReaL's parallelize) tied; AReaL's engine then
+        loads the checkpoint without :meth:`init_weights`, so the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        self._tie_weights()
+        return self
 
     def _precompute_rope_cache(self) -> torch.Tensor:
         args = self.model_args
         return precompute_rope_cache(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, args.yarn)
 
     def init_weights(self) -> None:
-        self._tie_weights()
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():

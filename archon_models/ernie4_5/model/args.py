@@ -69,6 +69,7 @@ class Ernie45ModelArgs(BaseModelArgs):
     max_seq_len: int = 131_072
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = 0
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
@@ -113,6 +114,7 @@ class Ernie45ModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -7,7 +7,7 @@ MLP; mixture-of-experts MLPs, over packed documents.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,9 @@ class FlexOlmoModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
@@ -218,19 +220,25 @@ class FlexOlmoModel(BaseArchonModel):
         self._tie_weights()
 
     def _tie_weights(self) -> None:
-        """Share the embedding's parameter with the LM head when the checkpoint ties them.
-
-        Materialising a meta-device model (``to_empty``) gives every module its own new
-        parameter, so :meth:`init_weights` ties again.
-        """
+        """Share the embedding's parameter with the LM head when the checkpoint ties them."""
         if self.model_args.enable_weight_tying and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Materialise every tensor on ``device``, uninitialised, with the LM head still tied.
+
+        ``nn.Module.to_empty`` gives every module a new parameter of its own, which unties
+        the head that the constructor (and AReaL's parallelize) tied; AReaL's engine then
+        loads the checkpoint without :meth:`init_weights`, so the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        self._tie_weights()
+        return self
 
     def _precompute_rope_cache(self) -> torch.Tensor:
         return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)
 
     def init_weights(self) -> None:
-        self._tie_weights()
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():

@@ -75,6 +75,7 @@ class FlintModelArgs(BaseModelArgs):
     max_seq_len: int = 262_144
     depth_init: bool = True
     eos_id: int = 0
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -204,6 +205,7 @@ class FlintModelArgs(BaseModelArgs):
             mlp_only_layers=list(getattr(hf_config, "mlp_only_layers", None) or []),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

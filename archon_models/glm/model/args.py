@@ -75,6 +75,7 @@ class GlmModelArgs(BaseModelArgs):
     max_seq_len: int = 131_072
     depth_init: bool = True
     eos_id: int = 151_329
+    pad_id: int | None = 151_329
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -121,6 +122,7 @@ class GlmModelArgs(BaseModelArgs):
             rotary_dim=int(head_dim * _partial_rotary_factor(hf_config)),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -31,12 +31,6 @@ _REQUIRED_HF_FIELDS = (
 )
 _REQUIRED_MOE_HF_FIELDS = ("moe_intermediate_size", "num_experts_per_tok")
 
-# Glm4MoeLite's auxiliary-loss-free balancing speed (gamma in the paper). Archon's MoE
-# holds the score-correction bias (HF ``e_score_correction_bias``) in its ``expert_bias``
-# buffer, which it creates only when ``MoEArgs.load_balance_coeff`` is set; the value is
-# the step a trainer that updates the bias would take (AReaL 1.0.4 does not update it).
-_BIAS_UPDATE_SPEED = 1e-3
-
 
 @dataclass
 class YarnArgs:
@@ -120,7 +114,7 @@ def _eos_id(hf_config: Any, default: int) -> int:
     return default if eos is None else int(eos)
 
 
-def _moe_args(hf_config: Any, router_dtype: torch.dtype | None) -> MoEArgs | None:
+def _moe_args(hf_config: Any, router_dtype: torch.dtype | None, load_balance_coeff: float | None) -> MoEArgs | None:
     """Glm4MoeLite routing in AReaL's ``MoEArgs`` terms; ``None`` when the config has no routed experts.
 
     Sigmoid scores; the score-correction bias (``expert_bias``) shifts which experts are
@@ -145,7 +139,8 @@ def _moe_args(hf_config: Any, router_dtype: torch.dtype | None) -> MoEArgs | Non
         router_dtype=router_dtype if router_dtype is not None else torch.float32,
         num_expert_groups=int(n_group) if n_group > 1 else None,
         num_limited_groups=int(topk_group) if n_group > 1 else None,
-        load_balance_coeff=_BIAS_UPDATE_SPEED,
+        # None: the checkpoint's bias stays as loaded; a value opts into balancing it.
+        load_balance_coeff=load_balance_coeff,
     )
 
 
@@ -166,6 +161,10 @@ class Glm4MoeLiteModelArgs(BaseModelArgs):
     its routed and shared experts are ``moe_inter_dim`` wide, the leading dense layers'
     MLPs ``hidden_dim``. The multi-token-prediction layers of published checkpoints
     (``num_nextn_predict_layers``) are not part of the forward pass and are not built.
+
+    ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
+    ``nn.Embedding(padding_idx=...)`` gives no gradient through its lookups; so does
+    ``tok_embeddings`` here (``None``: every row trains).
     """
 
     dim: int = 2048
@@ -180,6 +179,7 @@ class Glm4MoeLiteModelArgs(BaseModelArgs):
     depth_init: bool = True
     attention_bias: bool = False
     eos_id: int = 1
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -222,10 +222,12 @@ class Glm4MoeLiteModelArgs(BaseModelArgs):
         """Map a ``Glm4MoeLiteConfig``.
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
-        (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of
-        the router GEMM; ``None`` keeps HF's fp32). Any other keyword is ignored, as
-        AReaL's own ``from_hf_config`` ignores it. ``eos_token_id`` of ``None`` keeps the
-        default; a list takes its first id.
+        (outputs of a critic's ``score`` head, default 1), ``router_dtype`` (dtype of the
+        router GEMM; ``None`` keeps HF's fp32) and ``load_balance_coeff`` (opts into
+        auxiliary-loss-free balancing of the score-correction bias, AReaL's
+        ``MoEArgs.load_balance_coeff``; by default the checkpoint's bias stays fixed in
+        training). Any other keyword is ignored, as AReaL's own ``from_hf_config`` ignores
+        it. ``eos_token_id`` of ``None`` keeps the default; a list takes its first id.
         """
         has_experts = bool(getattr(hf_config, "n_routed_experts", None))
         required = _REQUIRED_HF_FIELDS + (_REQUIRED_MOE_HF_FIELDS if has_experts else ())
@@ -252,6 +254,7 @@ class Glm4MoeLiteModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             attention_bias=bool(getattr(hf_config, "attention_bias", False)),
             eos_id=_eos_id(hf_config, cls.eos_id),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
@@ -263,6 +266,6 @@ class Glm4MoeLiteModelArgs(BaseModelArgs):
             rope_interleave=bool(getattr(hf_config, "rope_interleave", True)),
             yarn=_yarn_args(hf_config),
             moe_inter_dim=getattr(hf_config, "moe_intermediate_size", None) or cls.moe_inter_dim,
-            moe_args=_moe_args(hf_config, kwargs.get("router_dtype")),
+            moe_args=_moe_args(hf_config, kwargs.get("router_dtype"), kwargs.get("load_balance_coeff")),
             mlp_layer_types=list(hf_config.mlp_layer_types),
         )

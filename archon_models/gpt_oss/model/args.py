@@ -89,6 +89,7 @@ class GptOssModelArgs(BaseModelArgs):
     max_seq_len: int = 131_072
     depth_init: bool = True
     eos_id: int = 0
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -166,6 +167,7 @@ class GptOssModelArgs(BaseModelArgs):
             swiglu_limit=float(getattr(hf_config, "swiglu_limit", cls.swiglu_limit)),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

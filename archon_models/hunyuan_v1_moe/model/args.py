@@ -84,6 +84,7 @@ class HunyuanV1MoeModelArgs(BaseModelArgs):
     max_seq_len: int = 2048
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = 0
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -147,6 +148,7 @@ class HunyuanV1MoeModelArgs(BaseModelArgs):
             moe_args=moe_args,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -80,6 +80,7 @@ class HyperclovaxModelArgs(BaseModelArgs):
     max_seq_len: int = 2048
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -132,6 +133,7 @@ class HyperclovaxModelArgs(BaseModelArgs):
             logits_scaling=hf_config.logits_scaling,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -65,10 +65,11 @@ class MistralModelArgs(BaseModelArgs):
     max_seq_len: int = 131_072
     depth_init: bool = True
     eos_id: int = 2
+    pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
-    sliding_window: int = 4096
+    sliding_window: int | None = 4096
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
@@ -109,6 +110,7 @@ class MistralModelArgs(BaseModelArgs):
             sliding_window=hf_config.sliding_window,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -11,7 +11,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from itertools import pairwise
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -150,12 +150,13 @@ class SlidingWindowAttention(nn.Module):
     Archon's shared attention wrappers have no window, so it lives in this package: on
     CUDA the flash varlen kernel with its native window (fp16/bf16, a torch whose kernel
     takes ``window_size``), else compiled flex attention with the window in its block
-    mask; on CPU SDPA with a banded causal mask, one document at a time.
+    mask; on CPU SDPA with a banded causal mask, one document at a time. A window of
+    ``None`` (a config without one) sees the whole document, as HF does.
     """
 
-    def __init__(self, window: int):
+    def __init__(self, window: int | None):
         super().__init__()
-        if window < 1:
+        if window is not None and window < 1:
             raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
         self.window = window
 
@@ -209,7 +210,7 @@ class SlidingWindowAttention(nn.Module):
             max_seqlen,
             max_seqlen,
             scale=scale,
-            window_size=(self.window - 1, 0),  # flash's window excludes the query itself
+            window_size=(-1 if self.window is None else self.window - 1, 0),  # excludes the query itself
             **grouped,
         )
         return out.transpose(0, 1).unsqueeze(0)
@@ -218,7 +219,9 @@ class SlidingWindowAttention(nn.Module):
         """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
         index = torch.arange(q.shape[2], device=q.device)
         distance = index[:, None] - index[None, :]
-        mask = (distance >= 0) & (distance < self.window)
+        mask = distance >= 0
+        if self.window is not None:
+            mask = mask & (distance < self.window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -381,7 +384,9 @@ class MistralModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         self.register_buffer("rope_cache", self._precompute_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
@@ -397,19 +402,25 @@ class MistralModel(BaseArchonModel):
         self._tie_weights()
 
     def _tie_weights(self) -> None:
-        """Share the embedding's parameter with the LM head when the checkpoint ties them.
-
-        Materialising a meta-device model (``to_empty``) gives every module its own new
-        parameter, so :meth:`init_weights` ties again.
-        """
+        """Share the embedding's parameter with the LM head when the checkpoint ties them."""
         if self.model_args.enable_weight_tying and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Materialise every tensor on ``device``, uninitialised, with the LM head still tied.
+
+        ``nn.Module.to_empty`` gives every module a new parameter of its own, which unties
+        the head that the constructor (and AReaL's parallelize) tied; AReaL's engine then
+        loads the checkpoint without :meth:`init_weights`, so the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        self._tie_weights()
+        return self
 
     def _precompute_rope_cache(self) -> torch.Tensor:
         return precompute_rope_cache(self.model_args.head_dim, self.model_args.max_seq_len, self.model_args.rope_theta)
 
     def init_weights(self) -> None:
-        self._tie_weights()
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():

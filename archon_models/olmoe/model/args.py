@@ -74,6 +74,7 @@ class OlmoeModelArgs(BaseModelArgs):
     max_seq_len: int = 4096
     depth_init: bool = True
     eos_id: int = 50_279
+    pad_id: int | None = 1
     enable_weight_tying: bool = False
     is_critic: bool = False
     num_labels: int = 1
@@ -133,6 +134,7 @@ class OlmoeModelArgs(BaseModelArgs):
             moe_args=moe_args,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -57,6 +57,10 @@ class Qwen2ModelArgs(BaseModelArgs):
 
     ``attention_bias`` is the bias on the q/k/v projections (never on the output
     projection), which every Qwen2 checkpoint has.
+
+    ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
+    ``nn.Embedding(padding_idx=...)`` gives no gradient through its lookups; so does
+    ``tok_embeddings`` here (``None``: every row trains).
     """
 
     dim: int = 896
@@ -72,6 +76,7 @@ class Qwen2ModelArgs(BaseModelArgs):
     depth_init: bool = True
     attention_bias: bool = True
     eos_id: int = 151643
+    pad_id: int | None = None
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
@@ -116,6 +121,7 @@ class Qwen2ModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             attention_bias=True,
             eos_id=_eos_id(hf_config, cls.eos_id),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),

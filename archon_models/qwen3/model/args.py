@@ -73,6 +73,10 @@ class Qwen3ModelArgs(BaseModelArgs):
     ``(i + 1) % decoder_sparse_step == 0``; its experts are ``moe_inter_dim`` wide.
     HF's router auxiliary loss (``router_aux_loss_coef``) is a training objective, not
     part of the forward pass, and is not computed here.
+
+    ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
+    ``nn.Embedding(padding_idx=...)`` gives no gradient through its lookups; so does
+    ``tok_embeddings`` here (``None``: every row trains).
     """
 
     dim: int = 1024
@@ -88,6 +92,7 @@ class Qwen3ModelArgs(BaseModelArgs):
     depth_init: bool = True
     attention_bias: bool = False
     eos_id: int = 151645
+    pad_id: int | None = None
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
@@ -159,6 +164,7 @@ class Qwen3ModelArgs(BaseModelArgs):
             max_seq_len=getattr(hf_config, "max_position_embeddings", None) or cls.max_seq_len,
             attention_bias=bool(getattr(hf_config, "attention_bias", False)),
             eos_id=_eos_id(hf_config, cls.eos_id),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),

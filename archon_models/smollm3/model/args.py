@@ -78,6 +78,7 @@ class Smollm3ModelArgs(BaseModelArgs):
     max_seq_len: int = 32_768
     depth_init: bool = True
     eos_id: int = 128_001
+    pad_id: int | None = 128_004
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
@@ -126,6 +127,7 @@ class Smollm3ModelArgs(BaseModelArgs):
             ),
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -73,13 +73,14 @@ class VaultgemmaModelArgs(BaseModelArgs):
     max_seq_len: int = 8192
     depth_init: bool = True
     eos_id: int = 1
+    pad_id: int | None = 0
     enable_weight_tying: bool = True
     is_critic: bool = False
     num_labels: int = 1
     sliding_window: int = 4096
     layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 13
-    attn_logit_softcapping: float = 50.0
-    final_logit_softcapping: float = 30.0
+    attn_logit_softcapping: float | None = 50.0
+    final_logit_softcapping: float | None = 30.0
     query_pre_attn_scalar: float = 256.0
 
     def __post_init__(self) -> None:
@@ -125,6 +126,7 @@ class VaultgemmaModelArgs(BaseModelArgs):
             query_pre_attn_scalar=hf_config.query_pre_attn_scalar,
             eos_id=_eos_id(hf_config, cls.eos_id),
             enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_id=getattr(hf_config, "pad_token_id", None),
             is_critic=is_critic,
             num_labels=kwargs.get("num_labels", cls.num_labels),
         )

@@ -11,6 +11,8 @@ ColwiseParallel/RowwiseParallel shard with their weights.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +21,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from archon_models.activation_checkpoint import apply_ac
 from archon_models.compile import apply_compile
+from archon_models.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_module_split
 from archon_models.utils import validate_cp_constraints, validate_tp_constraints
 
 if TYPE_CHECKING:
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_cp", "apply_fsdp", "apply_tp", "parallelize_xglm"]
+__all__ = ["apply_cp", "apply_fsdp", "apply_tp", "parallelize_xglm", "pipeline_xglm"]
 
 
 def _get_op_sac_save_list() -> set[Any]:
@@ -251,3 +256,58 @@ def apply_fsdp(
         fully_shard(final_layers, **fsdp_config, reshard_after_forward=reshard_after_forward_policy == "always")
     fully_shard(model, **fsdp_config)
     logger.info("Applied FSDP to Xglm (mesh %s)%s", dp_mesh.mesh_dim_names, " with CPU offload" if cpu_offload else "")
+
+
+# Top-level modules besides AReaL's canonical ones (tok_embeddings, layers, norm, output/score):
+# the pipeline split keeps those run before the first block on the first stage, those run
+# after the final norm on the last, and would set them to None on every stage otherwise.
+FIRST_STAGE_MODULES: tuple[str, ...] = ("pos_embeddings",)
+LAST_STAGE_MODULES: tuple[str, ...] = ()
+
+
+def pipeline_xglm(
+    model: nn.Module,
+    device: torch.device,
+    parallel_dims: ArchonParallelDims,
+    archon_config: Any,
+    parallelize_fn: Callable[..., nn.Module],
+    **parallelize_kwargs: Any,
+) -> tuple[list[PipelineStage], list[nn.Module], bool, bool]:
+    """``pipeline_llm``'s stages, with :data:`FIRST_STAGE_MODULES` on the first stage and
+    :data:`LAST_STAGE_MODULES` on the last; each part then parallelized.
+
+    ``archon_config`` holds the ``pp_*`` fields of AReaL's ArchonEngineConfig. Returns
+    ``(stages, model_parts, has_first_stage, has_last_stage)``.
+    """
+    args: Any = model.model_args
+    pp_mesh = parallel_dims.get_mesh("pp")
+    if pp_mesh is None:
+        raise ValueError("pipeline parallelism needs a pp mesh: set ArchonParallelDims.pp > 1.")
+    if args.enable_weight_tying:
+        raise ValueError(
+            "a model with tied embedding and LM head cannot be split over pipeline stages: the first and "
+            "last stage would each train their own copy. Disable enable_weight_tying or use pp=1."
+        )
+    schedule = archon_config.pp_schedule
+    stages_per_rank = 1 if issubclass(get_schedule_class(schedule), PipelineScheduleSingle) else 2
+    first_less = archon_config.pp_first_stage_less_layers
+    last_less = archon_config.pp_last_stage_less_layers
+    if archon_config.pp_layers_per_stage is None:
+        num_stages = parallel_dims.pp * stages_per_rank
+    else:
+        num_stages = math.ceil((args.n_layers + first_less + last_less) / archon_config.pp_layers_per_stage)
+        if stages_per_rank == 1 and num_stages != parallel_dims.pp:
+            raise ValueError(
+                f"{schedule} runs one stage per rank, but pp_layers_per_stage={archon_config.pp_layers_per_stage} "
+                f"gives {num_stages} stages for pp={parallel_dims.pp}."
+            )
+    module_names = generate_llm_fqn_per_model_part(
+        num_stages, args.n_layers, first_less, last_less, is_critic=args.is_critic
+    )
+    module_names[0].extend(FIRST_STAGE_MODULES)
+    module_names[-1].extend(LAST_STAGE_MODULES)
+    stages, parts = pipeline_module_split(model, pp_mesh, schedule, device, module_names)
+    for index, part in enumerate(parts):
+        parts[index] = parallelize_fn(part, parallel_dims, **parallelize_kwargs)
+        stages[index].submod = parts[index]
+    return stages, parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)

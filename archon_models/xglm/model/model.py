@@ -9,7 +9,7 @@ over packed documents.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -231,7 +231,9 @@ class XglmModel(BaseArchonModel):
         self.head_dim = model_args.head_dim
         self.is_critic = model_args.is_critic
 
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            model_args.vocab_size, model_args.dim, padding_idx=model_args.pad_id
+        )
         # Fixed sinusoidal positions: position p reads row p + 2; row pad_token_id is zero.
         self.pos_embeddings = SinusoidalPositions(
             model_args.max_seq_len, model_args.dim, offset=2, zero_row=model_args.pad_token_id
@@ -250,16 +252,22 @@ class XglmModel(BaseArchonModel):
         self._tie_weights()
 
     def _tie_weights(self) -> None:
-        """Share the embedding's parameter with the LM head when the checkpoint ties them.
-
-        Materialising a meta-device model (``to_empty``) gives every module its own new
-        parameter, so :meth:`init_weights` ties again.
-        """
+        """Share the embedding's parameter with the LM head when the checkpoint ties them."""
         if self.model_args.enable_weight_tying and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self) -> None:
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Self:
+        """Materialise every tensor on ``device``, uninitialised, with the LM head still tied.
+
+        ``nn.Module.to_empty`` gives every module a new parameter of its own, which unties
+        the head that the constructor (and AReaL's parallelize) tied; AReaL's engine then
+        loads the checkpoint without :meth:`init_weights`, so the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
         self._tie_weights()
+        return self
+
+    def init_weights(self) -> None:
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():

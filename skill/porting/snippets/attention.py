@@ -146,12 +146,13 @@ class SlidingWindowAttention(nn.Module):
     Archon's shared attention wrappers have no window, so it lives in this package: on
     CUDA the flash varlen kernel with its native window (fp16/bf16, a torch whose kernel
     takes ``window_size``), else compiled flex attention with the window in its block
-    mask; on CPU SDPA with a banded causal mask, one document at a time.
+    mask; on CPU SDPA with a banded causal mask, one document at a time. A window of
+    ``None`` (a config without one) sees the whole document, as HF does.
     """
 
-    def __init__(self, window: int):
+    def __init__(self, window: int | None):
         super().__init__()
-        if window < 1:
+        if window is not None and window < 1:
             raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
         self.window = window
 
@@ -205,7 +206,7 @@ class SlidingWindowAttention(nn.Module):
             max_seqlen,
             max_seqlen,
             scale=scale,
-            window_size=(self.window - 1, 0),  # flash's window excludes the query itself
+            window_size=(-1 if self.window is None else self.window - 1, 0),  # excludes the query itself
             **grouped,
         )
         return out.transpose(0, 1).unsqueeze(0)
@@ -214,7 +215,9 @@ class SlidingWindowAttention(nn.Module):
         """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
         index = torch.arange(q.shape[2], device=q.device)
         distance = index[:, None] - index[None, :]
-        mask = (distance >= 0) & (distance < self.window)
+        mask = distance >= 0
+        if self.window is not None:
+            mask = mask & (distance < self.window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -476,6 +479,18 @@ def clamp_projection(x: torch.Tensor, limit: float | None) -> torch.Tensor:
     training stable; a config without one leaves them as they are.
     """
     return x if limit is None else x.clamp(min=-limit, max=limit)
+
+
+def query_position_scale(positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    """The factor on the query at position ``p``: ``1 + beta * log(1 + floor(p / period))``,
+    shaped ``[1, T, 1, 1]`` to scale ``[1, T, heads, head_dim]`` queries.
+
+    Ministral3's long-context attention temperature: the first ``period`` positions of a
+    document keep their queries, later ones are sharpened a little more at each multiple of
+    ``period``. Positions restart at 0 in every packed document, as HF's do in each sequence.
+    """
+    scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
+    return scale[..., None, None]
 
 
 def gate_per_head(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

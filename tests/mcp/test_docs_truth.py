@@ -1,0 +1,141 @@
+"""SKILL.md and README say what the code does where they name tools, commands, stages and
+steps (issue 20, item 5): an agent that reads only them must not be misled."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from skill.analysis.reference import reference_for
+from skill.cli import build_parser
+from skill.harness.distributed import LABELS, PARALLELISMS
+from skill.harness.results import STAGE_NAMES
+from skill.porting.plan import ALLOW_UNSUPPORTED_STEPS, unsupported_error
+from skill.porting.provenance import SESSIONS_DIR
+from skill.tools import load_tools
+from tests.mcp.conftest import REPO
+from tests.mcp.scripted_client import SESSIONS, _section, read_playbook
+
+SKILL_MD = (REPO / "SKILL.md").read_text(encoding="utf-8")
+README = (REPO / "README.md").read_text(encoding="utf-8")
+CI_RUN = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+# Tool-shaped names: the verbs the engine's steps start with.
+_TOOL_NAME = re.compile(r"`((?:analyze|copy|edit|set|write|register|check|run|port|locate|export)_[a-z_]+)`")
+_NUMBERS = {"nine": 9, "ten": 10, "eleven": 11}
+
+
+def _engine_tools() -> set[str]:
+    return {name for name in load_tools() if not name.startswith("toy_")}
+
+
+def test_every_tool_the_docs_name_is_registered_and_skill_md_names_every_tool():
+    tools = _engine_tools()
+    for doc, text in (("SKILL.md", SKILL_MD), ("README.md", README)):
+        named = set(_TOOL_NAME.findall(text))
+        assert named <= tools, f"{doc} names tools the MCP server lacks: {sorted(named - tools)}"
+    assert tools <= set(_TOOL_NAME.findall(SKILL_MD)), (
+        f"SKILL.md never names {sorted(tools - set(_TOOL_NAME.findall(SKILL_MD)))}"
+    )
+
+
+def test_every_cli_command_the_docs_name_exists():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "command"]
+    commands = set(subparsers.choices)
+    for doc, text in (("SKILL.md", SKILL_MD), ("README.md", README)):
+        # In code: a command line of a code block, or inline code.
+        named = set(re.findall(r"(?:^|`)archon-port ([a-z][a-z-]*)\b", text, re.MULTILINE))
+        assert named, doc
+        assert named <= commands, f"{doc} names CLI commands that do not exist: {sorted(named - commands)}"
+
+
+def test_the_step_count_is_the_playbook_s():
+    body = _section(SKILL_MD, "Step by step")
+    headings = [int(n) for n in re.findall(r"^### Step (\d+):", body, re.MULTILINE)]
+    assert headings == list(range(1, len(headings) + 1))
+    steps = read_playbook(SKILL_MD).steps
+    assert len(steps) == len(headings) and steps[-1].tool == "run_test_stage"
+    intro = re.search(r"A port is (\w+) steps: (\w+) tool\s+calls", SKILL_MD)
+    assert intro, "SKILL.md's introduction states the number of steps"
+    assert (_NUMBERS[intro[1]], _NUMBERS[intro[2]]) == (len(headings), len(headings) - 1)
+
+
+def _stage_rows(text: str) -> dict[int, str]:
+    rows = re.findall(r"^\| (\d) (\w+) +\|(?: `stage\d` \|)? (.+?) \|$", text, re.MULTILINE)
+    return {int(n): f"{name}: {what}" for n, name, what in rows}
+
+
+@pytest.mark.parametrize("doc", ["SKILL.md", "README.md"])
+def test_the_stage_tables_list_the_harness_stages_and_every_parallelism(doc: str):
+    rows = _stage_rows(SKILL_MD if doc == "SKILL.md" else README)
+    assert sorted(rows) == sorted(STAGE_NAMES)
+    for number, name in STAGE_NAMES.items():
+        assert rows[number].startswith(f"{name}:"), (doc, rows[number])
+    distributed = rows[5]
+    for parallelism in PARALLELISMS:
+        times = "\u00d7"  # the multiplication sign the tables write
+        words = {"ep_tp": f"EP{times}TP|EP=2{times}TP=2"}.get(parallelism, LABELS[parallelism].split("=")[0].upper())
+        assert re.search(words, distributed), f"{doc}'s stage 5 row omits {parallelism}: {distributed}"
+
+
+def test_allow_unsupported_is_named_for_exactly_the_tools_that_take_it():
+    takes_it = sorted(n for n, t in load_tools().items() if "allow_unsupported" in t.input_model.model_fields)
+    assert sorted(ALLOW_UNSUPPORTED_STEPS) == takes_it
+    hand = _section(SKILL_MD, "Porting by hand")
+    sentence = hand[hand.index('`"allow_unsupported": true` added to the calls of') :].split(";")[0]
+    assert sorted(re.findall(r"`([a-z_]+)`", sentence)) == takes_it
+    # port_model's refusal names every one of them, as does each tool's own.
+    refusal = str(unsupported_error("x", ["unsupported: y"], "port_model"))
+    assert all(name in refusal for name in takes_it), refusal
+    assert "allow_unsupported=true to edit_args" in str(unsupported_error("x", ["unsupported: y"], "edit_args"))
+
+
+def test_the_reference_rule_is_the_code_s():
+    rule = _section(SKILL_MD, "Step by step")
+    rule = rule[rule.index("`<reference>` is the reference the analysis selected") :].split("\n\n")[0]
+    assert "`deepseek_v3` for multi-head latent attention" in rule and "`qwen3` for MoE" in rule
+    assert "per-head QK norm or MoE" not in rule
+    assert reference_for(per_head_qk_norm=False, moe=False, mla=True) == "deepseek_v3"
+    assert reference_for(per_head_qk_norm=True, moe=True) == "qwen3"
+    assert reference_for(per_head_qk_norm=False, moe=True) == "qwen3"
+    # The rule the first SKILL.md stated: per-head QK norm alone does not pick qwen3.
+    assert reference_for(per_head_qk_norm=True, moe=False) == "qwen2" and "starts from `qwen2` too" in rule
+
+
+def test_skill_md_says_where_a_session_is_committed():
+    committed = f"{SESSIONS.relative_to(REPO).as_posix()}/<model_name>.jsonl"
+    assert SESSIONS.relative_to(REPO).as_posix() == SESSIONS_DIR
+    assert committed in _section(SKILL_MD, "Porting by hand") and committed in _section(SKILL_MD, "Sessions")
+
+
+def test_the_readme_says_what_ci_run_runs():
+    sentence = README[README.index("Run the tests (`.ci/run`") :].split("```")[0]
+    assert "runs exactly" not in sentence
+    commands = [line for line in CI_RUN.splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    expected = {
+        "pip install": "installs",
+        "bash .ci/lint": ".ci/lint",
+        "python -m skill.areal.environment .venv-areal": ".venv-areal/",
+        "python -m pytest -n 2": "runs this",
+        ".venv-tf53": "oldest-transformers run",
+    }
+    for command in commands:
+        key = next((k for k in expected if command.startswith(k) or k in command), None)
+        assert key is not None, f".ci/run runs {command!r}, which the README does not say"
+        assert expected[key] in sentence, (command, sentence)
+
+
+def test_a_failed_stage_or_port_is_a_result_and_the_docs_say_what_to_read():
+    """Issue 20, item 6: a stage that ran and failed is the tool's answer (isError false, the
+    result typed by its output schema); isError is for a call that could not run."""
+    tools = load_tools()
+    for name in ("run_test_stage", "port_model"):
+        description = tools[name].description
+        assert "isError false" in description and "`passed`" in description, description
+        assert "passed" in tools[name].result_model.model_fields
+        assert "the field to read" in (tools[name].result_model.model_fields["passed"].description or "")
+    rules = _section(SKILL_MD, "Ground rules")
+    assert "`isError: false`" in rules and "`structuredContent.passed`" in rules
+    for name in ("run_test_stage", "port_model", "check_package", "export_to_areal"):
+        assert f"`{name}`" in rules[rules.index("is a result, not an error") :][:400], name

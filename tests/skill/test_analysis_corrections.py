@@ -1,0 +1,221 @@
+"""The analysis errors an independent per-feature survey found (issue 19), each on the
+family's real HF classes: a checkpoint that fuses or renames what memory keeps apart, a
+router's bias saved under the experts, a rotary width the model never reads, a layer rule
+under another field name, MLA's own head widths, experts beside a mixture of attention, and
+a query scale that depends on the absolute position.
+
+Families that only a newer transformers ships are skipped on older ones, naming the version.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, LlamaConfig
+from transformers.utils import logging as hf_logging
+
+from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
+from skill.features import Feature, FusedQKVLayout
+
+hf_logging.set_verbosity_error()
+
+
+@functools.cache
+def report_for(source: str) -> ArchitectureReport:
+    return analyze_hf_model(AnalyzeInput(source=source))
+
+
+def needs(model_type: str):
+    return pytest.mark.skipif(
+        model_type not in CONFIG_MAPPING,
+        reason=f"model_type {model_type!r} is unknown to the installed transformers {transformers.__version__}",
+    )
+
+
+# ------------------------------------------------------------- saved by another name
+
+
+# A remote-code family: Llama in memory, SarvamMoE's names on disk (one
+# attention.query_key_value, attention.dense, model.word_embeddings), by a checkpoint
+# conversion mapping registered for its class as transformers registers its own.
+FUSED_ON_DISK_CONFIGURATION = """
+from transformers import LlamaConfig
+
+
+class FusedOnDiskConfig(LlamaConfig):
+    model_type = "fused_on_disk"
+"""
+FUSED_ON_DISK_MODELING = """
+from transformers import LlamaForCausalLM
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Split, WeightConverter, WeightRenaming
+
+from .configuration_fused_on_disk import FusedOnDiskConfig
+
+
+class FusedOnDiskForCausalLM(LlamaForCausalLM):
+    config_class = FusedOnDiskConfig
+
+
+register_checkpoint_conversion_mapping(
+    "FusedOnDiskForCausalLM",
+    [
+        WeightRenaming(r"^model\\.word_embeddings\\.", "model.embed_tokens."),
+        WeightRenaming(r"\\.attention\\.", ".self_attn."),
+        WeightConverter(
+            source_patterns="query_key_value", target_patterns=["q_proj", "k_proj", "v_proj"], operations=[Split(dim=0)]
+        ),
+        WeightRenaming(r"\\.self_attn\\.dense\\.", ".self_attn.o_proj."),
+    ],
+    overwrite=True,
+)
+"""
+
+
+def _fused_on_disk_folder(folder: Path) -> Path:
+    (folder / "configuration_fused_on_disk.py").write_text(FUSED_ON_DISK_CONFIGURATION)
+    (folder / "modeling_fused_on_disk.py").write_text(FUSED_ON_DISK_MODELING)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2
+    ).to_dict()
+    config.update(
+        model_type="fused_on_disk",
+        architectures=["FusedOnDiskForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_fused_on_disk.FusedOnDiskConfig",
+            "AutoModelForCausalLM": "modeling_fused_on_disk.FusedOnDiskForCausalLM",
+        },
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_checkpoint_that_fuses_separate_projections_is_reported_fused(tmp_path: Path) -> None:
+    source = str(_fused_on_disk_folder(tmp_path))
+    report = analyze_hf_model(AnalyzeInput(source=source, trust_remote_code=True))
+    attention = report.checklist.attention
+    assert attention.fused_qkv and attention.fused_qkv_layout is FusedQKVLayout.STACKED
+    assert report.checkpoint.fused_modules == {
+        "model.layers.{}.attention.query_key_value": [
+            "layers.{}.attention.wq",
+            "layers.{}.attention.wk",
+            "layers.{}.attention.wv",
+        ]
+    }
+    assert report.checkpoint.module_map["model.layers.{}.attention.dense"] == "layers.{}.attention.wo"
+    assert report.checkpoint.module_map["model.word_embeddings"] == "tok_embeddings"
+    assert any("saved as one tensor" in line for line in report.evidence)
+
+
+@needs("sarvam_moe")
+def test_sarvam_moe_reports_its_fused_query_key_value() -> None:
+    # transformers' conversion mapping: SarvamMoE checkpoints hold attention.query_key_value,
+    # split into q_proj / k_proj / v_proj (Glm4MoeAttention) on load.
+    report = report_for("sarvam_moe")
+    assert report.checklist.attention.fused_qkv
+    assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout.STACKED
+    assert "model.layers.{}.attention.query_key_value" in report.checkpoint.fused_modules
+    assert report.checkpoint.module_map["model.layers.{}.attention.query_layernorm"] == "layers.{}.attention.q_norm"
+
+
+@needs("exaone")
+def test_exaone_attention_saved_under_transformer_h_is_mapped() -> None:
+    # EXAONE checkpoints name the attention transformer.h.{i}.attn.attention.{q,k,v,out}_proj.
+    report = report_for("exaone")
+    module_map = report.checkpoint.module_map
+    assert module_map["transformer.h.{}.attn.attention.q_proj"] == "layers.{}.attention.wq"
+    assert module_map["transformer.h.{}.attn.attention.out_proj"] == "layers.{}.attention.wo"
+
+
+# ------------------------------------------------------------------ MoE readings
+
+
+def test_laguna_correction_bias_saved_under_the_experts_is_the_routers() -> None:
+    # LagunaTopKRouter.e_score_correction_bias; the conversion mapping saves it as
+    # mlp.experts.e_score_correction_bias. LagunaExperts holds no biases.
+    moe = report_for("laguna").checklist.moe
+    assert moe is not None
+    assert moe.expert_bias is False
+    assert moe.score_correction_bias and moe.score_correction_key == "mlp.experts.e_score_correction_bias"
+    assert moe.selection_bias_placement == "scores"
+
+
+def test_afmoe_leading_dense_layers_follow_num_dense_layers() -> None:
+    # AfmoeDecoderLayer: self.moe_enabled = layer_idx >= config.num_dense_layers.
+    report = report_for("afmoe")
+    assert report.checklist.moe is not None
+    assert report.checklist.moe.moe_layer_rule == "first_k_dense"
+    assert report.checklist.moe.moe_layer_fields == ["num_dense_layers"]
+    assert not any("MoE layer pattern" in line for line in report.unsupported)
+
+
+def test_jetmoe_experts_are_read_beside_its_mixture_of_attention() -> None:
+    # JetMoeMoE (mlp.input_linear / output_linear, 3D) beside JetMoeMoA's own 3D experts.
+    report = report_for("jetmoe")
+    moe = report.checklist.moe
+    assert moe is not None
+    assert moe.expert_layout == "fused_3d"
+    assert moe.expert_key_template == "model.layers.{}.mlp.input_linear.weight"
+    assert not any("expert layout" in line for line in report.unsupported)
+    assert any("JetMoeMoA" in line for line in report.unsupported)  # the attention's experts stay out
+
+
+# ------------------------------------------------------------------ attention widths
+
+
+def test_minimax_m3_rotates_the_whole_head_whatever_rotary_dim_says() -> None:
+    # MiniMaxM3VLRotaryEmbedding: dim = head_dim * rope_parameters.get("partial_rotary_factor", 1.0);
+    # the config's rotary_dim=64 is never read.
+    report = report_for("minimax_m3_vl_text")
+    assert report.checklist.positions.partial_rotary_factor == 1.0
+    assert any("rotary_dim=64: not what the model rotates" in line for line in report.evidence)
+
+
+def test_gptj_partial_rotary_still_comes_from_rotary_dim() -> None:
+    # GPT-J has no rotary table to read: its rotary_dim (64 of 256) is the rotated width.
+    assert report_for("gptj").checklist.positions.partial_rotary_factor == 0.25
+
+
+def test_mla_head_width_is_its_own_fields(tmp_path: Path) -> None:
+    # A DeepSeek-V3 config like SarvamMLA's: 64 heads of hidden 4096, so hidden / heads is the
+    # RoPE slice (64) and no head_dim says more. A query/key head is qk_nope + qk_rope = 192 wide.
+    config = AutoConfig.for_model("deepseek_v3").to_dict()
+    config.update(hidden_size=4096, num_attention_heads=64, num_key_value_heads=64)
+    config.pop("head_dim", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = analyze_hf_model(AnalyzeInput(source=str(tmp_path)))
+    assert report.reference == "deepseek_v3"
+    assert report.checklist.attention.head_dim == 192 and report.checklist.attention.explicit_head_dim
+    assert report.unsupported == []
+    assert Feature.EXPLICIT_HEAD_DIM not in {d.feature for d in report.deltas}
+
+
+@needs("sarvam_mla")
+def test_sarvam_mla_ports_from_deepseek_v3() -> None:
+    report = report_for("sarvam_mla")
+    assert report.checklist.attention.head_dim == 192 and report.checklist.attention.explicit_head_dim
+    assert report.unsupported == []
+
+
+# ------------------------------------------------------------------ absolute positions
+
+
+def test_ministral3_query_scale_by_position_is_measured() -> None:
+    # Ministral3Attention: query_states *= 1 + beta * log(1 + floor(position_ids / original_max)),
+    # beta = rope_parameters["llama_4_scaling_beta"].
+    report = report_for("ministral3")
+    scale = report.checklist.attention.query_position_scale
+    assert scale is not None
+    assert scale.beta_field == "rope_parameters.llama_4_scaling_beta"
+    assert scale.period_field == "rope_parameters.original_max_position_embeddings"
+    deltas = {d.feature: d for d in report.deltas}
+    assert deltas[Feature.QUERY_POSITION_SCALE].target == "log_floor" and deltas[Feature.QUERY_POSITION_SCALE].supported
+
+
+def test_relative_rope_families_have_no_query_position_scale() -> None:
+    for family in ("mistral", "qwen2"):
+        assert report_for(family).checklist.attention.query_position_scale is None
