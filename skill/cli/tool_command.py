@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from skill.cli.render import render_result
 from skill.cli.tool_options import FieldOption, add_field_arguments, call_arguments, describe_problems, flags_of
+from skill.codemod.workspace import Workspace
 from skill.console import EXIT_BAD_INPUT, reports_bad_input
 from skill.tools import InvalidArgumentsError, ToolEntry, get_tool, invoke, tool_entries
 
@@ -158,11 +159,12 @@ def run_tool(args: argparse.Namespace, result_type: type[ResultT]) -> ResultT:
     name are theirs to choose), recorded when ``--record`` is on; its result as ``result_type``."""
     command: ToolCommand = args.cli_command
     tool = get_tool(command.tool)
+    workspace = Workspace(getattr(args, "workspace", None))
     try:
         result = invoke(
             tool.name,
-            call_arguments(args, tool),
-            workspace=getattr(args, "workspace", None),
+            call_arguments(args, tool, workspace.root),
+            workspace=workspace,
             # The person at the keyboard vouches for the paths they type: export's AReaL tree and
             # Python, a source folder anywhere on disk. The MCP face and replay never do
             # (skill.tools.prepare_request), whichever command or tool it is.
@@ -171,7 +173,7 @@ def run_tool(args: argparse.Namespace, result_type: type[ResultT]) -> ResultT:
         )
     except InvalidArgumentsError as error:
         problems = describe_problems(error.problems, flags_of(tool, command.styles))
-        raise CommandInputError(f"{problems}; see '{command.prog} --help'") from error
+        raise CommandInputError(f"{problems}. See '{command.prog} --help'.") from error
     if not isinstance(result, result_type):
         raise TypeError(f"tool {tool.name!r} returned {type(result).__name__}, not {result_type.__name__}")
     return result

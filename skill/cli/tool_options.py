@@ -331,9 +331,13 @@ def _add_option(parser: argparse.ArgumentParser, name: str, info: FieldInfo, sty
 # --- a parsed command line as the step's arguments ----------------------------------------
 
 
-def call_arguments(args: argparse.Namespace, tool: Tool) -> dict[str, Any]:
-    """The arguments the person gave, by field name; a path they typed is made absolute from
-    the current directory (a model_type such as ``mistral`` stays a name)."""
+def call_arguments(args: argparse.Namespace, tool: Tool, root: Path) -> dict[str, Any]:
+    """The arguments the person gave, by field name, as an MCP client would send them.
+
+    A path they typed is read from the current directory (a model_type such as ``mistral``
+    stays a name): relative to the workspace ``root`` when it lies inside it, so a recorded
+    call replays in a copy of the workspace, else absolute.
+    """
     arguments: dict[str, Any] = {}
     path_like = {*tool.entry.path_fields, *tool.entry.external_paths, *tool.entry.program_paths}
     for name, info in tool.input_model.model_fields.items():
@@ -344,9 +348,18 @@ def call_arguments(args: argparse.Namespace, tool: Tool) -> dict[str, Any]:
             name in path_like and isinstance(value, str) and (looks_like_path(value) or Path(value).exists())
         )
         if names_a_path and isinstance(value, str) and value:
-            value = os.path.abspath(os.path.expanduser(value))
+            value = _as_typed(value, root)
         arguments[name] = value
     return arguments
+
+
+def _as_typed(value: str, root: Path) -> str:
+    """A path typed at the shell: relative to ``root`` when inside it, else absolute."""
+    path = Path(os.path.abspath(os.path.expanduser(value)))
+    try:
+        return path.relative_to(root).as_posix() or "."
+    except ValueError:
+        return str(path)
 
 
 def flags_of(tool: Tool, styles: Mapping[str, FieldOption] | None = None) -> dict[str, str]:
@@ -364,9 +377,11 @@ def flags_of(tool: Tool, styles: Mapping[str, FieldOption] | None = None) -> dic
 
 
 def describe_problems(problems: Sequence[tuple[str, str]], flags: Mapping[str, str]) -> str:
-    """``--flag (field): problem; ...`` for the fields a step's validation refused."""
+    """``--flag (field): problem; ...`` for the fields a step's validation refused (pydantic's
+    ``Value error, `` prefix dropped: the engine's message is the whole story)."""
     parts = []
     for field, problem in problems:
+        problem = problem.removeprefix("Value error, ").rstrip(".")
         flag = flags.get(field.split(".", 1)[0])
         parts.append(f"{flag} ({field}): {problem}" if flag and flag != field else f"{field}: {problem}")
     return "; ".join(parts)
