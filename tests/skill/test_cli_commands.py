@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from skill.cli import build_parser, command_tools, main, sub_commands
 from skill.cli.tool_options import call_arguments
 from skill.porting.copy_reference import CopyReferenceResult
 from skill.tools import TOOL_ENTRIES, get_tool, register_tool, tool_entries, unregister_tool
+from tests.mcp.scripted_client import _section
 from tests.mcp.toy_steps import TOY_ENTRIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,3 +223,70 @@ def test_an_unknown_command_is_one_line_and_exit_2(capsys):
     assert exit_.value.code == 2
     err = _one_line(capsys.readouterr().err)
     assert "invalid choice: 'copy_reference'" in err and "'archon-port --help'" in err
+
+
+# --- SKILL.md and README name commands that exist, with the options they take ---------------
+
+DOCS = {name: (REPO / name).read_text(encoding="utf-8") for name in ("SKILL.md", "README.md")}
+_SHELL_LINE = re.compile(r"^(?:[A-Z_]+=\S+ )?(archon-port .*?)(?:\s+#\s*(.*))?$")
+# A placeholder's stand-in where the command needs a number; any other is a word.
+_PLACEHOLDER_VALUES = {"stage": "4"}
+
+
+def _fill(command_line: str) -> list[str]:
+    filled = re.sub(r"<([a-z_]+)>", lambda m: _PLACEHOLDER_VALUES.get(m[1], "x"), command_line)
+    return shlex.split(filled)[1:]  # without "archon-port"
+
+
+def _shell_lines(text: str) -> list[tuple[str, str]]:
+    """Each ``archon-port`` line of a bash block: (the command line, its comment)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        for line in block.splitlines():
+            match = _SHELL_LINE.match(line.strip())
+            if match and not line.rstrip().endswith("\\"):
+                lines.append((match[1], match[2] or ""))
+    return lines
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_every_command_line_the_docs_show_parses_and_runs_the_tool_it_names(doc: str):
+    tools = {entry.name for entry in tool_entries()}
+    lines = _shell_lines(DOCS[doc])
+    assert len(lines) >= 10, lines
+    for command_line, comment in lines:
+        try:
+            args = build_parser().parse_args(_fill(command_line))
+        except SystemExit as error:  # argparse refused it: say which line
+            raise AssertionError(f"{doc}: `{command_line}` does not parse") from error
+        named = [word for word in re.findall(r"[a-z_]+", comment) if word in tools]
+        if named:
+            assert args.cli_command.tool == named[-1], (doc, command_line)
+
+
+def test_skill_md_shows_a_shell_command_for_every_tool():
+    hand = _section(DOCS["SKILL.md"], "Porting by hand")
+    tools = {entry.name for entry in TOOL_ENTRIES}
+    shown = {build_parser().parse_args(_fill(line)).cli_command.tool for line, _ in _shell_lines(hand)}
+    assert shown == tools
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_every_option_the_docs_give_a_command_is_one_of_its_options(doc: str):
+    parser = build_parser()
+    commands = sub_commands(parser)
+    global_options = {s for action in parser._actions for s in action.option_strings}
+    checked = 0
+    for text in re.findall(r"`(archon-port [^`]+)`", DOCS[doc]) + [line for line, _ in _shell_lines(DOCS[doc])]:
+        tokens = [t for t in _fill(re.sub(r"[\[\]]|\.\.\.", " ", text)) if t.startswith("-") or t in commands.choices]
+        command = next((t for t in tokens if t in commands.choices), None)
+        if command is None:
+            continue
+        commands.populate(command)
+        options = {s for action in commands.choices[command]._actions for s in action.option_strings}
+        before = tokens[: tokens.index(command)]
+        after = tokens[tokens.index(command) + 1 :]
+        assert set(before) <= global_options, (doc, text)
+        assert set(after) <= options, (doc, text, sorted(set(after) - options))
+        checked += 1
+    assert checked >= 10
