@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from skill.cli.tool_command import add_tool_command, print_result, run_tool
 from skill.cli.tool_options import FieldOption
 from skill.console import reports_bad_input
+
+if TYPE_CHECKING:  # the step module imports torch: only when the command runs
+    from skill.porting.check_package import CheckPackageResult
 
 TOOL = "check_package"
 
@@ -37,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
-def format_checks(result) -> str:
+def format_checks(result: CheckPackageResult) -> str:
     width = max((len(c.name) for c in result.checks), default=0)
     lines = [f"{c.name:<{width}}  {'ok' if c.passed else 'FAILED'}  {c.detail}" for c in result.checks]
     lines.append(f"{result.package_dir}: {'all checks passed' if result.passed else 'FAILED'}")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from skill.cli.stage import OVERRIDE
 from skill.cli.tool_command import add_tool_command, print_result, run_tool
 from skill.cli.tool_options import FieldOption
 from skill.console import reports_bad_input
+
+if TYPE_CHECKING:  # the step module imports torch: only when the command runs
+    from skill.porting.locate_divergence import LocateDivergenceResult
 
 TOOL = "locate_divergence"
 
@@ -36,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.diverged else 0
 
 
-def format_divergence(result) -> str:
+def format_divergence(result: LocateDivergenceResult) -> str:
     lines = []
     for diff in result.compared:
         mark = "ok  " if diff.within_tolerance else "DIFF"

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from skill.cli.tool_command import add_tool_command, print_result, run_tool
 from skill.cli.tool_options import FieldOption
 from skill.console import reports_bad_input
+
+if TYPE_CHECKING:  # the step module imports torch: only when the command runs
+    from skill.porting.run_test_stage import RunTestStageResult
 
 OVERRIDE_HELP = (
     "set a config attribute on the tiny HF config of both sides, to prove a feature a default hides "
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
-def format_stage(result, model_name: str) -> str:
+def format_stage(result: RunTestStageResult, model_name: str) -> str:
     """Each test, each check with its numbers, then the verdict."""
     lines = []
     for test in result.tests:
