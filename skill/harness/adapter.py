@@ -14,7 +14,6 @@ import torch
 from transformers import PretrainedConfig
 
 from archon_models.base import BaseStateDictAdapter
-from skill.analysis.probes import probe_head_is_embedding
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.keys import distinct_state_dict, join_single, key_indices, mapped_archon_key, wrapped_names
@@ -202,6 +201,9 @@ def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
         return
     hf_model = build_hf_model(tied_case, hf_config)
     adapter, archon_state, ties = _archon_side(hf_config, case.seed)
+    # Imported here: the analysis needs libcst, which a GPU machine running the harness lacks.
+    from skill.analysis.probes import probe_head_is_embedding
+
     if probe_head_is_embedding(hf_model) is False:
         rec.check(
             "tie_word_embeddings=True: HF keeps its own LM head, and so does the port",

@@ -51,7 +51,10 @@ def test_projection_composes_with_positions_norm_and_head_bias_in_any_order(refe
     for order, text in results.items():
         assert text == canonical, order
     compile(canonical, "<edited>", "exec")
-    assert "nn.Embedding(model_args.vocab_size, model_args.word_embed_proj_dim)" in canonical
+    assert (
+        "nn.Embedding(model_args.vocab_size, model_args.word_embed_proj_dim, padding_idx=model_args.pad_id)"
+        in canonical
+    )
     assert "self.output = nn.Linear(model_args.word_embed_proj_dim, model_args.vocab_size, bias=True)" in canonical
     assert "self.score = nn.Linear(model_args.word_embed_proj_dim, model_args.num_labels, bias=False)" in canonical
     assert "projected = model_args.word_embed_proj_dim != model_args.dim" in canonical

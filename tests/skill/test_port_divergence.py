@@ -96,11 +96,13 @@ def test_config_overrides_reach_both_sides_and_expose_what_a_default_hides(tmp_p
     args.write_text(args.read_text().replace("norm_eps=hf_config.rms_norm_eps,", "norm_eps=1e-6,"))
 
     plain = locate_divergence(LocateDivergenceRequest(model_name="llama", workspace=workspace))
-    assert not plain.diverged and plain.config_overrides == {"num_key_value_heads": 2}
+    # The committed case's overrides: two KV heads, and the pad id HF's embedding never trains.
+    case_overrides = {"num_key_value_heads": 2, "pad_token_id": 7}
+    assert not plain.diverged and plain.config_overrides == case_overrides
 
     request = LocateDivergenceRequest(model_name="llama", workspace=workspace, config_overrides={"rms_norm_eps": 0.5})
     result = locate_divergence(request)
-    assert result.config_overrides == {"num_key_value_heads": 2, "rms_norm_eps": 0.5}  # the case's, then the request's
+    assert result.config_overrides == {**case_overrides, "rms_norm_eps": 0.5}  # the case's, then the request's
     assert result.diverged and result.first_divergence is not None
     assert (result.first_divergence.archon_module, result.first_divergence.hf_module) == (
         "layers.0.attention_norm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from skill.codemod.cst import Document
 from skill.porting.plan import plan_for
 from skill.porting.provenance import header_lines, stamp, strip_header
 
@@ -50,7 +51,7 @@ def test_markers_sit_at_the_code_they_name():
 
     features = [line.removeprefix("unsupported: ") for line in plan_for("nanochat").unsupported]
     assert "weightless QK norm after RoPE (only a per-head one moves after it)" in features
-    text = mark_hand_edits(QWEN2_MODEL, features, "Qwen2Model")
+    text = mark_hand_edits(Document(QWEN2_MODEL), features, "Qwen2Model").code
     lines = text.splitlines()
 
     def line_after(marker_words: str) -> str:
