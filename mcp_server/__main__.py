@@ -1,11 +1,11 @@
 """``python -m mcp_server [serve] [--http PORT] [--workspace DIR] ...``: the same as ``archon-port serve``.
 
-The options are ``archon-port serve``'s own (:mod:`skill.cli.serve`); a leading ``serve``
-is accepted, so both spellings work.
+The options are the engine's (:mod:`skill.serving`), shared with ``archon-port serve``; a
+leading ``serve`` is accepted, so both spellings work.
 """
 
 import sys
 
-from skill.cli.serve import main
+from mcp_server.main import main
 
 sys.exit(main(sys.argv[1:]))

@@ -4,7 +4,7 @@
   tools (which write files and start processes) as the server's user: another user of the
   same machine, a web page through the browser. As notebook and language servers do, the
   server takes a token from ``ARCHON_PORT_TOKEN`` or makes one at start and prints it
-  (:func:`skill.cli.serve.server_token`); every HTTP request must carry
+  (:func:`skill.serving.server_token`); every HTTP request must carry
   ``Authorization: Bearer <token>``, else it gets ``401`` and one line saying so.
 - **Host and Origin checks on every loopback host.** The SDK turns its DNS-rebinding checks
   on only for the literal hosts ``127.0.0.1``, ``localhost`` and ``::1``; here any loopback
@@ -28,7 +28,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mcp_server.state import ServerState
-from skill.cli.serve import TOKEN_ENV, host_header_name, is_loopback
+from skill.serving import TOKEN_ENV, host_header_name, is_loopback
 
 logger = logging.getLogger(__name__)
 

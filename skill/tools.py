@@ -86,7 +86,11 @@ class ToolEntry(BaseModel):
         "confinement makes running a program a client chose safe",
     )
     long_running: bool = Field(default=False, description="the server reports progress while it runs")
-    title: str | None = None
+    title: str | None = Field(
+        default=None,
+        description="a few words for people: the MCP tool's title and the CLI command's line in "
+        "`archon-port --help` (read without importing the step)",
+    )
 
     @field_validator("target")
     @classmethod
@@ -102,33 +106,42 @@ class ToolEntry(BaseModel):
 TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ToolEntry(
         name="analyze_hf_model",
+        title="Analyse a HuggingFace model family",
         target="skill.analysis.analyze:analyze_hf_model",
         read_only=True,
         path_fields=("source",),
     ),
     ToolEntry(
         name="copy_reference",
+        title="Copy the nearest reference package",
         target="skill.porting.copy_reference:copy_reference",
         destructive=True,
         package_field="model_name",
     ),
     ToolEntry(
         name="edit_args",
+        title="Write the args dataclass and from_hf_config",
         target="skill.porting.edit_args:edit_args",
         package_field="model_name",
         path_fields=("source",),
     ),
     ToolEntry(
         name="edit_model",
+        title="Apply the feature edits to model.py",
         target="skill.porting.edit_model:edit_model",
         package_field="model_name",
         path_fields=("source",),
     ),
     ToolEntry(
-        name="set_rope", target="skill.porting.set_rope:set_rope", package_field="model_name", path_fields=("source",)
+        name="set_rope",
+        title="Write or re-export the RoPE",
+        target="skill.porting.set_rope:set_rope",
+        package_field="model_name",
+        path_fields=("source",),
     ),
     ToolEntry(
         name="edit_adapter_map",
+        title="Derive or edit the state-dict adapter map",
         target="skill.porting.edit_adapter_map:edit_adapter_map",
         destructive=True,
         package_field="model_name",
@@ -136,13 +149,20 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ),
     ToolEntry(
         name="write_parallelize",
+        title="Write the TP/EP parallelize plan",
         target="skill.porting.write_parallelize:write_parallelize",
         package_field="model_name",
         path_fields=("source",),
     ),
-    ToolEntry(name="register_spec", target="skill.porting.register_spec:register_spec", package_field="model_name"),
+    ToolEntry(
+        name="register_spec",
+        title="Write spec.py and register the package",
+        target="skill.porting.register_spec:register_spec",
+        package_field="model_name",
+    ),
     ToolEntry(
         name="check_package",
+        title="Check for the guide's common mistakes",
         target="skill.porting.check_package:check_package",
         read_only=True,
         package_field="model_name",
@@ -150,12 +170,14 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ),
     ToolEntry(
         name="run_test_stage",
+        title="Run one test stage",
         target="skill.porting.run_test_stage:run_test_stage",
         package_field="model_name",
         long_running=True,
     ),
     ToolEntry(
         name="port_model",
+        title="Port a family end to end",
         target="skill.porting.port_model:port_model",
         destructive=True,
         package_field="model_name",
@@ -164,6 +186,7 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ),
     ToolEntry(
         name="locate_divergence",
+        title="Find the first module that differs from HF",
         target="skill.porting.locate_divergence:locate_divergence",
         read_only=True,
         package_field="model_name",
@@ -171,6 +194,7 @@ TOOL_ENTRIES: tuple[ToolEntry, ...] = (
     ),
     ToolEntry(
         name="export_to_areal",
+        title="Export a package into AReaL and prove it there",
         target="skill.areal.export:export_to_areal",
         destructive=True,
         package_field="model_name",
@@ -351,6 +375,13 @@ def unregister_tool(name: str) -> None:
             _resolved.pop(name, None)
 
 
+def tool_entries() -> tuple[ToolEntry, ...]:
+    """Every registered entry, in playbook order, the run-time ones last; nothing is imported
+    (the CLI names its commands from these and resolves only the one it runs)."""
+    with _registry_lock:
+        return (*TOOL_ENTRIES, *_extra_entries.values())
+
+
 def load_tools() -> dict[str, Tool]:
     """Every registered step by name, in playbook order (imports the engine on first use)."""
     global _resolved
@@ -388,7 +419,8 @@ def _annotation_is_path(annotation: Any) -> bool:
     return False
 
 
-def _looks_like_path(value: str) -> bool:
+def looks_like_path(value: str) -> bool:
+    """Whether a value of a ``path_fields`` field names a path rather than a name (``mistral``)."""
     return os.sep in value or "/" in value or value.startswith((".", "~")) or value.endswith(".json")
 
 
@@ -466,7 +498,7 @@ def prepare_request(
             data[name] = _confine(workspace, name, value)
         elif name in tool.entry.path_fields and isinstance(value, str):
             candidate = Path(os.path.expanduser(value))
-            if _looks_like_path(value) or (workspace.root / candidate).exists() or candidate.is_absolute():
+            if looks_like_path(value) or (workspace.root / candidate).exists() or candidate.is_absolute():
                 if confine_sources:
                     data[name] = str(_confine(workspace, name, value))
                 else:

@@ -8,8 +8,11 @@ cycles (``skill.session`` <-> ``skill.tools``, ``skill.analysis.analyze`` <->
 ``skill.analysis.reference``) were broken by layering, not by deferring.
 
 The engine never imports the MCP face at module level. The one allowed function-level
-import is the CLI's ``serve`` command starting the server (``skill.cli.serve``), listed
-below: the CLI is a face too, and ``archon-port serve`` is how it starts the other one.
+import is the CLI's ``serve`` command starting the server (``skill.cli.serve`` ->
+``mcp_server.main``), listed below: the CLI is a face too, and ``archon-port serve`` is how
+it starts the other one. The MCP face never imports the CLI: what both faces share (the
+serve options, the bind and token rules, the one-line errors and exit statuses) is the
+engine's (``skill.serving``, ``skill.console``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("skill", "mcp_server")
 
 # Function-level imports of mcp_server from skill: (importing module, imported module).
-ALLOWED_ENGINE_TO_MCP = {("skill.cli.serve", "mcp_server.server")}
+ALLOWED_ENGINE_TO_MCP = {("skill.cli.serve", "mcp_server.main")}
 
 
 def _module_name(path: Path) -> str:
@@ -143,7 +146,7 @@ def test_the_graph_sees_the_modules_and_their_imports():
     top, deferred = _graph()
     assert "skill.tools" in top and "mcp_server.server" in top
     assert "skill.codemod.workspace" in top["skill.tools"]
-    assert "mcp_server.server" in deferred["skill.cli.serve"]
+    assert "mcp_server.main" in deferred["skill.cli.serve"]
 
 
 def test_no_cycle_among_module_level_imports():
@@ -170,3 +173,17 @@ def test_the_engine_does_not_import_the_mcp_face():
         (m, t) for m, ts in deferred.items() if m.startswith("skill") for t in ts if t.startswith("mcp_server")
     }
     assert in_functions <= ALLOWED_ENGINE_TO_MCP, sorted(in_functions - ALLOWED_ENGINE_TO_MCP)
+
+
+def test_the_mcp_face_does_not_import_the_cli():
+    """Neither at module level nor in a function: the faces share only the engine."""
+    top, deferred = _graph()
+    from_mcp = sorted(
+        (m, t)
+        for graph in (top, deferred)
+        for m, ts in graph.items()
+        if m.startswith("mcp_server")
+        for t in ts
+        if t == "skill.cli" or t.startswith("skill.cli.")
+    )
+    assert from_mcp == []

@@ -1,38 +1,41 @@
-"""The ``archon-port`` command line: argument handling only, the work is in the engine."""
+"""The ``archon-port`` command line: argument handling only, the work is in the engine.
+
+Every tool of the registry is a command (the MCP server serves the same list): the
+hand-written ones below, and a generated one for each other tool
+(:mod:`skill.cli.tool_command`). ``serve`` and ``replay`` are the CLI's own.
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import logging
-import signal
 import sys
-from collections.abc import Iterator
 
 from skill import __version__
-from skill.cli._errors import error_line
+from skill.cli.tool_command import CommandParser, ToolSubParsers, add_generated_command
+from skill.console import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    INTERRUPTED_LINE,
+    add_verbose_option,
+    configure_logging,
+    error_line,
+    interrupted,
+    sigterm_unwinds,
+)
+from skill.tools import tool_entries
 
-# One module per sub-command under skill/cli/, each defining
-# ``register(subparsers) -> None`` that adds its parser and sets ``func``
-# (``func(args) -> int`` returns the exit status).
-COMMAND_MODULES: tuple[str, ...] = ("serve", "replay", "analyze", "add", "check", "stage", "diverge", "export")
-
-
-def add_verbose_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
-
-
-def configure_logging(verbose: bool) -> None:
-    """Log to stderr (stdout carries results, or the MCP stdio stream)."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+# The hand-written commands of registry tools: one module each under skill/cli/, naming its
+# tool (``TOOL``) and defining ``register(subparsers)``, which adds the command through
+# skill.cli.tool_command.add_tool_command (its options are the tool's input fields) and sets
+# ``func`` (``func(args) -> int`` returns the exit status). Every other tool gets a generated command.
+TOOL_COMMAND_MODULES: tuple[str, ...] = ("analyze", "add", "check", "stage", "diverge", "export")
+# The CLI's own commands, which run no tool.
+OWN_COMMAND_MODULES: tuple[str, ...] = ("serve", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="archon-port",
         description="Port a HuggingFace decoder-only architecture into Archon and prove it correct.",
     )
@@ -45,38 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
         "check it later with `archon-port replay SESSION`",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [importlib.import_module(f"skill.cli.{name}") for name in TOOL_COMMAND_MODULES]
+    hand_written = {module.TOOL: module for module in modules}
+    for entry in tool_entries():  # in playbook order, as the MCP server lists them
+        module = hand_written.pop(entry.name, None)
+        if module is not None:
+            module.register(subparsers)
+        else:
+            add_generated_command(subparsers, entry.name)
+    if hand_written:
+        raise ValueError(f"commands {sorted(m.__name__ for m in hand_written.values())} name tools the registry lacks")
+    for name in OWN_COMMAND_MODULES:
         importlib.import_module(f"skill.cli.{name}").register(subparsers)
     return parser
 
 
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
+def sub_commands(parser: argparse.ArgumentParser) -> ToolSubParsers:
+    """The sub-commands of a parser :func:`build_parser` made."""
+    for action in parser._actions:
+        if isinstance(action, ToolSubParsers):
+            return action
+    raise ValueError("the parser has no archon-port sub-commands")
 
 
-def _terminate(signum, frame) -> None:
-    raise SystemExit(EXIT_TERMINATED)
-
-
-@contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit`` so cleanup (rollback, child processes) runs as on Ctrl-C."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:  # not the main thread: leave signals to it
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def interrupted(error: BaseException) -> bool:
-    """Whether ``error`` is Ctrl-C (also inside an exception group, as anyio's task groups raise it)."""
-    if isinstance(error, KeyboardInterrupt):
-        return True
-    return isinstance(error, BaseExceptionGroup) and error.subgroup(KeyboardInterrupt) is not None
+def command_tools(parser: argparse.ArgumentParser | None = None) -> dict[str, str | None]:
+    """Every command and the registry tool it runs (None: the CLI's own, ``serve`` and ``replay``)."""
+    commands = sub_commands(parser or build_parser())
+    return {name: (commands.commands[name].tool if name in commands.commands else None) for name in commands.choices}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbose)
     if getattr(args, "func", None) is None:
         parser.print_help()
-        return 2
+        return EXIT_BAD_INPUT
     try:
         with sigterm_unwinds():
             if args.record:
@@ -96,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except (ValueError, OSError) as error:  # bad input found outside a sub-command (a corrupt --record file)
         sys.stderr.write(error_line(error))
-        return 2
+        return EXIT_BAD_INPUT
     except BaseException as error:
         if not interrupted(error):
             raise
-        sys.stderr.write("archon-port: interrupted (an interrupted write is rolled back)\n")
+        sys.stderr.write(INTERRUPTED_LINE)
         return EXIT_INTERRUPTED
 
 

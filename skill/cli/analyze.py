@@ -1,54 +1,52 @@
-"""``archon-port analyze <source> [--json]``: the porting guide's step-1 checklist."""
+"""``archon-port analyze <source> [--json]``: the porting guide's step-1 checklist (the ``analyze_hf_model`` tool)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from skill.cli._errors import reports_bad_input
+from skill.cli.tool_command import add_tool_command, print_result, run_tool
+from skill.cli.tool_options import FieldOption
+from skill.console import EXIT_BAD_INPUT, reports_bad_input
 
-logger = logging.getLogger(__name__)
+TOOL = "analyze_hf_model"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = add_tool_command(
+        subparsers,
         "analyze",
+        TOOL,
+        run,
+        styles={
+            "source": FieldOption(
+                positional=True, optional=True, help="model_type (e.g. mistral), checkpoint folder, or config.json"
+            )
+        },
         help="analyse a HF decoder-only family: checklist, checkpoint keys, nearest reference, unsupported features",
         description="Analyse a model_type of the installed transformers, a checkpoint folder with config.json, "
         "or a config.json path. No network; remote code runs only with --trust-remote-code. "
         "Exits 2 on bad input (the message says what to do).",
     )
-    parser.add_argument("source", nargs="?", help="model_type (e.g. mistral), checkpoint folder, or config.json")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="execute the folder's modeling_*.py (read it first)"
-    )
     parser.add_argument("--list", action="store_true", help="list the candidate decoder-only model types and exit")
-    parser.set_defaults(func=run)
 
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.analysis import AnalysisError, AnalyzeInput, decoder_only_candidates
-    from skill.tools import invoke
+    from skill.analysis import AnalysisError, ArchitectureReport, decoder_only_candidates
 
     if args.list:
         sys.stdout.write("\n".join(decoder_only_candidates()) + "\n")
         return 0
-    if not args.source:
+    if not getattr(args, "source", None):
         sys.stderr.write("archon-port analyze: give a model_type, a folder or a config.json (or --list)\n")
-        return 2
-    request = AnalyzeInput(source=args.source, trust_remote_code=args.trust_remote_code)
+        return EXIT_BAD_INPUT
     try:
-        report = invoke("analyze_hf_model", request, confine_sources=False)
+        report = run_tool(args, ArchitectureReport)
     except AnalysisError as exc:
         sys.stderr.write(f"archon-port analyze: {exc}\n")
-        return 2
-    if args.json:
-        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
-    else:
-        sys.stdout.write(format_report(report) + "\n")
+        return EXIT_BAD_INPUT
+    print_result(args, report, lambda _: format_report(report))
     return 0
 
 

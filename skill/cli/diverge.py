@@ -1,50 +1,52 @@
-"""``archon-port diverge <model>``: the first module where Archon and HF part ways."""
+"""``archon-port diverge <model>``: the first module where Archon and HF part ways (the ``locate_divergence`` tool)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from typing import TYPE_CHECKING
 
-from skill.cli._errors import reports_bad_input
-from skill.cli._overrides import add_override_option, overrides_of
+from skill.cli.stage import OVERRIDE
+from skill.cli.tool_command import add_tool_command, print_result, run_tool
+from skill.cli.tool_options import FieldOption
+from skill.console import reports_bad_input
+
+if TYPE_CHECKING:  # the step module imports torch: only when the command runs
+    from skill.porting.locate_divergence import LocateDivergenceResult
+
+TOOL = "locate_divergence"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    add_tool_command(
+        subparsers,
         "diverge",
+        TOOL,
+        run,
+        styles={"model_name": FieldOption(positional=True, metavar="model"), "config_overrides": OVERRIDE},
         help="name the first module whose output differs from HF",
         description="Run a tiny HF model and its Archon port on the same tokens with hooks on every "
         "module, match modules through the adapter map, and name the first one whose output differs "
         "beyond fp32 tolerance; modules without parameters are matched by where they run. --override "
         "sets config attributes on the tiny config of both sides. Exits 1 when the logits diverge.",
     )
-    parser.add_argument("model", help="package name under archon_models/")
-    parser.add_argument("--model-type", help="HF model_type (default: the package's test case)")
-    add_override_option(parser)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.set_defaults(func=run)
 
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.porting.locate_divergence import LocateDivergenceRequest, LocateDivergenceResult
-    from skill.tools import invoke_as
+    from skill.porting.locate_divergence import LocateDivergenceResult
 
-    result = invoke_as(
-        LocateDivergenceResult,
-        "locate_divergence",
-        LocateDivergenceRequest(model_name=args.model, model_type=args.model_type, config_overrides=overrides_of(args)),
-    )
-    if args.json:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
-        return 1 if result.diverged else 0
+    result = run_tool(args, LocateDivergenceResult)
+    print_result(args, result, lambda _: format_divergence(result))
+    return 1 if result.diverged else 0
+
+
+def format_divergence(result: LocateDivergenceResult) -> str:
+    lines = []
     for diff in result.compared:
         mark = "ok  " if diff.within_tolerance else "DIFF"
-        sys.stdout.write(f"{mark} {diff.archon_module:<32} {diff.hf_module:<40} {diff.max_abs_diff:.2e}\n")
+        lines.append(f"{mark} {diff.archon_module:<32} {diff.hf_module:<40} {diff.max_abs_diff:.2e}")
     if result.first_divergence is not None:
         d = result.first_divergence
-        sys.stdout.write(f"first divergence: {d.archon_module} (HF {d.hf_module}), max abs diff {d.max_abs_diff:.3e}\n")
-    sys.stdout.write(
-        f"logits max abs diff {result.logits_max_abs_diff:.3e}: {'DIVERGED' if result.diverged else 'match'}\n"
-    )
-    return 1 if result.diverged else 0
+        lines.append(f"first divergence: {d.archon_module} (HF {d.hf_module}), max abs diff {d.max_abs_diff:.3e}")
+    lines.append(f"logits max abs diff {result.logits_max_abs_diff:.3e}: {'DIVERGED' if result.diverged else 'match'}")
+    return "\n".join(lines)

@@ -1,20 +1,41 @@
-"""``archon-port export <model> --areal <path>``: drop a package into AReaL and prove it there."""
+"""``archon-port export <model> --areal <path>``: drop a package into AReaL and prove it there (the
+``export_to_areal`` tool).
+
+The person at the keyboard may name any AReaL tree and any Python (``--python``); over MCP the
+tree must lie in the workspace and no Python may be named (``skill.tools.prepare_request``).
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from pathlib import Path
 
-from skill.cli._errors import reports_bad_input
+from skill.cli.tool_command import add_tool_command, print_result, run_tool
+from skill.cli.tool_options import FieldOption
+from skill.console import reports_bad_input
 
-logger = logging.getLogger(__name__)
+TOOL = "export_to_areal"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    add_tool_command(
+        subparsers,
         "export",
+        TOOL,
+        run,
+        styles={
+            "model_name": FieldOption(positional=True, metavar="model"),
+            "areal": FieldOption(
+                help="an AReaL source checkout, or an installed areal package "
+                "(python -c 'import areal; print(areal.__path__[0])')"
+            ),
+            "run_checks": FieldOption(flag="--no-checks", help="write the package, skip the AReaL checks"),
+            "distributed": FieldOption(flag="--no-distributed", help="skip the TP=2 / FSDP=2 checks"),
+            "python": FieldOption(
+                help="the Python that imports that AReaL and its dependencies (default: the venv holding an "
+                "installed areal, else this interpreter)"
+            ),
+        },
         help="copy a package into an AReaL tree (import prefix rewritten, registered) and run the AReaL checks there",
         description="Copy archon_models/<model>/ into <areal>/areal/experimental/models/archon/<model>/ with "
         "the import prefix archon_models rewritten to areal.experimental.models.archon, add its import line "
@@ -23,50 +44,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serves (qwen2, qwen3, qwen3_moe, the qwen3_5 family, or an earlier export), and an existing, "
         "different package of that name unless --overwrite. Exits 2 on bad input, 1 when a check fails.",
     )
-    parser.add_argument("model", help="package under archon_models/, e.g. llama")
-    parser.add_argument(
-        "--areal",
-        required=True,
-        type=Path,
-        help="an AReaL source checkout, or an installed areal package "
-        "(python -c 'import areal; print(areal.__path__[0])')",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing, different package of that name")
-    parser.add_argument("--dry-run", action="store_true", help="print the diff; write nothing, run no checks")
-    parser.add_argument("--no-checks", action="store_true", help="write the package, skip the AReaL checks")
-    parser.add_argument("--no-distributed", action="store_true", help="skip the TP=2 / FSDP=2 checks")
-    parser.add_argument(
-        "--python",
-        type=Path,
-        help="the Python that imports that AReaL and its dependencies (default: the venv holding an "
-        "installed areal, else this interpreter)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.set_defaults(func=run)
 
 
 @reports_bad_input
 def run(args: argparse.Namespace) -> int:
-    from skill.areal.export import ExportRequest, ExportResult
-    from skill.tools import invoke_as
+    from skill.areal.export import ExportResult
 
-    request = ExportRequest(
-        model_name=args.model,
-        areal=args.areal,
-        overwrite=args.overwrite,
-        dry_run=args.dry_run,
-        run_checks=not args.no_checks,
-        distributed=not args.no_distributed,
-        python=args.python,
-    )
-    # The person at the shell names the AReaL tree; it lies outside this project by design.
-    result = invoke_as(ExportResult, "export_to_areal", request, allow_external=True)
-    if args.json:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
-    elif args.dry_run:
+    result = run_tool(args, ExportResult)
+    if getattr(args, "dry_run", False) and not args.json:
         sys.stdout.write(result.diff or f"{result.package_dir}: already up to date; nothing would change\n")
     else:
-        sys.stdout.write(format_result(result) + "\n")
+        print_result(args, result, lambda _: format_result(result))
     return 1 if result.passed is False else 0
 
 

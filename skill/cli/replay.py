@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from skill.cli._errors import reports_bad_input
+from skill.console import reports_bad_input
 
 logger = logging.getLogger(__name__)
 

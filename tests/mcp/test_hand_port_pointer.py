@@ -9,7 +9,7 @@ import pytest
 from mcp import Client
 
 from mcp_server import build_server
-from skill.cli._errors import reports_bad_input
+from skill.console import reports_bad_input
 from skill.errors import HAND_PORT_POINTER, HAND_PORT_SECTION, UnsupportedFeatureError
 from tests.mcp.conftest import REPO
 

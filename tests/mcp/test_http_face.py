@@ -24,7 +24,7 @@ import anyio
 import httpx2 as httpx
 import pytest
 
-from skill.cli.serve import TOKEN_ENV, server_token
+from skill.serving import TOKEN_ENV, server_token
 from tests.processes import process_gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _serve(workspace: Path, host: str, *, env: dict[str, str] | None = None) -> 
         import sys
         from tests.mcp.toy_steps import register_toy_tools
         register_toy_tools()
-        from skill.cli.serve import main
+        from mcp_server.main import main
         sys.exit(main(["--workspace", {str(workspace)!r}, "--no-record", "--http", "{port}", "--host", {host!r}]))
         """
     )

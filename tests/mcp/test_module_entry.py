@@ -11,7 +11,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from skill.cli import build_parser as build_cli_parser
-from skill.cli.serve import parse_args
+from skill.serving import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_both_spellings_parse_to_the_serve_subcommands_options(tmp_path: Path):
     with_serve = vars(parse_args(["serve", *argv]))
     via_cli = vars(build_cli_parser().parse_args(["serve", *argv]))
     assert bare == with_serve
-    shared = {k: v for k, v in via_cli.items() if k not in ("command", "record", "verbose")}
+    shared = {k: v for k, v in via_cli.items() if k not in ("command", "func", "record", "verbose")}
     assert {k: bare[k] for k in shared} == shared  # one set of options, the same defaults
     assert bare["workspace"] == str(tmp_path) and bare["lock_timeout"] == 0.0 and bare["host"] == "127.0.0.1"
     with pytest.raises(SystemExit):

@@ -16,8 +16,8 @@ import pytest
 
 from skill import tools
 from skill.cli import main as cli_main
-from skill.cli.serve import check_bind
 from skill.codemod.workspace import Workspace
+from skill.serving import check_bind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_a_non_loopback_bind_needs_allow_remote_and_warns(workspace: Path, capsy
     assert "--allow-remote" in _one_error_line(capsys)
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         check_bind(host, 8765, allow_remote=False)
-    with caplog.at_level(logging.WARNING, logger="skill.cli.serve"):
+    with caplog.at_level(logging.WARNING, logger="skill.serving"):
         check_bind("0.0.0.0", 8765, allow_remote=True)
     assert any("Host/Origin" in r.getMessage() for r in caplog.records)
 

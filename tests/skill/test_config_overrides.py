@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import pytest
 
 from skill import session as sessions
 from skill.cli import build_parser
-from skill.cli._overrides import parse_override
 from skill.codemod import StagedTree, Workspace
 from skill.porting.run_test_stage import ensure_test_file
 from skill.porting.test_file import CasesError, add_override_case, carry_extra_cases, read_cases
@@ -114,15 +112,33 @@ def test_run_test_stage_adds_the_override_case_runs_only_it_and_records_it(stage
     assert list(calls[0].files) == ["tests/archon/test_llama.py"] and not calls[1].files
 
 
-def test_the_cli_reads_override_values_as_json_when_they_parse():
-    assert parse_override("clip_qkv=8.0") == ("clip_qkv", 8.0)
-    assert parse_override("hidden_act=gelu") == ("hidden_act", "gelu")
-    assert parse_override('rope_parameters={"factor": 2.0}') == ("rope_parameters", {"factor": 2.0})
-    assert parse_override("use_bias=true") == ("use_bias", True)
-    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
-        parse_override("clip_qkv")
+def test_the_cli_reads_override_values_as_json_when_they_parse(capsys):
     parser = build_parser()
-    stage = parser.parse_args(["stage", "olmo", "4", "--override", "clip_qkv=8.0", "--override", "hidden_act=gelu"])
-    assert dict(stage.overrides) == {"clip_qkv": 8.0, "hidden_act": "gelu"}
+    stage = parser.parse_args(
+        [
+            "stage",
+            "olmo",
+            "4",
+            "--override",
+            "clip_qkv=8.0",
+            "--override",
+            "hidden_act=gelu",
+            "--override",
+            'rope_parameters={"factor": 2.0}',
+            "--override",
+            "use_bias=true",
+        ]
+    )
+    assert stage.config_overrides == {
+        "clip_qkv": 8.0,
+        "hidden_act": "gelu",
+        "rope_parameters": {"factor": 2.0},
+        "use_bias": True,
+    }
     diverge = parser.parse_args(["diverge", "granite", "--override", "residual_multiplier=0.5"])
-    assert dict(diverge.overrides) == {"residual_multiplier": 0.5}
+    assert diverge.config_overrides == {"residual_multiplier": 0.5}
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["stage", "olmo", "4", "--override", "clip_qkv"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "KEY=VALUE" in err and "--override" in err, err

@@ -232,7 +232,9 @@ def test_cli_add_reports_a_bad_name_in_one_line(capsys):
 
     assert main(["add", "llama", "--name", "../escape", "--stages", ""]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("archon-port: error: model_name:") and "leave archon_models/" in err
+    # The option the person typed, the field it fills, and the fix, on one line.
+    assert err.startswith("archon-port: error: --name (model_name): Model name '../escape' would leave archon_models/")
+    assert err.count("\n") == 1 and "pass a bare package name" in err
 
 
 def _tp_plan_modules(result):
