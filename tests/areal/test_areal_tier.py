@@ -18,6 +18,18 @@ pytestmark = [pytest.mark.areal, pytest.mark.slow]
 MODEL_TYPES = [t for types in committed_packages().values() for t in types]
 
 
+def _known(model_type: str):  # type: ignore[no-untyped-def]
+    """The model_type, skipped where the installed transformers has no config class for it
+    (the AReaL-pins venv holds AReaL 1.0.4's transformers 5.3.0, older than some families)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING:
+        return model_type
+    reason = f"model_type {model_type!r} is unknown to the installed transformers {transformers.__version__}"
+    return pytest.param(model_type, marks=pytest.mark.skip(reason=reason))
+
+
 def _maps_a_correction_bias(model_type: str) -> bool:
     """Whether the package's adapter loads a checkpoint key into the router's ``expert_bias``."""
     import archon_models
@@ -31,7 +43,7 @@ def _ties_its_head(model_type: str) -> bool:
     return bool(getattr(build_hf_config(ModelCase(model_type=model_type)), "tie_word_embeddings", False))
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", [_known(t) for t in MODEL_TYPES])
 def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property, request) -> None:  # type: ignore[no-untyped-def]
     one_process = request.config.getoption(ONE_PROCESS_OPTION)
     result = areal_checker.check(model_type, distributed=not one_process)
