@@ -193,21 +193,63 @@ def _print_calls(text: str) -> list[int]:
     ]
 
 
+def _guarded_attrs(test: ast.expr) -> set[str]:
+    """Attributes an ``if`` test makes sure of: ``getattr(hf_config, "X", ...)`` or
+    ``hasattr(hf_config, "X")`` anywhere in it (its body reads ``hf_config.X`` safely)."""
+    guarded: set[str] = set()
+    for node in ast.walk(test):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == "hf_config"
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            guarded.add(node.args[1].value)
+    return guarded
+
+
 def _config_reads(args_text: str) -> set[str]:
-    """Attributes read as ``hf_config.X`` (no default) anywhere in args.py."""
+    """Attributes read as ``hf_config.X`` (no default) anywhere in args.py, except inside
+    the body of an ``if`` whose test reads ``X`` with ``getattr``/``hasattr`` first, or after
+    such a read in an ``and``."""
     try:
         tree = ast.parse(args_text)
     except SyntaxError:
         return set()
     reads: set[str] = set()
-    for node in ast.walk(tree):
+
+    def visit(node: ast.AST, guarded: frozenset[str]) -> None:
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
             and node.value.id == "hf_config"
             and isinstance(node.ctx, ast.Load)
+            and node.attr not in guarded
         ):
             reads.add(node.attr)
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+            # ``hasattr(hf_config, "X") and hf_config.X``: later operands are guarded.
+            inner = guarded
+            for value in node.values:
+                visit(value, inner)
+                inner = inner | _guarded_attrs(value)
+            return
+        if isinstance(node, ast.If):
+            visit(node.test, guarded)
+            inner = guarded | _guarded_attrs(node.test)
+            for child in node.body:
+                visit(child, inner)
+            for child in node.orelse:
+                visit(child, guarded)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, guarded)
+
+    visit(tree, frozenset())
     return reads
 
 

@@ -296,3 +296,23 @@ def test_check_package_fails_while_a_hand_edit_marker_is_left(workspace):
     assert "archon_models/llama/model/model.py:" in check.detail and "(clip_qkv)" in check.detail
     model.write_text(source)
     assert next(c for c in check_package(request).checks if c.name == "hand_edits_done").passed
+
+
+def test_config_reads_guarded_by_getattr_in_the_if_test_are_not_required():
+    """The deepseek_v3 reference warns with ``hf_config.attention_dropout`` only inside
+    ``if getattr(hf_config, "attention_dropout", 0.0):``: a config without the field is fine
+    (the fuzzer's MLA families, seeds 1/22/23/29, failed check_package on it). A read
+    outside such a guard, or in its ``else``, is still required."""
+    from skill.porting.check_package import _config_reads
+
+    text = (
+        "def f(hf_config):\n"
+        '    if getattr(hf_config, "attention_dropout", 0.0):\n'
+        "        log(hf_config.attention_dropout)\n"
+        "    else:\n"
+        "        log(hf_config.hidden_act)\n"
+        '    if hasattr(hf_config, "rope_scaling") and hf_config.rope_scaling:\n'
+        "        log(hf_config.rope_scaling, hf_config.rope_theta)\n"
+        "    return hf_config.vocab_size\n"
+    )
+    assert _config_reads(text) == {"hidden_act", "rope_theta", "vocab_size"}
