@@ -241,10 +241,10 @@ def _config_reads(args_text: str) -> set[str]:
         if isinstance(node, ast.If):
             visit(node.test, guarded)
             inner = guarded | _guarded_attrs(node.test)
-            for child in node.body:
-                visit(child, inner)
-            for child in node.orelse:
-                visit(child, guarded)
+            for statement in node.body:
+                visit(statement, inner)
+            for statement in node.orelse:
+                visit(statement, guarded)
             return
         for child in ast.iter_child_nodes(node):
             visit(child, guarded)

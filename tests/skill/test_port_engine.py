@@ -316,3 +316,26 @@ def test_config_reads_guarded_by_getattr_in_the_if_test_are_not_required():
         "    return hf_config.vocab_size\n"
     )
     assert _config_reads(text) == {"hidden_act", "rope_theta", "vocab_size"}
+
+
+def test_args_check_compares_a_dataclass_field_by_its_values():
+    """The generated args module, executed on its own, defines its own ``YarnArgs``: equal
+    fields are the same value (fuzzer seeds 2 and 38, MLA with YaRN, failed edit_args with
+    'expected YarnArgs(...), got YarnArgs(...)', the same text)."""
+    import dataclasses
+
+    from skill.porting.edit_args import _same_value
+
+    def yarn_class():
+        @dataclasses.dataclass
+        class YarnArgs:
+            factor: float = 4.0
+            truncate: bool = True
+
+        return YarnArgs
+
+    ours, theirs = yarn_class(), yarn_class()
+    assert ours() != theirs()  # two classes: dataclass equality says no
+    assert _same_value(ours(), theirs())
+    assert not _same_value(ours(), theirs(factor=2.0))
+    assert _same_value(3, 3) and not _same_value(3, 4)
