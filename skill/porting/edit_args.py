@@ -1407,12 +1407,16 @@ def _reference_mapping_args(
             want, got = getattr(expected, f.name), getattr(actual, f.name)
             shown = (want, got) if _literal_default(want) and _literal_default(got) else (repr(want), repr(got))
             checks.append(
-                FieldCheck(config=label, field=f.name, expected=shown[0], actual=shown[1], passed=want == got)
+                FieldCheck(
+                    config=label, field=f.name, expected=shown[0], actual=shown[1], passed=_same_value(want, got)
+                )
             )
     default_args = written()
     for name in spec:
         want, got = getattr(defaults, name), getattr(default_args, name)
-        checks.append(FieldCheck(config="class default", field=name, expected=want, actual=got, passed=want == got))
+        checks.append(
+            FieldCheck(config="class default", field=name, expected=want, actual=got, passed=_same_value(want, got))
+        )
     failed = [c for c in checks if not c.passed]
     if failed:
         detail = "; ".join(f"{c.field} ({c.config}): expected {c.expected!r}, got {c.actual!r}" for c in failed)
