@@ -1382,6 +1382,9 @@ def _reference_mapping_args(
         # The config has no switch of the rotation's pairing: the measured one is fixed.
         interleaved = "True" if profile.rotary_interleaved else "False"
         doc = set_call_kwarg(doc, "cls", "rope_interleave", interleaved)
+    if profile.tying_field != "tie_word_embeddings":
+        # HF's tying follows another field, or none (probed): the reference reads tie_word_embeddings.
+        doc = set_call_kwarg(doc, "cls", "enable_weight_tying", _tying_arg(profile, config).expression)
     args_class = _exec_args_class(doc.code, layout.args_class)
     missing = _missing_moe_fields(doc.code, layout.args_class, config)
     defaults = args_class.from_hf_config(_moe_fields_filled(config, missing))
