@@ -304,7 +304,10 @@ def derive_from_hf_map(
         if norm_roles
         else _norm_names(layer_modules)
     )
-    layer_rules = {**structural_layer, **LAYER_MODULES, **norms}
+    # The name table covers modules the structural map does not find; where both name a
+    # module, the structure wins (a gated MLP named c_gate/c_fc/c_proj: c_fc is the up
+    # projection, w3, though GPT-2's plain c_fc is w1).
+    layer_rules = {**LAYER_MODULES, **structural_layer, **norms}
     if "mlp.up_proj" in layer_modules and "mlp.gate_proj" not in layer_modules:
         # A two-layer MLP (up, act, down): its up projection is Archon's w1.
         layer_rules["mlp.up_proj"] = "feed_forward.w1"

@@ -411,3 +411,20 @@ def test_an_unused_epsilon_field_is_not_read() -> None:
     assert norm.eps == pytest.approx(1e-5)
     # A field the norms do read stays the source (LlamaRMSNorm(eps=config.rms_norm_eps)).
     assert report_for("llama").checklist.norm.eps_field == "rms_norm_eps"
+
+
+def test_the_structural_map_wins_over_the_name_table() -> None:
+    """A gated MLP with GPT-2's names (c_gate, c_fc, c_proj): the analysis finds c_fc is the
+    up projection (w3); the name table's GPT-2 rule (plain c_fc -> w1) must not override it
+    (fuzzer seeds 30, 34, 48 failed stage 2: w3 had no HF name)."""
+    prefix = "transformer.h.{}."
+    keys = [f"{prefix}mlp.{name}.weight" for name in ("c_gate", "c_fc", "c_proj")]
+    module_map = {
+        f"{prefix}mlp.c_gate": "layers.{}.feed_forward.w1",
+        f"{prefix}mlp.c_fc": "layers.{}.feed_forward.w3",
+        f"{prefix}mlp.c_proj": "layers.{}.feed_forward.w2",
+    }
+    mapping = derive_from_hf_map(keys, layer_prefix=prefix, module_map=module_map)
+    assert mapping[f"{prefix}mlp.c_gate.weight"] == "layers.{}.feed_forward.w1.weight"
+    assert mapping[f"{prefix}mlp.c_fc.weight"] == "layers.{}.feed_forward.w3.weight"
+    assert mapping[f"{prefix}mlp.c_proj.weight"] == "layers.{}.feed_forward.w2.weight"
