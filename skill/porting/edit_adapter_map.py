@@ -312,6 +312,21 @@ def derive_from_hf_map(
         # A two-layer MLP (up, act, down): its up projection is Archon's w1.
         layer_rules["mlp.up_proj"] = "feed_forward.w1"
     top_rules = {**structural_top, **TOP_MODULES, **(top_modules or {})}
+    # The attention's own parameters (sinks) under whatever the family calls the attention
+    # module: the parent of the projections the structural map found (GPT-2's attn, Falcon's
+    # self_attention).
+    attention_modules = {
+        hf.rsplit(".", 1)[0]
+        for hf, archon in structural_layer.items()
+        if "." in hf and archon in ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    }
+    attention_parameters = {
+        f"{module}.{name}": target
+        for module in attention_modules
+        for name, target in (
+            (hf.rsplit(".", 1)[1], target) for hf, target in LAYER_PARAMETERS.items() if target == "attention.sinks"
+        )
+    }
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:
@@ -327,7 +342,7 @@ def derive_from_hf_map(
             mapping[key] = "embedding_norm." + key[len(embedding_norm_module) + 1 :]
             continue
         inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else None
-        layer_targets = {**LAYER_PARAMETERS, **(layer_buffers or {})}
+        layer_targets = {**attention_parameters, **LAYER_PARAMETERS, **(layer_buffers or {})}
         if inner is not None and inner in layer_targets:
             mapping[key] = f"layers.{{}}.{layer_targets[inner]}"
             continue

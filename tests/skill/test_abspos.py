@@ -428,3 +428,15 @@ def test_the_structural_map_wins_over_the_name_table() -> None:
     assert mapping[f"{prefix}mlp.c_gate.weight"] == "layers.{}.feed_forward.w1.weight"
     assert mapping[f"{prefix}mlp.c_fc.weight"] == "layers.{}.feed_forward.w3.weight"
     assert mapping[f"{prefix}mlp.c_proj.weight"] == "layers.{}.feed_forward.w2.weight"
+
+
+def test_sinks_are_found_under_the_family_s_own_attention_module() -> None:
+    """GPT-2- or Falcon-named attention (attn, self_attention) with sinks: the attention
+    module is the parent of the projections the analysis found (fuzzer seeds 12, 54, 93, 94
+    failed edit_adapter_map: transformer.h.{}.attn.sinks unmapped)."""
+    prefix = "transformer.h.{}."
+    keys = [f"{prefix}attn.c_proj.weight", f"{prefix}attn.sinks"]
+    mapping = derive_from_hf_map(
+        keys, layer_prefix=prefix, module_map={f"{prefix}attn.c_proj": "layers.{}.attention.wo"}
+    )
+    assert mapping[f"{prefix}attn.sinks"] == "layers.{}.attention.sinks"
