@@ -308,3 +308,21 @@ def test_gpu_check_needs_neither_libcst_nor_mcp() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_imported_main_counts_its_budget_from_its_own_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Imported (as the suite does), main's budget starts at the call, not when the module was
+    imported: late in a 15-minute test run the smoke test found its 450 s spent before any row
+    ran, and a row that never ran raised KeyError 'bf16_passed' instead of a failed row."""
+    seen: list[float] = []
+
+    def fake_run_plan(items, opts, budget_s, on_row, started):  # type: ignore[no-untyped-def]
+        seen.append(started)
+        on_row({"part": "correctness", "family": "llama", "not_run": "the budget was spent"})
+
+    monkeypatch.setattr(gpu_check, "PROCESS_START", time.monotonic() - 10_000)
+    monkeypatch.setattr(gpu_check, "run_plan", fake_run_plan)
+    before = time.monotonic()
+    argv = ["--device", "cpu", "--quick", "--families", "llama", "--parts", "correctness"]
+    assert gpu_check.main([*argv, "--json", str(tmp_path / "out.json")]) == 1  # the not-run row fails, by name
+    assert seen and seen[0] >= before
