@@ -321,12 +321,12 @@ def derive_from_hf_map(
         if "." in hf and archon in ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
     }
     attention_parameters = {
-        f"{module}.{name}": target
+        f"{module}.{hf.rsplit('.', 1)[1]}": target
         for module in attention_modules
-        for name, target in (
-            (hf.rsplit(".", 1)[1], target) for hf, target in LAYER_PARAMETERS.items() if target == "attention.sinks"
-        )
+        for hf, target in LAYER_PARAMETERS.items()
+        if target.startswith("attention.")
     }
+    layer_targets = {**attention_parameters, **LAYER_PARAMETERS, **(layer_buffers or {})}
     mapping: dict[str, str | None] = {}
     unmapped: list[str] = []
     for key in keys:
@@ -342,7 +342,6 @@ def derive_from_hf_map(
             mapping[key] = "embedding_norm." + key[len(embedding_norm_module) + 1 :]
             continue
         inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else None
-        layer_targets = {**attention_parameters, **LAYER_PARAMETERS, **(layer_buffers or {})}
         if inner is not None and inner in layer_targets:
             mapping[key] = f"layers.{{}}.{layer_targets[inner]}"
             continue

@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 import archon_models  # noqa: F401 - importing the package registers every model spec
 from skill.harness import ModelCase, StageFailure, StageResult
 from skill.harness.models import unhonoured_overrides
+from tests.conftest import unknown_model_type
 
 _PROPERTY = "archon_stage_result"
 
@@ -48,11 +49,10 @@ def _skip_if_inexpressible(case: ModelCase) -> Any:
     anything about the port.
     """
     import transformers
-    from transformers import CONFIG_MAPPING
 
-    if case.source is None and case.model_type not in CONFIG_MAPPING:
-        reason = f"model_type {case.model_type!r} is unknown to the installed transformers {transformers.__version__}"
-        return pytest.param(case, marks=pytest.mark.skip(reason=reason))
+    unknown = unknown_model_type(case.model_type) if case.source is None else None
+    if unknown is not None:
+        return pytest.param(case, marks=pytest.mark.skip(reason=unknown))
     # A remote-code case brings its own config class, which keeps what it is given.
     changed = unhonoured_overrides(case) if case.source is None else []
     if changed:

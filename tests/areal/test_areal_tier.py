@@ -11,7 +11,7 @@ from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
 from skill.harness.models import build_hf_config
 from tests.areal.conftest import _PROPERTY, committed_packages
-from tests.conftest import ONE_PROCESS_OPTION
+from tests.conftest import ONE_PROCESS_OPTION, unknown_model_type
 
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
@@ -21,13 +21,8 @@ MODEL_TYPES = [t for types in committed_packages().values() for t in types]
 def _known(model_type: str):  # type: ignore[no-untyped-def]
     """The model_type, skipped where the installed transformers has no config class for it
     (the AReaL-pins venv holds AReaL 1.0.4's transformers 5.3.0, older than some families)."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
-    if model_type in CONFIG_MAPPING:
-        return model_type
-    reason = f"model_type {model_type!r} is unknown to the installed transformers {transformers.__version__}"
-    return pytest.param(model_type, marks=pytest.mark.skip(reason=reason))
+    unknown = unknown_model_type(model_type)
+    return model_type if unknown is None else pytest.param(model_type, marks=pytest.mark.skip(reason=unknown))
 
 
 def _maps_a_correction_bias(model_type: str) -> bool:

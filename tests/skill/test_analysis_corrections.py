@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 
 import pytest
-import transformers
-from transformers import CONFIG_MAPPING, AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.features import Feature, FusedQKVLayout
+from tests.conftest import unknown_model_type
 
 hf_logging.set_verbosity_error()
 
@@ -30,10 +30,8 @@ def report_for(source: str) -> ArchitectureReport:
 
 
 def needs(model_type: str):
-    return pytest.mark.skipif(
-        model_type not in CONFIG_MAPPING,
-        reason=f"model_type {model_type!r} is unknown to the installed transformers {transformers.__version__}",
-    )
+    unknown = unknown_model_type(model_type)
+    return pytest.mark.skipif(unknown is not None, reason=unknown or "")
 
 
 # ------------------------------------------------------------- saved by another name
