@@ -33,18 +33,6 @@ def configured_threads() -> int:
 ONE_PROCESS_OPTION = "--areal-one-process"
 
 
-def unknown_model_type(model_type: str) -> str | None:
-    """Why a test of ``model_type`` cannot run here: the installed transformers has no config
-    class for it (pyproject.toml accepts transformers from 5.3.0, older than some families);
-    ``None`` when it has one."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
-    if model_type in CONFIG_MAPPING:
-        return None
-    return f"model_type {model_type!r} is unknown to the installed transformers {transformers.__version__}"
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         ONE_PROCESS_OPTION,

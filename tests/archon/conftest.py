@@ -20,8 +20,7 @@ from transformers.utils import logging as hf_logging
 
 import archon_models  # noqa: F401 - importing the package registers every model spec
 from skill.harness import ModelCase, StageFailure, StageResult
-from skill.harness.models import unhonoured_overrides
-from tests.conftest import unknown_model_type
+from skill.harness.models import unhonoured_overrides, unknown_model_type
 
 _PROPERTY = "archon_stage_result"
 

@@ -9,9 +9,9 @@ import pytest
 from skill.areal.checks import TP_REFUSED
 from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
-from skill.harness.models import build_hf_config
+from skill.harness.models import build_hf_config, unknown_model_type
 from tests.areal.conftest import _PROPERTY, committed_packages
-from tests.conftest import ONE_PROCESS_OPTION, unknown_model_type
+from tests.conftest import ONE_PROCESS_OPTION
 
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.features import Feature, FusedQKVLayout
-from tests.conftest import unknown_model_type
+from skill.harness.models import unknown_model_type
 
 hf_logging.set_verbosity_error()
 
