@@ -35,8 +35,9 @@ def last_error_line(stderr: str, default: str = "the worker exited without a res
 
 
 def points_to_hand_port(error: BaseException) -> bool:
-    """Whether the way past ``error`` is the hand-port section (an unsupported feature, a missing file)."""
-    return isinstance(error, UnsupportedFeatureError | FileNotFoundError)
+    """Whether the way past ``error`` is the hand-port section (an unsupported feature, a missing
+    file, or a message that names the section itself)."""
+    return isinstance(error, UnsupportedFeatureError | FileNotFoundError) or HAND_PORT_POINTER in str(error)
 
 
 def step_error_message(error: BaseException) -> str:

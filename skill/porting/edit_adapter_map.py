@@ -27,6 +27,7 @@ from skill.codemod.cst import (
     upsert_function,
     upsert_method,
 )
+from skill.errors import HAND_PORT_POINTER
 from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, WeightOrientation
 from skill.porting.common import (
     PackageLayout,
@@ -269,6 +270,7 @@ def derive_from_hf_map(
     embedding_norm_module: str | None = None,
     top_modules: dict[str, str] | None = None,
     module_map: dict[str, str] | None = None,
+    explicit: dict[str, str | None] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
 
@@ -278,9 +280,12 @@ def derive_from_hf_map(
     ``fused`` keys (from ``detect_fused_keys``) are left out: they go to the adapter's
     ``fused_from_hf_map``. ``module_map`` (the analysis' HF module -> Archon module, found
     by structure; layer modules under ``layer_prefix``) names what the context-free rules
-    do not. Raises ``UnmappedKeyError`` listing every other key no rule covers.
+    do not. ``explicit`` holds the caller's own entries (HF key with ``{}`` -> Archon key):
+    they map a key no rule covers, such as a weight a hand edit gave its Archon parameter.
+    Raises ``UnmappedKeyError`` listing every other key no rule covers.
     """
     fused = fused or {}
+    explicit = explicit or {}
     module_map = module_map or {}
     generalise = layer_generaliser(layer_prefix)
     keys = sorted({generalise(k) for k in hf_keys})
@@ -358,10 +363,15 @@ def derive_from_hf_map(
             unmapped.append(key)
             continue
         mapping[key] = f"layers.{{}}.{target}.{param}" if inner is not None else f"{target}.{param}"
+    # A key no rule covers is the caller's to map (a hand edit's parameter, named with `add`).
+    mapping.update({key: explicit[key] for key in unmapped if key in explicit})
+    unmapped = [key for key in unmapped if key not in explicit]
     if unmapped:
         raise UnmappedKeyError(
             f"no Archon parameter for HF checkpoint key(s) {unmapped}; the engine has no edit that "
-            "creates these modules (fused or renamed layouts need an adapter edit)."
+            "creates these modules. If a hand edit created their Archon parameters, map each one "
+            "with `add` (HF key -> Archon key, `{}` for the layer index) in this call "
+            f"({HAND_PORT_POINTER})."
         )
     if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
@@ -491,6 +501,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             embedding_norm_module=checklist.scalars.embedding_norm_module,
             top_modules=report.checkpoint.top_modules,
             module_map=module_map,
+            explicit={**current, **request.add},
         )
         attention = checklist.attention
         grouped = attention.fused_qkv_layout == "grouped"

@@ -70,3 +70,24 @@ def test_the_cli_prints_the_pointer_on_the_same_errors(capsys, error: Exception,
     err = capsys.readouterr().err
     assert err.startswith(f"archon-port: error: {error}")
     assert (HAND_PORT_POINTER in err) is pointed
+
+
+def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(workspace: Path):
+    """gpt_neox_japanese's last-layer ``attention.dense_bias`` matches no rule: the derivation
+    names it, says to map it with ``add`` and points to the section; with ``add`` in the same
+    call the map is derived around it (fused q/k/v included)."""
+    name, key = "gpt_neox_japanese", "gpt_neox_japanese.layers.{}.attention.dense_bias"
+    copied = _call(workspace, "copy_reference", {"model_name": name, "reference": "qwen2", "model_types": [name]})
+    assert not copied.is_error
+    refused = _call(workspace, "edit_adapter_map", {"model_name": name, "source": name})
+    error = refused.structured_content["error"]
+    assert error["exception"] == "UnmappedKeyError" and key in error["message"]
+    assert "`add`" in error["message"] and error["see"] is not None
+    arguments = {"model_name": name, "source": name, "add": {key: "layers.{}.attention.wo.bias"}}
+    derived = _call(workspace, "edit_adapter_map", arguments)
+    assert not derived.is_error, derived.structured_content
+    from_hf_map = derived.structured_content["from_hf_map"]
+    assert from_hf_map[key] == "layers.{}.attention.wo.bias"
+    assert from_hf_map[f"{name}.layers.{{}}.attention.dense.weight"] == "layers.{}.attention.wo.weight"
+    adapter = (workspace / f"archon_models/{name}/model/state_dict_adapter.py").read_text()
+    assert f'"{name}.layers.{{}}.attention.query_key_value.weight": [' in adapter

@@ -74,6 +74,22 @@ def test_derived_map_leaves_fused_keys_to_the_fused_map():
         derive_from_hf_map(list(SHAPES))
 
 
+def test_explicit_entries_map_only_the_keys_no_rule_covers():
+    """A caller's entry (an ``add``, or one the map already holds) maps a key the rules do not
+    know, such as a parameter a hand edit created; a key a rule maps keeps the rule's target."""
+    keys = [*SHAPES, "model.layers.1.self_attn.dense_bias"]
+    explicit = {
+        "model.layers.{}.self_attn.dense_bias": "layers.{}.attention.wo.bias",
+        "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.stale.weight",
+    }
+    fused = detect_fused_keys(SHAPES, CONFIG)
+    mapping = derive_from_hf_map(keys, fused=fused, explicit=explicit)
+    assert mapping["model.layers.{}.self_attn.dense_bias"] == "layers.{}.attention.wo.bias"
+    assert mapping["model.layers.{}.self_attn.o_proj.weight"] == "layers.{}.attention.wo.weight"
+    with pytest.raises(UnmappedKeyError, match=r"dense_bias.*`add`.*Porting by hand"):
+        derive_from_hf_map(keys, fused=fused)
+
+
 def test_fused_adapter_edit_is_idempotent_and_a_noop_without_fused_keys():
     with open(archon_models.__path__[0] + "/qwen2/model/state_dict_adapter.py") as f:
         source = f.read()
