@@ -30,7 +30,10 @@ def refuse_reference(model_name: str) -> None:
 
 class CopyReferenceRequest(PackageRequest):
     reference: str = Field(
-        description="reference package to copy: 'qwen2' (dense), 'qwen3' (QK norm, MoE) or 'deepseek_v3' (MLA)"
+        description=(
+            "reference package to copy: 'qwen2' (dense, a QK norm included: an edit adds it), 'qwen3' (MoE) "
+            "or 'deepseek_v3' (MLA); the analysis names it as `reference`"
+        )
     )
     model_types: list[str] = Field(
         default_factory=list, description="HF model_type strings the package handles (default: [model_name])"

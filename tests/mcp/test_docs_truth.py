@@ -11,6 +11,7 @@ from skill.analysis.reference import reference_for
 from skill.cli import build_parser
 from skill.harness.distributed import LABELS, PARALLELISMS
 from skill.harness.results import STAGE_NAMES
+from skill.porting.copy_reference import CopyReferenceRequest
 from skill.porting.plan import ALLOW_UNSUPPORTED_STEPS, unsupported_error
 from skill.porting.provenance import SESSIONS_DIR
 from skill.tools import load_tools
@@ -101,6 +102,13 @@ def test_the_reference_rule_is_the_code_s():
     assert reference_for(per_head_qk_norm=False, moe=True) == "qwen3"
     # The rule the first SKILL.md stated: per-head QK norm alone does not pick qwen3.
     assert reference_for(per_head_qk_norm=True, moe=False) == "qwen2" and "starts from `qwen2` too" in rule
+
+
+def test_copy_reference_s_own_description_states_the_same_rule():
+    """The argument's description is what `copy-reference --help` and the MCP tool schema show."""
+    described = CopyReferenceRequest.model_fields["reference"].description or ""
+    assert "'qwen3' (MoE)" in described and "QK norm" not in described.split("'qwen3'")[1]
+    assert "'qwen2' (dense" in described and "'deepseek_v3' (MLA)" in described
 
 
 def test_skill_md_says_where_a_session_is_committed():
