@@ -292,3 +292,26 @@ def test_every_option_the_docs_give_a_command_is_one_of_its_options(doc: str):
         assert set(after) <= options, (doc, text, sorted(set(after) - options))
         checked += 1
     assert checked >= 10
+
+
+def test_a_stage_s_not_run_check_shows_why_on_the_terminal():
+    """SKILL.md: a parallelism the model cannot run is a passing `not run (...)` check naming
+    why; the text output showed only its name (gpt_neox_japanese's tied head, pp=2)."""
+    from skill.cli.stage import format_stage
+    from skill.porting.run_test_stage import RunTestStageResult, StageCheck, StageTest
+
+    reason = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
+    checks = [
+        StageCheck(name="not run (pp=2)", passed=True, detail=reason),
+        StageCheck(name="logits (tp=2)", passed=True, detail="ranks 0,1", max_abs_diff=1e-7),
+    ]
+    result = RunTestStageResult(
+        stage=5,
+        test_file="tests/archon/test_x.py",
+        passed=True,
+        tests=[StageTest(test="test_stage5_distributed[x]", outcome="passed", seconds=1.0, checks=checks)],
+        seconds=1.0,
+    )
+    lines = format_stage(result, "x").splitlines()
+    assert lines[1].strip() == f"ok  not run (pp=2)  {reason}"
+    assert "ranks 0,1" not in lines[2]  # a passing check's detail stays off the terminal
