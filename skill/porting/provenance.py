@@ -15,7 +15,8 @@ under ``tests/mcp/sessions/<model_name>.jsonl``, so the second line says so and 
 replay that rebuilds the package (in the kept copy) from the tools' calls and the hand edit::
 
     # Hand edits for: layers without RoPE (model/model.py, Attention.forward). Regenerate by
-    #   replaying its recorded session: archon-port replay --keep tests/mcp/sessions/smollm3.jsonl
+    #   replaying its recorded session:
+    #   archon-port replay --keep --trust-remote-code tests/mcp/sessions/smollm3.jsonl
 
 Each feature is named with the function its hand edit goes in, where ``edit_model`` left
 its marker (:func:`skill.porting.edit_model.marker_place`).
@@ -57,7 +58,9 @@ def regenerate_command(plan: PortPlan, model_name: str) -> str:
 
 
 def replay_command(model_name: str) -> str:
-    return shlex.join(["archon-port", "replay", "--keep", f"{SESSIONS_DIR}/{model_name}.jsonl"])
+    """The replay that rebuilds a hand-edited package. Its session carries the hand edit (Python
+    code), which a replay runs only when asked (``skill.replay.vet_session``), so the command asks."""
+    return shlex.join(["archon-port", "replay", "--keep", "--trust-remote-code", f"{SESSIONS_DIR}/{model_name}.jsonl"])
 
 
 def header_lines(plan: PortPlan, model_name: str, reference_model_text: str) -> str:

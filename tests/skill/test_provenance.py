@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
+import pytest
+
+from skill.cli import build_parser
 from skill.codemod.cst import Document
 from skill.porting.plan import plan_for
-from skill.porting.provenance import header_lines, stamp, strip_header
+from skill.porting.provenance import header_lines, replay_command, stamp, strip_header
+from skill.replay import UnsafeSessionError, vet_session
+from skill.session import EditRecord, unified_diff
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN2_MODEL = (REPO / "archon_models" / "qwen2" / "model" / "model.py").read_text()
@@ -34,7 +40,7 @@ def test_a_family_with_hand_edits_names_them_and_its_session_replay():
         "replaying its recorded session:"
     )
     # The command on a line of its own, whole, so it can be copied.
-    assert command == "#   archon-port replay --keep tests/mcp/sessions/apertus.jsonl"
+    assert command == "#   archon-port replay --keep --trust-remote-code tests/mcp/sessions/apertus.jsonl"
     assert "archon-port add" not in header
     # Re-stamping replaces the header, whichever kind it was.
     body = '"""Doc."""\n'
@@ -64,3 +70,18 @@ def test_markers_sit_at_the_code_they_name():
     assert "hand edit needed" not in precompute
     header = header_lines(plan_for("nanochat"), "nanochat", QWEN2_MODEL)
     assert "(model/model.py, Attention.forward)" in header and "(model/model.py, NanochatModel.forward)" in header
+
+
+def test_the_header_s_replay_command_is_one_replay_accepts_for_a_hand_edited_session():
+    """The command the header names, parsed by the real CLI, must pass the replay's vetting of a
+    session whose hand edit is Python code: without --trust-remote-code replay refuses it (exit 2),
+    as an agent porting gpt_neox_japanese by hand found when it ran the header's command."""
+    rel = "archon_models/apertus/model/model.py"
+    hand_edit = EditRecord(seq=1, patch=unified_diff(rel, b"x = 1\n", b"x = 2\n"), files={rel: "0" * 64})
+    with pytest.raises(UnsafeSessionError, match="a hand edit"):
+        vet_session([None, hand_edit], trust_remote_code=False)
+    command = shlex.split(replay_command("apertus"))
+    assert command[:2] == ["archon-port", "replay"]
+    args = build_parser().parse_args(command[1:])
+    assert args.keep and args.session == Path("tests/mcp/sessions/apertus.jsonl")
+    vet_session([None, hand_edit], trust_remote_code=args.trust_remote_code)
