@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -84,6 +85,14 @@ class ReplayInput(BaseModel):
         default=False,
         description="let the session run code of its own: recorded calls with trust_remote_code, and the "
         "Python files its starting state and hand edits write",
+    )
+    rerecord: bool = Field(
+        default=False,
+        description="re-record the session on this engine (after an engine change altered what its calls "
+        "write, e.g. a hand port's files): differences in results, error texts and files are taken, but a "
+        "call whose outcome changed or a hand edit that no longer applies stops it, as in a replay. On "
+        "success the session file is replaced by the new recording and the files the session created "
+        "(its package and tests) are written into the repository",
     )
 
 
@@ -205,6 +214,10 @@ class ReplayMismatch(BaseModel):
     detail: str
 
 
+# What a re-recording takes as the engine's new behaviour; any other difference stops it.
+RERECORDABLE = frozenset({"error", "result", "files", "edit"})
+
+
 class ReplayReport(BaseModel):
     """What the replay ran and whether everything matched."""
 
@@ -221,12 +234,23 @@ class ReplayReport(BaseModel):
     )
     replay_transformers: str | None = Field(default=None, description="the transformers version of this replay")
     kept_copy: Path | None = Field(default=None, description="the temporary repository copy, when kept")
+    taken: list[ReplayMismatch] = Field(
+        default_factory=list, description="with rerecord: the differences taken as the engine's new behaviour"
+    )
+    written: list[str] = Field(
+        default_factory=list, description="with rerecord: the files the session created, written into the repository"
+    )
     duration_s: float = Field(default=0.0, json_schema_extra={"volatile": True})
 
     def describe(self) -> str:
         """One line for a terminal or a CI log."""
         ran = f"{self.calls} call(s), {self.edits} edit(s) outside the tools"
         other = self.transformers_differs
+        if self.ok and self.written:
+            return (
+                f"re-recorded {self.session}: {ran} in {self.duration_s:.1f} s; "
+                f"{len(self.taken)} difference(s) taken; wrote {', '.join(self.written)}"
+            )
         if self.ok:
             also = ""
             if other:
@@ -313,6 +337,20 @@ def replay_session(request: ReplayInput) -> ReplayReport:
     root = copy_repository(source, tmp / "repo").resolve()
     calls = edits = 0
     mismatch: ReplayMismatch | None = None
+    taken: list[ReplayMismatch] = []
+    written: list[str] = []
+
+    def settles(difference: ReplayMismatch | None) -> bool:
+        """Whether the replay goes on after ``difference`` (re-recording takes some differences)."""
+        nonlocal mismatch
+        if difference is None:
+            return True
+        if request.rerecord and difference.kind in RERECORDABLE:
+            taken.append(difference)
+            return True
+        mismatch = difference
+        return False
+
     try:
         _restore_base(root, records)
         workspace = Workspace(root)
@@ -327,11 +365,11 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                 except WorkspaceError as e:
                     raise UnsafeSessionError(f"{_record_name(record)}: {e}") from e
                 except (PatchError, OSError, UnicodeDecodeError) as e:
-                    mismatch = ReplayMismatch(seq=record.seq, kind="edit", detail=str(e))
+                    # A hand edit that no longer applies: no re-recording can take it.
+                    mismatch = ReplayMismatch(seq=record.seq, kind="outcome", detail=f"the edit does not apply: {e}")
                     break
                 differs = _compare_files(record.files, actual)
-                if differs:
-                    mismatch = ReplayMismatch(seq=record.seq, kind="edit", detail=differs)
+                if not settles(ReplayMismatch(seq=record.seq, kind="edit", detail=differs) if differs else None):
                     break
                 edits += 1
             elif isinstance(record, CallRecord):
@@ -352,9 +390,12 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                         seq=record.seq, tool=record.tool, kind="outcome", detail="the call was not recorded"
                     )
                     break
-                mismatch = _check_call(record, recorder.last_call)
-                if mismatch:
+                if not settles(_check_call(record, recorder.last_call)):
                     break
+        if request.rerecord and mismatch is None:
+            if isinstance(records[-1], CloseRecord):
+                recorder.close()
+            written = _adopt_recording(recorder.path, request.session, root, source)
     finally:
         if not request.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -370,10 +411,41 @@ def replay_session(request: ReplayInput) -> ReplayReport:
         recorded_transformers=header.transformers,
         replay_transformers=transformers_version(),
         kept_copy=root if request.keep else None,
+        taken=taken,
+        written=written,
         duration_s=round(time.perf_counter() - start, 3),
     )
     logger.info("%s", report.describe())
     return report
+
+
+def _adopt_recording(recorded: Path, session: Path, copy_root: Path, source: Path) -> list[str]:
+    """Make a re-recording the session: write into ``source`` each file the session created (a path
+    whose base is absent: its package, its tests) as the copy now holds it, then replace the session
+    file. Nothing is deleted. Files that existed before the session (the spec registry) are left as
+    they are: the copy holds them as they were when the session was recorded, not as they are now."""
+    created = sorted(
+        rel
+        for record in read_session(recorded)[1:]
+        for rel, content in getattr(record, "base", {}).items()
+        if content is None
+    )
+    target = Workspace(source)
+    written = []
+    for rel in created:
+        origin = confine(copy_root, rel)
+        if not origin.is_file():
+            continue  # created and removed again by the session: nothing of it to keep (and nothing deleted)
+        destination = target.resolve(rel)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = destination.with_name(destination.name + ".rerecord.tmp")
+        tmp.write_bytes(origin.read_bytes())
+        os.replace(tmp, destination)
+        written.append(rel)
+    tmp_session = session.with_name(session.name + ".rerecord.tmp")
+    shutil.copyfile(recorded, tmp_session)
+    os.replace(tmp_session, session)
+    return written
 
 
 def workspace_hashes(workspace: Workspace, paths: dict[str, str | None]) -> dict[str, str | None]:

@@ -34,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="first close the session (capturing edits made outside the tools since its last call)",
     )
+    parser.add_argument(
+        "--rerecord",
+        action="store_true",
+        help="re-record the session on this engine after a change altered what its calls write (a hand "
+        "port's files): takes differences in results and files, stops on a changed outcome or a hand edit "
+        "that no longer applies; replaces SESSION and writes the files it created into the repository",
+    )
     parser.set_defaults(func=run)
 
 
@@ -45,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if args.close:
         SessionRecorder(args.session, args.source).close()
     request = ReplayInput(
-        session=args.session, source=args.source, keep=args.keep, trust_remote_code=args.trust_remote_code
+        session=args.session,
+        source=args.source,
+        keep=args.keep,
+        trust_remote_code=args.trust_remote_code,
+        rerecord=args.rerecord,
     )
     report = replay_session(request)
     sys.stdout.write(report.describe() + "\n")
