@@ -63,7 +63,9 @@ def test_committed_sessions_replay(session: Path):
     report = replay_session(ReplayInput(session=session, source=REPO, trust_remote_code=True))
     hand_port = any(isinstance(r, sessions.EditRecord) for r in sessions.read_session(session))
     assert report.ok, f"{report.describe()}\nIf the engine's output changed on purpose, re-record: " + (
-        "follow SKILL.md § Porting by hand again (a hand port: its session holds edits outside the tools)"
+        f"python -m skill.cli replay --rerecord --trust-remote-code {session.relative_to(REPO)} (a hand "
+        "port: its session holds edits outside the tools; where a hand edit no longer applies, follow "
+        "SKILL.md § Porting by hand again)"
         if hand_port
         else f"python -m tests.mcp.scripted_client --refresh {session.stem}"
     )

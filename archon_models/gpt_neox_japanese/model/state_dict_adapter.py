@@ -3,7 +3,7 @@
 # Hand edits for: per-layer difference: attention: GPTNeoXJapaneseAttention[dense_bias(64,)] (layer
 #   0: GPTNeoXJapaneseAttention[]) in layer 31 of 32 (model/model.py, Attention.forward). Regenerate
 #   by replaying its recorded session:
-#   archon-port replay --keep tests/mcp/sessions/gpt_neox_japanese.jsonl
+#   archon-port replay --keep --trust-remote-code tests/mcp/sessions/gpt_neox_japanese.jsonl
 """GptNeoxJapanese state dicts: Archon names <-> HuggingFace checkpoint names."""
 
 from __future__ import annotations
