@@ -428,7 +428,8 @@ def final_norm_after_stack(model: nn.Module, anatomy: LayerAnatomy, config: Any)
 def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> list[str]:
     """Modules (outside the layer stack) whose forward runs after the token embedding and
     before layer 0: what transforms the embeddings on their way in (an embedding norm, a
-    projection). Embedding tables and parameter-less modules (dropout) are left out."""
+    projection). Embedding tables and parameter-less modules (dropout) are left out, but
+    not a weightless norm (NanoChat normalises its embeddings with one)."""
     embedding = anatomy.embedding
     layers = set(anatomy.layers.modules())
     candidates = {
@@ -438,7 +439,7 @@ def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: 
         and module is not embedding
         and module not in layers
         and not isinstance(module, nn.Embedding)
-        and any(True for _ in module.parameters(recurse=False))
+        and (any(True for _ in module.parameters(recurse=False)) or is_norm(module))
     }
     order: list[str] = []
     state = {"embedded": embedding is None, "in_layers": False}
