@@ -439,7 +439,7 @@ def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
 ) -> tuple[PreTrainedModel, Any] | None:
     """A seeded tiny model with one field moved, when that changes the logits."""
-    for new_value in probes.perturbed_values(value):
+    for new_value in probes.perturbed_values(value, clamp="clip" in name.lower()):
         config = copy.deepcopy(ctx.tiny)
         try:
             setattr(config, name, new_value)

@@ -1060,10 +1060,14 @@ def relation_of(old_value: float | None, new_value: float, old_factor: float, ne
     return None
 
 
-def perturbed_values(value: Any) -> list[Any]:
-    """Values to move a scalar field to, keeping its type (strict configs check it)."""
+def perturbed_values(value: Any, clamp: bool = False) -> list[Any]:
+    """Values to move a scalar field to, keeping its type (strict configs check it). A
+    clamp (``clamp``) is moved to one a tiny model's activations reach: a checkpoint's
+    own bound (``clip_qkv=4.0``) binds nothing there, nor would 1.37 times it."""
     if value is None:
         return [0.05, 3]
+    if clamp:
+        return [1 if isinstance(value, int) else 0.05]
     if isinstance(value, int):
         return [max(value + 1, round(value * 1.37))]
     return [value * 1.37 if value else 0.5]

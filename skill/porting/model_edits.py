@@ -1034,17 +1034,18 @@ def _layer_norm(text: Document, ctx: EditContext) -> Document:
     return text
 
 
-# The QK norm's own constructor, ``{}`` its width, for each kind it computes when that is not
-# what the block norms compute: torch's norms where they compute as HF does, else a class of
-# snippets/norms.py (inserted under its own name, beside the block norms' class).
-QK_NORM_CONSTRUCTORS: dict[str, str] = {
-    "rms": "nn.RMSNorm({}, eps=model_args.norm_eps)",
-    "rms_weightless": "WeightlessRMSNorm({}, eps=model_args.norm_eps)",
-    "rms_offset": "OffsetRMSNorm({}, eps=model_args.norm_eps)",
-    "layernorm": "nn.LayerNorm({}, eps=model_args.norm_eps)",
-    "layernorm_no_bias": "nn.LayerNorm({}, eps=model_args.norm_eps, bias=False)",
-    "layernorm_weightless": "nn.LayerNorm({}, eps=model_args.norm_eps, elementwise_affine=False)",
-    "layernorm_offset": "OffsetLayerNorm({}, eps=model_args.norm_eps)",
+# The QK norm's own class for each kind it computes (snippets/norms.py), where the block
+# norms' class will not do: written in means so that a full-width norm reduces over the
+# features tensor parallelism shards. Two RMS kinds reuse the block norms' snippets, renamed.
+QK_NORM_CLASSES: dict[str, tuple[str, str]] = {
+    # variant -> (class in the package, snippet it is copied from)
+    "rms": ("QKRMSNorm", "QKRMSNorm"),
+    "rms_weightless": ("QKWeightlessRMSNorm", "WeightlessRMSNorm"),
+    "rms_offset": ("QKOffsetRMSNorm", "OffsetRMSNorm"),
+    "layernorm": ("QKLayerNorm", "QKLayerNorm"),
+    "layernorm_no_bias": ("QKLayerNormNoBias", "QKLayerNormNoBias"),
+    "layernorm_weightless": ("QKWeightlessLayerNorm", "QKWeightlessLayerNorm"),
+    "layernorm_offset": ("QKOffsetLayerNorm", "QKOffsetLayerNorm"),
 }
 QK_NORM_WIDTHS = {
     "per_head": ("self.head_dim", "self.head_dim"),
@@ -1053,20 +1054,19 @@ QK_NORM_WIDTHS = {
 
 
 def _qk_norm_kind(text: Document, ctx: EditContext) -> Document:
-    """``q_norm``/``k_norm`` built as what the family's QK norm computes, where that is not
-    what the block norms compute (the per-head and full-width edits build them with the
-    block norms' class). Runs after the block norms' edits, which rename that class."""
+    """``q_norm``/``k_norm`` built with a class of their own kind (``qk_norm_variant``), where
+    the block norms compute another one or cannot reduce over a sharded full width. Runs
+    after the block norms' edits, which rename their class (the QK norms' with it)."""
     variant, width = ctx.profile.qk_norm_variant, ctx.profile.qk_norm
     assert variant is not None and width != "none"
-    constructor = QK_NORM_CONSTRUCTORS[variant]
-    name = constructor.split("(", 1)[0]
-    if not name.startswith("nn.") and f"class {name}(" not in text:
-        text = insert_before_class(text, "Attention", snippet("norms", name))
-        if name == "OffsetLayerNorm":
-            text = ensure_import_line(text, "import torch.nn.functional as F")
+    name, source = QK_NORM_CLASSES[variant]
+    if f"class {name}(" not in text:
+        if "LayerNorm" in name and "def centred(" not in text:
+            text = insert_before_class(text, "Attention", snippet("norms", "centred"))
+        text = insert_before_class(text, "Attention", snippet("norms", source, rename=name))
     for target, size in zip(("self.q_norm", "self.k_norm"), QK_NORM_WIDTHS[width], strict=True):
         text = replace_statement_assigning(
-            text, "Attention", "__init__", target, f"{target} = {constructor.format(size)}\n"
+            text, "Attention", "__init__", target, f"{target} = {name}({size}, eps=model_args.norm_eps)\n"
         )
     return text
 

@@ -111,8 +111,8 @@ class PortPlan(BaseModel):
     qk_norm: Literal["none", "per_head", "full"]
     qk_norm_variant: NormVariant | None = Field(
         default=None,
-        description="what the QK norm computes (measured on its own); None without one or when it computes "
-        "what the block norms do (the QK norms then share their class)",
+        description="what the QK norm computes (measured on its own), where it gets a class of its own; None "
+        "without one or when the block norms' class computes it (the QK norms then share it)",
     )
     norm: NormVariant
     block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"]
@@ -347,6 +347,13 @@ class PortPlan(BaseModel):
         return not self.unsupported
 
 
+def _own_qk_norm_class(width: str, qk: NormVariant | None, block: NormVariant) -> bool:
+    """Whether the QK norms need a class of their own: they compute another kind than the
+    block norms, or span the full width with a LayerNorm kind, whose block class (torch's
+    fused layer_norm) would gather the features tensor parallelism shards."""
+    return qk != block or (width == "full" and qk is not None and qk.startswith("layernorm"))
+
+
 def _config_values(report: ArchitectureReport) -> dict[str, Any]:
     return {f.name: f.value for f in report.config_fields}
 
@@ -417,7 +424,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         kv_heads_field=plan_kv_field,
         qkv_blocks=att.fused_qkv_blocks if att.fused_qkv_layout is FusedQKVLayout.BLOCKED else None,
         qk_norm=qk_norm,
-        qk_norm_variant=qk_variant if qk_norm != "none" and qk_variant != norm_kind else None,
+        qk_norm_variant=qk_variant
+        if qk_norm != "none" and _own_qk_norm_class(qk_norm, qk_variant, norm_kind)
+        else None,
         norm=norm_kind,
         block=block,
         final_norm=norm.final_norm,

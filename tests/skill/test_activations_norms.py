@@ -341,15 +341,25 @@ def test_a_qk_norm_of_any_kind_beside_any_block_norm_is_supported() -> None:
     ]
 
 
-QK_PAIRS = [(block, qk) for block in sorted(VARIANTS) for qk in sorted(VARIANTS) if block != qk]
+# (reference, QK norm width, after RoPE, block norm kind, QK norm kind): per head after RoPE
+# on qwen2 (which has no QK norm), full width on qwen3 (whose per-head RMSNorm the full-width
+# edit replaces), every pair of kinds; a full-width LayerNorm kind gets its own class even
+# beside block norms of its kind (torch's fused layer_norm would gather the sharded width).
+QK_CASES = [
+    *(("qwen2", "per_head", True, block, qk) for block in sorted(VARIANTS) for qk in sorted(VARIANTS) if block != qk),
+    *(
+        ("qwen3", "full", False, block, qk)
+        for block in sorted(VARIANTS)
+        for qk in sorted(VARIANTS)
+        if block != qk or qk.startswith("layernorm")
+    ),
+]
 
 
-@pytest.mark.parametrize(("reference", "width", "after_rope"), [("qwen2", "per_head", True), ("qwen3", "full", False)])
-@pytest.mark.parametrize(("block", "qk"), QK_PAIRS)
+@pytest.mark.parametrize(("reference", "width", "after_rope", "block", "qk"), QK_CASES)
 def test_qk_norms_compute_their_own_kind_beside_any_block_norm(reference, width, after_rope, block, qk) -> None:
-    """q_norm/k_norm compute the QK norm's kind, the block norms theirs, on either reference
-    (qwen2 has no QK norm, qwen3 a per-head RMSNorm the full-width edit replaces), in any
-    edit order; a second run changes nothing."""
+    """q_norm/k_norm compute the QK norm's kind, the block norms theirs, in any edit order;
+    a second run changes nothing."""
     plan = plan_for("llama").model_copy(
         update={"norm": block, "qk_norm": width, "qk_norm_variant": qk, "qk_norm_after_rope": after_rope}
     )
@@ -379,11 +389,24 @@ def test_qk_norms_compute_their_own_kind_beside_any_block_norm(reference, width,
 
 
 def test_a_qk_norm_computing_what_the_block_norms_do_shares_their_class() -> None:
-    # Qwen3: per-head RMSNorm QK norms beside RMSNorm block norms: no edit of their own kind
+    # Qwen3: per-head RMSNorm QK norms beside RMSNorm block norms: no class of their own
     # (the committed families with such QK norms keep their bytes).
+    from skill.porting.plan import plan_from_report, report_for
+
     assert plan_for("qwen3").qk_norm_variant is None
     assert plan_for("gemma3_text").qk_norm_variant is None  # (1 + w) both
+    assert plan_for("persimmon").qk_norm_variant is None  # per-head LayerNorm both
+    olmo2 = report_for("olmo2")
     assert plan_for("olmo2").qk_norm == "full" and plan_for("olmo2").qk_norm_variant is None
+    # Full width and LayerNorm on both sides: the QK norms get their own class.
+    checklist = olmo2.checklist.model_copy(
+        update={
+            "norm": olmo2.checklist.norm.model_copy(update={"kind": NormKind.LAYER_NORM}),
+            "attention": olmo2.checklist.attention.model_copy(update={"qk_norm_computation": NormKind.LAYER_NORM}),
+        }
+    )
+    plan = plan_from_report(olmo2.model_copy(update={"checklist": checklist}), "olmo2")
+    assert (plan.norm, plan.qk_norm, plan.qk_norm_variant) == ("layernorm", "full", "layernorm")
 
 
 def test_a_dense_family_with_a_per_head_qk_norm_starts_from_qwen2() -> None:
