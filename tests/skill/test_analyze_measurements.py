@@ -592,3 +592,8 @@ def test_fuzzed_qk_norm_kind_and_placement_are_measured(tmp_path, seed, computat
     assert att.qk_norm_computation is computation and report.checklist.norm.kind is block
     assert att.qk_norm_placement.value == ("after_rope" if after_rope else "before_rope")
     assert _qk_norm_refusals(report.unsupported) == []
+    if spec.attention.clip_qkv is not None:
+        # Seed 15's config sets clip_qkv=4.0, which binds nothing on a tiny model (nor would
+        # 1.37 times it): the probe moves a clamp to one the tiny projections reach. The
+        # generator clamps q/k/v as they leave their projections, before the QK norm.
+        assert (att.clip_qkv, att.clip_qkv_field, att.clip_qkv_after_qk_norm) == (4.0, "clip_qkv", False)
