@@ -67,6 +67,7 @@ from archon_models.model_spec import (  # noqa: F401
     register_model_spec,
 )
 from archon_models.mpt import spec as mpt_spec  # noqa: F401
+from archon_models.nanochat import spec as nanochat_spec  # noqa: F401
 from archon_models.nemotron import spec as nemotron_spec  # noqa: F401
 from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401

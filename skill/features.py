@@ -663,8 +663,8 @@ EXPERT_ACTIVATIONS = frozenset({"clamped_swiglu"})
 SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # Reference code: qwen2 has q/k/v bias, qwen3 switches it with attention_bias.
     Feature.QKV_BIAS: frozenset({"true", "false"}),
-    # QK norms of another kind: the block norms' edits turn them into what the block norms
-    # compute (skill/analysis/reference.py refuses a QK norm computing something else).
+    # Every kind, whatever the block norms compute: the per-head and full-width edits place
+    # them, model_edits.qk_norm_kind builds them as what they compute where that differs.
     Feature.QK_NORM: frozenset(
         {
             QKNormKind.NONE,
@@ -675,7 +675,7 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
             QKNormKind.WEIGHTLESS,
         }
     ),
-    # After RoPE: the qk_norm_after_rope edit.
+    # After RoPE: the qk_norm_after_rope edit (a per-head norm of any kind).
     Feature.QK_NORM_PLACEMENT: frozenset(
         {QKNormPlacement.NONE, QKNormPlacement.BEFORE_ROPE, QKNormPlacement.AFTER_ROPE}
     ),
@@ -768,8 +768,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # false: model_edits.no_final_norm (the last block's output goes straight to the LM head).
     Feature.FINAL_NORM: frozenset({"true", "false"}),
     Feature.EMBEDDING_SCALE: frozenset({"none", "sqrt_dim", "constant"}),
-    # model_edits.embedding_norm: the block norm's class on the embeddings (its kind must match).
-    Feature.EMBEDDING_NORM: frozenset({"none", NormKind.RMS, NormKind.LAYER_NORM}),
+    # model_edits.embedding_norm: the block norm's class on the embeddings, whatever it computes
+    # (the analysis refuses an embedding norm of another kind than the block norms').
+    Feature.EMBEDDING_NORM: frozenset({"none", *(kind for kind in NormKind if kind is not NormKind.OTHER)}),
     Feature.RESIDUAL_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.LOGIT_MULTIPLIER: frozenset({"none", "constant"}),
     Feature.FINAL_SOFTCAP: frozenset({"true", "false"}),

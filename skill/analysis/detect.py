@@ -439,7 +439,7 @@ def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
 ) -> tuple[PreTrainedModel, Any] | None:
     """A seeded tiny model with one field moved, when that changes the logits."""
-    for new_value in probes.perturbed_values(value):
+    for new_value in probes.perturbed_values(value, clamp="clip" in name.lower()):
         config = copy.deepcopy(ctx.tiny)
         try:
             setattr(config, name, new_value)
@@ -523,6 +523,7 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> _QKNorm:
         f"qk norm: {type(attention).__name__}.{name}, width {width} (head_dim {hd}) -> {kind.value}, "
         f"computing {computation.value}"
     )
+    _check_qk_norm_eps(ctx, norm)
     placement = QKNormPlacement.BEFORE_ROPE
     if ctx.source is not None:
         before = ctx.source.qk_norm_before_rope(type(attention).__name__, name)
@@ -531,6 +532,20 @@ def _qk_norm(ctx: Context, roles: dict[str, mt.Projection]) -> _QKNorm:
         elif before is None:
             ctx.evidence.append("qk norm placement: forward order not readable in the source; assumed before RoPE")
     return _QKNorm(kind, placement, computation, full_width=width != hd)
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    value = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    return value if isinstance(value, float) else None
+
+
+def _check_qk_norm_eps(ctx: Context, q_norm: nn.Module) -> None:
+    """The port builds the QK norms with the block norms' epsilon (``norm_eps``): one the
+    QK norm holds that differs from theirs is named."""
+    block = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
+    ours, theirs = _norm_eps(q_norm), _norm_eps(block) if block is not None else None
+    if ours is not None and theirs is not None and not math.isclose(ours, theirs):
+        ctx.other.append(f"QK norm epsilon {ours:g} beside the block norms' {theirs:g}")
 
 
 def _window_size(ctx: Context) -> tuple[str, int] | None:
@@ -2696,14 +2711,18 @@ def _lm_head_bias(ctx: Context) -> bool:
 
 def _embedding_norm(ctx: Context) -> tuple[NormKind, str] | None:
     """(kind, module path) when the one thing between the embedding and layer 0 is a norm
-    whose weights the checkpoint holds (Bloom's word_embeddings_layernorm)."""
+    whose weights the checkpoint holds (Bloom's word_embeddings_layernorm), or a weightless
+    one (NanoChat's, which is also its final norm: nothing to hold)."""
     found = probes.modules_before_first_layer(ctx.model, ctx.anatomy, ctx.tiny)
     if len(found) != 1:
         return None
     (name,) = found
     module = dict(ctx.model.named_modules())[name]
-    if not mt.is_norm(module) or f"{name}.weight" not in ctx.saved_keys:
+    weightless = not any(True for _ in module.parameters())
+    if not mt.is_norm(module) or not (weightless or f"{name}.weight" in ctx.saved_keys):
         return None
+    if module is ctx.anatomy.final_norm and not weightless:
+        return None  # one set of weights in two places: the port's two norms would not share it
     ctx.evidence.append(f"embedding norm before layer 0: {name} (probe)")
     return probes.probe_norm_kind(module, ctx.tiny.hidden_size), name
 

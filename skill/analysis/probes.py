@@ -428,7 +428,8 @@ def final_norm_after_stack(model: nn.Module, anatomy: LayerAnatomy, config: Any)
 def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> list[str]:
     """Modules (outside the layer stack) whose forward runs after the token embedding and
     before layer 0: what transforms the embeddings on their way in (an embedding norm, a
-    projection). Embedding tables and parameter-less modules (dropout) are left out."""
+    projection). Embedding tables and parameter-less modules (dropout) are left out, but
+    not a weightless norm (NanoChat normalises its embeddings with one)."""
     embedding = anatomy.embedding
     layers = set(anatomy.layers.modules())
     candidates = {
@@ -438,7 +439,7 @@ def modules_before_first_layer(model: nn.Module, anatomy: LayerAnatomy, config: 
         and module is not embedding
         and module not in layers
         and not isinstance(module, nn.Embedding)
-        and any(True for _ in module.parameters(recurse=False))
+        and (any(True for _ in module.parameters(recurse=False)) or is_norm(module))
     }
     order: list[str] = []
     state = {"embedded": embedding is None, "in_layers": False}
@@ -1059,10 +1060,14 @@ def relation_of(old_value: float | None, new_value: float, old_factor: float, ne
     return None
 
 
-def perturbed_values(value: Any) -> list[Any]:
-    """Values to move a scalar field to, keeping its type (strict configs check it)."""
+def perturbed_values(value: Any, clamp: bool = False) -> list[Any]:
+    """Values to move a scalar field to, keeping its type (strict configs check it). A
+    clamp (``clamp``) is moved to one a tiny model's activations reach: a checkpoint's
+    own bound (``clip_qkv=4.0``) binds nothing there, nor would 1.37 times it."""
     if value is None:
         return [0.05, 3]
+    if clamp:
+        return [1 if isinstance(value, int) else 0.05]
     if isinstance(value, int):
         return [max(value + 1, round(value * 1.37))]
     return [value * 1.37 if value else 0.5]

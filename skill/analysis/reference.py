@@ -25,6 +25,7 @@ from skill.features import (
     Feature,
     FeatureDelta,
     FFNKind,
+    NormKind,
     PositionKind,
     QKNormKind,
     QKNormPlacement,
@@ -172,11 +173,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
     checkpoint without a norm epsilon, experts outside the MoE block the adapter maps."""
     limits = []
     att, sc, norm, moe = checklist.attention, checklist.scalars, checklist.norm, checklist.moe
-    if att.qk_norm_computation is not None and att.qk_norm_computation is not norm.kind:
-        # The block norms' edit writes the QK norm too: one norm class per package.
-        limits.append(
-            f"QK norm computing {att.qk_norm_computation.value} while the block norms compute {norm.kind.value}"
-        )
+    if att.qk_norm is not QKNormKind.NONE and att.qk_norm_computation in (None, NormKind.OTHER):
+        # The QK norm is built as what it computes (model_edits.qk_norm_kind): a kind of the
+        # norm vocabulary, whatever the block norms compute.
+        limits.append("QK norm computing no kind of the norm vocabulary")
     clipped = att.clip_qkv is not None or att.clip_qkv_field is not None
     if clipped and att.qk_norm is not QKNormKind.NONE:
         # The clip edit clamps q/k before or after the QK norm, in the order the probe measured.
@@ -206,11 +206,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append("ALiBi together with sinks, soft-capped scores or a sliding window (no kernel has both)")
     if att.sinks and att.logit_softcap is not None:
         limits.append("attention sinks together with soft-capped scores (no kernel has both)")
-    if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm not in (
-        QKNormKind.PER_HEAD_RMS,
-        QKNormKind.RMS_ONE_PLUS_W,
-    ):
-        limits.append(f"{att.qk_norm.value} QK norm after RoPE (only a per-head one moves after it)")
+    if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm_full_width:
+        # The full-width norm reads wq's output before the heads split; only a per-head one,
+        # of any kind, moves after RoPE.
+        limits.append("full-width QK norm after RoPE (only a per-head one moves after it)")
     pos = checklist.positions
     if pos.rotary_direction is RotaryDirection.REVERSED and pos.per_layer_type_rope:
         # The edit negates the sine of the one [cos | sin] cache; a cache per layer type is built

@@ -46,7 +46,7 @@ class MarkerPlace:
 ROPE_STATEMENT = "apply_rotary_emb("
 _EMBEDDING_STATEMENT = "self.tok_embeddings(tokens)"
 # A feature's place is the one named by the word that comes first in the feature's name (its
-# subject): "weightless QK norm after RoPE" is about the QK norm, not about RoPE.
+# subject): "full-width QK norm after RoPE" is about the QK norm, not about RoPE.
 MARKER_PLACES: tuple[MarkerPlace, ...] = (
     MarkerPlace(("router", "expert", "moe", "mixture"), "TransformerBlock", "__init__"),
     MarkerPlace(("without rope",), "Attention", "forward", ROPE_STATEMENT),

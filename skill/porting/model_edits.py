@@ -14,6 +14,7 @@ removes a feature deletes its code instead of adding a flag.
 from __future__ import annotations
 
 import logging
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -438,6 +439,11 @@ def _lm_head_bias(text: Document, ctx: EditContext) -> Document:
     )
 
 
+# A q_norm built over one head's features, or over every head's, whatever its class.
+PER_HEAD_QK_NORM = re.compile(r"self\.q_norm = [\w.]+\(self\.head_dim\b")
+FULL_WIDTH_QK_NORM = re.compile(r"self\.q_norm = [\w.]+\(self\.n_heads \* self\.head_dim\b")
+
+
 def _remove_qk_norm(text: Document, ctx: EditContext) -> Document:
     """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
     if "self.q_norm" not in text:
@@ -458,8 +464,8 @@ def _per_head_qk_norm(text: Document, ctx: EditContext) -> Document:
     """RMSNorm over each head's ``head_dim`` features of q and k (one weight shared by the
     heads), before RoPE, on a copy without it (qwen2). The norm class is the block's, so a
     (1 + w) RMSNorm family gets (1 + w) QK norms."""
-    if "self.q_norm = RMSNorm(self.head_dim" in text:
-        return text
+    if PER_HEAD_QK_NORM.search(text.code):
+        return text  # already applied (built as the block norms' class or its own kind)
     text = ensure_import_line(text, "from torch.distributed.tensor import DTensor")
     text = insert_before_class(text, "Attention", snippet("attention", "maybe_to_local"))
     text = insert_after_statement_assigning(
@@ -493,9 +499,9 @@ def _full_width_qk_norm(text: Document, ctx: EditContext) -> Document:
     """RMSNorm over the whole q (and k) projection output, before the heads split and RoPE.
 
     On a copy that carries per-head QK norms (qwen3), those go first."""
-    if "self.q_norm = RMSNorm(self.n_heads * self.head_dim" in text:
+    if FULL_WIDTH_QK_NORM.search(text.code):
         return text  # already applied (the q/k lines may carry a clamp since)
-    if "self.q_norm = RMSNorm(self.head_dim" in text:
+    if PER_HEAD_QK_NORM.search(text.code):
         text = _remove_qk_norm(text, ctx)
     text = insert_after_statement_assigning(
         text,
@@ -1025,6 +1031,43 @@ def _layer_norm(text: Document, ctx: EditContext) -> Document:
         text = replace_name(text, "RMSNorm", "nn.LayerNorm")
     for kwarg, value in LAYER_NORM_KWARGS[ctx.profile.norm].items():
         text = set_call_kwarg(text, "nn.LayerNorm", kwarg, value)
+    return text
+
+
+# The QK norm's own class for each kind it computes (snippets/norms.py), where the block
+# norms' class will not do: written in means so that a full-width norm reduces over the
+# features tensor parallelism shards. Two RMS kinds reuse the block norms' snippets, renamed.
+QK_NORM_CLASSES: dict[str, tuple[str, str]] = {
+    # variant -> (class in the package, snippet it is copied from)
+    "rms": ("QKRMSNorm", "QKRMSNorm"),
+    "rms_weightless": ("QKWeightlessRMSNorm", "WeightlessRMSNorm"),
+    "rms_offset": ("QKOffsetRMSNorm", "OffsetRMSNorm"),
+    "layernorm": ("QKLayerNorm", "QKLayerNorm"),
+    "layernorm_no_bias": ("QKLayerNormNoBias", "QKLayerNormNoBias"),
+    "layernorm_weightless": ("QKWeightlessLayerNorm", "QKWeightlessLayerNorm"),
+    "layernorm_offset": ("QKOffsetLayerNorm", "QKOffsetLayerNorm"),
+}
+QK_NORM_WIDTHS = {
+    "per_head": ("self.head_dim", "self.head_dim"),
+    "full": ("self.n_heads * self.head_dim", "self.n_kv_heads * self.head_dim"),
+}
+
+
+def _qk_norm_kind(text: Document, ctx: EditContext) -> Document:
+    """``q_norm``/``k_norm`` built with a class of their own kind (``qk_norm_variant``), where
+    the block norms compute another one or cannot reduce over a sharded full width. Runs
+    after the block norms' edits, which rename their class (the QK norms' with it)."""
+    variant, width = ctx.profile.qk_norm_variant, ctx.profile.qk_norm
+    assert variant is not None and width != "none"
+    name, source = QK_NORM_CLASSES[variant]
+    if f"class {name}(" not in text:
+        if "LayerNorm" in name and "def centred(" not in text:
+            text = insert_before_class(text, "Attention", snippet("norms", "centred"))
+        text = insert_before_class(text, "Attention", snippet("norms", source, rename=name))
+    for target, size in zip(("self.q_norm", "self.k_norm"), QK_NORM_WIDTHS[width], strict=True):
+        text = replace_statement_assigning(
+            text, "Attention", "__init__", target, f"{target} = {name}({size}, eps=model_args.norm_eps)\n"
+        )
     return text
 
 
@@ -1664,6 +1707,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _layer_norm,
     ),
     ModelEdit(
+        "qk_norm_kind",
+        "QK norms of their own kind, not the block norms'",
+        lambda p: p.qk_norm_variant is not None,
+        _qk_norm_kind,
+    ),
+    ModelEdit(
         "plain_mlp", "two-layer (non-gated) MLP", lambda p: p.mlp == "plain" and not p.all_layers_moe, _plain_mlp
     ),
     ModelEdit(
@@ -1805,10 +1854,11 @@ def describe(profile: PortPlan, camel: str) -> str:
     attention = ["multi-head latent attention"] if profile.reference == "deepseek_v3" else ["GQA"]
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
+    qk_title = NORM_TITLES[profile.qk_norm_variant] if profile.qk_norm_variant else "RMSNorm"
     if profile.qk_norm == "full":
-        attention.append("full-width QK RMSNorm")
+        attention.append(f"full-width QK {qk_title}")
     elif profile.qk_norm == "per_head":
-        attention.append("per-head QK RMSNorm")
+        attention.append(f"per-head QK {qk_title}")
     if profile.sliding_window:
         attention.append("sliding-window attention" + (" on some layers" if profile.sliding_layer_types else ""))
     if profile.attn_softcap:

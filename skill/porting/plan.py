@@ -43,7 +43,7 @@ from skill.features import (
 
 logger = logging.getLogger(__name__)
 
-# What the block norms (and a QK norm computing the same) become in the generated code.
+# What the block norms (and a QK norm, each its own kind) become in the generated code.
 NormVariant = Literal[
     "rms", "rms_offset", "rms_weightless", "layernorm", "layernorm_no_bias", "layernorm_weightless", "layernorm_offset"
 ]
@@ -109,6 +109,11 @@ class PortPlan(BaseModel):
         default="num_key_value_heads", description="config field of the KV-head count; None when the family has none"
     )
     qk_norm: Literal["none", "per_head", "full"]
+    qk_norm_variant: NormVariant | None = Field(
+        default=None,
+        description="what the QK norm computes (measured on its own), where it gets a class of its own; None "
+        "without one or when the block norms' class computes it (the QK norms then share it)",
+    )
     norm: NormVariant
     block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"]
     final_norm: bool = Field(default=True, description="a final norm before the LM head (post-LN stacks have none)")
@@ -342,6 +347,13 @@ class PortPlan(BaseModel):
         return not self.unsupported
 
 
+def _own_qk_norm_class(width: str, qk: NormVariant | None, block: NormVariant) -> bool:
+    """Whether the QK norms need a class of their own: they compute another kind than the
+    block norms, or span the full width with a LayerNorm kind, whose block class (torch's
+    fused layer_norm) would gather the features tensor parallelism shards."""
+    return qk != block or (width == "full" and qk is not None and qk.startswith("layernorm"))
+
+
 def _config_values(report: ArchitectureReport) -> dict[str, Any]:
     return {f.name: f.value for f in report.config_fields}
 
@@ -355,6 +367,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         "none" if att.qk_norm is QKNormKind.NONE else "full" if att.qk_norm_full_width else "per_head"
     )
     norm_kind = NORM_VARIANTS.get(norm.kind, "rms")
+    qk_variant = NORM_VARIANTS.get(att.qk_norm_computation) if att.qk_norm_computation is not None else None
     plan_kv_field = next((f.name for f in report.config_fields if f.archon_field == "n_kv_heads"), None)
     block: Literal["pre_norm", "sandwich", "post_norm", "parallel", "post_ln"] = {
         NormPlacement.SANDWICH: "sandwich",
@@ -411,6 +424,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         kv_heads_field=plan_kv_field,
         qkv_blocks=att.fused_qkv_blocks if att.fused_qkv_layout is FusedQKVLayout.BLOCKED else None,
         qk_norm=qk_norm,
+        qk_norm_variant=qk_variant
+        if qk_norm != "none" and _own_qk_norm_class(qk_norm, qk_variant, norm_kind)
+        else None,
         norm=norm_kind,
         block=block,
         final_norm=norm.final_norm,

@@ -316,22 +316,97 @@ def test_clip_qkv_clamps_each_projection_once_in_any_order_and_only_when_set() -
 # ------------------------------------------------------------------------- QK norm kinds
 
 
-def test_a_qk_norm_computing_what_the_block_norms_do_not_is_refused_by_name() -> None:
+def test_a_qk_norm_of_any_kind_beside_any_block_norm_is_supported() -> None:
+    """The QK norm is built as what it computes (the qk_norm_kind edit), whatever the block
+    norms compute; only a kind outside the norm vocabulary and a full-width norm after RoPE
+    are refused, by name."""
     from skill.analysis.reference import engine_limits
-    from skill.features import QKNormKind
+    from skill.features import QKNormKind, QKNormPlacement
     from skill.porting.plan import report_for
 
     checklist = report_for("qwen3_moe").checklist
     assert checklist.attention.per_head_qk_norm and not engine_limits(checklist)
-    layer_qk = checklist.attention.model_copy(
-        update={"qk_norm": QKNormKind.LAYER_NORM, "qk_norm_computation": NormKind.LAYER_NORM}
+    for kind in NormKind:
+        qk = checklist.attention.model_copy(update={"qk_norm": QKNormKind.LAYER_NORM, "qk_norm_computation": kind})
+        for placement in (QKNormPlacement.BEFORE_ROPE, QKNormPlacement.AFTER_ROPE):
+            limits = engine_limits(
+                checklist.model_copy(update={"attention": qk.model_copy(update={"qk_norm_placement": placement})})
+            )
+            assert limits == (["QK norm computing no kind of the norm vocabulary"] if kind is NormKind.OTHER else [])
+    full_after = checklist.attention.model_copy(
+        update={"qk_norm_full_width": True, "qk_norm_placement": QKNormPlacement.AFTER_ROPE}
     )
-    limits = engine_limits(checklist.model_copy(update={"attention": layer_qk}))
-    assert limits == ["QK norm computing layer_norm while the block norms compute rms"]
-    # A LayerNorm QK norm under LayerNorm block norms: the layer_norm edit writes both.
-    norm = checklist.norm.model_copy(update={"kind": NormKind.LAYER_NORM})
-    assert not engine_limits(checklist.model_copy(update={"attention": layer_qk, "norm": norm}))
-    assert layer_qk.per_head_qk_norm  # per head: the qwen3 reference, whose QK norm the edit converts
+    assert engine_limits(checklist.model_copy(update={"attention": full_after})) == [
+        "full-width QK norm after RoPE (only a per-head one moves after it)"
+    ]
+
+
+# (reference, QK norm width, after RoPE, block norm kind, QK norm kind): per head after RoPE
+# on qwen2 (which has no QK norm), full width on qwen3 (whose per-head RMSNorm the full-width
+# edit replaces), every pair of kinds; a full-width LayerNorm kind gets its own class even
+# beside block norms of its kind (torch's fused layer_norm would gather the sharded width).
+QK_CASES = [
+    *(("qwen2", "per_head", True, block, qk) for block in sorted(VARIANTS) for qk in sorted(VARIANTS) if block != qk),
+    *(
+        ("qwen3", "full", False, block, qk)
+        for block in sorted(VARIANTS)
+        for qk in sorted(VARIANTS)
+        if block != qk or qk.startswith("layernorm")
+    ),
+]
+
+
+@pytest.mark.parametrize(("reference", "width", "after_rope", "block", "qk"), QK_CASES)
+def test_qk_norms_compute_their_own_kind_beside_any_block_norm(reference, width, after_rope, block, qk) -> None:
+    """q_norm/k_norm compute the QK norm's kind, the block norms theirs, in any edit order;
+    a second run changes nothing."""
+    plan = plan_for("llama").model_copy(
+        update={"norm": block, "qk_norm": width, "qk_norm_variant": qk, "qk_norm_after_rope": after_rope}
+    )
+    names = select_edits(plan, REFERENCES[reference])
+    assert "qk_norm_kind" in names
+    text = apply_model_edits(REFERENCES[reference], _ctx(plan, reference), names)
+    assert apply_model_edits(REFERENCES[reference], _ctx(plan, reference), list(reversed(names))) == text
+    assert apply_model_edits(text, _ctx(plan, reference), names) == text
+    assert ("The per-head QK norm comes after RoPE." in text) is after_rope
+    model = _tiny_model(_load(text, f"_qk_kind_{reference}_{block}_{qk}"), reference)
+    norms = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1].endswith("norm")}
+    assert {"layers.0.attention.q_norm", "layers.0.attention.k_norm", "norm"} <= set(norms)
+    torch.manual_seed(0)
+    for name, norm in norms.items():
+        variant = qk if "attention." in name else block
+        params, function = VARIANTS[variant]
+        assert {n for n, _ in norm.named_parameters()} == params, name
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.normal_()
+        widths = {"layers.0.attention.q_norm": 4 * 8, "layers.0.attention.k_norm": 2 * 8}
+        width_of = (widths.get(name, 8) if width == "full" else 8) if "attention." in name else 32
+        x = torch.randn(3, width_of) * 3 + 1
+        w = norm.weight.detach() if "weight" in params else None
+        b = norm.bias.detach() if "bias" in params else None
+        torch.testing.assert_close(norm(x), function(x, w, b, 1e-5), msg=name)
+
+
+def test_a_qk_norm_computing_what_the_block_norms_do_shares_their_class() -> None:
+    # Qwen3: per-head RMSNorm QK norms beside RMSNorm block norms: no class of their own
+    # (the committed families with such QK norms keep their bytes).
+    from skill.porting.plan import plan_from_report, report_for
+
+    assert plan_for("qwen3").qk_norm_variant is None
+    assert plan_for("gemma3_text").qk_norm_variant is None  # (1 + w) both
+    assert plan_for("persimmon").qk_norm_variant is None  # per-head LayerNorm both
+    olmo2 = report_for("olmo2")
+    assert plan_for("olmo2").qk_norm == "full" and plan_for("olmo2").qk_norm_variant is None
+    # Full width and LayerNorm on both sides: the QK norms get their own class.
+    checklist = olmo2.checklist.model_copy(
+        update={
+            "norm": olmo2.checklist.norm.model_copy(update={"kind": NormKind.LAYER_NORM}),
+            "attention": olmo2.checklist.attention.model_copy(update={"qk_norm_computation": NormKind.LAYER_NORM}),
+        }
+    )
+    plan = plan_from_report(olmo2.model_copy(update={"checklist": checklist}), "olmo2")
+    assert (plan.norm, plan.qk_norm, plan.qk_norm_variant) == ("layernorm", "full", "layernorm")
 
 
 def test_a_dense_family_with_a_per_head_qk_norm_starts_from_qwen2() -> None:

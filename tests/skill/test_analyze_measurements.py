@@ -529,3 +529,71 @@ def test_nanochat_rotates_the_other_way_and_the_port_negates_the_sine() -> None:
     assert not [line for line in report.unsupported if "rotat" in line.lower()]
     assert plan_for("nanochat").rotary_reversed
     assert report_for("llama").checklist.positions.rotary_direction.value == "standard"
+
+
+# ------------------------------------------- QK norms measured on their own (issue 22)
+
+
+def _qk_norm_refusals(unsupported: list[str]) -> list[str]:
+    return [line for line in unsupported if "QK norm" in line]
+
+
+def test_nanochat_weightless_qk_norm_after_rope_and_its_weightless_embedding_norm() -> None:
+    # NanoChatAttention: q_norm/k_norm are NanoChatRMSNorm (no weight) applied after
+    # apply_rotary_pos_emb; NanoChatModel.forward runs self.norm (the same weightless norm
+    # as the final one) on the embeddings before layer 0.
+    report = report_for("nanochat")
+    att, scalars = report.checklist.attention, report.checklist.scalars
+    assert (att.qk_norm_computation, att.qk_norm_placement.value) == (NormKind.RMS_WEIGHTLESS, "after_rope")
+    assert att.per_head_qk_norm and report.checklist.norm.kind is NormKind.RMS_WEIGHTLESS
+    assert (scalars.embedding_norm, scalars.embedding_norm_module) == (NormKind.RMS_WEIGHTLESS, "model.norm")
+    assert report.unsupported == []
+    plan = plan_for("nanochat")
+    assert (plan.qk_norm, plan.qk_norm_variant, plan.qk_norm_after_rope) == ("per_head", None, True)
+    assert plan.first_stage_modules == ("embedding_norm",)
+
+
+def test_llama4_text_qk_norm_is_measured_apart_from_the_block_norms() -> None:
+    # Llama4TextAttention: `self.qk_norm = Llama4TextL2Norm(config.rms_norm_eps)` (no weight),
+    # applied to q and k after RoPE; the block norms are Llama4TextRMSNorm (with a weight).
+    report = report_for("llama4_text")
+    att = report.checklist.attention
+    assert (att.qk_norm_computation, att.qk_norm_placement.value) == (NormKind.RMS_WEIGHTLESS, "after_rope")
+    assert report.checklist.norm.kind is NormKind.RMS
+    assert _qk_norm_refusals(report.unsupported) == []
+    plan = plan_for("llama4_text")
+    assert (plan.norm, plan.qk_norm, plan.qk_norm_variant, plan.qk_norm_after_rope) == (
+        "rms",
+        "per_head",
+        "rms_weightless",
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("seed", "computation", "block", "after_rope"),
+    [(15, NormKind.LAYER_NORM, NormKind.RMS, False), (56, NormKind.LAYER_NORM, NormKind.LAYER_NORM, True)],
+)
+def test_fuzzed_qk_norm_kind_and_placement_are_measured(tmp_path, seed, computation, block, after_rope) -> None:
+    # The fuzzer's generator (tests/fuzz/attention.py): seed 15 builds a per-head
+    # nn.LayerNorm QK norm (with bias) beside RMSNorm block norms, seed 56 a per-head
+    # nn.LayerNorm QK norm applied after RoPE; both were refused before the QK norm had a
+    # kind of its own.
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz import sample_family, write_family
+
+    spec = sample_family(seed)
+    qk = spec.attention.qk_norm
+    assert qk is not None and (qk.width, qk.kind, qk.after_rope) == ("per_head", "layer_norm", after_rope)
+    folder = write_family(spec, tmp_path / spec.name)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    att = report.checklist.attention
+    assert att.qk_norm_computation is computation and report.checklist.norm.kind is block
+    assert att.qk_norm_placement.value == ("after_rope" if after_rope else "before_rope")
+    assert _qk_norm_refusals(report.unsupported) == []
+    if spec.attention.clip_qkv is not None:
+        # Seed 15's config sets clip_qkv=4.0, which binds nothing on a tiny model (nor would
+        # 1.37 times it): the probe moves a clamp to one the tiny projections reach. The
+        # generator clamps q/k/v as they leave their projections, before the QK norm.
+        assert (att.clip_qkv, att.clip_qkv_field, att.clip_qkv_after_qk_norm) == (4.0, "clip_qkv", False)

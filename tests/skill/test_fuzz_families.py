@@ -271,3 +271,39 @@ def test_moe_family_with_fused_qkv_is_refused_by_name(tmp_path):
         result.unsupported
     )
     assert not (root / "archon_models" / spec.name).exists()
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("block", "qk"), [("rms", "layer_norm"), ("layer_norm", "layer_norm_weightless"), ("layer_norm", "rms")]
+)
+def test_full_width_qk_norm_of_its_own_kind_ports_under_tensor_parallelism(tmp_path, block, qk):
+    """A full-width QK norm of another kind than the block norms (or a LayerNorm kind, whose
+    fused kernel gathers the width): tensor parallelism shards the features it normalises, so
+    its class reduces over the ranks; stage 5 compares TP=2 logits and gradients with one
+    process. Before: refused ('QK norm computing ... while the block norms compute ...'), and
+    torch's LayerNorm/RMSNorm there give full-width outputs or raise on the sharded input."""
+    from tests.fuzz.spec import NormSpec, QKNormSpec
+
+    spec = plain_family(
+        # (no kind in the name: a class named ...LayerNormAttention would read as a norm)
+        f"fzqkwidth{sorted(NORM_KINDS).index(block)}{sorted(NORM_KINDS).index(qk)}",
+        norm=NormSpec(kind=block, placement="pre"),
+        attention=AttentionSpec(
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            explicit_head_dim=False,
+            qk_norm=QKNormSpec(width="full_width", kind=qk),
+        ),
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(
+        PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4, 5], workspace=root)
+    )
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error}\n{failing}"
+    assert [r.stage for r in result.stage_results] == [2, 3, 4, 5]

@@ -55,8 +55,12 @@ def test_markers_sit_at_the_code_they_name():
     above the statement it concerns."""
     from skill.porting.edit_model import mark_hand_edits
 
-    features = [line.removeprefix("unsupported: ") for line in plan_for("nanochat").unsupported]
-    assert "weightless QK norm after RoPE (only a per-head one moves after it)" in features
+    # Two refusals nanochat had then (the engine ports it now): one about the QK norm's
+    # placement, one about the embeddings.
+    features = [
+        "full-width QK norm after RoPE (only a per-head one moves after it)",
+        "embeddings transformed before layer 0 beyond a constant scale (no module found by the probe)",
+    ]
     text = mark_hand_edits(Document(QWEN2_MODEL), features, "Qwen2Model").code
     lines = text.splitlines()
 
@@ -68,7 +72,8 @@ def test_markers_sit_at_the_code_they_name():
     assert line_after("embeddings transformed before layer 0").startswith("h = self.tok_embeddings(tokens)")
     precompute = text[text.index("def _precompute_rope_cache") : text.index("def init_weights")]
     assert "hand edit needed" not in precompute
-    header = header_lines(plan_for("nanochat"), "nanochat", QWEN2_MODEL)
+    refused = plan_for("nanochat").model_copy(update={"unsupported": [f"unsupported: {f}" for f in features]})
+    header = header_lines(refused, "nanochat", QWEN2_MODEL)
     assert "(model/model.py, Attention.forward)" in header and "(model/model.py, NanochatModel.forward)" in header
 
 
