@@ -243,10 +243,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
         if set(ffn.activation_fields) != {"alpha", "limit"}:
             limits.append("clamped SwiGLU whose alpha and limit no config field sets")
     if moe is not None:
-        if att.fused_qkv:
-            # edit_adapter_map splits a fused tensor inside the dense reference's rename loop; the
-            # MoE reference's from_hf stacks experts in a loop of its own (found by the fuzzer).
-            limits.append("a fused q/k/v projection in a MoE family (the MoE adapter does not split it)")
         if ffn.activation not in ("silu", "clamped_swiglu"):
             limits.append(f"MoE experts with the {ffn.activation!r} activation (shared experts run SiLU)")
         if moe.expert_bias and moe.expert_layout is not ExpertLayout.FUSED_3D:
