@@ -1938,19 +1938,19 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     if not rule:
         ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
     readings = expert_tensor_readings(ctx)
-    probed = _probed_reading(ctx, readings) if readings else None
+    reading = _probed_reading(ctx, readings) if readings else None
     bias_keys: list[str] = []
     if not readings:
         ctx.other.append("routed experts whose checkpoint tensors the analyser cannot place")
-    elif probed is None:
+    elif reading is None:
         ctx.other.append(
             "fused expert tensors that fit several orientations, none (or more than one) of which the gate/up probe"
             " confirms"
         )
-    if probed is None:
+    if reading is None:
         layout, orientation, up, down, order, bias = ExpertLayout.NONE, WeightOrientation.OUT_IN, "", "", None, False
     else:
-        tensors, order = probed
+        tensors, order = reading
         bias_keys = [tensors.up_bias_key, tensors.down_bias_key] if tensors.bias else []
         layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
         bias = tensors.bias
