@@ -828,6 +828,9 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX}),
     Feature.SCORE_CORRECTION_BIAS: frozenset({"false"}),
     Feature.GROUPED_TOPK: frozenset({"max_group_score"}),
+    # No shared experts: the reference's _moe_args reads n_shared_experts (0 when the config
+    # has none), AReaL's MoE then builds none, and the TP plan skips them when None.
+    Feature.SHARED_EXPERTS: frozenset({"false"}),
 }
 
 

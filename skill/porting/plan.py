@@ -338,6 +338,16 @@ class PortPlan(BaseModel):
         return ("project_out",) if self.embedding_projection_field is not None else ()
 
     @property
+    def has_shared_experts(self) -> bool:
+        """Whether the MoE layers have always-active shared experts, however their width is set."""
+        return self.moe and bool(
+            self.shared_expert
+            or self.shared_experts_field
+            or self.shared_expert_width_field
+            or self.shared_experts_fixed
+        )
+
+    @property
     def portable(self) -> bool:
         return not self.unsupported
 

@@ -23,7 +23,7 @@ from skill.features import ExpertLayout, GateUpOrder, WeightOrientation
 from skill.porting.plan import report_for
 from skill.porting.port_model import PortModelRequest, port_model
 from tests.fuzz import check_family, write_family
-from tests.fuzz.spec import AttentionSpec, FamilySpec, MoESpec, plain_family
+from tests.fuzz.spec import AttentionSpec, FamilySpec, FFNSpec, MLASpec, MoESpec, RopeSpec, plain_family
 from tests.skill.test_port_rope import _workspace
 
 STAGES = [1, 2, 3, 4]
@@ -103,3 +103,57 @@ def test_grouped_fused_qkv_and_fused_experts_compose(tmp_path):
         attention=AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, fused_qkv="grouped"),
     )
     _ported(tmp_path, spec, [*STAGES, 6])
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "moe",
+    [
+        # Dense layers between MoE layers, gated shared expert of its own width (bench seed 36).
+        MoESpec(
+            n_experts=4,
+            top_k=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            shared_style="qwen",
+            shared_gate=True,
+            shared_intermediate_size=64,
+            layers="sparse_step",
+            sparse_step=2,
+            layout="fused_in_out",
+        ),
+        # Every layer MoE, DeepSeek's shared experts: FeedForward stays as their MLP.
+        MoESpec(n_experts=4, top_k=2, moe_intermediate_size=32, n_shared_experts=1, shared_style="deepseek"),
+    ],
+    ids=["sparse_step_qwen_shared", "all_layers_deepseek_shared"],
+)
+def test_moe_experts_activated_by_gelu_port(tmp_path, moe):
+    """Before: refused, "MoE experts with the 'gelu_pytorch_tanh' activation (shared experts run
+    SiLU)" (bench seeds 36, 63, 76): routed and shared experts now run the measured activation."""
+    spec = plain_family("fzmoegelu", moe=moe, ffn=FFNSpec(kind="gated", activation="gelu_pytorch_tanh"))
+    _ported(tmp_path, spec, STAGES)
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+def test_mla_moe_without_shared_experts_ports(tmp_path):
+    """Before: refused, "shared experts (absent)" (bench seed 59): the deepseek_v3 reference
+    reads ``n_shared_experts`` (0 when the config has none) and its MoE then builds none."""
+    mla = MLASpec(
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        head_dim_in_config=True,
+        rope_interleave=False,
+    )
+    spec = plain_family(
+        "fzmlanoshared",
+        mla=mla,
+        rope=RopeSpec(pairing="half"),
+        attention=AttentionSpec(n_heads=4, n_kv_heads=4, head_dim=32, explicit_head_dim=False),
+        moe=MoESpec(n_experts=4, top_k=2, moe_intermediate_size=32, layers="leading_dense", first_k_dense=1),
+    )
+    _ported(tmp_path, spec, STAGES)

@@ -42,6 +42,52 @@ def merge_interleaved_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
     return torch.stack([gate, up], dim=2).flatten(1, 2)
 
 
+# --- experts whose activation is not SwiGLU's SiLU --------------------------------------------
+
+
+class ActivatedGroupedExperts(GroupedExperts):
+    """Routed experts ``w2(act(w1(x)) * w3(x))`` with the family's activation (the edit writes
+    it into :meth:`_activate`); weights, layout and sharding are ``GroupedExperts``'. The rows
+    come grouped by expert: a loop over experts, or ``torch._grouped_mm`` on CUDA."""
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._get_local_weights()
+        # torch._grouped_mm has no CPU backward: CPU tensors take the loop even on a CUDA machine.
+        if not (self.use_grouped_mm and x.is_cuda):
+            return self._run_for_loop(w1, w2, w3, x, num_tokens_per_expert)
+        if _expert_sharded(self.w1):
+            return self._run_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+        return indices_padding_wrapper(self._run_grouped_mm)(w1, w2, w3, x, num_tokens_per_expert)
+
+    def _run_for_loop(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """One expert at a time over its contiguous group of rows; any device and dtype."""
+        counts = [int(n) for n in num_tokens_per_expert.tolist()]
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"experts got {x.shape[0]} rows but num_tokens_per_expert sums to {sum(counts)}")
+        outputs = []
+        for expert, x_expert in enumerate(torch.split(x, counts, dim=0)):
+            h = self._activate(x_expert @ w1[expert].t(), x_expert @ w3[expert].t())
+            outputs.append(h @ w2[expert].t())
+        return torch.cat(outputs, dim=0)
+
+    def _run_grouped_mm(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """All experts in three ``torch._grouped_mm`` calls (bf16 on CUDA, as AReaL computes)."""
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        compute_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        xc = x.to(compute_dtype)
+        gate = torch._grouped_mm(xc, w1.to(compute_dtype).transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(xc, w3.to(compute_dtype).transpose(-2, -1), offs=offsets)
+        h = self._activate(gate, up).to(compute_dtype)
+        return torch._grouped_mm(h, w2.to(compute_dtype).transpose(-2, -1), offs=offsets).type_as(x)
+
+
 # --- experts whose projections have biases, and their activations -----------------------------
 
 
