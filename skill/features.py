@@ -96,6 +96,8 @@ class GateUpOrder(StrEnum):
     SEPARATE = "separate"  # gate and up in their own tensors (or a plain MLP)
     CONCATENATED = "concatenated"  # gate rows/columns first, then up (chunk(2))
     INTERLEAVED = "interleaved"  # gate at even, up at odd positions (gpt-oss)
+    CONCATENATED_UP_FIRST = "concatenated_up_first"  # up rows/columns first, then gate
+    INTERLEAVED_UP_FIRST = "interleaved_up_first"  # up at even, gate at odd positions
 
 
 class WeightOrientation(StrEnum):

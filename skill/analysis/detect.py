@@ -1274,10 +1274,9 @@ def _activation(ctx: Context, ffn: nn.Module | None) -> tuple[str, str | None]:
     return "unknown", None
 
 
-def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
-    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
-    if ffn is None:
-        return None
+def _activation_leaf(ffn: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """(path, module, table entry) of the first parameter-free leaf module of ``ffn`` that
+    computes an entry of the table (numeric probe)."""
     for path, module in ffn.named_modules():
         if list(module.children()) or list(module.parameters()) or mt.weight_2d(module) is not None:
             continue
@@ -1285,9 +1284,35 @@ def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
             continue
         matched = match_activation(module)
         if matched is not None:
-            ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
-            return matched
+            return path, module, matched
     return None
+
+
+def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
+    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
+    found = _activation_leaf(ffn) if ffn is not None else None
+    if found is None:
+        return None
+    path, module, matched = found
+    ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
+    return matched
+
+
+def expert_activation_mismatches(block: nn.Module | None, activation: str) -> list[str]:
+    """The MoE block's routed and shared experts, each probed on its own activation module:
+    one computing another table entry than the family's FFN activation (which the port gives
+    both) is named. Experts with no activation module of their own are not judged."""
+    if block is None:
+        return []
+    routed = mt.experts_module(block)
+    parts = [("routed experts", routed[1])] if routed is not None else []
+    parts += [(f"shared experts ({name})", child) for name, child in block.named_children() if "shared" in name]
+    mismatches = []
+    for role, module in parts:
+        found = _activation_leaf(module)
+        if found is not None and found[2] != activation:
+            mismatches.append(f"{role} activated by {found[2]!r} while the MLP's activation is {activation!r}")
+    return mismatches
 
 
 def _dense_mlp(ctx: Context) -> nn.Module | None:
@@ -1838,6 +1863,16 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
     return count_field, ""
 
 
+def moe_block(ctx: Context) -> tuple[nn.Module | None, nn.Module | None]:
+    """The first decoder layer holding experts, and its MoE block (the child holding them)."""
+    moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
+    if moe_layer is not None:
+        for child in moe_layer.children():
+            if mt.experts_module(child) is not None and not mt.is_norm(child):
+                return moe_layer, child
+    return moe_layer, None
+
+
 def moe_features(ctx: Context) -> MoEFeatures | None:
     num_experts = expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
@@ -1847,13 +1882,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         ctx.evidence.append("MoE: experts in the module tree but no expert-count field in the config")
         num_experts = 0
     moe_layers, n_layers = _moe_layers(ctx)
-    moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
-    ffn = None
-    if moe_layer is not None:
-        for child in moe_layer.children():
-            if mt.experts_module(child) is not None and not mt.is_norm(child):
-                ffn = child
-                break
+    moe_layer, ffn = moe_block(ctx)
     scoring_field = next((v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None)
     if scoring_field in ("sigmoid", "softmax"):
         scoring = RouterScoring(scoring_field)

@@ -929,6 +929,8 @@ def apply_fused_experts_adapter(
     stacking = {
         GateUpOrder.CONCATENATED: "the gate rows first, then the up rows",
         GateUpOrder.INTERLEAVED: "gate and up rows alternating, gate first",
+        GateUpOrder.CONCATENATED_UP_FIRST: "the up rows first, then the gate rows",
+        GateUpOrder.INTERLEAVED_UP_FIRST: "up and gate rows alternating, up first",
     }.get(order, "")
     orientation = (
         "each expert stored (in, out), transposed to ``nn.Linear``'s (out, in)"

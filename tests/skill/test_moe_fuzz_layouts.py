@@ -18,7 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from skill.analysis.detect import expert_activation_mismatches
 from skill.features import ExpertLayout, GateUpOrder, WeightOrientation
 from skill.porting.plan import report_for
 from skill.porting.port_model import PortModelRequest, port_model
@@ -45,13 +47,20 @@ def _fused_experts(name: str, layout: str, order: str) -> FamilySpec:
 @pytest.mark.fuzz
 @pytest.mark.parametrize(
     ("layout", "order"),
-    [("fused_in_out", "concatenated"), ("fused_in_out", "interleaved"), ("fused_out_in", "concatenated")],
+    [
+        ("fused_in_out", "concatenated"),
+        ("fused_in_out", "interleaved"),
+        ("fused_out_in", "concatenated"),
+        ("fused_out_in", "interleaved_up_first"),
+        ("fused_in_out", "concatenated_up_first"),
+    ],
 )
 def test_square_fused_expert_tensors_are_read_in_the_orientation_hf_computes_with(tmp_path, layout, order):
     """Before: the in x out families were read (out, in) for the gate/up tensor (its shape fits
     both) and (in, out) for the down one, then refused for mixed orientations and an order no
     probe explained."""
-    spec = _fused_experts(f"fzsq{layout[6:9].replace('_', '')}{order[:3]}", layout, order)
+    name = f"fzsq{layout[6:9].replace('_', '')}{order[:3]}{'up' if order.endswith('up_first') else ''}"
+    spec = _fused_experts(name, layout, order)
     report = report_for(str(_family(tmp_path, spec)), True)
     moe = report.checklist.moe
     assert moe is not None
@@ -157,3 +166,35 @@ def test_mla_moe_without_shared_experts_ports(tmp_path):
         moe=MoESpec(n_experts=4, top_k=2, moe_intermediate_size=32, layers="leading_dense", first_k_dense=1),
     )
     _ported(tmp_path, spec, STAGES)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, act: torch.nn.Module):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(8, 4, bias=False)
+        self.up_proj = torch.nn.Linear(8, 4, bias=False)
+        self.down_proj = torch.nn.Linear(4, 8, bias=False)
+        self.act_fn = act
+
+
+class _MoEBlock(torch.nn.Module):
+    def __init__(self, routed: torch.nn.Module, shared: torch.nn.Module):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 2, bias=False)
+        self.experts = torch.nn.ModuleList([_MLP(routed), _MLP(routed)])
+        self.shared_expert = _MLP(shared)
+
+
+def test_routed_and_shared_expert_activations_are_measured_each_on_its_own():
+    """The port gives routed and shared experts the MLP's activation: an expert module computing
+    another one is named (measured numerically on its activation module, not read from a name)."""
+    same = _MoEBlock(torch.nn.GELU(approximate="tanh"), torch.nn.GELU(approximate="tanh"))
+    assert expert_activation_mismatches(same, "gelu_pytorch_tanh") == []
+    shared_silu = _MoEBlock(torch.nn.GELU(approximate="tanh"), torch.nn.SiLU())
+    assert expert_activation_mismatches(shared_silu, "gelu_pytorch_tanh") == [
+        "shared experts (shared_expert) activated by 'silu' while the MLP's activation is 'gelu_pytorch_tanh'"
+    ]
+    routed_relu = _MoEBlock(torch.nn.ReLU(), torch.nn.SiLU())
+    assert expert_activation_mismatches(routed_relu, "silu") == [
+        "routed experts activated by 'relu' while the MLP's activation is 'silu'"
+    ]

@@ -4,8 +4,9 @@ Archon holds a layer's experts as ``w1`` (gate) and ``w3`` (up) ``[E, hidden, di
 ``w2`` (down) ``[E, dim, hidden]``: slice ``e`` is expert ``e``'s ``nn.Linear`` weight
 (out, in). Some checkpoints hold all experts of a projection in one 3D tensor, gate and
 up stacked along the output axis: first all gate rows, then all up rows (``chunk(2)``),
-or gate and up alternating (gate at even rows). The adapter of such a family inserts the
-pair of functions for its order, renamed ``split_gate_up`` / ``merge_gate_up``.
+or gate and up alternating (gate at even rows), or either with the up rows leading. The
+adapter of such a family inserts the pair of functions for its order, renamed
+``split_gate_up`` / ``merge_gate_up``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,27 @@ def split_interleaved_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.
 def merge_interleaved_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]`` with gate and up rows alternating."""
     return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def split_concatenated_up_first_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, 2 * hidden, dim]`` -> gate, up ``[E, hidden, dim]``: the up rows come first."""
+    up, gate = fused.chunk(2, dim=1)
+    return gate, up
+
+
+def merge_concatenated_up_first_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]``, the up rows first."""
+    return torch.cat([up, gate], dim=1)
+
+
+def split_interleaved_up_first_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, 2 * hidden, dim]`` -> gate, up ``[E, hidden, dim]``: up at even rows, gate at odd."""
+    return fused[:, 1::2], fused[:, 0::2]
+
+
+def merge_interleaved_up_first_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]`` with up and gate rows alternating."""
+    return torch.stack([up, gate], dim=2).flatten(1, 2)
 
 
 # --- experts whose activation is not SwiGLU's SiLU --------------------------------------------
