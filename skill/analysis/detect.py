@@ -1705,9 +1705,6 @@ def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
     order = probes.probe_gate_up_order(
         ctx.model, ctx.tiny, up_key, ctx.saved_keys[up_key], axis, down_key, ctx.saved_keys[down_key]
     )
-    ctx.evidence.append(
-        f"fused expert gate/up order from the zeroing probe, {tensors.orientation.value} reading: {order}"
-    )
     return GateUpOrder(order) if order else None
 
 
@@ -1720,10 +1717,14 @@ def _probed_reading(ctx: Context, readings: list[ExpertTensors]) -> tuple[Expert
     or more than one, explains HF's outputs.
     """
     if len(readings) == 1:
-        return readings[0], _gate_up_order(ctx, readings[0])
-    probed = [(reading, _gate_up_order(ctx, reading)) for reading in readings]
-    explained = [(reading, order) for reading, order in probed if order is not None]
-    return explained[0] if len(explained) == 1 else None
+        found: tuple[ExpertTensors, GateUpOrder | None] | None = (readings[0], _gate_up_order(ctx, readings[0]))
+    else:
+        probed = [(reading, _gate_up_order(ctx, reading)) for reading in readings]
+        explained = [(reading, order) for reading, order in probed if order is not None]
+        found = explained[0] if len(explained) == 1 else None
+    if found is not None and found[0].layout is ExpertLayout.FUSED_3D and found[0].gated:
+        ctx.evidence.append(f"fused expert gate/up order from the zeroing probe: {found[1]}")
+    return found
 
 
 def _selection_bias(ffn: nn.Module, num_experts: int) -> torch.Tensor | None:
@@ -1984,7 +1985,10 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
         bias = tensors.bias
         if tensors.mixed_orientation:
-            ctx.other.append("fused expert projections stored in different orientations")
+            ctx.other.append(
+                "fused expert projections stored in different orientations (the adapter transposes gate/up and"
+                " down alike)"
+            )
         if order is None:
             ctx.other.append("fused expert gate/up tensor whose gate/up order no probe explains")
     jitter = None
