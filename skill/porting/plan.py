@@ -243,6 +243,9 @@ class PortPlan(BaseModel):
     top_k_field: str | None = Field(
         default=None, description="config field of experts per token, where MoEArgs.from_hf_config reads another"
     )
+    expert_count_source: str | None = Field(
+        default=None, description="the config field counting the routed experts, whichever it is (none: no MoE)"
+    )
     router_jitter_field: str | None = Field(
         default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
     )
@@ -511,6 +514,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         expert_count_field=moe.num_experts_field
         if moe is not None and moe.num_experts_field not in (None, *AREAL_MOE_COUNT_FIELDS)
         else None,
+        expert_count_source=moe.num_experts_field if moe is not None else None,
         top_k_field=moe.top_k_field
         if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)
         else None,

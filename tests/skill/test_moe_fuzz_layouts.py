@@ -148,7 +148,9 @@ def test_moe_experts_activated_by_gelu_port(tmp_path, moe):
 @pytest.mark.slow
 def test_mla_moe_without_shared_experts_ports(tmp_path):
     """Before: refused, "shared experts (absent)" (bench seed 59): the deepseek_v3 reference
-    reads ``n_shared_experts`` (0 when the config has none) and its MoE then builds none."""
+    reads ``n_shared_experts`` (0 when the config has none) and its MoE then builds none; the
+    routed experts are counted by the family's own field (``num_experts`` here, not DeepSeek's
+    ``n_routed_experts``: the port read 0 experts and failed at stage 2 before)."""
     mla = MLASpec(
         q_lora_rank=32,
         kv_lora_rank=32,
@@ -163,7 +165,17 @@ def test_mla_moe_without_shared_experts_ports(tmp_path):
         mla=mla,
         rope=RopeSpec(pairing="half"),
         attention=AttentionSpec(n_heads=4, n_kv_heads=4, head_dim=32, explicit_head_dim=False),
-        moe=MoESpec(n_experts=4, top_k=2, moe_intermediate_size=32, layers="leading_dense", first_k_dense=1),
+        moe=MoESpec(
+            n_experts=8,
+            top_k=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            layers="leading_dense",
+            first_k_dense=1,
+        ),
     )
     _ported(tmp_path, spec, STAGES)
 
