@@ -244,7 +244,8 @@ class PortPlan(BaseModel):
         default=None, description="config field of experts per token, where MoEArgs.from_hf_config reads another"
     )
     expert_count_source: str | None = Field(
-        default=None, description="the config field counting the routed experts, whichever it is (none: no MoE)"
+        default=None,
+        description="the config field counting the routed experts, n_routed_experts where the config has it",
     )
     router_jitter_field: str | None = Field(
         default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
@@ -514,7 +515,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         expert_count_field=moe.num_experts_field
         if moe is not None and moe.num_experts_field not in (None, *AREAL_MOE_COUNT_FIELDS)
         else None,
-        expert_count_source=moe.num_experts_field if moe is not None else None,
+        # DeepSeek's n_routed_experts where the config has it (DeepSeek-V2 maps num_experts onto it).
+        expert_count_source=("n_routed_experts" if "n_routed_experts" in values else moe.num_experts_field)
+        if moe is not None
+        else None,
         top_k_field=moe.top_k_field
         if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)
         else None,
