@@ -96,6 +96,8 @@ class GateUpOrder(StrEnum):
     SEPARATE = "separate"  # gate and up in their own tensors (or a plain MLP)
     CONCATENATED = "concatenated"  # gate rows/columns first, then up (chunk(2))
     INTERLEAVED = "interleaved"  # gate at even, up at odd positions (gpt-oss)
+    CONCATENATED_UP_FIRST = "concatenated_up_first"  # up rows/columns first, then gate
+    INTERLEAVED_UP_FIRST = "interleaved_up_first"  # up at even, gate at odd positions
 
 
 class WeightOrientation(StrEnum):
@@ -829,6 +831,9 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROUTER_SCORING: frozenset({RouterScoring.SOFTMAX}),
     Feature.SCORE_CORRECTION_BIAS: frozenset({"false"}),
     Feature.GROUPED_TOPK: frozenset({"max_group_score"}),
+    # No shared experts: the reference's _moe_args reads n_shared_experts (0 when the config
+    # has none), AReaL's MoE then builds none, and the TP plan skips them when None.
+    Feature.SHARED_EXPERTS: frozenset({"false"}),
 }
 
 

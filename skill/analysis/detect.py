@@ -1289,10 +1289,9 @@ def _activation(ctx: Context, ffn: nn.Module | None) -> tuple[str, str | None]:
     return "unknown", None
 
 
-def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
-    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
-    if ffn is None:
-        return None
+def _activation_leaf(ffn: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """(path, module, table entry) of the first parameter-free leaf module of ``ffn`` that
+    computes an entry of the table (numeric probe)."""
     for path, module in ffn.named_modules():
         if list(module.children()) or list(module.parameters()) or mt.weight_2d(module) is not None:
             continue
@@ -1300,9 +1299,35 @@ def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
             continue
         matched = match_activation(module)
         if matched is not None:
-            ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
-            return matched
+            return path, module, matched
     return None
+
+
+def _probe_activation_module(ctx: Context, ffn: nn.Module | None) -> str | None:
+    """The table entry a parameter-free leaf module of the FFN computes (numeric probe)."""
+    found = _activation_leaf(ffn) if ffn is not None else None
+    if found is None:
+        return None
+    path, module, matched = found
+    ctx.evidence.append(f"activation: {type(module).__name__} ({path}) computes {matched!r} (numeric probe)")
+    return matched
+
+
+def expert_activation_mismatches(block: nn.Module | None, activation: str) -> list[str]:
+    """The MoE block's routed and shared experts, each probed on its own activation module:
+    one computing another table entry than the family's FFN activation (which the port gives
+    both) is named. Experts with no activation module of their own are not judged."""
+    if block is None:
+        return []
+    routed = mt.experts_module(block)
+    parts = [("routed experts", routed[1])] if routed is not None else []
+    parts += [(f"shared experts ({name})", child) for name, child in block.named_children() if "shared" in name]
+    mismatches = []
+    for role, module in parts:
+        found = _activation_leaf(module)
+        if found is not None and found[2] != activation:
+            mismatches.append(f"{role} activated by {found[2]!r} while the MLP's activation is {activation!r}")
+    return mismatches
 
 
 def _dense_mlp(ctx: Context) -> nn.Module | None:
@@ -1554,7 +1579,12 @@ class ExpertTensors:
     down_key: str
     gated: bool
     bias: bool
-    mixed_orientation: bool = False
+    down_orientation: WeightOrientation | None = None  # fused layout: the down tensor's own (None: as ``orientation``)
+
+    @property
+    def mixed_orientation(self) -> bool:
+        return self.down_orientation is not None and self.down_orientation is not self.orientation
+
     layer: int = 0  # the layer the keys were read from (the first with experts)
     up_bias_key: str = ""  # fused layout: the [E, width] bias of the in-projection ({} for the layer)
     down_bias_key: str = ""  # fused layout: the [E, hidden] bias of the down projection
@@ -1565,6 +1595,13 @@ def _expert_template(key: str) -> str:
 
 
 def expert_tensors(ctx: Context) -> ExpertTensors | None:
+    """The first reading of :func:`expert_tensor_readings` (what every reading agrees on:
+    the layout, the keys, whether the experts are gated), ``None`` when there is none."""
+    readings = expert_tensor_readings(ctx)
+    return readings[0] if readings else None
+
+
+def expert_tensor_readings(ctx: Context) -> list[ExpertTensors]:
     """The routed experts' checkpoint tensors of layer 0, read off the saved keys' shapes.
 
     Per-expert 2D keys hold an expert index; a fused layout holds one 3D tensor per
@@ -1573,6 +1610,11 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
     reads the hidden size, the down projection writes it; the experts are gated when the
     in-projection is twice as wide as the down projection's input. Expert biases are the
     2D ``[E, n]`` (fused) or 1D (per expert) tensors beside those weights.
+
+    A fused tensor whose two trailing dimensions are equal (a gate/up ``[E, 2I, H]`` with
+    ``2I == H``, as the tiny model's widths make it) fits both orientations: every
+    shape-consistent reading is returned, and :func:`_probed_reading` measures which one
+    the HF module computes with.
     """
     n_experts = expert_count(ctx.tiny) or 0
     hidden = ctx.tiny.hidden_size
@@ -1598,24 +1640,26 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
         ins = [k for k, s in one.items() if hidden in s and not re.search(r"(down|w2|fc2|output)", k)]
         downs = [k for k in one if k not in ins]
         if not ins:
-            return None
+            return []
         up = next((k for k in ins if re.search(r"(up|gate|w1|w3|fc1)", k)), ins[0])
         orientation = WeightOrientation.OUT_IN if one[up][-1] == hidden else WeightOrientation.IN_OUT
         # An expert's own bias (experts.{e}.gate_proj.bias); a per-expert vector saved beside
         # the experts (Laguna's experts.e_score_correction_bias) is the router's, not theirs.
         bias = any(re.search(r"\.experts\.\d+\.", k) and k.endswith(".bias") for k in keys)
-        return ExpertTensors(
-            ExpertLayout.PER_EXPERT_2D,
-            orientation,
-            _expert_template(up),
-            _expert_template(downs[0]) if downs else "",
-            gated=len(ins) >= 2,
-            bias=bias,
-            layer=index,
-        )
+        return [
+            ExpertTensors(
+                ExpertLayout.PER_EXPERT_2D,
+                orientation,
+                _expert_template(up),
+                _expert_template(downs[0]) if downs else "",
+                gated=len(ins) >= 2,
+                bias=bias,
+                layer=index,
+            )
+        ]
     fused = {k: s for k, s in keys.items() if len(s) == 3 and n_experts and s[0] == n_experts}
     if len(fused) != 2:
-        return None
+        return []
     # The down projection writes the hidden size and reads what the in-projection writes.
     (ka, sa), (kb, sb) = fused.items()
 
@@ -1628,6 +1672,7 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
             options.append((shape[2], WeightOrientation.IN_OUT))
         return tuple(options)
 
+    readings: list[ExpertTensors] = []
     for up, down, up_shape, down_shape in ((ka, kb, sa, sb), (kb, ka, sb, sa)):
         for width, up_orientation in split(up_shape):
             # As the down projection: hidden is its output (out_in: dim 1, in_out: dim 2).
@@ -1646,19 +1691,24 @@ def expert_tensors(ctx: Context) -> ExpertTensors | None:
                 # Which bias is whose, by its width: the in-projection's output or the hidden size.
                 up_bias = next((k for k in bias_keys if keys[k][-1] == width and width != hidden), "")
                 down_bias = next((k for k in bias_keys if keys[k][-1] == hidden and width != hidden), "")
-                return ExpertTensors(
-                    ExpertLayout.FUSED_3D,
-                    up_orientation,
-                    re.sub(r"\.\d+\.", ".{}.", up, count=1),
-                    re.sub(r"\.\d+\.", ".{}.", down, count=1),
-                    gated=width == 2 * down_shape[in_dim],
-                    bias=bool(bias_keys),
-                    mixed_orientation=up_orientation is not down_orientation,
-                    layer=index,
-                    up_bias_key=re.sub(r"\.\d+\.", ".{}.", up_bias, count=1),
-                    down_bias_key=re.sub(r"\.\d+\.", ".{}.", down_bias, count=1),
+                readings.append(
+                    ExpertTensors(
+                        ExpertLayout.FUSED_3D,
+                        up_orientation,
+                        re.sub(r"\.\d+\.", ".{}.", up, count=1),
+                        re.sub(r"\.\d+\.", ".{}.", down, count=1),
+                        gated=width == 2 * down_shape[in_dim],
+                        bias=bool(bias_keys),
+                        down_orientation=down_orientation,
+                        layer=index,
+                        up_bias_key=re.sub(r"\.\d+\.", ".{}.", up_bias, count=1),
+                        down_bias_key=re.sub(r"\.\d+\.", ".{}.", down_bias, count=1),
+                    )
                 )
-    return None
+        if readings:
+            # The in-projection is the first tensor that fits; the other pairing is not tried.
+            break
+    return readings
 
 
 def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
@@ -1670,8 +1720,26 @@ def _gate_up_order(ctx: Context, tensors: ExpertTensors) -> GateUpOrder | None:
     order = probes.probe_gate_up_order(
         ctx.model, ctx.tiny, up_key, ctx.saved_keys[up_key], axis, down_key, ctx.saved_keys[down_key]
     )
-    ctx.evidence.append(f"fused expert gate/up order from the zeroing probe: {order}")
     return GateUpOrder(order) if order else None
+
+
+def _probed_reading(ctx: Context, readings: list[ExpertTensors]) -> tuple[ExpertTensors, GateUpOrder | None] | None:
+    """The reading of the experts' tensors the HF module computes with, and its gate/up order.
+
+    One reading needs no choice. Several (a square fused gate/up tensor) are told apart by
+    the gate/up probe: it zeroes positions along the in-projection's output axis, which
+    silences the up positions only on the axis HF really writes to; ``None`` when no reading,
+    or more than one, explains HF's outputs.
+    """
+    if len(readings) == 1:
+        found: tuple[ExpertTensors, GateUpOrder | None] | None = (readings[0], _gate_up_order(ctx, readings[0]))
+    else:
+        probed = [(reading, _gate_up_order(ctx, reading)) for reading in readings]
+        explained = [(reading, order) for reading, order in probed if order is not None]
+        found = explained[0] if len(explained) == 1 else None
+    if found is not None and found[0].layout is ExpertLayout.FUSED_3D and found[0].gated:
+        ctx.evidence.append(f"fused expert gate/up order from the zeroing probe: {found[1]}")
+    return found
 
 
 def _selection_bias(ffn: nn.Module, num_experts: int) -> torch.Tensor | None:
@@ -1811,6 +1879,16 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
     return count_field, ""
 
 
+def moe_block(ctx: Context) -> tuple[nn.Module | None, nn.Module | None]:
+    """The first decoder layer holding experts, and its MoE block (the child holding them)."""
+    moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
+    if moe_layer is not None:
+        for child in moe_layer.children():
+            if mt.experts_module(child) is not None and not mt.is_norm(child):
+                return moe_layer, child
+    return moe_layer, None
+
+
 def moe_features(ctx: Context) -> MoEFeatures | None:
     num_experts = expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
@@ -1820,13 +1898,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         ctx.evidence.append("MoE: experts in the module tree but no expert-count field in the config")
         num_experts = 0
     moe_layers, n_layers = _moe_layers(ctx)
-    moe_layer = next((layer for layer in ctx.anatomy.layers if mt.layer_has_experts(layer)), None)
-    ffn = None
-    if moe_layer is not None:
-        for child in moe_layer.children():
-            if mt.experts_module(child) is not None and not mt.is_norm(child):
-                ffn = child
-                break
+    moe_layer, ffn = moe_block(ctx)
     scoring_field = next((v for k, v in _fields_matching(ctx.config, "scor").items() if isinstance(v, str)), None)
     if scoring_field in ("sigmoid", "softmax"):
         scoring = RouterScoring(scoring_field)
@@ -1910,17 +1982,28 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     rule, rule_fields = moe_layer_rule(ctx.config, moe_layers, n_layers)
     if not rule:
         ctx.evidence.append(f"MoE layers {moe_layers}: no config rule reproduces them")
-    tensors = expert_tensors(ctx)
+    readings = expert_tensor_readings(ctx)
+    reading = _probed_reading(ctx, readings) if readings else None
     bias_keys: list[str] = []
-    if tensors is None:
+    if not readings:
         ctx.other.append("routed experts whose checkpoint tensors the analyser cannot place")
+    elif reading is None:
+        ctx.other.append(
+            "fused expert tensors that fit several orientations, none (or more than one) of which the gate/up probe"
+            " confirms"
+        )
+    if reading is None:
         layout, orientation, up, down, order, bias = ExpertLayout.NONE, WeightOrientation.OUT_IN, "", "", None, False
     else:
+        tensors, order = reading
         bias_keys = [tensors.up_bias_key, tensors.down_bias_key] if tensors.bias else []
         layout, orientation, up, down = tensors.layout, tensors.orientation, tensors.up_key, tensors.down_key
-        order, bias = _gate_up_order(ctx, tensors), tensors.bias
+        bias = tensors.bias
         if tensors.mixed_orientation:
-            ctx.other.append("fused expert projections stored in different orientations")
+            ctx.other.append(
+                "fused expert projections stored in different orientations (the adapter transposes gate/up and"
+                " down alike)"
+            )
         if order is None:
             ctx.other.append("fused expert gate/up tensor whose gate/up order no probe explains")
     jitter = None

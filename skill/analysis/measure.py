@@ -175,6 +175,9 @@ def _inspect(
     attention = detect.attention_features(ctx)
     ffn = detect.ffn_features(ctx)
     moe = detect.moe_features(ctx)
+    if moe is not None:
+        # The port activates routed and shared experts as the FFN: each is measured on its own.
+        ctx.other.extend(detect.expert_activation_mismatches(detect.moe_block(ctx)[1], ffn.activation))
     positions = detect.position_features(ctx)
     norm = detect.norm_features(ctx)
     scalars = detect.scalar_features(ctx)

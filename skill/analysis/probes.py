@@ -1099,7 +1099,8 @@ def probe_gate_up_order(
     down_shape: tuple[int, ...],
 ) -> str | None:
     """How a fused expert tensor stacks its gate (activated) and up positions along ``axis``:
-    ``"concatenated"`` (gate first, then up) or ``"interleaved"`` (gate even, up odd).
+    ``"concatenated"`` (gate first, then up) or ``"interleaved"`` (gate even, up odd), each
+    with ``"_up_first"`` when the up part leads (``"concatenated_up_first"``: up, then gate).
 
     Zeroing the gate positions of every layer's tensor (and of its bias) makes the logits
     independent of the up positions whatever the activation (``act(0) == 0``); the wrong
@@ -1161,18 +1162,25 @@ def probe_gate_up_order(
     order = fits[0]
     if zero_kills[order] == ["first"]:
         return order  # only zeroing the first part kills the output: it is the gate
-    if zero_kills[order] != ["first", "second"]:
-        return None  # the second part is the gate: no layout of that kind is known
-    second = partitions[order][1]
-    # The same random weights twice (the generator re-seeded), the second time scaled.
-    with _preserved(model):
-        gen.manual_seed(_GEN_SEED)
-        seeded_downs()
-        plain = run(None, positions)
-        gen.manual_seed(_GEN_SEED)
-        seeded_downs()
-        scaled = run(None, positions, scale=second)
-    return order if torch.allclose(plain, scaled, atol=1e-5, rtol=1e-4) else None
+    if zero_kills[order] == ["second"]:
+        return f"{order}_up_first"  # only zeroing the second part kills it: the up part comes first
+
+    def scaling_keeps(part: torch.Tensor) -> bool:
+        """The same random weights twice (the generator re-seeded), the second time ``part``
+        doubled and the down projection halved: only an up part (linear) keeps the logits."""
+        with _preserved(model):
+            gen.manual_seed(_GEN_SEED)
+            seeded_downs()
+            plain = run(None, positions)
+            gen.manual_seed(_GEN_SEED)
+            seeded_downs()
+            scaled = run(None, positions, scale=part)
+        return torch.allclose(plain, scaled, atol=1e-5, rtol=1e-4)
+
+    first, second = partitions[order]
+    if scaling_keeps(second):
+        return order
+    return f"{order}_up_first" if scaling_keeps(first) else None
 
 
 # Gate functions a gated attention output may apply to its gate projection's output.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from skill.activations import ACTIVATIONS
 from skill.analysis.measure import build_checklist, build_variant_checklist
 from skill.features import (
     FEATURE_TITLES,
@@ -242,12 +243,9 @@ def engine_limits(checklist: Checklist) -> list[str]:
         if set(ffn.activation_fields) != {"alpha", "limit"}:
             limits.append("clamped SwiGLU whose alpha and limit no config field sets")
     if moe is not None:
-        if att.fused_qkv:
-            # edit_adapter_map splits a fused tensor inside the dense reference's rename loop; the
-            # MoE reference's from_hf stacks experts in a loop of its own (found by the fuzzer).
-            limits.append("a fused q/k/v projection in a MoE family (the MoE adapter does not split it)")
-        if ffn.activation not in ("silu", "clamped_swiglu"):
-            limits.append(f"MoE experts with the {ffn.activation!r} activation (shared experts run SiLU)")
+        if ffn.activation in ACTIVATIONS and ACTIVATIONS[ffn.activation].module:
+            # A learned activation is a module with parameters: the grouped experts have none per expert.
+            limits.append(f"MoE experts with the learned {ffn.activation!r} activation (no per-expert parameters)")
         if moe.expert_bias and moe.expert_layout is not ExpertLayout.FUSED_3D:
             limits.append("expert projection biases stored per expert (the adapter maps fused 3D ones)")
         elif moe.expert_bias and checklist.ffn.kind is not FFNKind.GATED:

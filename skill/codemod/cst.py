@@ -33,10 +33,12 @@ __all__ = [
     "has_method",
     "has_statement",
     "insert_after_statement_assigning",
+    "insert_at_loop_head",
     "insert_before_class",
     "insert_class_statement_after",
     "keep_else_branch",
     "leading_lines",
+    "loop_body_code",
     "prune_unused_imports",
     "read_all",
     "read_dict_literal",
@@ -1107,6 +1109,46 @@ def insert_after_statement_assigning(
             body[i + 1 : i + 1] = new_stmts
             return doc.replaced(func, _with_block(func, body))
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
+
+
+def _loop_over(func: cst.FunctionDef, iterable: str) -> cst.For:
+    for stmt in statements(func.body):
+        if isinstance(stmt, cst.For) and node_code(stmt.iter) == iterable:
+            return stmt
+    raise CodemodError(f"no top-level loop over {iterable} in {func.name.value!r}")
+
+
+def loop_body_code(doc: Document, class_name: str | None, func_name: str, iterable: str) -> list[str]:
+    """The code (layout-free keys) of the statements of a function's top-level ``for`` loop over ``iterable``."""
+    loop = _loop_over(find_function(doc.module, class_name, func_name), iterable)
+    return [doc.key(stmt) for stmt in statements(loop.body)]
+
+
+def insert_at_loop_head(
+    doc: Document, class_name: str | None, func_name: str, iterable: str, new_source: str, *, hoist: str = ""
+) -> Document:
+    """Put statements at the head of a function's top-level ``for`` loop over ``iterable``.
+
+    ``hoist``: a statement of that loop's body (matched by its code) moved to the head
+    first, before the new ones, so they can read what it assigns. A no-op when the first
+    new statement is already in the body.
+    """
+    func = find_function(doc.module, class_name, func_name)
+    loop = _loop_over(func, iterable)
+    body = statements(loop.body)
+    new_stmts = _parse_statements(new_source)
+    if any(doc.key(s) == doc.key(new_stmts[0]) for s in body):
+        return doc
+    head: list[cst.BaseStatement] = []
+    if hoist:
+        wanted = doc.key(cst.parse_statement(hoist))
+        found = [s for s in body if doc.key(s) == wanted]
+        if not found:
+            raise CodemodError(f"statement {hoist.strip()!r} not found in the loop over {iterable} of {func_name!r}")
+        head = [found[0].with_changes(leading_lines=[])]
+        body = [s for s in body if s is not found[0]]
+    new_loop = loop.with_changes(body=loop.body.with_changes(body=[*head, *new_stmts, *body]))
+    return doc.replaced(loop, new_loop)
 
 
 def insert_class_statement_after(doc: Document, class_name: str, target: str, new_source: str) -> Document:

@@ -16,8 +16,10 @@ from skill.codemod.cst import (
     Document,
     edit_dict_literal,
     insert_after_statement_assigning,
+    insert_at_loop_head,
     insert_before_class,
     insert_class_statement_after,
+    loop_body_code,
     prune_unused_imports,
     read_dict_literal,
     remove_method,
@@ -510,10 +512,12 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             if attention.fused_qkv_layout == "blocked" and attention.fused_qkv_blocks and attention.fused_qkv_order
             else None
         )
-        text = apply_fused_adapter(text, layout, fused, grouped=grouped, blocked=blocked)
-        text = apply_transposed_adapter(text, layout, sorted(transposed))
+        # The experts' loops first: a fused q/k/v key's split then goes at the head of whichever
+        # loops the adapter has (the reference's, or the fused experts').
         if experts and checklist.moe is not None:
             text = apply_fused_experts_adapter(text, layout, experts, checklist.moe)
+        text = apply_fused_adapter(text, layout, fused, grouped=grouped, blocked=blocked)
+        text = apply_transposed_adapter(text, layout, sorted(transposed))
         if plan.lm_head_bias:
             text = apply_head_bias_adapter(text, layout)
         moe = checklist.moe
@@ -554,23 +558,15 @@ if template in self.fused_to_hf_map:
     return self.fused_to_hf_map[template][0].format(*indices)  # the slice's destination
 """
 
-_FROM_HF_LOOP_OLD = """
-for hf_key, value in hf_state_dict.items():
-    archon_key = self._archon_key(hf_key)
-    if archon_key is not None:
-        state_dict[archon_key] = value
+# The head of from_hf's loop over the checkpoint: a fused key is split, and the loop goes on.
+# Any reference's loop takes it (qwen2's renames, qwen3's stacks experts, a fused-experts
+# adapter's splits them); ``{template}`` is the loop's own name for the abstract key.
+_FROM_HF_FUSED_DISPATCH = """
+if {template} in self.fused_from_hf_map:
+    state_dict.update(self._split_fused(hf_key, {template}, indices, value))
+    continue
 """
-
-_FROM_HF_LOOP_NEW = """
-for hf_key, value in hf_state_dict.items():
-    template, indices = _abstract(hf_key)
-    if template in self.fused_from_hf_map:
-        state_dict.update(self._split_fused(hf_key, template, indices, value))
-        continue
-    archon_key = self._archon_key(hf_key)
-    if archon_key is not None:
-        state_dict[archon_key] = value
-"""
+_ABSTRACT_HF_KEY = re.compile(r"(\w+), indices = _abstract\(hf_key\)")
 
 _TO_HF_LOOP_OLD = """
 for name, value in archon_state_dict.items():
@@ -613,6 +609,36 @@ def _split_fused(self, hf_key: str, template: str, indices: list[str], value: An
             f"{{parts}} it holds have {{rows}}. The checkpoint does not match this config."
         )
     return dict(zip(parts, torch.split(value, rows, dim=0), strict=True))
+"""
+
+# to_hf of an adapter whose experts are fused on disk too: its loop collects both kinds of
+# parts into ``fused``; each checkpoint tensor is then fused as its kind fuses.
+_TO_HF_FUSED_DISPATCH = """
+if template in self.fused_to_hf_map:
+    hf_template, position = self.fused_to_hf_map[template]
+    fused.setdefault(hf_template.format(*indices), {})[position] = value
+    continue
+"""
+
+_EXPERTS_TO_HF_FOLD = """
+for hf_key, pieces in fused.items():
+    hf_state_dict[hf_key] = self._experts_to_hf(hf_key, pieces)
+"""
+
+_BOTH_TO_HF_FOLD = """
+for hf_key, pieces in fused.items():
+    if _abstract(hf_key)[0] in self.fused_from_hf_map:
+        hf_state_dict[hf_key] = self._concat_fused(hf_key, pieces)
+    else:
+        hf_state_dict[hf_key] = self._experts_to_hf(hf_key, pieces)
+"""
+
+_EXPERTS_JOIN_FALLBACK = "return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)"
+
+_BOTH_JOIN_FALLBACK = """
+if template in self.fused_from_hf_map:
+    return self._concat_fused(hf_key, dict(enumerate(pieces)))
+return pieces[0]
 """
 
 _CONCAT = """
@@ -664,6 +690,23 @@ if ".attention.wq." in self.fused_from_hf_map[template][0]:
 """
 
 
+def _dispatch_fused_from_hf(text: Document, cls: str) -> Document:
+    """Put the fused-key split at the head of ``from_hf``'s loop over the checkpoint, reading
+    the abstract key the loop already computes (moved to the head) or computing it there."""
+    body = loop_body_code(text, cls, "from_hf", "hf_state_dict.items()")
+    abstracting = next((code for code in body if _ABSTRACT_HF_KEY.fullmatch(code)), None)
+    if abstracting is None:
+        dispatch = _FROM_HF_FUSED_DISPATCH.format(template="template").strip()
+        head = "template, indices = _abstract(hf_key)\n" + dispatch + "\n"
+        return insert_at_loop_head(text, cls, "from_hf", "hf_state_dict.items()", head)
+    match = _ABSTRACT_HF_KEY.fullmatch(abstracting)
+    assert match is not None
+    dispatch = _FROM_HF_FUSED_DISPATCH.format(template=match.group(1))
+    return insert_at_loop_head(
+        text, cls, "from_hf", "hf_state_dict.items()", dispatch.strip() + "\n", hoist=abstracting
+    )
+
+
 def apply_fused_adapter(
     text: Document,
     layout: PackageLayout,
@@ -696,8 +739,23 @@ def apply_fused_adapter(
     try:
         text = insert_after_statement_assigning(text, cls, "__init__", "self.to_hf_map", _FUSED_INIT.strip() + "\n")
         text = insert_after_statement_assigning(text, cls, "_hf_key", "template, indices", _FUSED_HF_KEY.strip() + "\n")
-        text = replace_in_function(text, cls, "from_hf", _FROM_HF_LOOP_OLD.strip(), _FROM_HF_LOOP_NEW.strip())
-        text = replace_in_function(text, cls, "to_hf", _TO_HF_LOOP_OLD.strip(), _TO_HF_LOOP_NEW.strip())
+        text = _dispatch_fused_from_hf(text, cls)
+        if FUSED_EXPERTS_MAP in text:
+            # The experts' to_hf loop already collects parts into ``fused``: the fused keys join them.
+            text = insert_at_loop_head(
+                text,
+                cls,
+                "to_hf",
+                "archon_state_dict.items()",
+                _TO_HF_FUSED_DISPATCH.strip() + "\n",
+                hoist="template, indices = _abstract(_strip_wrappers(name))",
+            )
+            text = replace_in_function(text, cls, "to_hf", _EXPERTS_TO_HF_FOLD.strip(), _BOTH_TO_HF_FOLD.strip())
+            text = replace_in_function(
+                text, cls, "join_single_to_hf", _EXPERTS_JOIN_FALLBACK, _BOTH_JOIN_FALLBACK.strip()
+            )
+        else:
+            text = replace_in_function(text, cls, "to_hf", _TO_HF_LOOP_OLD.strip(), _TO_HF_LOOP_NEW.strip())
     except CodemodError as e:
         raise CodemodError(
             f"fused on-disk keys {sorted(fused)} need the reference adapter's plain rename loops: {e}"
@@ -882,6 +940,8 @@ def apply_fused_experts_adapter(
     stacking = {
         GateUpOrder.CONCATENATED: "the gate rows first, then the up rows",
         GateUpOrder.INTERLEAVED: "gate and up rows alternating, gate first",
+        GateUpOrder.CONCATENATED_UP_FIRST: "the up rows first, then the gate rows",
+        GateUpOrder.INTERLEAVED_UP_FIRST: "up and gate rows alternating, up first",
     }.get(order, "")
     orientation = (
         "each expert stored (in, out), transposed to ``nn.Linear``'s (out, in)"

@@ -194,8 +194,19 @@ def _switch_check(plan: PortPlan) -> str:
     )
 
 
+# Where the reference reads the routed-expert count (in _moe_args and from_hf_config).
+_REFERENCE_COUNT = 'getattr(hf_config, "n_routed_experts", None)'
+
+
 def router_args(text: Document, plan: PortPlan, camel: str) -> Document:
-    """The copied deepseek_v3 args' ``_moe_args`` routing as the family's (see the module doc)."""
+    """The copied deepseek_v3 args' ``_moe_args`` routing as the family's (see the module doc),
+    the routed experts counted by the family's own config field."""
+    if plan.moe and plan.expert_count_source not in (None, "n_routed_experts"):
+        family_count = f'getattr(hf_config, "{plan.expert_count_source}", None)'
+        if _REFERENCE_COUNT in text:
+            text = replace_text(text, _REFERENCE_COUNT, family_count)
+        elif family_count not in text:
+            raise CodemodError("the copied args do not read n_routed_experts: the deepseek_v3 reference changed.")
     if not plan.moe or not differs_from_reference(plan):
         return text
     if "def _moe_args(" not in text:

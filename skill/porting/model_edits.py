@@ -1238,6 +1238,8 @@ def _all_layers_moe(text: Document, ctx: EditContext) -> Document:
         "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)",
         "self.moe.init_buffers(buffer_device)",
     )
+    if ctx.profile.has_shared_experts and ctx.profile.activation not in ("silu", "clamped_swiglu"):
+        return text  # FeedForward stays: the shared experts' MLP with the family's activation
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
     return text
@@ -1429,6 +1431,55 @@ def _expert_bias(text: Document, ctx: EditContext) -> Document:
         "    model_args.moe_args.num_experts,\n"
         "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
         ")\n",
+    )
+
+
+MOE_CONSTRUCTION = "self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)"
+
+
+def _expert_activation(text: Document, ctx: EditContext) -> Document:
+    """The MoE's experts activate as the analysis measured (not SwiGLU's SiLU): the routed
+    experts are the package's :class:`ActivatedGroupedExperts` (or, with biases,
+    ``BiasedGroupedExperts`` activating so), the shared experts the package's ``FeedForward``,
+    which the activation edit writes; both replace what AReaL's ``MoE`` builds."""
+    entry = ACTIVATIONS[ctx.profile.activation]
+    helper = entry.snippet
+    if helper is not None and f"def {helper}(" not in text:
+        text = insert_before_class(text, "TransformerBlock", snippet("activations", helper))
+    title = _activation_name(ctx.profile)
+    if "class BiasedGroupedExperts(" in text:
+        text = replace_call(text, "BiasedGroupedExperts", "_activate", "F.silu", entry.call)
+        text = replace_text(text, '"""SwiGLU: ``silu(gate) * up``."""', f'"""{title}: ``act(gate) * up``."""')
+        routed = ""
+    else:
+        if "class ActivatedGroupedExperts(" not in text:
+            if "def _expert_sharded(" not in text:
+                text = insert_before_class(text, "TransformerBlock", snippet("experts", "_expert_sharded"))
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "ActivatedGroupedExperts"))
+        text = replace_call(text, "ActivatedGroupedExperts", "_activate", "F.silu", entry.call)
+        for line in EXPERTS_IMPORTS:
+            if line != "import math" and not line.startswith("from torch.distributed.tensor"):
+                text = ensure_import_line(text, line)
+        text = ensure_import_line(text, "from torch.distributed.tensor import DTensor, Shard")
+        routed = (
+            f"# The routed experts activate by the {title}.\n"
+            "self.moe.experts = ActivatedGroupedExperts(\n"
+            "    model_args.dim,\n"
+            "    model_args.moe_inter_dim,\n"
+            "    model_args.moe_args.num_experts,\n"
+            "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
+            ")\n"
+        )
+    shared = (
+        f"# The shared experts too: the package's FeedForward ({title}), as wide as MoE built them.\n"
+        "self.moe.shared_experts = FeedForward(model_args.dim, self.moe.shared_experts.w1.out_features)\n"
+        if ctx.profile.has_shared_experts
+        else ""
+    )
+    if not routed and not shared:
+        return text
+    return replace_in_function(
+        text, "TransformerBlock", "__init__", MOE_CONSTRUCTION, MOE_CONSTRUCTION + "\n" + routed + shared
     )
 
 
@@ -1679,6 +1730,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _clamped_swiglu_experts,
     ),
     ModelEdit(
+        "expert_activation",
+        "routed and shared experts activated otherwise than by SiLU",
+        lambda p: p.moe and p.activation not in ("silu", "clamped_swiglu"),
+        _expert_activation,
+    ),
+    ModelEdit(
         "router_bias",
         "a bias on the router's gate logits",
         lambda p: p.router_bias,
@@ -1718,7 +1775,8 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "activation",
         "feed-forward activation other than SiLU",
-        lambda p: p.activation != "silu" and not p.all_layers_moe,
+        # With every layer MoE, FeedForward stays only as the shared experts' MLP.
+        lambda p: p.activation != "silu" and (not p.all_layers_moe or p.has_shared_experts),
         _activation,
         needed=lambda text: "class FeedForward" in text,
     ),

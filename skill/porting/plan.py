@@ -248,6 +248,10 @@ class PortPlan(BaseModel):
     top_k_field: str | None = Field(
         default=None, description="config field of experts per token, where MoEArgs.from_hf_config reads another"
     )
+    expert_count_source: str | None = Field(
+        default=None,
+        description="the config field counting the routed experts, n_routed_experts where the config has it",
+    )
     router_jitter_field: str | None = Field(
         default=None, description="sparse mixer: config field of its relative margin (jitter epsilon)"
     )
@@ -341,6 +345,16 @@ class PortPlan(BaseModel):
         """Top-level modules the edits add after the last block (besides ``norm`` and the
         head): the last pipeline stage must keep them."""
         return ("project_out",) if self.embedding_projection_field is not None else ()
+
+    @property
+    def has_shared_experts(self) -> bool:
+        """Whether the MoE layers have always-active shared experts, however their width is set."""
+        return self.moe and bool(
+            self.shared_expert
+            or self.shared_experts_field
+            or self.shared_expert_width_field
+            or self.shared_experts_fixed
+        )
 
     @property
     def portable(self) -> bool:
@@ -516,6 +530,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         router_scoring_field=scoring_field if moe is not None else None,
         expert_count_field=moe.num_experts_field
         if moe is not None and moe.num_experts_field not in (None, *AREAL_MOE_COUNT_FIELDS)
+        else None,
+        # DeepSeek's n_routed_experts where the config has it (DeepSeek-V2 maps num_experts onto it).
+        expert_count_source=("n_routed_experts" if "n_routed_experts" in values else moe.num_experts_field)
+        if moe is not None
         else None,
         top_k_field=moe.top_k_field
         if moe is not None and moe.top_k_field not in (None, AREAL_MOE_TOP_K_FIELD)

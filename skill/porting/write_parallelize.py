@@ -164,13 +164,20 @@ ATTENTION_INPUTS = """# Only the hidden states are gathered; cu_seqlens and max_
 
 
 def _plan_without_rope(text: Document) -> Document:
-    """The attention of a family without RoPE takes ``(x, cu_seqlens, max_seqlen)``."""
+    """The attention of a family without RoPE takes ``(x, cu_seqlens, max_seqlen)``.
+
+    The entry's comment goes with it where it is still there (a norm edit that removes the
+    entry before it, ``attention_norm``, takes the comment along)."""
     if ATTENTION_INPUTS.splitlines()[3].strip() in text:
         return text
     old = textwrap.indent(ROPE_ATTENTION_INPUTS, " " * 12)
-    if old not in text:
+    if old in text:
+        return replace_text(text, old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
+    layouts = "\n".join(ROPE_ATTENTION_INPUTS.splitlines()[2:5])
+    if textwrap.indent(layouts, " " * 12) not in text:
         raise ValueError("the TP plan has no attention input layouts of the reference's form to drop RoPE from")
-    return replace_text(text, old, textwrap.indent(ATTENTION_INPUTS, " " * 12))
+    new = "\n".join(ATTENTION_INPUTS.splitlines()[2:5])
+    return replace_text(text, textwrap.indent(layouts, " " * 12), textwrap.indent(new, " " * 12))
 
 
 EMBEDDING_STAGE = "model.tok_embeddings is not None"

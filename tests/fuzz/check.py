@@ -564,10 +564,11 @@ def _expert(spec: FamilySpec, experts: nn.Module, e: int, x: torch.Tensor, act: 
     if moe.layout == "fused_out_in":
         gate_up, down = gate_up.T, down.T  # stored (out, in)
     product = x @ gate_up
-    if moe.gate_up_order == "concatenated":
-        gate, up = product[..., : moe.moe_intermediate_size], product[..., moe.moe_intermediate_size :]
+    if moe.gate_up_order.startswith("concatenated"):
+        first, second = product[..., : moe.moe_intermediate_size], product[..., moe.moe_intermediate_size :]
     else:
-        gate, up = product[..., 0::2], product[..., 1::2]
+        first, second = product[..., 0::2], product[..., 1::2]
+    gate, up = (second, first) if moe.gate_up_order.endswith("up_first") else (first, second)
     return (act(gate) * up) @ down
 
 

@@ -69,10 +69,11 @@ def _fused_experts(spec: FamilySpec, experts: str, act_field: str) -> tuple[str,
     )
     up = "F.linear(current, self.gate_up_proj[expert_idx])" if out_in else "current @ self.gate_up_proj[expert_idx]"
     down = "F.linear(current, self.down_proj[expert_idx])" if out_in else "current @ self.down_proj[expert_idx]"
+    parts = "up, gate" if moe.gate_up_order.endswith("up_first") else "gate, up"
     split = (
-        "gate, up = gate_up.chunk(2, dim=-1)"
-        if moe.gate_up_order == "concatenated"
-        else "gate, up = gate_up[..., ::2], gate_up[..., 1::2]"
+        f"{parts} = gate_up.chunk(2, dim=-1)"
+        if moe.gate_up_order.startswith("concatenated")
+        else f"{parts} = gate_up[..., ::2], gate_up[..., 1::2]"
     )
     code = block(
         f'''

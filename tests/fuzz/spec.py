@@ -128,7 +128,10 @@ class MoESpec(_Frozen):
     first_k_dense: int = 0
     sparse_step: int = 1
     layout: Literal["per_expert", "fused_out_in", "fused_in_out"] = "per_expert"
-    gate_up_order: Literal["concatenated", "interleaved"] = "concatenated"
+    # The sampler draws the gate-first orders; the up-first ones are for tests that name them.
+    gate_up_order: Literal["concatenated", "interleaved", "concatenated_up_first", "interleaved_up_first"] = (
+        "concatenated"
+    )
     block_name: Literal["mlp", "block_sparse_moe"] = "mlp"
 
 

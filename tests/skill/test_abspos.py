@@ -16,7 +16,7 @@ from skill.porting.edit_adapter_map import derive_from_hf_map, detect_fused_keys
 from skill.porting.hf_source import generalise_key
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import plan_for
-from skill.porting.write_parallelize import _plan_position_table, _plan_without_rope
+from skill.porting.write_parallelize import ROPE_ATTENTION_INPUTS, _plan_position_table, _plan_without_rope
 from tests.skill.test_analyze_families import report_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,6 +138,18 @@ def test_tp_plan_without_rope_and_with_a_position_table(reference: str) -> None:
     assert "None, None, None, None" not in text
     assert 'root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))' in text
     assert _plan_position_table(_plan_without_rope(Document(text))).code == text
+    compile(text, "<plan>", "exec")
+
+
+@pytest.mark.parametrize("reference", sorted(PARALLELIZE))
+def test_tp_plan_without_rope_when_a_norm_edit_took_the_entry_comment(reference: str) -> None:
+    """A norm placement that drops ``attention_norm`` from the plan takes the attention entry's
+    comment with it (fuzzer seed 68: opt naming, post-sublayer norms, learned positions, MoE)."""
+    comment = "".join(f"            {line}\n" for line in ROPE_ATTENTION_INPUTS.splitlines()[:2])
+    source = PARALLELIZE[reference].replace(comment, "")
+    assert comment not in source
+    text = _plan_without_rope(Document(source)).code
+    assert "input_layouts=(Shard(1), None, None)," in text and "None, None, None, None" not in text
     compile(text, "<plan>", "exec")
 
 

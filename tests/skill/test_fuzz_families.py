@@ -25,7 +25,7 @@ import pytest
 
 from skill.porting.port_model import PortModelRequest, port_model
 from tests.fuzz import FamilyCheckError, check_family, sample_family, write_family
-from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, MoESpec, plain_family
+from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, plain_family
 from tests.skill.test_port_rope import _workspace
 
 # Seeds of the suite's subset: each ends ported or refused by name (bench/results/fuzz_families.txt
@@ -252,25 +252,6 @@ def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
 
 
 # ------------------------------------------------------------- refusals the fuzzer found
-
-
-def test_moe_family_with_fused_qkv_is_refused_by_name(tmp_path):
-    """Before: edit_adapter_map failed with a CodemodError (the MoE reference's adapter has no
-    fused split) after the analysis had called the family supported (bench seed 4)."""
-    spec = plain_family(
-        "fzmoefused",
-        moe=MoESpec(n_experts=4, top_k=2, moe_intermediate_size=32),
-        attention=AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, fused_qkv="stacked"),
-    )
-    folder = write_family(spec, tmp_path / spec.name)
-    check_family(spec, folder)
-    root = _workspace(tmp_path)
-    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[], workspace=root))
-    assert not result.passed and result.failed_step == "analyze"
-    assert "unsupported: a fused q/k/v projection in a MoE family (the MoE adapter does not split it)" in (
-        result.unsupported
-    )
-    assert not (root / "archon_models" / spec.name).exists()
 
 
 @pytest.mark.fuzz

@@ -195,7 +195,7 @@ def _generated_adapter(tmp_path: Path, moe: MoEFeatures):
 
 
 @pytest.mark.parametrize("orientation", [WeightOrientation.IN_OUT, WeightOrientation.OUT_IN])
-@pytest.mark.parametrize("order", [GateUpOrder.INTERLEAVED, GateUpOrder.CONCATENATED])
+@pytest.mark.parametrize("order", [order for order in GateUpOrder if order is not GateUpOrder.SEPARATE])
 def test_generated_adapter_splits_and_fuses_experts(tmp_path, order, orientation) -> None:
     adapter = _generated_adapter(tmp_path, _moe(order, orientation))
     torch.manual_seed(1)
@@ -207,8 +207,11 @@ def test_generated_adapter_splits_and_fuses_experts(tmp_path, order, orientation
     w1, w3 = parts["layers.0.moe.experts.w1"], parts["layers.0.moe.experts.w3"]
     assert w1.shape == w3.shape == (E, HIDDEN, DIM)
     canonical = gate_up.transpose(1, 2) if in_out else gate_up
-    gate_rows = slice(0, None, 2) if order is GateUpOrder.INTERLEAVED else slice(0, HIDDEN)
-    up_rows = slice(1, None, 2) if order is GateUpOrder.INTERLEAVED else slice(HIDDEN, None)
+    interleaved = order in (GateUpOrder.INTERLEAVED, GateUpOrder.INTERLEAVED_UP_FIRST)
+    first_rows = slice(0, None, 2) if interleaved else slice(0, HIDDEN)
+    second_rows = slice(1, None, 2) if interleaved else slice(HIDDEN, None)
+    up_first = order in (GateUpOrder.CONCATENATED_UP_FIRST, GateUpOrder.INTERLEAVED_UP_FIRST)
+    gate_rows, up_rows = (second_rows, first_rows) if up_first else (first_rows, second_rows)
     assert torch.equal(w1, canonical[:, gate_rows]) and torch.equal(w3, canonical[:, up_rows])
     (w2,) = adapter._experts_from_hf(down_key, "model.layers.{}.mlp.experts.down_proj", ["0"], down).values()
     assert w2.shape == (E, DIM, HIDDEN)

@@ -77,6 +77,29 @@ def test_class_fields_and_functions_are_replaced_in_place():
     assert c.replace_function(replaced, "Args", "f", 'def f(self):\n    """Two."""\n    return 2\n') is replaced
 
 
+def test_insert_at_loop_head_hoists_what_the_new_statements_read_and_is_idempotent():
+    source = (
+        "class A:\n    def from_hf(self, sd):\n        out = {}\n        for key, value in sd.items():\n"
+        "            target = self.rename(key)\n            # the abstract key\n"
+        "            template, indices = abstract(key)\n            out[target] = value\n        return out\n"
+    )
+    doc = c.Document(source)
+    assert c.loop_body_code(doc, "A", "from_hf", "sd.items()")[1] == "template, indices = abstract(key)"
+    new = "if template in self.fused:\n    out.update(self.split(key, template, indices, value))\n    continue\n"
+    out = c.insert_at_loop_head(doc, "A", "from_hf", "sd.items()", new, hoist="template, indices = abstract(key)")
+    assert c.loop_body_code(out, "A", "from_hf", "sd.items()") == [
+        "template, indices = abstract(key)",
+        "if template in self.fused:\n    out.update(self.split(key, template, indices, value))\n    continue\n",
+        "target = self.rename(key)",
+        "out[target] = value",
+    ]
+    assert (
+        c.insert_at_loop_head(out, "A", "from_hf", "sd.items()", new, hoist="template, indices = abstract(key)") is out
+    )
+    with pytest.raises(c.CodemodError, match="no top-level loop over"):
+        c.insert_at_loop_head(doc, "A", "from_hf", "other.items()", new)
+
+
 def test_set_call_kwarg_edits_only_the_named_target():
     source = (
         "class A:\n    def __init__(self):\n        self.wq = nn.Linear(1, 2, bias=bias)\n"

@@ -4,8 +4,9 @@ Archon holds a layer's experts as ``w1`` (gate) and ``w3`` (up) ``[E, hidden, di
 ``w2`` (down) ``[E, dim, hidden]``: slice ``e`` is expert ``e``'s ``nn.Linear`` weight
 (out, in). Some checkpoints hold all experts of a projection in one 3D tensor, gate and
 up stacked along the output axis: first all gate rows, then all up rows (``chunk(2)``),
-or gate and up alternating (gate at even rows). The adapter of such a family inserts the
-pair of functions for its order, renamed ``split_gate_up`` / ``merge_gate_up``.
+or gate and up alternating (gate at even rows), or either with the up rows leading. The
+adapter of such a family inserts the pair of functions for its order, renamed
+``split_gate_up`` / ``merge_gate_up``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,73 @@ def split_interleaved_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.
 def merge_interleaved_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]`` with gate and up rows alternating."""
     return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def split_concatenated_up_first_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, 2 * hidden, dim]`` -> gate, up ``[E, hidden, dim]``: the up rows come first."""
+    up, gate = fused.chunk(2, dim=1)
+    return gate, up
+
+
+def merge_concatenated_up_first_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]``, the up rows first."""
+    return torch.cat([up, gate], dim=1)
+
+
+def split_interleaved_up_first_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, 2 * hidden, dim]`` -> gate, up ``[E, hidden, dim]``: up at even rows, gate at odd."""
+    return fused[:, 1::2], fused[:, 0::2]
+
+
+def merge_interleaved_up_first_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up ``[E, hidden, dim]`` -> ``[E, 2 * hidden, dim]`` with up and gate rows alternating."""
+    return torch.stack([up, gate], dim=2).flatten(1, 2)
+
+
+# --- experts whose activation is not SwiGLU's SiLU --------------------------------------------
+
+
+class ActivatedGroupedExperts(GroupedExperts):
+    """Routed experts ``w2(act(w1(x)) * w3(x))`` with the family's activation (the edit writes
+    it into :meth:`_activate`); weights, layout and sharding are ``GroupedExperts``'. The rows
+    come grouped by expert: a loop over experts, or ``torch._grouped_mm`` on CUDA."""
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._get_local_weights()
+        # torch._grouped_mm has no CPU backward: CPU tensors take the loop even on a CUDA machine.
+        if not (self.use_grouped_mm and x.is_cuda):
+            return self._run_for_loop(w1, w2, w3, x, num_tokens_per_expert)
+        if _expert_sharded(self.w1):
+            return self._run_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+        return indices_padding_wrapper(self._run_grouped_mm)(w1, w2, w3, x, num_tokens_per_expert)
+
+    def _run_for_loop(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """One expert at a time over its contiguous group of rows; any device and dtype."""
+        counts = [int(n) for n in num_tokens_per_expert.tolist()]
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"experts got {x.shape[0]} rows but num_tokens_per_expert sums to {sum(counts)}")
+        outputs = []
+        for expert, x_expert in enumerate(torch.split(x, counts, dim=0)):
+            h = self._activate(x_expert @ w1[expert].t(), x_expert @ w3[expert].t())
+            outputs.append(h @ w2[expert].t())
+        return torch.cat(outputs, dim=0)
+
+    def _run_grouped_mm(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """All experts in three ``torch._grouped_mm`` calls (bf16 on CUDA, as AReaL computes)."""
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        compute_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        xc = x.to(compute_dtype)
+        gate = torch._grouped_mm(xc, w1.to(compute_dtype).transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(xc, w3.to(compute_dtype).transpose(-2, -1), offs=offsets)
+        h = self._activate(gate, up).to(compute_dtype)
+        return torch._grouped_mm(h, w2.to(compute_dtype).transpose(-2, -1), offs=offsets).type_as(x)
 
 
 # --- experts whose projections have biases, and their activations -----------------------------
