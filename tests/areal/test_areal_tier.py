@@ -11,10 +11,10 @@ from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
 from skill.harness.models import build_hf_config, unknown_model_type
 from tests.archon.conftest import DEFAULT_RUN_FAMILIES
-from tests.areal.conftest import _PROPERTY, committed_packages
+from tests.areal.conftest import _PROPERTY, AREAL_TREE_GROUP, committed_packages
 from tests.conftest import ONE_PROCESS_OPTION
 
-pytestmark = [pytest.mark.areal, pytest.mark.slow]
+pytestmark = [pytest.mark.areal, pytest.mark.slow, AREAL_TREE_GROUP]
 
 PACKAGE_OF = {t: package for package, types in committed_packages().items() for t in types}
 
