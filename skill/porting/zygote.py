@@ -27,6 +27,19 @@ killed outright takes its children along (their ``PR_SET_PDEATHSIG``); what thos
 is in their process group, which the caller kills when the status pipe ends without ``rc``.
 
 Only the standard library is imported at module level.
+
+Why not ``multiprocessing``'s forkserver with a preload list (measured 2026-12-04 on the 2-core
+machine at load 13-21): it starts a warm child as fast as this server does (0.3-1.0 s against
+0.3 s; a new interpreter took 26-32 s at that load), and one ``add llama`` run through a
+prototype of it took 113 s (its server started at the first run, not during the analysis as
+this one does) against 74 s here and 186 s with new interpreters. But it does not give a run
+what a run needs: its child first runs spawn's preparation, which imports the caller's
+``__main__`` (``skill.cli``: the engine, from the caller's path, before the workspace's) and
+then runs a target pickled by reference, which must itself be importable there; the child
+inherits the server's environment and working directory, not the run's; and nothing kills a
+child, or what it forked, when the caller dies (no death signal, no process group). The status
+pipe, the group kill and the death handling above would stay; only the fork-per-request loop
+would go.
 """
 
 from __future__ import annotations

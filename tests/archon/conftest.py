@@ -12,23 +12,41 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from huggingface_hub.utils import disable_progress_bars
 from transformers.utils import logging as hf_logging
 
-import archon_models  # noqa: F401 - importing the package registers every model spec
+import archon_models  # importing the package registers every model spec
 from skill.harness import ModelCase, StageFailure, StageResult
 from skill.harness.models import unhonoured_overrides, unknown_model_type
 
 _PROPERTY = "archon_stage_result"
+
+# The families the default run proves in full: one per reference and per structure a TP/FSDP/
+# EP/PP/CP plan or AReaL's engine treats differently (dense without and with QK norm, q/k/v
+# bias, MoE with shared experts and with a sigmoid router, MLA, sinks, ALiBi, a parallel block,
+# fused q/k/v, soft-capped windowed attention). Stage 5 and the AReaL tier of every other family
+# carry the ``every_family`` marker, which the default run leaves out and .ci/run runs as its
+# own step.
+DEFAULT_RUN_FAMILIES = frozenset(
+    {"llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "bloom", "gptj", "phi3", "gemma2"}
+)
+EVERY_FAMILY_MARKER = "every_family"
+EVERY_FAMILY_HELP = (
+    "stage 5 and the AReaL tier of the committed families, and the composition families' ports, beyond the "
+    "default run's representative few (.ci/run runs them)"
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # save_pretrained / from_pretrained draw progress bars on every tiny model.
     hf_logging.disable_progress_bar()
     disable_progress_bars()
+    # Registered here too: a scratch workspace's stage run has this conftest but not pyproject.toml.
+    config.addinivalue_line("markers", f"{EVERY_FAMILY_MARKER}: {EVERY_FAMILY_HELP}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -36,7 +54,32 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         cases: list[ModelCase] = getattr(metafunc.module, "CASES", [])
         if not cases:
             raise pytest.UsageError(f"{metafunc.module.__name__} uses the 'case' fixture but defines no CASES")
-        metafunc.parametrize("case", [_skip_if_inexpressible(c) for c in cases], ids=[c.id for c in cases])
+        beyond_default = _stage5_beyond_default_run(metafunc)
+        params = [_skip_if_inexpressible(c) for c in cases]
+        if beyond_default:
+            params = [_with_mark(p, pytest.mark.every_family) for p in params]
+        metafunc.parametrize("case", params, ids=[c.id for c in cases])
+
+
+def _stage5_beyond_default_run(metafunc: pytest.Metafunc) -> bool:
+    """Whether this is the stage-5 test of a committed family outside :data:`DEFAULT_RUN_FAMILIES`."""
+    if metafunc.definition.get_closest_marker("stage5") is None:
+        return False
+    family = metafunc.module.__name__.rpartition(".")[2].removeprefix("test_")
+    return family in _committed_families() and family not in DEFAULT_RUN_FAMILIES
+
+
+def _committed_families() -> set[str]:
+    """The package folders of ``archon_models`` (the families a ``tests/archon/test_<family>.py`` proves)."""
+    root = Path(archon_models.__file__).parent
+    return {p.parent.name for p in root.glob("*/spec.py")}
+
+
+def _with_mark(param: Any, mark: pytest.MarkDecorator) -> Any:
+    """``param`` (a case or a ``pytest.param`` of one) with ``mark`` added."""
+    if isinstance(param, ModelCase):
+        return pytest.param(param, marks=mark)
+    return pytest.param(*param.values, marks=(*param.marks, mark), id=param.id)
 
 
 def _skip_if_inexpressible(case: ModelCase) -> Any:

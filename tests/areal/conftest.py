@@ -79,15 +79,38 @@ def areal_install() -> AReaLInstall:
     return AReaLInstall(python=python, site=Path(site))
 
 
+# The tests that read the session's exported tree share one xdist worker under ``--dist
+# loadgroup`` (pyproject.toml's addopts), so the export of every package and the checker's
+# start happen once per run, not once per worker.
+AREAL_TREE_GROUP = pytest.mark.xdist_group("areal_tree")
+
+
+@dataclass(frozen=True)
+class ExportedTree:
+    """A scratch copy of AReaL with every committed package exported into it, and the text the
+    export wrote to each file (``None`` for a file it removed), by path under the copy."""
+
+    root: Path
+    files: dict[str, str | None]
+
+
 @pytest.fixture(scope="session")
-def areal_checker(areal_install: AReaLInstall, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AReaLChecker]:
-    python = areal_install.python
+def areal_exported(areal_install: AReaLInstall, tmp_path_factory: pytest.TempPathFactory) -> ExportedTree:
+    """Every committed package exported into one scratch copy of AReaL (this project's references
+    replace AReaL's own qwen2 and qwen3 there): the tree the tier's checker imports."""
     root = areal_install.copy_to(tmp_path_factory.mktemp("areal-tree"))
     tree = StagedTree(Workspace(root, marker="areal/experimental/models/archon"))
     for package in committed_packages():
         stage_export(tree, PROJECT_ROOT, package, overwrite=True, replace_builtin=True)
+    files = tree.changes()
     tree.commit()
-    checker = AReaLChecker(python, root, log_path=root / "checker.log")
+    return ExportedTree(root=root, files=files)
+
+
+@pytest.fixture(scope="session")
+def areal_checker(areal_install: AReaLInstall, areal_exported: ExportedTree) -> Iterator[AReaLChecker]:
+    root = areal_exported.root
+    checker = AReaLChecker(areal_install.python, root, log_path=root / "checker.log")
     yield checker
     checker.close()
 

@@ -10,19 +10,25 @@ from skill.areal.checks import TP_REFUSED
 from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
 from skill.harness.models import build_hf_config, unknown_model_type
-from tests.areal.conftest import _PROPERTY, committed_packages
+from tests.archon.conftest import DEFAULT_RUN_FAMILIES
+from tests.areal.conftest import _PROPERTY, AREAL_TREE_GROUP, committed_packages
 from tests.conftest import ONE_PROCESS_OPTION
 
-pytestmark = [pytest.mark.areal, pytest.mark.slow]
+pytestmark = [pytest.mark.areal, pytest.mark.slow, AREAL_TREE_GROUP]
 
-MODEL_TYPES = [t for types in committed_packages().values() for t in types]
+PACKAGE_OF = {t: package for package, types in committed_packages().items() for t in types}
 
 
-def _known(model_type: str):  # type: ignore[no-untyped-def]
+def _param(model_type: str):  # type: ignore[no-untyped-def]
     """The model_type, skipped where the installed transformers has no config class for it
-    (the AReaL-pins venv holds AReaL 1.0.4's transformers 5.3.0, older than some families)."""
+    (the AReaL-pins venv holds AReaL 1.0.4's transformers 5.3.0, older than some families), and
+    marked ``every_family`` (left to .ci/run's own step) unless its package is one the default
+    run proves in full."""
     unknown = unknown_model_type(model_type)
-    return model_type if unknown is None else pytest.param(model_type, marks=pytest.mark.skip(reason=unknown))
+    marks = [] if unknown is None else [pytest.mark.skip(reason=unknown)]
+    if PACKAGE_OF[model_type] not in DEFAULT_RUN_FAMILIES:
+        marks.append(pytest.mark.every_family)
+    return pytest.param(model_type, marks=marks, id=model_type)
 
 
 def _maps_a_correction_bias(model_type: str) -> bool:
@@ -38,7 +44,7 @@ def _ties_its_head(model_type: str) -> bool:
     return bool(getattr(build_hf_config(ModelCase(model_type=model_type)), "tie_word_embeddings", False))
 
 
-@pytest.mark.parametrize("model_type", [_known(t) for t in MODEL_TYPES])
+@pytest.mark.parametrize("model_type", [_param(t) for t in PACKAGE_OF])
 def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, record_property, request) -> None:  # type: ignore[no-untyped-def]
     one_process = request.config.getoption(ONE_PROCESS_OPTION)
     result = areal_checker.check(model_type, distributed=not one_process)

@@ -10,13 +10,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from skill.areal.export import ARCHON_DIR, ExportRequest, export_to_areal, stage_export
+from skill.areal.export import ARCHON_DIR, ExportRequest, export_to_areal
 from skill.areal.rename import rename_in_text, rewrite_prefix
 from skill.cli import main
-from skill.codemod import StagedTree, Workspace
+from skill.codemod import Workspace
 from skill.codemod.workspace import WorkspaceError
 from skill.tools import get_tool, prepare_request
-from tests.areal.conftest import PROJECT_ROOT, AReaLInstall, committed_packages
+from tests.areal.conftest import AREAL_TREE_GROUP, PROJECT_ROOT, AReaLInstall, ExportedTree, committed_packages
 
 LLAMA_INIT_LINE = "from areal.experimental.models.archon.llama import spec as llama_spec  # noqa: F401"
 
@@ -78,18 +78,23 @@ def test_prefix_rewrite_renames_imports_strings_and_comments():
     assert rewrite_prefix(out) == out
 
 
-def test_no_committed_package_names_archon_models_once_exported(tmp_path: Path):
-    # The export of every committed package (its .py files and any other file), into a bare
-    # AReaL tree: not one mention of the prefix is left, in code, strings, docstrings or comments.
-    (tmp_path / ARCHON_DIR).mkdir(parents=True)
-    (tmp_path / ARCHON_DIR / "__init__.py").write_text("")
-    tree = StagedTree(Workspace(tmp_path, marker=ARCHON_DIR))
+@AREAL_TREE_GROUP
+def test_no_committed_package_names_archon_models_once_exported(areal_exported: ExportedTree):
+    # The export of every committed package (its .py files and any other file), into the session's
+    # copy of AReaL (the one the tier's checker imports): not one mention of the prefix is left, in
+    # code, strings, docstrings or comments, in any file of an exported package or any file written.
     packages = committed_packages()
-    for package in packages:
-        stage_export(tree, PROJECT_ROOT, package, overwrite=True, replace_builtin=True)
-    files = tree.changes()
+    files = areal_exported.files
     assert {rel.split("/")[4] for rel in files if rel.count("/") > 4} == set(packages)
-    named = sorted(rel for rel, text in files.items() if text is not None and "archon_models" in text)
+    archon = areal_exported.root / ARCHON_DIR
+    exported = {
+        path.relative_to(areal_exported.root).as_posix(): path.read_text(encoding="utf-8")
+        for package in packages
+        for path in sorted((archon / package).rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    written = {rel: text for rel, text in files.items() if text is not None}
+    named = sorted(rel for rel, text in {**exported, **written}.items() if "archon_models" in text)
     assert not named, f"{len(named)} exported files still name archon_models: {named[:10]}"
 
 
@@ -99,7 +104,6 @@ def test_prefix_rewrite_refuses_a_plain_import_naming_the_line():
 
 
 def test_the_export_tool_reaches_outside_the_workspace_only_when_the_face_vouches(tmp_path: Path):
-    from skill.codemod import Workspace
 
     tool = get_tool("export_to_areal")
     assert tool.entry.destructive and not tool.entry.read_only
