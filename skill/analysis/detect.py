@@ -906,6 +906,16 @@ def _match_qkv(probe: _QKVProbe, heads: int, kv: int, head_dim: int) -> tuple[in
     return None
 
 
+def _doubled_heads_layout(ctx: Context, heads: int, kv: int, head_dim: int) -> tuple[int, str] | None:
+    """The (blocks, order) the fused q/k/v rows of the doubled-heads model follow, or None."""
+    doubled = _doubled_heads(ctx)
+    if doubled is None:
+        return None
+    model, module, roles, config = doubled
+    probe = _probe_qkv(model, module, roles, config)
+    return None if probe is None else _match_qkv(probe, 2 * heads, 2 * kv, head_dim)
+
+
 def _doubled_heads(ctx: Context) -> tuple[nn.Module, nn.Module, dict[str, mt.Projection], Any] | None:
     """A second tiny model with twice the heads (and KV heads, and width, so head_dim
     stays): whether a block count follows the head count or stays fixed."""
@@ -966,17 +976,21 @@ def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[Fus
         ctx.evidence.append("fused q/k/v layout: the probed rows follow no block layout of q, k and v")
         return FusedQKVLayout.OTHER, None, None
     blocks, order = match
-    if blocks == 1:
+    if blocks == 1 and kv > 1:
         layout = FusedQKVLayout.STACKED if order == "qkv" else FusedQKVLayout.OTHER
         ctx.evidence.append(f"fused q/k/v layout: rows probed -> one block of {order} ({kv} KV heads): {layout.value}")
         return layout, None, None
-    doubled = _doubled_heads(ctx)
-    second = None
-    if doubled is not None:
-        model, module, new_roles, config = doubled
-        probe2 = _probe_qkv(model, module, new_roles, config)
-        if probe2 is not None:
-            second = _match_qkv(probe2, 2 * heads, 2 * kv, hd)
+    second = _doubled_heads_layout(ctx, heads, kv, hd)
+    if blocks == 1 and second in ((1, order), None):
+        # One KV head: grouped rows read the same as stacked ones. Twice the heads has two
+        # KV heads, which tells them apart; a model that keeps one whatever its config says
+        # (Falcon's multi_query) matches no layout there and stays stacked.
+        layout = FusedQKVLayout.STACKED if order == "qkv" else FusedQKVLayout.OTHER
+        ctx.evidence.append(
+            f"fused q/k/v layout: rows probed -> one block of {order} ({kv} KV heads); with twice the heads "
+            f"{second[0] if second else 'unread'} block: {layout.value}"
+        )
+        return layout, None, None
     if blocks == kv and order == "qkv" and second in ((2 * blocks, order), None):
         # One block per KV head; unread at twice the heads, the value rows alone said so before.
         layout, fixed = FusedQKVLayout.GROUPED, None
