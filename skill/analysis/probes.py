@@ -884,6 +884,17 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _unit_rms_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """The inputs with ``hidden`` rescaled to unit RMS per token: what a pre-norm block's
+    attention sees. A post-sublayer block feeds its attention the raw embeddings (``std``
+    0.02 at init), where the scores are near zero and the softmax near uniform whatever the
+    positions, so a rotation would move the output by ~1e-6 of itself and go unseen."""
+    scaled = hidden / hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+    if args and args[0] is hidden:
+        return (scaled, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": scaled}
+
+
 def _output_tensor(output: Any) -> torch.Tensor | None:
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     return out if isinstance(out, torch.Tensor) else None
@@ -938,8 +949,9 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
     """Which attention modules rotate queries and keys by position: per layer, whether its
     output changes when only the positions change.
 
-    Each attention module is fed the hidden states it saw in a baseline run, so a change
-    in an earlier layer does not propagate. Positions change in one of two ways: the
+    Each attention module is fed the hidden states it saw in a baseline run, rescaled to
+    unit RMS per token whatever the block's norm placement, so a change in an earlier layer
+    does not propagate and the scores are large enough for a rotation to show. Positions change in one of two ways: the
     rotary module's output is replaced by that of the reversed positions (families with
     a shared rotary module), or, without one, the ``position_ids`` are reversed while
     every non-integer input of each attention (hidden states, masks) stays pinned.
@@ -953,14 +965,18 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
     outputs: dict[int, torch.Tensor] = {}
 
     def record(index: int):
-        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if index not in inputs:
-                saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-                saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
-                first = _first_tensor(args, kwargs)
-                if first is not None:
-                    saved["__hidden__"] = first
-                inputs[index] = saved
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if index in inputs:
+                return None
+            first = _first_tensor(args, kwargs)
+            if first is not None:
+                args, kwargs = _unit_rms_hidden(args, kwargs, first)
+            saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+            saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            if first is not None:
+                saved["__hidden__"] = _first_tensor(args, kwargs)
+            inputs[index] = saved
+            return args, kwargs
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = _output_tensor(output)

@@ -271,3 +271,34 @@ def test_moe_family_with_fused_qkv_is_refused_by_name(tmp_path):
         result.unsupported
     )
     assert not (root / "archon_models" / spec.name).exists()
+
+
+@pytest.mark.parametrize(
+    ("placement", "rope_layers", "nope_layers"),
+    [("post_sublayer", [1, 0], [1]), ("post_sublayer", [], []), ("post_ln", [], [])],
+)
+def test_layers_without_rope_are_measured_after_any_norm_placement(
+    tmp_path, placement: str, rope_layers: list[int], nope_layers: list[int]
+):
+    """Before: a post-sublayer or post-LN block feeds its attention the raw embeddings (std
+    0.02), whose near-zero scores hide the rotation from the position probe: a real NoPE
+    layer went unseen (seed 49 then failed stage 4) and RoPE layers were called NoPE with no
+    config rule (seeds 21, 32, 74, 82, 85 refused for "layers without RoPE")."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import NormSpec
+
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        nope="per_layer_field" if rope_layers else "none",
+        rope_layers=rope_layers,
+    )
+    spec = plain_family("fznopepost", norm=NormSpec(kind="rms", placement=placement), attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.checklist.attention.nope_layers == nope_layers
+    assert not [line for line in report.unsupported if "RoPE" in line], report.unsupported
