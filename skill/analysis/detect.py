@@ -202,6 +202,12 @@ def _moved_pair(old: float | None, new: float | None) -> tuple[float, float] | N
     return old, new
 
 
+def final_logit_softcap(config: PretrainedConfig) -> float | None:
+    """The cap of the logits' final soft-capping (a ``final...softcap...`` field), if set."""
+    caps = _fields_matching(config, "final", "softcap")
+    return next((float(v) for v in caps.values() if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
+
+
 def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     """Scalar fields (multipliers, scales, clamps) the forward reads, found by moving each one.
 
@@ -217,7 +223,8 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     tokens = probes.tokens_for(tiny, 6)
     base_logits = probes.logits(ctx.model, tokens)
     base_embedding = probes.probe_embedding_scale(ctx.model, ctx.anatomy, tiny)
-    base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny)
+    cap = final_logit_softcap(tiny)
+    base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny, cap)
     base_residual = probes.probe_residual_multiplier(ctx.model, ctx.anatomy, tiny)
     base_scaling = _attention_scaling_of(ctx.model, n_layers)
     found: dict[str, ScalarField] = {}
@@ -233,7 +240,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
             continue
         scaling = _attention_scaling_of(model, n_layers)
         embedding = probes.probe_embedding_scale(model, anatomy, tiny)
-        logit = probes.probe_logit_multiplier(model, anatomy, tiny)
+        logit = probes.probe_logit_multiplier(model, anatomy, tiny, cap)
         residual = probes.probe_residual_multiplier(model, anatomy, tiny)
         lowered = name.lower()
         if "clip" in lowered:
@@ -2476,10 +2483,9 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
                 )
             else:
                 residual = _full_size_value(ctx, residual_source, tiny_residual)
-    logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
+    logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny, final_logit_softcap(ctx.tiny))
     logit_source = _scalar_source(ctx, "logit")
-    final_caps = _fields_matching(ctx.config, "final", "softcap")
-    final_cap = next((float(v) for v in final_caps.values() if isinstance(v, (int, float))), None)
+    final_cap = final_logit_softcap(ctx.config)
     logit_value = None
     if logit is None:
         if final_cap is None:
@@ -2802,7 +2808,8 @@ def _moves_logit(ctx: Context, name: str, relation: str, tiny_logit: float) -> b
         return False
     model, new_value = moved
     try:
-        new_logit = probes.probe_logit_multiplier(model, mt.anatomy(model, int(ctx.tiny.num_hidden_layers)), ctx.tiny)
+        anatomy = mt.anatomy(model, int(ctx.tiny.num_hidden_layers))
+        new_logit = probes.probe_logit_multiplier(model, anatomy, ctx.tiny, final_logit_softcap(ctx.tiny))
     except LookupError:
         return False
     return new_logit is not None and probes.relation_of(value, new_value, tiny_logit, new_logit) == relation

@@ -524,16 +524,19 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     return [float(x) for x in slopes[:, 0]]
 
 
-def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
+def probe_logit_multiplier(
+    model: nn.Module, anatomy: LayerAnatomy, config: Any, final_softcap: float | None = None
+) -> float | None:
     """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant.
 
     Measured from the final norm's output, so a factor applied between the norm and the
     head (MiniCPM divides the hidden states before ``lm_head``) counts as well as one on
-    the logits; when that ratio is no constant (a module between them), from the head's
-    own input.
+    the logits; when that ratio is no constant (a module between them), or the model has no
+    final norm, from the head's own input. With ``final_softcap`` (the logits soft-capped
+    last, ``cap * tanh(logits / cap)``) the cap is undone first, so a factor before it shows.
     """
     head = anatomy.lm_head
-    if head is None or anatomy.final_norm is None:
+    if head is None:
         return None
     captured: dict[str, torch.Tensor] = {}
 
@@ -544,12 +547,16 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
         if isinstance(output, torch.Tensor):
             captured["normed"] = output.detach()
 
-    handles = [head.register_forward_pre_hook(on_head), anatomy.final_norm.register_forward_hook(on_norm)]
+    handles = [head.register_forward_pre_hook(on_head)]
+    if anatomy.final_norm is not None:
+        handles.append(anatomy.final_norm.register_forward_hook(on_norm))
     try:
         out = logits(model, tokens_for(config, 4))
     finally:
         for handle in handles:
             handle.remove()
+    if final_softcap:
+        out = torch.atanh((out / final_softcap).clamp(-1 + 1e-6, 1 - 1e-6)) * final_softcap
     for source in ("normed", "h"):
         if source not in captured:
             continue

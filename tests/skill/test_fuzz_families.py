@@ -302,3 +302,35 @@ def test_layers_without_rope_are_measured_after_any_norm_placement(
     report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
     assert report.checklist.attention.nope_layers == nope_layers
     assert not [line for line in report.unsupported if "RoPE" in line], report.unsupported
+
+
+@pytest.mark.parametrize(
+    ("logits", "value", "final_norm", "final_softcap"),
+    [("divide", 2.0, False, None), ("multiply", 0.5, True, 30.0), ("divide", 4.0, False, 30.0)],
+)
+def test_logit_factor_is_measured_without_a_final_norm_and_under_a_final_softcap(
+    tmp_path, logits: str, value: float, final_norm: bool, final_softcap: float | None
+):
+    """Before: the logit probe needed a final norm and a plain ratio, so Granite's
+    logits_scaling and Cohere's logit_scale went unnamed in a family without a final norm
+    or with Gemma 2's final soft-cap after them (seeds 3, 5, 20, 25, 27, 78 refused: "config
+    scalar ... changes the forward in a way the checklist cannot name")."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import NormSpec, ScalarSpec
+
+    spec = plain_family(
+        "fzlogitfactor",
+        norm=NormSpec(kind="rms", placement="pre", final_norm=final_norm),
+        scalars=ScalarSpec(logits=logits, logits_value=value, final_softcap=final_softcap),
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    factor = 1 / value if logits == "divide" else value
+    assert report.checklist.scalars.logit_multiplier == pytest.approx(factor, rel=1e-4)
+    assert report.checklist.scalars.logit_multiplier_source.field == (
+        "logits_scaling" if logits == "divide" else "logit_scale"
+    )
+    assert report.checklist.scalars.final_logit_softcap == final_softcap
