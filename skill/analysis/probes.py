@@ -980,8 +980,9 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
                 args, kwargs = _unit_rms_hidden(args, kwargs, first)
             saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
             saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
-            if first is not None:
-                saved["__hidden__"] = _first_tensor(args, kwargs)
+            hidden = _first_tensor(args, kwargs)
+            if hidden is not None:
+                saved["__hidden__"] = hidden
             inputs[index] = saved
             return args, kwargs
 
