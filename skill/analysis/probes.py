@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from skill.analysis.modules import LayerAnatomy, is_norm
 from skill.features import NormKind, NormPlacement
@@ -494,27 +495,78 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
     return None
 
 
+class _SoftmaxWeights(TorchFunctionMode):
+    """Records the output of every softmax over the last dim while ``active`` (set by hooks on
+    one attention module): its attention weights, for a model that returns none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        softmax = func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
+        if (
+            self.active
+            and softmax
+            and isinstance(out, torch.Tensor)
+            and out.ndim == 4
+            and out.shape[-1] == out.shape[-2]
+        ):
+            self.weights.append(out.detach())
+        return out
+
+
+def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
+    """``[batch, heads, q, k]`` weights of ``attention``: what the model returns with
+    ``output_attentions``, else the first square softmax computed inside the module."""
+    try:
+        out = model(input_ids=tokens, use_cache=False, output_attentions=True)
+    except (TypeError, ValueError, RuntimeError):
+        out = None
+    attentions = getattr(out, "attentions", None)
+    if attentions and isinstance(attentions[0], torch.Tensor):
+        return attentions[0]
+    mode = _SoftmaxWeights()
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        mode.active = True
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        mode.active = False
+
+    handles = [attention.register_forward_pre_hook(enter), attention.register_forward_hook(leave)]
+    try:
+        with mode:
+            model(input_ids=tokens, use_cache=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return mode.weights[0] if mode.weights else None
+
+
 def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, length: int = 8) -> list[float] | None:
     """Per-head slopes of a bias linear in the key position on layer 0's attention scores.
 
     With every parameter of layer 0's attention zeroed, its scores are the position bias
     alone, so in each head the last query's weights on keys ``j`` and ``j + 1`` differ by a
-    factor ``exp(slope)``. ``None`` when the model returns no attention weights, or the
-    log-ratios are not one constant per head (no linear bias)."""
+    factor ``exp(slope)``. The weights are the ones the model returns with
+    ``output_attentions``, or (a remote-code model that returns none) the softmax computed
+    inside the attention. ``None`` when neither is there, or the log-ratios are not one
+    constant per head (no linear bias)."""
     attention = anatomy.attention
     if attention is None:
         return None
     with _preserved(attention), torch.no_grad():
         for param in attention.parameters():
             param.zero_()
-        try:
-            out = model(input_ids=tokens_for(config, length), use_cache=False, output_attentions=True)
-        except (TypeError, ValueError, RuntimeError):
-            return None
-    attentions = getattr(out, "attentions", None)
-    if not attentions or not isinstance(attentions[0], torch.Tensor):
+        weights = _layer0_attention_weights(model, attention, tokens_for(config, length))
+    if weights is None:
         return None
-    last = attentions[0][0, :, -1].double()  # [H, L]: the last query's weights on every key
+    last = weights[0, :, -1].double()  # [H, L]: the last query's weights on every key
     if bool((last <= 0).any()):
         return None
     steps = last[:, 1:].log() - last[:, :-1].log()

@@ -334,3 +334,19 @@ def test_logit_factor_is_measured_without_a_final_norm_and_under_a_final_softcap
         "logits_scaling" if logits == "divide" else "logit_scale"
     )
     assert report.checklist.scalars.final_logit_softcap == final_softcap
+
+
+def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tmp_path):
+    """Before: the slope probe read the weights ``output_attentions`` returns; a remote-code
+    model that returns none (as every fuzzed family) was refused for "ALiBi whose score bias
+    no probe reads" (seeds 33, 80, 99). The softmax inside the attention holds them."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    spec = plain_family("fzalibi", positions="alibi", rope=None)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert not [line for line in report.unsupported if "ALiBi" in line], report.unsupported
+    # The standard geometric slopes of 4 heads: 2^-2, 2^-4, 2^-6, 2^-8.
+    assert report.checklist.positions.alibi_slopes == pytest.approx([2 ** (-2 * (h + 1)) for h in range(4)], rel=1e-4)
