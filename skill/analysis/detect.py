@@ -457,7 +457,6 @@ def _moved_model(
             continue
         if out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5):
             return model, new_value
-        return None
     return None
 
 

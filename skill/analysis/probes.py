@@ -1136,12 +1136,14 @@ def relation_of(old_value: float | None, new_value: float, old_factor: float, ne
 
 
 def perturbed_values(value: Any) -> list[Any]:
-    """Values to move a scalar field to, keeping its type (strict configs check it)."""
+    """Values to move a scalar field to, keeping its type (strict configs check it): up for a
+    factor, then far down for a clamp, which no tiny activation reaches at its own value
+    (a ``clip_qkv`` of 4 or 5.5 leaves a random tiny model's q, k, v alone; 0.2 does not)."""
     if value is None:
         return [0.05, 3]
     if isinstance(value, int):
         return [max(value + 1, round(value * 1.37))]
-    return [value * 1.37 if value else 0.5]
+    return [value * 1.37, value * 0.05] if value else [0.5]
 
 
 def _layer_siblings(params: Mapping[str, torch.Tensor], name: str) -> list[str]:

@@ -350,3 +350,20 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
     assert not [line for line in report.unsupported if "ALiBi" in line], report.unsupported
     # The standard geometric slopes of 4 heads: 2^-2, 2^-4, 2^-6, 2^-8.
     assert report.checklist.positions.alibi_slopes == pytest.approx([2 ** (-2 * (h + 1)) for h in range(4)], rel=1e-4)
+
+
+def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
+    """Before: moving clip_qkv from 4.0 to 5.5 left a random tiny model's q, k, v (far below
+    4) unclamped, so the analysis never saw the clamp; the port ran without it and seed 10
+    failed stage 4 on the folder's own weights (logits off by 10.4), where the clamp binds."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    attention = AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, clip_qkv=4.0)
+    spec = plain_family("fzclipqkv", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    assert report.checklist.attention.clip_qkv == 4.0
+    assert report.checklist.attention.clip_qkv_field == "clip_qkv"
