@@ -3002,7 +3002,8 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
     at the top (the head also when a tied checkpoint leaves it out). Roles come from the
     anatomy: the attention's projections by shape and name, a dense MLP's up and down
     projections by their widths. The second map holds a fused q/k/v projection -> the
-    Archon projections it stacks (in q, k, v order; its row layout is in the checklist).
+    Archon projections it stacks (in q, k, v order; its row layout is in the checklist),
+    and a dense MLP's fused gate/up projection -> w1, w3.
     Block norms are named by their probed roles (``NormFeatures.block_norms``), MoE blocks
     by the adapter's rules; neither is here.
     """
@@ -3052,6 +3053,12 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             parts["w2"] = downs[0]
         if len(ups) == 1 and downs and ups[0].out_features == downs[0].in_features:
             parts["w1"] = ups[0]  # plain MLP: w1 is the up projection
+        elif len(ups) == 1 and downs and ups[0].out_features == 2 * downs[0].in_features:
+            # One projection holds the gate, then the up rows (whatever it is called:
+            # gate_up_proj, or GPT-2's c_fc in a gated MLP).
+            hf = template(ups[0].module)
+            if hf is not None:
+                fused[hf] = [f"layers.{{}}.{part}" for part in ("feed_forward.w1", "feed_forward.w3")]
         elif len(ups) == 2:
             gates = [p for p in ups if "gate" in p.name.lower()]
             if len(gates) == 1:

@@ -367,3 +367,28 @@ def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
     assert report.unsupported == []
     assert report.checklist.attention.clip_qkv == 4.0
     assert report.checklist.attention.clip_qkv_field == "clip_qkv"
+
+
+def test_a_fused_gate_up_under_a_plain_mlp_name_is_split(tmp_path):
+    """Before: a gated MLP whose one up projection holds gate and up rows under GPT-2's
+    name ``c_fc`` was mapped whole to w1 by the name table, and stage 2 raised "Archon key
+    'layers.0.feed_forward.w3.weight' has no HF name" (seed 11, and 30, 34, 48 before). The
+    analysis names it fused by its width, as it does a fused q/k/v projection."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import FFNSpec
+
+    spec = plain_family(
+        "fzgpt2fused", naming="gpt2", ffn=FFNSpec(kind="gated", activation="silu", bias=True, fused_gate_up=True)
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.checklist.ffn.fused_gate_up
+    assert report.checkpoint.fused_modules["transformer.h.{}.mlp.c_fc"] == [
+        "layers.{}.feed_forward.w1",
+        "layers.{}.feed_forward.w3",
+    ]
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3], workspace=root))
+    assert result.passed, result.error
