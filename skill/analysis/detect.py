@@ -202,6 +202,12 @@ def _moved_pair(old: float | None, new: float | None) -> tuple[float, float] | N
     return old, new
 
 
+def final_logit_softcap(config: PretrainedConfig) -> float | None:
+    """The cap of the logits' final soft-capping (a ``final...softcap...`` field), if set."""
+    caps = _fields_matching(config, "final", "softcap")
+    return next((float(v) for v in caps.values() if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
+
+
 def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     """Scalar fields (multipliers, scales, clamps) the forward reads, found by moving each one.
 
@@ -217,7 +223,8 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
     tokens = probes.tokens_for(tiny, 6)
     base_logits = probes.logits(ctx.model, tokens)
     base_embedding = probes.probe_embedding_scale(ctx.model, ctx.anatomy, tiny)
-    base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny)
+    cap = final_logit_softcap(tiny)
+    base_logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, tiny, cap)
     base_residual = probes.probe_residual_multiplier(ctx.model, ctx.anatomy, tiny)
     base_scaling = _attention_scaling_of(ctx.model, n_layers)
     found: dict[str, ScalarField] = {}
@@ -233,7 +240,7 @@ def config_scalars(ctx: Context) -> dict[str, ScalarField]:
             continue
         scaling = _attention_scaling_of(model, n_layers)
         embedding = probes.probe_embedding_scale(model, anatomy, tiny)
-        logit = probes.probe_logit_multiplier(model, anatomy, tiny)
+        logit = probes.probe_logit_multiplier(model, anatomy, tiny, cap)
         residual = probes.probe_residual_multiplier(model, anatomy, tiny)
         lowered = name.lower()
         if "clip" in lowered:
@@ -439,7 +446,7 @@ def _moved_model(
     ctx: Context, name: str, value: Any, tokens: torch.Tensor, base_logits: torch.Tensor
 ) -> tuple[PreTrainedModel, Any] | None:
     """A seeded tiny model with one field moved, when that changes the logits."""
-    for new_value in probes.perturbed_values(value, clamp="clip" in name.lower()):
+    for new_value in probes.perturbed_values(value):
         config = copy.deepcopy(ctx.tiny)
         try:
             setattr(config, name, new_value)
@@ -450,7 +457,6 @@ def _moved_model(
             continue
         if out.shape != base_logits.shape or not torch.allclose(out, base_logits, atol=1e-6, rtol=1e-5):
             return model, new_value
-        return None
     return None
 
 
@@ -921,6 +927,16 @@ def _match_qkv(probe: _QKVProbe, heads: int, kv: int, head_dim: int) -> tuple[in
     return None
 
 
+def _doubled_heads_layout(ctx: Context, heads: int, kv: int, head_dim: int) -> tuple[int, str] | None:
+    """The (blocks, order) the fused q/k/v rows of the doubled-heads model follow, or None."""
+    doubled = _doubled_heads(ctx)
+    if doubled is None:
+        return None
+    model, module, roles, config = doubled
+    probe = _probe_qkv(model, module, roles, config)
+    return None if probe is None else _match_qkv(probe, 2 * heads, 2 * kv, head_dim)
+
+
 def _doubled_heads(ctx: Context) -> tuple[nn.Module, nn.Module, dict[str, mt.Projection], Any] | None:
     """A second tiny model with twice the heads (and KV heads, and width, so head_dim
     stays): whether a block count follows the head count or stays fixed."""
@@ -981,17 +997,21 @@ def fused_qkv_layout(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[Fus
         ctx.evidence.append("fused q/k/v layout: the probed rows follow no block layout of q, k and v")
         return FusedQKVLayout.OTHER, None, None
     blocks, order = match
-    if blocks == 1:
+    if blocks == 1 and kv > 1:
         layout = FusedQKVLayout.STACKED if order == "qkv" else FusedQKVLayout.OTHER
         ctx.evidence.append(f"fused q/k/v layout: rows probed -> one block of {order} ({kv} KV heads): {layout.value}")
         return layout, None, None
-    doubled = _doubled_heads(ctx)
-    second = None
-    if doubled is not None:
-        model, module, new_roles, config = doubled
-        probe2 = _probe_qkv(model, module, new_roles, config)
-        if probe2 is not None:
-            second = _match_qkv(probe2, 2 * heads, 2 * kv, hd)
+    second = _doubled_heads_layout(ctx, heads, kv, hd)
+    if blocks == 1 and second in ((1, order), None):
+        # One KV head: grouped rows read the same as stacked ones. Twice the heads has two
+        # KV heads, which tells them apart; a model that keeps one whatever its config says
+        # (Falcon's multi_query) matches no layout there and stays stacked.
+        layout = FusedQKVLayout.STACKED if order == "qkv" else FusedQKVLayout.OTHER
+        ctx.evidence.append(
+            f"fused q/k/v layout: rows probed -> one block of {order} ({kv} KV heads); with twice the heads "
+            f"{second[0] if second else 'unread'} block: {layout.value}"
+        )
+        return layout, None, None
     if blocks == kv and order == "qkv" and second in ((2 * blocks, order), None):
         # One block per KV head; unread at twice the heads, the value rows alone said so before.
         layout, fixed = FusedQKVLayout.GROUPED, None
@@ -2560,10 +2580,9 @@ def scalar_features(ctx: Context) -> ScalarFeatures:
                 )
             else:
                 residual = _full_size_value(ctx, residual_source, tiny_residual)
-    logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny)
+    logit = probes.probe_logit_multiplier(ctx.model, ctx.anatomy, ctx.tiny, final_logit_softcap(ctx.tiny))
     logit_source = _scalar_source(ctx, "logit")
-    final_caps = _fields_matching(ctx.config, "final", "softcap")
-    final_cap = next((float(v) for v in final_caps.values() if isinstance(v, (int, float))), None)
+    final_cap = final_logit_softcap(ctx.config)
     logit_value = None
     if logit is None:
         if final_cap is None:
@@ -2890,7 +2909,8 @@ def _moves_logit(ctx: Context, name: str, relation: str, tiny_logit: float) -> b
         return False
     model, new_value = moved
     try:
-        new_logit = probes.probe_logit_multiplier(model, mt.anatomy(model, int(ctx.tiny.num_hidden_layers)), ctx.tiny)
+        anatomy = mt.anatomy(model, int(ctx.tiny.num_hidden_layers))
+        new_logit = probes.probe_logit_multiplier(model, anatomy, ctx.tiny, final_logit_softcap(ctx.tiny))
     except LookupError:
         return False
     return new_logit is not None and probes.relation_of(value, new_value, tiny_logit, new_logit) == relation
@@ -3084,7 +3104,8 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
     at the top (the head also when a tied checkpoint leaves it out). Roles come from the
     anatomy: the attention's projections by shape and name, a dense MLP's up and down
     projections by their widths. The second map holds a fused q/k/v projection -> the
-    Archon projections it stacks (in q, k, v order; its row layout is in the checklist).
+    Archon projections it stacks (in q, k, v order; its row layout is in the checklist),
+    and a dense MLP's fused gate/up projection -> w1, w3.
     Block norms are named by their probed roles (``NormFeatures.block_norms``), MoE blocks
     by the adapter's rules; neither is here.
     """
@@ -3134,6 +3155,12 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             parts["w2"] = downs[0]
         if len(ups) == 1 and downs and ups[0].out_features == downs[0].in_features:
             parts["w1"] = ups[0]  # plain MLP: w1 is the up projection
+        elif len(ups) == 1 and downs and ups[0].out_features == 2 * downs[0].in_features:
+            # One projection holds the gate, then the up rows (whatever it is called:
+            # gate_up_proj, or GPT-2's c_fc in a gated MLP).
+            hf = template(ups[0].module)
+            if hf is not None:
+                fused[hf] = [f"layers.{{}}.{part}" for part in ("feed_forward.w1", "feed_forward.w3")]
         elif len(ups) == 2:
             gates = [p for p in ups if "gate" in p.name.lower()]
             if len(gates) == 1:

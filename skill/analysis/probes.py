@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from skill.analysis.modules import LayerAnatomy, is_norm
 from skill.features import NormKind, NormPlacement
@@ -495,27 +496,78 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
     return None
 
 
+class _SoftmaxWeights(TorchFunctionMode):
+    """Records the output of every softmax over the last dim while ``active`` (set by hooks on
+    one attention module): its attention weights, for a model that returns none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        softmax = func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
+        if (
+            self.active
+            and softmax
+            and isinstance(out, torch.Tensor)
+            and out.ndim == 4
+            and out.shape[-1] == out.shape[-2]
+        ):
+            self.weights.append(out.detach())
+        return out
+
+
+def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
+    """``[batch, heads, q, k]`` weights of ``attention``: what the model returns with
+    ``output_attentions``, else the first square softmax computed inside the module."""
+    try:
+        out = model(input_ids=tokens, use_cache=False, output_attentions=True)
+    except (TypeError, ValueError, RuntimeError):
+        out = None
+    attentions = getattr(out, "attentions", None)
+    if attentions and isinstance(attentions[0], torch.Tensor):
+        return attentions[0]
+    mode = _SoftmaxWeights()
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        mode.active = True
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        mode.active = False
+
+    handles = [attention.register_forward_pre_hook(enter), attention.register_forward_hook(leave)]
+    try:
+        with mode:
+            model(input_ids=tokens, use_cache=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return mode.weights[0] if mode.weights else None
+
+
 def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, length: int = 8) -> list[float] | None:
     """Per-head slopes of a bias linear in the key position on layer 0's attention scores.
 
     With every parameter of layer 0's attention zeroed, its scores are the position bias
     alone, so in each head the last query's weights on keys ``j`` and ``j + 1`` differ by a
-    factor ``exp(slope)``. ``None`` when the model returns no attention weights, or the
-    log-ratios are not one constant per head (no linear bias)."""
+    factor ``exp(slope)``. The weights are the ones the model returns with
+    ``output_attentions``, or (a remote-code model that returns none) the softmax computed
+    inside the attention. ``None`` when neither is there, or the log-ratios are not one
+    constant per head (no linear bias)."""
     attention = anatomy.attention
     if attention is None:
         return None
     with _preserved(attention), torch.no_grad():
         for param in attention.parameters():
             param.zero_()
-        try:
-            out = model(input_ids=tokens_for(config, length), use_cache=False, output_attentions=True)
-        except (TypeError, ValueError, RuntimeError):
-            return None
-    attentions = getattr(out, "attentions", None)
-    if not attentions or not isinstance(attentions[0], torch.Tensor):
+        weights = _layer0_attention_weights(model, attention, tokens_for(config, length))
+    if weights is None:
         return None
-    last = attentions[0][0, :, -1].double()  # [H, L]: the last query's weights on every key
+    last = weights[0, :, -1].double()  # [H, L]: the last query's weights on every key
     if bool((last <= 0).any()):
         return None
     steps = last[:, 1:].log() - last[:, :-1].log()
@@ -525,16 +577,19 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     return [float(x) for x in slopes[:, 0]]
 
 
-def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
+def probe_logit_multiplier(
+    model: nn.Module, anatomy: LayerAnatomy, config: Any, final_softcap: float | None = None
+) -> float | None:
     """Constant factor between the logits and ``lm_head(final_norm(h))``; ``None`` if not constant.
 
     Measured from the final norm's output, so a factor applied between the norm and the
     head (MiniCPM divides the hidden states before ``lm_head``) counts as well as one on
-    the logits; when that ratio is no constant (a module between them), from the head's
-    own input.
+    the logits; when that ratio is no constant (a module between them), or the model has no
+    final norm, from the head's own input. With ``final_softcap`` (the logits soft-capped
+    last, ``cap * tanh(logits / cap)``) the cap is undone first, so a factor before it shows.
     """
     head = anatomy.lm_head
-    if head is None or anatomy.final_norm is None:
+    if head is None:
         return None
     captured: dict[str, torch.Tensor] = {}
 
@@ -545,12 +600,16 @@ def probe_logit_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: Any)
         if isinstance(output, torch.Tensor):
             captured["normed"] = output.detach()
 
-    handles = [head.register_forward_pre_hook(on_head), anatomy.final_norm.register_forward_hook(on_norm)]
+    handles = [head.register_forward_pre_hook(on_head)]
+    if anatomy.final_norm is not None:
+        handles.append(anatomy.final_norm.register_forward_hook(on_norm))
     try:
         out = logits(model, tokens_for(config, 4))
     finally:
         for handle in handles:
             handle.remove()
+    if final_softcap:
+        out = torch.atanh((out / final_softcap).clamp(-1 + 1e-6, 1 - 1e-6)) * final_softcap
     for source in ("normed", "h"):
         if source not in captured:
             continue
@@ -885,6 +944,17 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _unit_rms_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """The inputs with ``hidden`` rescaled to unit RMS per token: what a pre-norm block's
+    attention sees. A post-sublayer block feeds its attention the raw embeddings (``std``
+    0.02 at init), where the scores are near zero and the softmax near uniform whatever the
+    positions, so a rotation would move the output by ~1e-6 of itself and go unseen."""
+    scaled = hidden / hidden.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+    if args and args[0] is hidden:
+        return (scaled, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": scaled}
+
+
 def _output_tensor(output: Any) -> torch.Tensor | None:
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     return out if isinstance(out, torch.Tensor) else None
@@ -939,8 +1009,9 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
     """Which attention modules rotate queries and keys by position: per layer, whether its
     output changes when only the positions change.
 
-    Each attention module is fed the hidden states it saw in a baseline run, so a change
-    in an earlier layer does not propagate. Positions change in one of two ways: the
+    Each attention module is fed the hidden states it saw in a baseline run, rescaled to
+    unit RMS per token whatever the block's norm placement, so a change in an earlier layer
+    does not propagate and the scores are large enough for a rotation to show. Positions change in one of two ways: the
     rotary module's output is replaced by that of the reversed positions (families with
     a shared rotary module), or, without one, the ``position_ids`` are reversed while
     every non-integer input of each attention (hidden states, masks) stays pinned.
@@ -954,14 +1025,19 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
     outputs: dict[int, torch.Tensor] = {}
 
     def record(index: int):
-        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if index not in inputs:
-                saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-                saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
-                first = _first_tensor(args, kwargs)
-                if first is not None:
-                    saved["__hidden__"] = first
-                inputs[index] = saved
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if index in inputs:
+                return None
+            first = _first_tensor(args, kwargs)
+            if first is not None:
+                args, kwargs = _unit_rms_hidden(args, kwargs, first)
+            saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+            saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            hidden = _first_tensor(args, kwargs)
+            if hidden is not None:
+                saved["__hidden__"] = hidden
+            inputs[index] = saved
+            return args, kwargs
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = _output_tensor(output)
@@ -1060,17 +1136,15 @@ def relation_of(old_value: float | None, new_value: float, old_factor: float, ne
     return None
 
 
-def perturbed_values(value: Any, clamp: bool = False) -> list[Any]:
-    """Values to move a scalar field to, keeping its type (strict configs check it). A
-    clamp (``clamp``) is moved to one a tiny model's activations reach: a checkpoint's
-    own bound (``clip_qkv=4.0``) binds nothing there, nor would 1.37 times it."""
+def perturbed_values(value: Any) -> list[Any]:
+    """Values to move a scalar field to, keeping its type (strict configs check it): up for a
+    factor, then far down for a clamp, which no tiny activation reaches at its own value
+    (a ``clip_qkv`` of 4 or 5.5 leaves a random tiny model's q, k, v alone; 0.2 does not)."""
     if value is None:
         return [0.05, 3]
-    if clamp:
-        return [1 if isinstance(value, int) else 0.05]
     if isinstance(value, int):
         return [max(value + 1, round(value * 1.37))]
-    return [value * 1.37 if value else 0.5]
+    return [value * 1.37, value * 0.05] if value else [0.5]
 
 
 def _layer_siblings(params: Mapping[str, torch.Tensor], name: str) -> list[str]:

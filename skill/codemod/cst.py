@@ -10,7 +10,7 @@ document: a step parses a file once (``Document(text)``), applies its edits, and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TypeGuard, TypeVar
+from typing import TypeGuard, TypeVar, cast
 
 import libcst as cst
 import libcst.matchers as m
@@ -343,6 +343,7 @@ def edit_dict_literal(
             return _string_value(node) == value
 
     original = _find_dict_literal(doc.module, target)
+    lbrace = original.lbrace
     elements: list[cst.BaseDictElement] = []
     origins: list[int | None] = []
     seen: set[str] = set()
@@ -351,6 +352,15 @@ def edit_dict_literal(
         key = _string_value(element.key) if isinstance(element, cst.DictElement) else None
         if key is not None and key in remove:
             changed = True
+            if position < len(original.elements) - 1:
+                # The comment lines above the next entry hang on the removed entry's comma:
+                # they move to the comma (or opening brace) before it, replacing the removed
+                # entry's own.
+                below = _lines_below(element.comma)
+                if elements:
+                    elements[-1] = elements[-1].with_changes(comma=_with_lines_below(elements[-1].comma, below))
+                else:
+                    lbrace = _with_lines_below(lbrace, below)
             continue
         if key is not None and key in set_entries:
             seen.add(key)
@@ -375,7 +385,27 @@ def edit_dict_literal(
     if not changed:
         return doc
     elements = _relayout_commas(original, elements, origins)
-    return doc.replaced(original, original.with_changes(elements=elements))
+    return doc.replaced(original, original.with_changes(lbrace=lbrace, elements=elements))
+
+
+_Punctuation = TypeVar("_Punctuation", bound=cst.Comma | cst.LeftCurlyBrace | cst.MaybeSentinel)
+
+
+def _lines_below(token: cst.Comma | cst.MaybeSentinel) -> Sequence[cst.EmptyLine]:
+    """The blank and comment lines between a comma's line and the next entry."""
+    if isinstance(token, cst.Comma) and isinstance(token.whitespace_after, cst.ParenthesizedWhitespace):
+        return token.whitespace_after.empty_lines
+    return ()
+
+
+def _with_lines_below(token: _Punctuation, lines: Sequence[cst.EmptyLine]) -> _Punctuation:
+    """``token`` (a comma or an opening brace) with ``lines`` between it and the next entry."""
+    if isinstance(token, (cst.Comma, cst.LeftCurlyBrace)) and isinstance(
+        token.whitespace_after, cst.ParenthesizedWhitespace
+    ):
+        moved = token.with_changes(whitespace_after=token.whitespace_after.with_changes(empty_lines=lines))
+        return cast(_Punctuation, moved)
+    return token
 
 
 def _clean_comma(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comma | cst.MaybeSentinel:

@@ -288,3 +288,124 @@ def test_full_width_qk_norm_of_its_own_kind_ports_under_tensor_parallelism(tmp_p
     failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
     assert result.passed, f"{result.failed_step}: {result.error}\n{failing}"
     assert [r.stage for r in result.stage_results] == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("placement", "rope_layers", "nope_layers"),
+    [("post_sublayer", [1, 0], [1]), ("post_sublayer", [], []), ("post_ln", [], [])],
+)
+def test_layers_without_rope_are_measured_after_any_norm_placement(
+    tmp_path, placement: str, rope_layers: list[int], nope_layers: list[int]
+):
+    """Before: a post-sublayer or post-LN block feeds its attention the raw embeddings (std
+    0.02), whose near-zero scores hide the rotation from the position probe: a real NoPE
+    layer went unseen (seed 49 then failed stage 4) and RoPE layers were called NoPE with no
+    config rule (seeds 21, 32, 74, 82, 85 refused for "layers without RoPE")."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import NormSpec
+
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        nope="per_layer_field" if rope_layers else "none",
+        rope_layers=rope_layers,
+    )
+    spec = plain_family("fznopepost", norm=NormSpec(kind="rms", placement=placement), attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.checklist.attention.nope_layers == nope_layers
+    assert not [line for line in report.unsupported if "RoPE" in line], report.unsupported
+
+
+@pytest.mark.parametrize(
+    ("logits", "value", "final_norm", "final_softcap"),
+    [("divide", 2.0, False, None), ("multiply", 0.5, True, 30.0), ("divide", 4.0, False, 30.0)],
+)
+def test_logit_factor_is_measured_without_a_final_norm_and_under_a_final_softcap(
+    tmp_path, logits: str, value: float, final_norm: bool, final_softcap: float | None
+):
+    """Before: the logit probe needed a final norm and a plain ratio, so Granite's
+    logits_scaling and Cohere's logit_scale went unnamed in a family without a final norm
+    or with Gemma 2's final soft-cap after them (seeds 3, 5, 20, 25, 27, 78 refused: "config
+    scalar ... changes the forward in a way the checklist cannot name")."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import NormSpec, ScalarSpec
+
+    spec = plain_family(
+        "fzlogitfactor",
+        norm=NormSpec(kind="rms", placement="pre", final_norm=final_norm),
+        scalars=ScalarSpec(logits=logits, logits_value=value, final_softcap=final_softcap),
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    factor = 1 / value if logits == "divide" else value
+    assert report.checklist.scalars.logit_multiplier == pytest.approx(factor, rel=1e-4)
+    assert report.checklist.scalars.logit_multiplier_source.field == (
+        "logits_scaling" if logits == "divide" else "logit_scale"
+    )
+    assert report.checklist.scalars.final_logit_softcap == final_softcap
+
+
+def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tmp_path):
+    """Before: the slope probe read the weights ``output_attentions`` returns; a remote-code
+    model that returns none (as every fuzzed family) was refused for "ALiBi whose score bias
+    no probe reads" (seeds 33, 80, 99). The softmax inside the attention holds them."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    spec = plain_family("fzalibi", positions="alibi", rope=None)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert not [line for line in report.unsupported if "ALiBi" in line], report.unsupported
+    # The standard geometric slopes of 4 heads: 2^-2, 2^-4, 2^-6, 2^-8.
+    assert report.checklist.positions.alibi_slopes == pytest.approx([2 ** (-2 * (h + 1)) for h in range(4)], rel=1e-4)
+
+
+def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
+    """Before: moving clip_qkv from 4.0 to 5.5 left a random tiny model's q, k, v (far below
+    4) unclamped, so the analysis never saw the clamp; the port ran without it and seed 10
+    failed stage 4 on the folder's own weights (logits off by 10.4), where the clamp binds."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    attention = AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, clip_qkv=4.0)
+    spec = plain_family("fzclipqkv", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    assert report.checklist.attention.clip_qkv == 4.0
+    assert report.checklist.attention.clip_qkv_field == "clip_qkv"
+
+
+def test_a_fused_gate_up_under_a_plain_mlp_name_is_split(tmp_path):
+    """Before: a gated MLP whose one up projection holds gate and up rows under GPT-2's
+    name ``c_fc`` was mapped whole to w1 by the name table, and stage 2 raised "Archon key
+    'layers.0.feed_forward.w3.weight' has no HF name" (seed 11, and 30, 34, 48 before). The
+    analysis names it fused by its width, as it does a fused q/k/v projection."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import FFNSpec
+
+    spec = plain_family(
+        "fzgpt2fused", naming="gpt2", ffn=FFNSpec(kind="gated", activation="silu", bias=True, fused_gate_up=True)
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.checklist.ffn.fused_gate_up
+    assert report.checkpoint.fused_modules["transformer.h.{}.mlp.c_fc"] == [
+        "layers.{}.feed_forward.w1",
+        "layers.{}.feed_forward.w3",
+    ]
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3], workspace=root))
+    assert result.passed, result.error

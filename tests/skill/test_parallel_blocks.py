@@ -83,6 +83,15 @@ def test_falcon_variants_by_probe() -> None:
     assert mha.checklist.attention.fused_qkv_layout == FusedQKVLayout.GROUPED
 
 
+def test_grouped_qkv_with_one_kv_head_is_told_from_stacked() -> None:
+    # Falcon's new architecture with one KV head: [n_kv=1, n_heads + 2, head_dim] rows read
+    # exactly as the stacked ones, but any port's test case with two KV heads splits them per
+    # group. Twice the heads (two KV heads) tells the layout (fuzzer seed 0: MQA, fused grouped).
+    mqa = _falcon_report(new_decoder_architecture=True, num_kv_heads=1, num_attention_heads=8, hidden_size=512)
+    assert mqa.checklist.attention.n_kv_heads == 1
+    assert mqa.checklist.attention.fused_qkv_layout == FusedQKVLayout.GROUPED
+
+
 @pytest.mark.parametrize(
     "model_type,layout",
     [("phi3", FusedQKVLayout.STACKED), ("persimmon", FusedQKVLayout.GROUPED), ("llama", FusedQKVLayout.NONE)],

@@ -45,6 +45,32 @@ def test_edit_dict_literal_keeps_comments_and_is_idempotent():
     assert c.read_dict_literal(removed, "from_hf_map") == {"a.weight": "y.weight", "b.inv_freq": None}
 
 
+PLAN = """plan = {
+    "first": 1,
+    # about second
+    "second": 2,
+    # about third
+    "third": 3,
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("removed", "expected"),
+    [
+        # The comment above the next entry stays with it; the removed entry's own goes.
+        ("first", 'plan = {\n    # about second\n    "second": 2,\n    # about third\n    "third": 3,\n}\n'),
+        ("second", 'plan = {\n    "first": 1,\n    # about third\n    "third": 3,\n}\n'),
+        ("third", 'plan = {\n    "first": 1,\n    # about second\n    "second": 2,\n}\n'),
+    ],
+)
+def test_edit_dict_literal_removal_keeps_the_next_entrys_comment(removed: str, expected: str):
+    # Before: the lines above an entry hang on the previous entry's comma, so removing the
+    # previous entry dropped them (a post-norm TP plan lost the comment above "attention",
+    # and the no-RoPE plan edit that looks for it failed: fuzzer seed 72).
+    assert c.edit_dict_literal(c.Document(PLAN), "plan", remove=[removed]).code == expected
+
+
 def test_edit_dict_literal_names_a_missing_target():
     with pytest.raises(c.CodemodError, match="no dict literal assigned to 'nope'"):
         c.edit_dict_literal(c.Document(ADAPTER), "nope", {"a": "b"})

@@ -240,6 +240,8 @@ def apply_non_moe_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool 
 
     for block in model.layers.values():
         layer_plan: dict[str, Any] = {
+            # Only the hidden states are gathered; rope cache, positions, cu_seqlens
+            # and max_seqlen are the same plain tensors on every rank.
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None, None),

@@ -165,6 +165,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) 
 
     for block in model.layers.values():
         layer_plan = {
+            # Only the hidden states are gathered; rope cache, positions, cu_seqlens
+            # and max_seqlen are the same plain tensors on every rank.
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None, None),
