@@ -48,6 +48,7 @@ from skill.codemod.workspace import (
     WorkspaceError,
     confine,
     find_project_root,
+    transaction,
 )
 from skill.replay_compare import compare_call, compare_files
 from skill.scratch import make_scratch_dir
@@ -430,18 +431,13 @@ def _adopt_recording(recorded: Path, session: Path, copy_root: Path, source: Pat
         for rel, content in getattr(record, "base", {}).items()
         if content is None
     )
-    target = Workspace(source)
     written = []
-    for rel in created:
-        origin = confine(copy_root, rel)
-        if not origin.is_file():
-            continue  # created and removed again by the session: nothing of it to keep (and nothing deleted)
-        destination = target.resolve(rel)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        tmp = destination.with_name(destination.name + ".rerecord.tmp")
-        tmp.write_bytes(origin.read_bytes())
-        os.replace(tmp, destination)
-        written.append(rel)
+    with transaction(Workspace(source)) as tree:  # all of them or, on any error, none
+        for rel in created:
+            origin = confine(copy_root, rel)
+            if origin.is_file():  # else created and removed again by the session: nothing to keep or delete
+                tree.write_text(rel, origin.read_text(encoding="utf-8"))
+                written.append(rel)
     tmp_session = session.with_name(session.name + ".rerecord.tmp")
     shutil.copyfile(recorded, tmp_session)
     os.replace(tmp_session, session)
