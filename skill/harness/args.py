@@ -5,7 +5,11 @@ args field has a source in a shared vocabulary (the Archon naming convention: ``
 comes from ``hidden_size``, ``norm_eps`` from ``rms_norm_eps`` ...), and a field the
 vocabulary does not know is expected to follow the config attribute of the same name.
 A matching value alone can be a coincidence (a tiny config and a wrong attribute can
-agree), so every source attribute is also perturbed: the field must follow it.
+agree), so every source attribute is also perturbed: the field must follow it, unless HF's
+own model does not follow it either. That is measured, not assumed: a config class may carry
+an attribute its model never reads (transformers 5.25's Falcon sets ``num_key_value_heads``
+for the KV cache while its attention reads ``multi_query`` and ``num_kv_heads``), and a field
+that stays put is then right.
 """
 
 from __future__ import annotations
@@ -217,12 +221,58 @@ def hf_ties_regardless(case: ModelCase, config: PretrainedConfig) -> bool | None
     return outcomes[0]
 
 
+class HFReads:
+    """Whether HF's tiny model of ``config`` reads a config attribute, measured once per
+    attribute: the attribute is perturbed and the model built again from the same seed. It
+    reads it when the constructor rejects every other value, when the parameters change
+    shape, or when, with the original weights loaded, the logits of a fixed token sequence
+    change. Whether a model reads an attribute is a property of its code, not of the sizes,
+    so the tiny model's answer holds for the config class's defaults too."""
+
+    def __init__(self, case: ModelCase, config: PretrainedConfig) -> None:
+        self._case = case
+        self._config = config
+        self._measured: dict[str, bool] = {}
+
+    def __call__(self, attr: str) -> bool:
+        if attr not in self._measured:
+            self._measured[attr] = self._measure(attr)
+        return self._measured[attr]
+
+    def _measure(self, attr: str) -> bool:
+        import torch
+
+        value = _get_path(self._config, attr)
+        if value is _MISSING:
+            return True
+        base = build_hf_model(self._case, self._config)
+        tokens = torch.arange(8).remainder(self._config.vocab_size).unsqueeze(0)
+        with torch.no_grad():
+            expected = base(input_ids=tokens).logits
+        weights = base.state_dict()
+        for new_value in _perturbations(value):
+            changed = copy.deepcopy(self._config)
+            _set_path(changed, attr, new_value)
+            try:
+                other = build_hf_model(self._case, changed)
+            except Exception:  # a constructor rejecting the value has read it
+                continue
+            shapes = {name: tensor.shape for name, tensor in other.state_dict().items()}
+            if shapes != {name: tensor.shape for name, tensor in weights.items()}:
+                return True
+            other.load_state_dict(weights)
+            with torch.no_grad():
+                return not torch.equal(other(input_ids=tokens).logits, expected)
+        return True
+
+
 def check_args_against_config(
     rec: StageRecorder,
     config: PretrainedConfig,
     label: str,
     renormalises_regardless: bool = False,
     ties_regardless: bool | None = None,
+    hf_reads: Callable[[str], bool] | None = None,
 ) -> None:
     """One check per args field: right value, and it follows its source attribute."""
     args_class = get_spec(config.model_type).model_args_class
@@ -281,7 +331,7 @@ def check_args_against_config(
                 f"expected config.{attr} = {expected!r}, got {value!r}; fix from_hf_config in {args_class.__module__}",
             )
             continue
-        rec.add(_follow_check(name, args_class, config, path, attr, raw, normalize))
+        rec.add(_follow_check(name, args_class, config, path, attr, raw, normalize, hf_reads))
 
 
 def _follow_check(
@@ -292,8 +342,11 @@ def _follow_check(
     attr: str,
     value: Any,
     normalize: Callable[[Any], Any],
+    hf_reads: Callable[[str], bool] | None = None,
 ) -> CheckResult:
-    """Passes when setting ``config.<attr>`` to another value moves the field with it."""
+    """Passes when setting ``config.<attr>`` to another value moves the field with it, or
+    when it does not and ``hf_reads`` measures that HF's model does not read the attribute
+    either (the parity stages then compare the field's value with HF's forward)."""
     rejected: list[str] = []
     for new_value in _perturbations(value):
         changed = copy.deepcopy(config)
@@ -304,6 +357,15 @@ def _follow_check(
             rejected.append(f"{new_value!r} ({type(exc).__name__})")
             continue
         if not _same(moved, normalize(new_value)):
+            if hf_reads is not None and not hf_reads(attr):
+                return CheckResult(
+                    name=name,
+                    passed=True,
+                    detail=(
+                        f"= config.{attr} ({value!r}), which HF's model does not read either (measured: same "
+                        f"parameters and logits with another {attr}); the field stays {moved!r}"
+                    ),
+                )
             return CheckResult(
                 name=name,
                 passed=False,
@@ -394,13 +456,14 @@ def run_args_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_
         # The router's semantics do not depend on sizes: measured once, on the tiny model.
         regardless = hf_renormalises_regardless(case, tiny)
         ties = hf_ties_regardless(case, tiny)
-        check_args_against_config(rec, tiny, "tiny", regardless, ties)
+        hf_reads = HFReads(case, tiny)
+        check_args_against_config(rec, tiny, "tiny", regardless, ties, hf_reads)
         defaults = type(tiny)()
         unset = unset_required_fields(defaults)
         if unset:
             check_refuses_unset_fields(rec, defaults, unset)
         else:
-            check_args_against_config(rec, defaults, "defaults", regardless, ties)
+            check_args_against_config(rec, defaults, "defaults", regardless, ties, hf_reads)
         _check_caller_fields(rec, tiny)
 
     return run_stage(case, 1, body, raise_on_failure)

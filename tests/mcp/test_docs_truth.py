@@ -130,7 +130,8 @@ def test_the_readme_says_what_ci_run_runs():
         "-m replay": "session replays",
         "-m every_family": "stage 5 and the AReaL tier of every other family and the other composition families",
         "python -m pytest -n 2": "runs this",
-        ".venv-tf53": "oldest-transformers run",
+        ".venv-tf53": "oldest- and newest-transformers runs",
+        ".venv-tf-newest": "oldest- and newest-transformers runs",
     }
     for command in commands:
         key = next((k for k in expected if command.startswith(k) or k in command), None)
@@ -151,3 +152,12 @@ def test_a_failed_stage_or_port_is_a_result_and_the_docs_say_what_to_read():
     assert "`isError: false`" in rules and "`structuredContent.passed`" in rules
     for name in ("run_test_stage", "port_model", "check_package", "export_to_areal"):
         assert f"`{name}`" in rules[rules.index("is a result, not an error") :][:400], name
+
+
+def test_ci_runs_the_newest_transformers_the_engine_names():
+    """Issue 19, item 5: CI proves the newest transformers, the one environment.py names."""
+    from skill.areal.environment import NEWEST_TF_VENV_DIR, NEWEST_TRANSFORMERS
+
+    setup = f"python -m skill.areal.environment {NEWEST_TF_VENV_DIR} --no-areal --transformers {NEWEST_TRANSFORMERS}"
+    assert setup in CI_RUN and setup in README
+    assert f"{NEWEST_TF_VENV_DIR}/bin/python -m pytest tests/archon" in CI_RUN
