@@ -34,7 +34,7 @@ import textwrap
 from skill import __version__
 from skill.codemod import StagedTree, format_python
 from skill.porting.common import PackageLayout
-from skill.porting.edit_model import marker_place
+from skill.porting.edit_model import hand_edit_place
 from skill.porting.model_edits import select_edits
 from skill.porting.plan import PortPlan
 
@@ -70,7 +70,7 @@ def header_lines(plan: PortPlan, model_name: str, reference_model_text: str) -> 
     if plan.unsupported:
         model_class = PackageLayout.for_name(model_name).model_class
         features = "; ".join(
-            f"{name} (model/model.py, {marker_place(name).where(model_class)})"
+            f"{name} (model/model.py, {hand_edit_place(name, plan.hand_edit_places).where(model_class)})"
             for name in (f.removeprefix("unsupported: ") for f in plan.unsupported)
         )
         second = f"{HAND_EDITED} {features}. Regenerate by replaying its recorded session:"
