@@ -18,8 +18,17 @@ replay that rebuilds the package (in the kept copy) from the tools' calls and th
     #   replaying its recorded session:
     #   archon-port replay --keep --trust-remote-code tests/mcp/sessions/smollm3.jsonl
 
-Each feature is named with the function its hand edit goes in, where ``edit_model`` left
-its marker (:func:`skill.porting.edit_model.marker_place`).
+Each feature is named with the place its hand edit goes, where ``edit_model`` left its
+marker: the place the analysis measured on the HF model (the report's ``hand_edit_places``:
+class, function, the statement it goes before, a norm's width), else the one its name's
+keywords point at (:func:`skill.porting.edit_model.hand_edit_place`). That line says what is
+needed, before the hand edit. When the session that made the hand edit closes, it is replaced by
+what the hand edit changed, every file and function read from the session's captured patches
+(:mod:`skill.porting.hand_written`)::
+
+    # Hand-written in the recorded session: infra/parallelize.py (apply_tp); model/model.py
+    #   (Attention.__init__, Attention.forward, ...). Regenerate by replaying it:
+    #   archon-port replay --keep --trust-remote-code tests/mcp/sessions/bitnet.jsonl
 
 The edits are the ones the family's plan selects on the reference's pristine
 ``model.py`` (the same list ``add`` reports), so the header is a function of the
