@@ -533,6 +533,24 @@ class Checklist(_Frozen):
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
 
 
+class HandEditPlace(_Frozen):
+    """Where the hand edit of a feature no edit supports goes in the Archon module contract,
+    measured on the HF model (the tiny instance's forward), so the marker ``edit_model`` leaves
+    and the package header name the same place."""
+
+    class_name: str | None = Field(description="the contract class (Attention, FeedForward, ...); None: the model")
+    function: str = Field(description="the method the hand edit goes in")
+    anchor: str | None = Field(default=None, description="the code of the statement the hand edit goes before")
+    statement: str = Field(description="that statement, in words: 'before the output projection wo'")
+    width: str | None = Field(
+        default=None, description="a norm's width as Archon args (measured: the input it normalises)"
+    )
+
+    def where(self, model_class: str) -> str:
+        width = f", over {self.width}" if self.width else ""
+        return f"{self.class_name or model_class}.{self.function}, {self.statement}{width}"
+
+
 # ----------------------------------------------------------------- atomic features
 
 

@@ -393,9 +393,12 @@ def replay_session(request: ReplayInput) -> ReplayReport:
                     break
                 if not settles(_check_call(record, recorder.last_call)):
                     break
+        closing = records[-1]
+        if mismatch is None and isinstance(closing, CloseRecord):
+            # Closing names the hand edits in the package's header: replayed like a call.
+            differs = _compare_files(closing.files, recorder.close().files)
+            settles(ReplayMismatch(seq=closing.seq, kind="files", detail=differs) if differs else None)
         if request.rerecord and mismatch is None:
-            if isinstance(records[-1], CloseRecord):
-                recorder.close()
             written = _adopt_recording(recorder.path, request.session, root, source)
     finally:
         if not request.keep:

@@ -157,6 +157,10 @@ class CloseRecord(BaseModel):
     calls: int
     edits: int
     patch: str = Field(description="every edit made outside the tools during the session, in order")
+    files: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="path -> sha256 after closing: the headers that name what the hand edits changed",
+    )
 
 
 SessionRecord = Annotated[SessionHeader | CallRecord | EditRecord | CloseRecord, Field(discriminator="kind")]
@@ -219,13 +223,20 @@ def _is_volatile(info: Any) -> bool:
     return isinstance(extra, dict) and bool(extra.get("volatile"))
 
 
+def _omitted_when_empty(info: Any, value: Any) -> bool:
+    """A field marked ``omit_empty`` that holds nothing: a field added to a result after sessions
+    were recorded, left out while empty so that those sessions' results stay as recorded."""
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("omit_empty")) and not value
+
+
 def _plain(value: Any) -> Any:
-    """JSON-able form of ``value`` with fields marked volatile left out."""
+    """JSON-able form of ``value`` with fields marked volatile (and empty ``omit_empty`` ones) left out."""
     if isinstance(value, BaseModel):
         return {
             name: _plain(getattr(value, name))
             for name, info in type(value).model_fields.items()
-            if not _is_volatile(info)
+            if not _is_volatile(info) and not _omitted_when_empty(info, getattr(value, name))
         }
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -711,12 +722,38 @@ class SessionRecorder:
                 self._calls += 1
                 self.last_call = record
 
+    def _name_hand_edits(self, edits: list[EditRecord]) -> dict[str, str | None]:
+        """Name what ``edits`` changed (files and functions, read from each patch and the files
+        as it left them) in the header of each hand-edited package; returns the files rewritten."""
+        # The porting engine knows package headers; the recorder only hands it the edits.
+        from skill.porting.hand_written import changed_definitions, merge, restamp_hand_edited
+
+        changes = []
+        for edit in edits:
+            after = {}
+            for rel, digest_hex in edit.files.items():
+                try:
+                    data = None if rel in edit.binary else self.state.content(rel, digest_hex)
+                except FileNotFoundError:  # recorded in another workspace: the file is named, not its functions
+                    data = None
+                if data is not None:
+                    after[rel] = data.decode("utf-8")
+            changes.append(changed_definitions(edit.patch, after))
+        if not restamp_hand_edited(self.workspace, merge(changes)):
+            return {}
+        current = self.state.scan()
+        files = self._delta(self._expected, current)
+        self._expected = current
+        return files
+
     def close(self) -> CloseRecord:
         """Capture remaining edits outside the tools and write the closing line with their patch."""
         with self._change_lock:
             self._capture_manual_edits()
-            patch = "".join(r.patch for r in read_session(self.path) if isinstance(r, EditRecord))
-            record = CloseRecord(seq=self._next_seq(), calls=self._calls, edits=self._edits, patch=patch)
+            edits = [r for r in read_session(self.path) if isinstance(r, EditRecord)]
+            patch = "".join(r.patch for r in edits)
+            files = self._name_hand_edits(edits)
+            record = CloseRecord(seq=self._next_seq(), calls=self._calls, edits=self._edits, patch=patch, files=files)
             self._append(record)
             with self._write_lock:
                 self._closed = True

@@ -114,6 +114,7 @@ def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
         analysis = analyse(resolved, request.trust_remote_code)
         reference, deltas = nearest_reference(analysis.checklist)
     config = resolved.config
+    unsupported = unsupported_names(analysis.checklist, deltas)
     return ArchitectureReport(
         model_type=config.model_type,
         config_class=type(config).__name__,
@@ -124,7 +125,10 @@ def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
         checkpoint=_checkpoint(analysis),
         reference=reference,
         deltas=deltas,
-        unsupported=unsupported_names(analysis.checklist, deltas),
+        unsupported=unsupported,
+        hand_edit_places={
+            name: place for name, place in analysis.context.places.items() if f"unsupported: {name}" in unsupported
+        },
         evidence=analysis.context.evidence,
         seconds=round(time.perf_counter() - started, 3),
     )

@@ -26,6 +26,7 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
+from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN, norm_place
 from skill.analysis.saved_names import SavedLocation, saved_locations
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
@@ -37,6 +38,7 @@ from skill.features import (
     FFNKind,
     FusedQKVLayout,
     GateUpOrder,
+    HandEditPlace,
     MoEFeatures,
     NormFeatures,
     NormKind,
@@ -84,6 +86,8 @@ class Context:
     trust_remote_code: bool = False
     evidence: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
+    # An ``other`` feature -> where its hand edit goes in the Archon contract (measured).
+    places: dict[str, HandEditPlace] = field(default_factory=dict)
     _scalars: dict[str, ScalarField] | None = None
     _locations: dict[str, SavedLocation] | None = None
 
@@ -1205,7 +1209,13 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             if mt.is_norm(child) and n not in named and "_a_" not in n and not n.startswith(("kv_a", "q_a"))
         ]
         if inner:
-            ctx.other.append(f"norm inside the attention outside the vocabulary: {', '.join(inner)}")
+            feature = f"norm inside the attention outside the vocabulary: {', '.join(inner)}"
+            ctx.other.append(feature)
+            children = dict(attention.named_children())
+            consumers = {roles["o"].module: ATTENTION_OUTPUT} if "o" in roles else {}
+            place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, consumers)
+            if place is not None:
+                ctx.places[feature] = place
         # A child with parameters of its own that is no projection and no norm: a module the
         # attention consults (DeepSeek-V3.2's sparse-attention indexer picking the keys to attend).
         nested = [
@@ -1457,7 +1467,14 @@ def ffn_features(ctx: Context) -> FFNFeatures:
         )
     inner = [n for n, m in mlp.named_modules() if n and mt.is_norm(m)]
     if inner:
-        ctx.other.append(f"norm inside the feed-forward: {', '.join(inner)}")
+        feature = f"norm inside the feed-forward: {', '.join(inner)}"
+        ctx.other.append(feature)
+        hidden = ctx.tiny.hidden_size
+        downs = [p for p in mt.projections(mlp) if p.out_features == hidden and p.in_features != hidden]
+        children = dict(mlp.named_modules())
+        place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, {p.module: FFN_DOWN for p in downs})
+        if place is not None:
+            ctx.places[feature] = place
     return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from skill.features import Checklist, FeatureDelta
+from skill.features import Checklist, FeatureDelta, HandEditPlace
 
 UNMAPPED = "unmapped"
 
@@ -82,6 +82,13 @@ class ArchitectureReport(BaseModel):
     reference: str = Field(description="nearest hand-written reference: qwen2 or qwen3")
     deltas: list[FeatureDelta] = Field(description="features that differ from the reference, in Feature order")
     unsupported: list[str] = Field(description="features no reference or edit covers yet, named plainly")
+    hand_edit_places: dict[str, HandEditPlace] = Field(
+        default_factory=dict,
+        # Left out of a recorded result while empty: sessions of families without one stay as they were.
+        json_schema_extra={"omit_empty": True},
+        description="an unsupported feature (its name after 'unsupported: ') -> where its hand edit goes in the "
+        "Archon module contract, measured on the HF model; a feature missing here is placed by its name",
+    )
     evidence: list[str] = Field(default_factory=list, description="how detections were made, where sources disagree")
     seconds: float = Field(0.0, json_schema_extra={"volatile": True}, description="analysis time after imports")
 

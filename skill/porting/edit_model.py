@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -11,6 +12,7 @@ from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
 from skill.codemod.cst import Document
+from skill.features import HandEditPlace
 from skill.porting.common import (
     HAND_EDIT_MARKER,
     PackageLayout,
@@ -103,11 +105,20 @@ def edit_model(request: EditModelRequest) -> EditModelResult:
         return apply_edit_model(tree, request)
 
 
-def mark_hand_edits(text: Document, features: list[str], model_class: str) -> Document:
+def hand_edit_place(feature: str, places: Mapping[str, HandEditPlace]) -> HandEditPlace | MarkerPlace:
+    """Where the hand edit of ``feature`` goes: the place the analysis measured, else (a feature it
+    cannot place) the place its name's keywords point at."""
+    name = feature.removeprefix("unsupported: ")
+    return places.get(name) or marker_place(name)
+
+
+def mark_hand_edits(
+    text: Document, features: list[str], model_class: str, places: Mapping[str, HandEditPlace] | None = None
+) -> Document:
     """A marker comment per unsupported feature, at the place its hand edit goes."""
     for feature in features:
         name = feature.removeprefix("unsupported: ")
-        place = marker_place(name)
+        place = hand_edit_place(name, places or {})
         class_name = place.class_name or model_class
         comment = f"{HAND_EDIT_MARKER.removeprefix('# ')} {name}"
         text = add_marker(text, class_name, place.function, comment, place.anchor)
@@ -133,7 +144,7 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     edited = edit_document(Document(text), ctx, names)
     skipped = list(plan.unsupported) if request.allow_unsupported else []
     if skipped:
-        edited = mark_hand_edits(edited, skipped, layout.model_class)
+        edited = mark_hand_edits(edited, skipped, layout.model_class, plan.hand_edit_places)
     changed: list[str] = []
     write_if_changed(tree, layout.model, edited.code, changed)
     logger.info("model edits for %s: %s", layout.names.package, ", ".join(names) or "none")

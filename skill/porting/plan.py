@@ -29,6 +29,7 @@ from skill.features import (
     ConfigScalar,
     FFNKind,
     FusedQKVLayout,
+    HandEditPlace,
     NormKind,
     NormPlacement,
     PositionKind,
@@ -98,6 +99,11 @@ class PortPlan(BaseModel):
     config_class: str
     reference: Literal["qwen2", "qwen3", "deepseek_v3"]
     unsupported: list[str] = Field(description="the report's unsupported features, verbatim")
+    hand_edit_places: dict[str, HandEditPlace] = Field(
+        default_factory=dict,
+        json_schema_extra={"omit_empty": True},
+        description="the report's measured place of each unsupported feature's hand edit",
+    )
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -431,6 +437,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         config_class=report.config_class,
         reference=reference_for(att.per_head_qk_norm, moe is not None, mla=att.mla is not None),
         unsupported=list(report.unsupported),
+        hand_edit_places=dict(report.hand_edit_places),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,
         mlp_bias=ffn.bias,

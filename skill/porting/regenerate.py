@@ -27,9 +27,10 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from skill.codemod import StagedTree, Workspace
+from skill.porting.hand_written import is_hand_edited
 from skill.porting.plan import plan_for
 from skill.porting.port_model import PortModelRequest, package_steps
-from skill.porting.provenance import CONTINUATION, HAND_EDITED, REGENERATE
+from skill.porting.provenance import CONTINUATION, REGENERATE
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def committed_regenerations(workspace: Workspace) -> tuple[list[Regeneration], l
     for model in sorted((workspace.root / "archon_models").glob("*/model/model.py")):
         name = model.parents[1].name
         text = model.read_text(encoding="utf-8")
-        if any(line.startswith(HAND_EDITED) for line in text.splitlines()[:4]):
+        if is_hand_edited(text):
             hand_edited.append(name)
             continue
         command = header_command(text)

@@ -3,6 +3,7 @@ steps (issue 20, item 5): an agent that reads only them must not be misled."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -161,3 +162,26 @@ def test_ci_runs_the_newest_transformers_the_engine_names():
     setup = f"python -m skill.areal.environment {NEWEST_TF_VENV_DIR} --no-areal --transformers {NEWEST_TRANSFORMERS}"
     assert setup in CI_RUN and setup in README
     assert f"{NEWEST_TF_VENV_DIR}/bin/python -m pytest tests/archon" in CI_RUN
+
+
+def test_the_tp_example_for_a_norm_over_a_sharded_width_is_bitnet_s_own_plan():
+    """SKILL.md's example of the TP entries a norm over a sharded width needs (issue 20) is the
+    plan bitnet's hand edit wrote and stage 5 proved, entry for entry."""
+    hand = SKILL_MD[SKILL_MD.index("## Porting by hand") :]
+    example = hand[hand.index("A norm over a") :]
+    code = example[example.index("```python") + len("```python") : example.index("```", example.index("```python") + 9)]
+    plan = (REPO / "archon_models" / "bitnet" / "infra" / "parallelize.py").read_text(encoding="utf-8")
+
+    def entries(tree: ast.AST) -> dict[str, str]:
+        return {
+            key.value: ast.unparse(value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Dict)
+            for key, value in zip(node.keys, node.values, strict=True)
+            if isinstance(key, ast.Constant)
+        }
+
+    shown = entries(ast.parse("{" + code + "}"))
+    assert sorted(shown) == ["attention.attn_sub_norm", "attention.wo"]
+    written = entries(ast.parse(plan))
+    assert {key: written.get(key) for key in shown} == shown

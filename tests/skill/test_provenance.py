@@ -90,3 +90,38 @@ def test_the_header_s_replay_command_is_one_replay_accepts_for_a_hand_edited_ses
     args = build_parser().parse_args(command[1:])
     assert args.keep and args.session == Path("tests/mcp/sessions/apertus.jsonl")
     vet_session([None, hand_edit], trust_remote_code=args.trust_remote_code)
+
+
+def test_a_sub_norm_is_marked_where_the_analysis_measured_it():
+    """BitNet's sub-norms: the analysis places each by the projection that reads its output in the
+    HF forward (``attn_sub_norm`` feeds ``o_proj``, ``ffn_sub_norm`` feeds ``down_proj``), with its
+    width from that projection's input. Placed by name ("norm" first), both markers sat in
+    ``TransformerBlock.forward``."""
+    from skill.porting.edit_model import mark_hand_edits
+
+    plan = plan_for("bitnet")
+    attention = "norm inside the attention outside the vocabulary: attn_sub_norm"
+    ffn = "norm inside the feed-forward: ffn_sub_norm"
+    assert plan.hand_edit_places[attention].model_dump() == {
+        "class_name": "Attention",
+        "function": "forward",
+        "anchor": "self.wo(",
+        "statement": "before the output projection wo",
+        "width": "n_heads * head_dim",
+    }
+    assert plan.hand_edit_places[ffn].anchor == "self.w2(" and plan.hand_edit_places[ffn].width == "hidden_dim"
+    text = mark_hand_edits(Document(QWEN2_MODEL), plan.unsupported, "BitnetModel", plan.hand_edit_places).code
+
+    def function_and_next_line(feature: str) -> tuple[str, str]:
+        lines = text.splitlines()
+        index = next(i for i, line in enumerate(lines) if line.strip().endswith(f"hand edit needed: {feature}"))
+        owner = next(line.strip() for line in reversed(lines[:index]) if line.lstrip().startswith(("def ", "class ")))
+        classes = [line for line in lines[:index] if line.startswith("class ")]
+        return f"{classes[-1].split()[1].split('(')[0]}.{owner.split()[1].split('(')[0]}", lines[index + 1].strip()
+
+    assert function_and_next_line(attention) == ("Attention.forward", "return self.wo(out.view(bs, seqlen, -1))")
+    assert function_and_next_line(ffn)[0] == "FeedForward.forward"
+    assert function_and_next_line(ffn)[1].startswith("return self.w2(")
+    header = " ".join(line.removeprefix("#   ") for line in header_lines(plan, "bitnet", QWEN2_MODEL).splitlines())
+    assert "attn_sub_norm (model/model.py, Attention.forward, before the output projection wo, over n_heads *" in header
+    assert "ffn_sub_norm (model/model.py, FeedForward.forward, before the down projection w2, over hidden_dim" in header

@@ -1,0 +1,112 @@
+"""Where a feature no edit supports sits in the Archon module contract, measured on the HF model.
+
+A norm inside the attention or the feed-forward that no edit writes (BitNet's ``attn_sub_norm``
+and ``ffn_sub_norm``) is placed by what it feeds: the tiny model runs once with hooks, and the
+projection whose input *is* the norm's output (equal tensors, and as wide as the norm) is the
+statement the hand edit goes before. Its width follows from that projection's input width in the
+Archon contract (``wo`` reads ``n_heads * head_dim``, ``w2`` reads ``hidden_dim``), not from the
+feature's name. A norm feeding nothing the contract names gets no place: the marker then falls
+back to the name's keywords (:func:`skill.porting.edit_model.marker_place`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from skill.analysis import probes
+from skill.features import HandEditPlace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ContractInput:
+    """A statement of the Archon contract that reads one projection's input."""
+
+    class_name: str
+    function: str
+    anchor: str
+    statement: str
+    width: str  # the projection's input width, as Archon args
+
+
+# HF projection role -> the Archon statement that calls it.
+ATTENTION_OUTPUT = ContractInput(
+    "Attention", "forward", "self.wo(", "before the output projection wo", "n_heads * head_dim"
+)
+FFN_DOWN = ContractInput("FeedForward", "forward", "self.w2(", "before the down projection w2", "hidden_dim")
+
+
+def _norm_width(norm: nn.Module) -> int | None:
+    weight = getattr(norm, "weight", None)
+    return int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def norm_place(
+    model: nn.Module, config: Any, norms: dict[str, nn.Module], consumers: dict[nn.Module, ContractInput]
+) -> HandEditPlace | None:
+    """The place of the hand edit that writes ``norms`` (named children of one module): the
+    contract statement whose projection reads every one of their outputs, measured in one forward
+    of the tiny ``model``; ``None`` when they feed no such projection, or different ones."""
+    outputs: dict[str, torch.Tensor] = {}
+    inputs: dict[nn.Module, torch.Tensor] = {}
+
+    def keep_output(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                outputs.setdefault(name, tensor.detach())
+
+        return hook
+
+    def keep_input(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            inputs.setdefault(module, args[0].detach())
+
+    handles = [norm.register_forward_hook(keep_output(name)) for name, norm in norms.items()]
+    handles += [module.register_forward_pre_hook(keep_input) for module in consumers]
+    try:
+        probes.logits(model, probes.tokens_for(config, 5))
+    except Exception as exc:  # a forward the probe cannot run: no measured place
+        logger.debug("measuring where %s sit failed: %s", ", ".join(norms), exc)
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    places = set()
+    for name, norm in norms.items():
+        fed = [
+            contract
+            for module, contract in consumers.items()
+            if name in outputs
+            and module in inputs
+            and inputs[module].shape == outputs[name].shape
+            and torch.equal(inputs[module], outputs[name])
+            and _norm_width(norm) == inputs[module].shape[-1]
+        ]
+        if len(fed) != 1:
+            return None
+        places.add(fed[0])
+    if len(places) != 1:
+        return None
+    contract = places.pop()
+    return HandEditPlace(
+        class_name=contract.class_name,
+        function=contract.function,
+        anchor=contract.anchor,
+        statement=contract.statement,
+        width=contract.width,
+    )

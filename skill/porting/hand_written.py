@@ -1,0 +1,169 @@
+"""What a hand edit changed, from its patch, and the header line that names it.
+
+A hand-edited package's header is first written by ``register_spec`` (often before the hand
+edit): it names each unsupported feature and where its hand edit goes. What the porter then
+wrote is known only from the session's captured patches, the diffs against what the tools
+wrote. When the session closes, :func:`restamp_hand_edited` replaces that line, in every file of
+each hand-edited package the patches touch (and its stage test file), by the files and the
+functions the patches changed, bitnet's ``infra/parallelize.py`` included::
+
+    # Hand-written in the recorded session: model/model.py (Attention.__init__, Attention.forward,
+    #   FeedForward.forward); infra/parallelize.py (apply_tp). Regenerate by replaying it:
+    #   archon-port replay --keep --trust-remote-code tests/mcp/sessions/bitnet.jsonl
+
+The closing re-stamp is recorded with the session's close and re-done by its replay, so the
+header is a function of the session alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+from collections.abc import Iterable, Mapping
+
+from skill.codemod.workspace import Workspace
+from skill.porting.common import PackageLayout
+from skill.porting.provenance import (
+    CONTINUATION,
+    GENERATED,
+    HAND_EDITED,
+    HAND_WRITTEN,
+    replay_command,
+    strip_header,
+    wrap_header_line,
+)
+
+logger = logging.getLogger(__name__)
+
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,\d+)? @@")
+_FILE = re.compile(r"^diff --git a/\S+ b/(?P<path>\S+)$")
+MODULE_LEVEL = "module level"
+
+
+def changed_lines(patch: str) -> dict[str, list[int]]:
+    """Per file of a unified diff, the new-side lines it adds, and the new-side line now standing
+    where it removed lines."""
+    lines: dict[str, list[int]] = {}
+    path: str | None = None
+    new = 0
+    for line in patch.splitlines():
+        if match := _FILE.match(line):
+            path = match.group("path")
+            lines.setdefault(path, [])
+        elif match := _HUNK.match(line):
+            new = int(match.group("start"))
+        elif path is None or line.startswith(("--- ", "+++ ", "\\", "new file mode", "deleted file mode")):
+            continue
+        elif line.startswith("+"):
+            lines[path].append(new)
+            new += 1
+        elif line.startswith("-"):
+            lines[path].append(new)
+        else:
+            new += 1
+    return lines
+
+
+def _definitions(text: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, qualified name) of every class and function."""
+    spans: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                spans.append((first, child.end_lineno or child.lineno, name))
+                visit(child, f"{name}.")
+
+    visit(ast.parse(text), "")
+    return spans
+
+
+def changed_definitions(patch: str, after: Mapping[str, str]) -> dict[str, list[str]]:
+    """Per Python file of ``patch``, the innermost class or function around each changed line of
+    ``after`` (the file as the patch left it), in file order; ``module level`` for the rest."""
+    changed: dict[str, list[str]] = {}
+    for rel, numbers in changed_lines(patch).items():
+        text = after.get(rel)
+        if text is None or not rel.endswith(".py"):
+            changed[rel] = []
+            continue
+        spans = _definitions(text)
+        names: list[str] = []
+        for number in sorted(numbers):
+            around = [span for span in spans if span[0] <= number <= span[1]]
+            name = min(around, key=lambda s: s[1] - s[0])[2] if around else MODULE_LEVEL
+            if name not in names:
+                names.append(name)
+        changed[rel] = names
+    return changed
+
+
+def merge(changes: Iterable[Mapping[str, list[str]]]) -> dict[str, list[str]]:
+    """Several edits' changes as one: each file once, each name once, in first-seen order."""
+    merged: dict[str, list[str]] = {}
+    for change in changes:
+        for rel, names in change.items():
+            kept = merged.setdefault(rel, [])
+            kept.extend(name for name in names if name not in kept)
+    return merged
+
+
+def hand_written_line(package_dir: str, changes: Mapping[str, list[str]]) -> str:
+    """The header line naming each file (relative to the package) and the functions changed."""
+    parts = []
+    for rel in sorted(changes):
+        shown = rel.removeprefix(f"{package_dir}/")
+        names = changes[rel]
+        parts.append(f"{shown} ({', '.join(names)})" if names else shown)
+    return f"{HAND_WRITTEN} {'; '.join(parts)}. Regenerate by replaying it:"
+
+
+def _generated_lines(text: str) -> str:
+    """The header's "Generated by" line with its continuation lines."""
+    kept: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(GENERATED) or (kept and line.startswith(CONTINUATION)):
+            kept.append(line)
+        else:
+            break
+    return "".join(kept)
+
+
+def is_hand_edited(text: str) -> bool:
+    """Whether a file's header is a hand-edited package's (one ``add`` cannot regenerate)."""
+    header = text[: len(text) - len(strip_header(text))]
+    return any(line.startswith((HAND_EDITED, HAND_WRITTEN)) for line in header.splitlines())
+
+
+def restamp_hand_edited(workspace: Workspace, changes: Mapping[str, list[str]]) -> list[str]:
+    """Name ``changes`` (repository path -> functions) in the header of every file of each
+    hand-edited package they touch, and of its stage test file; returns the paths rewritten."""
+    rewritten: list[str] = []
+    packages = sorted({rel.split("/")[1] for rel in changes if rel.startswith("archon_models/") and rel.count("/") > 1})
+    for package in packages:
+        layout = PackageLayout.for_name(package)
+        own = {rel: names for rel, names in changes.items() if rel.startswith(f"{layout.package_dir}/")}
+        line = wrap_header_line(hand_written_line(layout.package_dir, own))
+        command = f"{CONTINUATION}{replay_command(package)}\n"
+        root = workspace.resolve(layout.package_dir)
+        paths = sorted(str(p.relative_to(workspace.root)) for p in root.rglob("*.py")) if root.is_dir() else []
+        for rel in [*paths, layout.test_file]:
+            path = workspace.resolve(rel)
+            if not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8")
+            if not is_hand_edited(text):
+                continue
+            new = _generated_lines(text) + line + command + strip_header(text)
+            if new != text:
+                path.write_text(new, encoding="utf-8")
+                rewritten.append(rel)
+    if rewritten:
+        logger.info("named the hand edits in the header of %s", ", ".join(rewritten))
+    return rewritten
+
+
+__all__ = ["changed_definitions", "changed_lines", "is_hand_edited", "merge", "restamp_hand_edited"]
