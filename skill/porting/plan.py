@@ -570,7 +570,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         else None,
         pinned_nested_fields=list(cl.pinned_nested_fields),
         pinned_switches=dict(cl.forward_switches),
-        single_kv_head=plan_kv_field is None and att.n_kv_heads == 1 and (att.n_heads or 1) > 1,
+        # One KV head fixed by the attention, not read from a count: no count field, or a set
+        # multi-query switch the attention reads instead (transformers 5.25's FalconConfig also
+        # carries num_key_value_heads, for the KV cache only).
+        single_kv_head=(plan_kv_field is None or att.mqa_flag is not None)
+        and att.n_kv_heads == 1
+        and (att.n_heads or 1) > 1,
         scalar_sources=derived,
         rotary_style_field="rope_interleave" if "rope_interleave" in values else None,
     )

@@ -217,3 +217,26 @@ def test_ministral3_query_scale_by_position_is_measured() -> None:
 def test_relative_rope_families_have_no_query_position_scale() -> None:
     for family in ("mistral", "qwen2"):
         assert report_for(family).checklist.attention.query_position_scale is None
+
+
+# ------------------------------------------------------------- a config attribute a newer version adds
+
+
+def test_a_multi_query_switch_fixes_one_kv_head_whatever_count_the_config_also_carries(tmp_path):
+    """transformers 5.25's FalconConfig carries num_key_value_heads (1 under multi_query, for
+    the KV cache) while its attention reads multi_query: the port keeps one KV head fixed by
+    the switch, as on 5.23, so `add falcon` writes the same package on both. Here the pinned
+    version's FalconConfig is given that attribute, so the test runs on every version."""
+    from transformers import FalconConfig
+
+    from skill.porting.plan import plan_for
+
+    config = FalconConfig()
+    config.num_key_value_heads = 1
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_key_value_heads"] == 1
+
+    plan = plan_for(str(tmp_path), False)
+
+    assert plan.mqa_flag == "multi_query"
+    assert plan.single_kv_head

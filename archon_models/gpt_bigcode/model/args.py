@@ -39,6 +39,11 @@ def _check_supported(hf_config: Any) -> None:
             f"rope_parameters['rope_type']={rope_type!r} is not supported by GptBigcode in Archon; "
             "only the default RoPE is. Port the variant with `archon-port add`."
         )
+    if not getattr(hf_config, "multi_query", True):
+        raise ValueError(
+            "multi_query=False is not supported: GptBigcode in Archon has "
+            "multi-query attention (one key and value head); port that variant as its own family."
+        )
     if bool(getattr(hf_config, "scale_attn_weights", True)) is not True:
         raise ValueError(
             "scale_attn_weights=False is not supported: GptBigcode in Archon reproduces "
@@ -105,7 +110,7 @@ class GptBigcodeModelArgs(BaseModelArgs):
             )
         _check_supported(hf_config)
         n_heads = hf_config.num_attention_heads
-        n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+        n_kv_heads = 1  # multi-query attention: one key and value head for every query head
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
         return cls(
             attn_type=kwargs.get("attn_type", BaseModelArgs.attn_type),
