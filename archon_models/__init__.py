@@ -4,6 +4,7 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.afmoe import spec as afmoe_spec  # noqa: F401
 from archon_models.apertus import spec as apertus_spec  # noqa: F401
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
