@@ -35,6 +35,7 @@ from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
 from archon_models.gpt2 import spec as gpt2_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
+from archon_models.gpt_neo import spec as gpt_neo_spec  # noqa: F401
 from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.gpt_neox_japanese import spec as gpt_neox_japanese_spec  # noqa: F401
 from archon_models.gpt_oss import spec as gpt_oss_spec  # noqa: F401
