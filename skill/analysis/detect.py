@@ -1234,7 +1234,10 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         # MLA's head widths are their own fields (a config's head_dim, when it has one, is
         # the RoPE slice or a serving hint): a query/key head is qk_nope + qk_rope wide.
         head_dim, explicit = qk_width, True
-    softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
+    # Not the final logits' cap, nor an MoE router's (Laguna's moe_router_logit_softcapping).
+    softcaps = {
+        k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k and "router" not in k
+    }
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
     custom, scaling_source, scaling_constant = _custom_scaling(ctx)
     kv = _measured_kv_heads(ctx, roles, heads, kv)
