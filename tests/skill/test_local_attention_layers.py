@@ -7,6 +7,7 @@ scores are not scaled at all. Each is a fact of the analysis report, read by the
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ from transformers.utils import logging as hf_logging
 
 from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model, probes
 from skill.analysis import modules as mt
+from skill.codemod.workspace import Workspace
 from skill.features import SlidingWindow, SlidingWindowKind
+from skill.session import normalise_result
 from skill.tiny_model import build_tiny_model, tiny_config
 
 hf_logging.set_verbosity_error()
@@ -81,9 +84,17 @@ def test_the_score_scale_probe() -> None:
     assert probes.probe_score_scale(llama, attention, attention.q_proj, attention.k_proj, llama_config) is None
 
 
-def test_facts_a_family_lacks_stay_out_of_its_serialised_report() -> None:
+def test_facts_a_family_lacks_stay_out_of_its_serialised_report(tmp_path: Path) -> None:
     """Reports (and the sessions recording them) of families without these facts are unchanged."""
     assert set(SlidingWindow().model_dump()) == {"kind", "size", "layer_pattern", "evidence"}
-    attention = report_for("mistral").checklist.attention.model_dump()
+    report = report_for("mistral")
+    attention = report.checklist.attention.model_dump()
     assert "scaling_constant" not in attention
     assert "size_field" not in attention["sliding_window"]
+    (tmp_path / "archon_models").mkdir()
+    recorded = normalise_result(report, Workspace(tmp_path))["checklist"]["attention"]
+    assert "scaling_constant" not in recorded
+    assert set(recorded["sliding_window"]) == {"kind", "size", "layer_pattern", "evidence"}
+    gpt_neo = normalise_result(report_for("gpt_neo"), Workspace(tmp_path))["checklist"]["attention"]
+    assert gpt_neo["scaling_constant"] == 1.0
+    assert gpt_neo["sliding_window"]["layer_kinds_field"] == "attention_layers"
