@@ -4,6 +4,7 @@ Each model package registers its ModelSpec when its ``spec`` module is imported.
 The spec modules are imported directly, so no model package's ``__init__`` runs first.
 """
 
+from archon_models.afmoe import spec as afmoe_spec  # noqa: F401
 from archon_models.apertus import spec as apertus_spec  # noqa: F401
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
@@ -34,6 +35,7 @@ from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
 from archon_models.gpt2 import spec as gpt2_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
+from archon_models.gpt_neo import spec as gpt_neo_spec  # noqa: F401
 from archon_models.gpt_neox import spec as gpt_neox_spec  # noqa: F401
 from archon_models.gpt_neox_japanese import spec as gpt_neox_japanese_spec  # noqa: F401
 from archon_models.gpt_oss import spec as gpt_oss_spec  # noqa: F401

@@ -223,20 +223,19 @@ def _is_volatile(info: Any) -> bool:
     return isinstance(extra, dict) and bool(extra.get("volatile"))
 
 
-def _omitted_when_empty(info: Any, value: Any) -> bool:
-    """A field marked ``omit_empty`` that holds nothing: a field added to a result after sessions
-    were recorded, left out while empty so that those sessions' results stay as recorded."""
-    extra = info.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("omit_empty")) and not value
+def _left_out(info: Any, value: Any) -> bool:
+    """A field pydantic's own serialisation leaves out for this value (``exclude_if``)."""
+    return info.exclude_if is not None and bool(info.exclude_if(value))
 
 
 def _plain(value: Any) -> Any:
-    """JSON-able form of ``value`` with fields marked volatile (and empty ``omit_empty`` ones) left out."""
+    """JSON-able form of ``value`` with fields marked volatile left out, and those whose
+    ``exclude_if`` holds (a fact the family lacks), as ``model_dump`` leaves them out."""
     if isinstance(value, BaseModel):
         return {
             name: _plain(getattr(value, name))
             for name, info in type(value).model_fields.items()
-            if not _is_volatile(info) and not _omitted_when_empty(info, getattr(value, name))
+            if not _is_volatile(info) and not _left_out(info, getattr(value, name))
         }
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}

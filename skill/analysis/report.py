@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from skill.features import Checklist, FeatureDelta, HandEditPlace
+from skill.features import Checklist, FeatureDelta, HandEditPlace, is_empty
 
 UNMAPPED = "unmapped"
 
@@ -84,8 +84,9 @@ class ArchitectureReport(BaseModel):
     unsupported: list[str] = Field(description="features no reference or edit covers yet, named plainly")
     hand_edit_places: dict[str, HandEditPlace] = Field(
         default_factory=dict,
-        # Left out of a recorded result while empty: sessions of families without one stay as they were.
-        json_schema_extra={"omit_empty": True},
+        # Left out of the serialised report while empty: the reports (and recorded sessions) of
+        # families without one read as before.
+        exclude_if=is_empty,
         description="an unsupported feature (its name after 'unsupported: ') -> where its hand edit goes in the "
         "Archon module contract, measured on the HF model; a feature missing here is placed by its name",
     )

@@ -142,6 +142,14 @@ def test_laguna_correction_bias_saved_under_the_experts_is_the_routers() -> None
     assert moe.selection_bias_placement == "scores"
 
 
+def test_laguna_router_softcap_is_no_attention_softcap() -> None:
+    # LagunaTopKRouter caps its logits by moe_router_logit_softcapping (0.0: off); the
+    # attention scores are never capped (read as a 0.0 cap, the port asked for a field
+    # LagunaConfig lacks, attn_logit_softcapping).
+    report = report_for("laguna")
+    assert report.checklist.attention.logit_softcap is None
+
+
 def test_afmoe_leading_dense_layers_follow_num_dense_layers() -> None:
     # AfmoeDecoderLayer: self.moe_enabled = layer_idx >= config.num_dense_layers.
     report = report_for("afmoe")

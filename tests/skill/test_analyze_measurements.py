@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
+from skill.analysis import AnalyzeInput, analyze_hf_model, probes
 from skill.features import SUPPORTED_EDITS, Feature, NormKind, feature_values
 from skill.porting.plan import plan_for
 from tests.skill.test_analyze_families import report_for
@@ -98,11 +99,21 @@ def test_uniform_layers_have_no_per_layer_difference(model_type: str) -> None:
     assert not [item for item in report.checklist.other if item.startswith("per-layer difference")]
 
 
-def test_window_on_some_layers_without_layer_types_is_named() -> None:
-    # GPTNeoSelfAttention: a "local" layer (config.attention_types) masks keys further back
-    # than window_size; "global" layers do not. No layer_types field says which layer is
-    # which, so the window reaches some layers but not all: named, never dropped silently.
+def test_window_on_some_layers_follows_the_field_marking_them() -> None:
+    # GPTNeoSelfAttention: a "local" layer (config.attention_layers, from attention_types)
+    # masks keys further back than window_size; "global" layers do not.
     report = report_for("gpt_neo")
+    window = report.checklist.attention.sliding_window
+    assert (window.layer_kinds_field, window.windowed_kind) == ("attention_layers", "local")
+    assert not any("sliding window" in line for line in report.unsupported)
+
+
+def test_window_on_some_layers_no_field_explains_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The layer-kind field is measured, not taken by its values' names: where windowing
+    # every "local" layer does not window every layer, no field explains the window, which
+    # reaches some layers but not all: named, never dropped silently.
+    monkeypatch.setattr(probes, "probe_window_reaches_all_layers", lambda *args: False)
+    report = analyze_hf_model(AnalyzeInput(source="gpt_neo"))
     line = "sliding window (window_size) on some layers only, chosen by a field other than layer_types"
     assert f"unsupported: {line}" in report.unsupported
     assert report.checklist.attention.sliding_window.evidence.endswith("some layers only")
