@@ -161,7 +161,11 @@ def test_sampled_seeds_cover_the_vocabulary():
 
 
 @pytest.mark.fuzz
-@pytest.mark.parametrize("seed", [0, 4, 8, 23, 33])
+# 62: grouped sigmoid routing whose one kept group holds exactly top_k experts; before, its
+# correction bias could push a kept expert's choice score below the 0.0 written over the
+# dropped groups, and torch.topk broke that tie unlike the closed form ("routing of layer 1:
+# differs by 3.412e-01").
+@pytest.mark.parametrize("seed", [0, 4, 8, 23, 33, 62])
 def test_generated_family_passes_its_self_check(tmp_path, seed):
     spec = sample_family(seed)
     folder = write_family(spec, tmp_path / spec.name)
