@@ -188,7 +188,10 @@ def probe_block_norms(
 
     handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
     handles.append(layer.register_forward_hook(layer_out_hook))
-    for name, child in layer.named_children():
+    hooked = dict(layer.named_children())
+    if anatomy.attention_name is not None and anatomy.attention is not None:
+        hooked.setdefault(anatomy.attention_name, anatomy.attention)  # one inside a wrapper (attn.attention)
+    for name, child in hooked.items():
         handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
     try:
         with _preserved(layer):
@@ -547,6 +550,62 @@ def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: to
         for handle in handles:
             handle.remove()
     return mode.weights[0] if mode.weights else None
+
+
+def probe_score_scale(
+    model: nn.Module, attention: nn.Module, q_proj: nn.Module, k_proj: nn.Module, config: Any, length: int = 8
+) -> float | None:
+    """The factor layer 0's attention multiplies ``q . k`` by before the softmax.
+
+    The query and key projections are pinned to known outputs, so each head's log-weights
+    of the last query are ``scale * (q . k_j)`` plus one constant; the scale is their
+    least-squares slope. ``None`` when the weights are not there or not of that form (the
+    scores also hold a rotation, a norm or a position bias that moves them).
+    """
+    heads = int(config.num_attention_heads)
+    generator = _generator()
+    pinned: dict[str, torch.Tensor] = {}
+
+    def pin(name: str):
+        def run(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not isinstance(output, torch.Tensor):
+                return output
+            if name not in pinned:
+                pinned[name] = 0.5 * torch.randn(output.shape, generator=generator, dtype=output.dtype)
+            return pinned[name]
+
+        return run
+
+    handles = [q_proj.register_forward_hook(pin("q")), k_proj.register_forward_hook(pin("k"))]
+    try:
+        with torch.no_grad():
+            weights = _layer0_attention_weights(model, attention, tokens_for(config, length))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if weights is None or set(pinned) != {"q", "k"} or weights.shape[1] != heads:
+        return None
+    q, k = pinned["q"][0].double(), pinned["k"][0].double()  # [L, heads * d], [L, kv_heads * d]
+    if q.shape[-1] % heads or k.shape[-1] % (q.shape[-1] // heads):
+        return None
+    width = q.shape[-1] // heads
+    kv_heads = k.shape[-1] // width
+    if heads % kv_heads:
+        return None
+    q = q.view(length, heads, width)
+    k = k.view(length, kv_heads, width).repeat_interleave(heads // kv_heads, dim=1)
+    dots = torch.einsum("hd,jhd->hj", q[-1], k)  # the last query against every key, per head
+    last = weights[0, :, -1].double()
+    if bool((last <= 0).any()):
+        return None
+    logs = last.log()
+    x = dots - dots.mean(dim=-1, keepdim=True)
+    y = logs - logs.mean(dim=-1, keepdim=True)
+    slopes = (x * y).sum(dim=-1) / (x * x).sum(dim=-1)
+    scale = slopes.mean()
+    if not torch.allclose(y, scale * x, atol=1e-4, rtol=0):
+        return None
+    return float(scale)
 
 
 def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, length: int = 8) -> list[float] | None:

@@ -25,7 +25,7 @@ import pytest
 
 from skill.porting.port_model import PortModelRequest, port_model
 from tests.fuzz import FamilyCheckError, check_family, sample_family, write_family
-from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, plain_family
+from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, QKNormSpec, plain_family
 from tests.skill.test_port_rope import _workspace
 
 # Seeds of the suite's subset: each ends ported or refused by name (bench/results/fuzz_families.txt
@@ -269,7 +269,7 @@ def test_full_width_qk_norm_of_its_own_kind_ports_under_tensor_parallelism(tmp_p
     its class reduces over the ranks; stage 5 compares TP=2 logits and gradients with one
     process. Before: refused ('QK norm computing ... while the block norms compute ...'), and
     torch's LayerNorm/RMSNorm there give full-width outputs or raise on the sharded input."""
-    from tests.fuzz.spec import NormSpec, QKNormSpec
+    from tests.fuzz.spec import NormSpec
 
     spec = plain_family(
         # (no kind in the name: a class named ...LayerNormAttention would read as a norm)
@@ -413,3 +413,36 @@ def test_a_fused_gate_up_under_a_plain_mlp_name_is_split(tmp_path):
     root = _workspace(tmp_path)
     result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3], workspace=root))
     assert result.passed, result.error
+
+
+@pytest.mark.parametrize(
+    ("fused", "qk_norm", "sinks"),
+    [
+        ("grouped", QKNormSpec(width="full_width", kind="rms"), False),
+        ("stacked", QKNormSpec(width="full_width", kind="layer_norm"), False),
+        ("stacked", QKNormSpec(width="per_head", kind="layer_norm"), True),
+        ("grouped", QKNormSpec(width="per_head", kind="rms"), True),
+    ],
+)
+def test_fused_qkv_rows_are_read_under_a_qk_norm_or_sinks(tmp_path, fused: str, qk_norm: QKNormSpec, sinks: bool):
+    """Before: a full-width QK norm normalises every head's queries (and keys) together, so
+    the query-row probe's gradient of one head reached the rows of all heads; and a sink
+    keeps part of the one key's attention weight, so the value probe's row codes came back
+    off the integers. Both read as "fused qkv row layout = other" (seeds 13, 26, 70 and 17,
+    24 refused). The probes now pass the QK norms through and silence the sinks."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from skill.features import FusedQKVLayout
+
+    attention = AttentionSpec(
+        n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, fused_qkv=fused, qk_norm=qk_norm, sinks=sinks
+    )
+    # (no norm kind in the name: a class named ...LayerNormAttention would read as a norm)
+    width, kind = qk_norm.width.replace("_", ""), NORM_KINDS.index(qk_norm.kind)
+    name = f"fzfusedqkv{fused}{width}{kind}{'sinks' if sinks else ''}"
+    spec = plain_family(name, attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
