@@ -25,16 +25,6 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def _absent(value: Any) -> bool:
-    return value is None
-
-
-def _optional_fact(description: str) -> Any:
-    """A fact only some families have: ``None`` where absent, and then left out of the
-    serialised report, so the reports (and recorded sessions) of the others read as before."""
-    return Field(None, description=description, exclude_if=_absent)
-
-
 # --------------------------------------------------------------------------- enums
 
 
@@ -194,14 +184,6 @@ class SlidingWindow(_Frozen):
         default_factory=list, description="per-layer attention kinds when kind is per_layer_pattern"
     )
     evidence: str = Field("", description="config field, mask probe, or both")
-    size_field: str | None = _optional_fact("the config field holding the window, when not sliding_window")
-    layer_kinds_field: str | None = _optional_fact(
-        "per_layer_pattern: the config field listing each layer's attention kind, when not layer_types "
-        "(GPT-Neo: attention_layers)"
-    )
-    windowed_kind: str | None = _optional_fact(
-        "per_layer_pattern: the layer kind that sees the window, when not sliding_attention (GPT-Neo: local)"
-    )
 
 
 class QueryPositionScale(_Frozen):
@@ -258,9 +240,6 @@ class AttentionFeatures(_Frozen):
     )
     scaling_field: str | None = Field(None, description="config field that sets the custom scale")
     scaling_source: ConfigScalar | None = Field(None, description="the scale's config field and relation")
-    scaling_constant: float | None = _optional_fact(
-        "a score scale that is no config field's, measured on layer 0's attention weights (GPT-Neo: 1.0)"
-    )
     fused_qkv: bool = Field(False, description="one projection yields q, k and v")
     fused_qkv_layout: FusedQKVLayout = Field(FusedQKVLayout.NONE, description="row order of the fused projection")
     fused_qkv_blocks: int | None = Field(

@@ -589,24 +589,7 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
         ctx.evidence.append(f"sliding window: config {field_name}={size}; the mask probe shows it on every layer")
         return SlidingWindow(kind=SlidingWindowKind.ALL_LAYERS, size=size, evidence="config + mask probe")
     if window and tiny_window and _window_reaches_some_layer(ctx, field_name, int(tiny_window)):
-        # GPT-Neo: the window applies on the layers another per-layer field (attention_layers) marks.
-        kinds = _layer_kinds_field(ctx, int(tiny_window))
-        if kinds is not None:
-            kinds_field, windowed = kinds
-            pattern = [str(kind) for kind in ctx.get(kinds_field)]
-            ctx.evidence.append(
-                f"sliding window: config {field_name}={size} on the layers {kinds_field} marks {windowed!r} "
-                "(mask probe: the window reaches every layer when all are)"
-            )
-            return SlidingWindow(
-                kind=SlidingWindowKind.PER_LAYER_PATTERN,
-                size=size,
-                layer_pattern=pattern,
-                evidence=f"config {field_name} and {kinds_field} + mask probe",
-                size_field=field_name if field_name != "sliding_window" else None,
-                layer_kinds_field=kinds_field,
-                windowed_kind=windowed if windowed != "sliding_attention" else None,
-            )
+        # GPT-Neo: the window applies on the layers another field (attention_types) names.
         ctx.evidence.append(f"sliding window: config {field_name}={size} on some layers, chosen without layer_types")
         ctx.other.append(f"sliding window ({field_name}) on some layers only, chosen by a field other than layer_types")
         return SlidingWindow(evidence=f"config {field_name} set, mask probe: some layers only")
@@ -614,32 +597,6 @@ def _sliding_window(ctx: Context) -> SlidingWindow:
         f"sliding window: config {field_name}={size}, but the mask probe shows full attention; treated as none"
     )
     return SlidingWindow(evidence=f"config {field_name} set, mask probe: not applied")
-
-
-def _layer_kinds_field(ctx: Context, tiny_window: int) -> tuple[str, str] | None:
-    """The config field other than ``layer_types`` that lists each layer's attention kind,
-    and the kind that sees the window: a list of strings, one per layer, with one
-    ``local``/``sliding`` kind among others. Measured: a tiny model whose every layer has
-    that kind must be windowed on every layer (the window probe of ``ALL_LAYERS``)."""
-    n_layers = ctx.tiny.num_hidden_layers
-    for name, value in sorted(vars(ctx.tiny).items()):
-        if name == "layer_types" or not isinstance(value, list) or len(value) != n_layers:
-            continue
-        if not all(isinstance(kind, str) for kind in value) or len(set(value)) < 2:
-            continue
-        windowed = sorted({kind for kind in value if "sliding" in kind or "local" in kind})
-        if len(windowed) != 1 or not isinstance(ctx.get(name), list):
-            continue
-        config = copy.deepcopy(ctx.tiny)
-        setattr(config, name, [windowed[0]] * n_layers)
-        try:
-            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
-        except Exception as exc:
-            logger.debug("the layer-kind probe on %s failed: %s", name, exc)
-            continue
-        if probes.probe_window_reaches_all_layers(model, config, tiny_window, n_layers):
-            return name, windowed[0]
-    return None
 
 
 def _window_reaches_some_layer(ctx: Context, field_name: str, tiny_window: int) -> bool:
@@ -671,9 +628,8 @@ def _scalar_source(ctx: Context, role: str) -> ConfigScalar | None:
     return ConfigScalar(field=found.name, relation=found.relation)
 
 
-def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None, float | None]:
-    """Whether the scores' scale is not head_dim**-0.5 or is set by a config field, the
-    field, and a constant scale no field sets (measured where the module names no scale).
+def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None]:
+    """Whether the scores' scale is not head_dim**-0.5 or is set by a config field.
 
     A field the forward reads (granite's attention_multiplier, gemma's
     query_pre_attn_scalar) makes the scaling custom even where its default gives
@@ -683,15 +639,7 @@ def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None, float | No
     attention = ctx.anatomy.attention
     scaling = getattr(attention, "scaling", None) if attention is not None else None
     if not isinstance(scaling, (int, float)):
-        measured = _measured_score_scale(ctx) if source is None else None
-        if measured is None:
-            return source is not None, source, None
-        default = ctx.tiny_head_dim() ** -0.5
-        if math.isclose(measured, default, rel_tol=1e-3):
-            return False, None, None
-        constant = round(measured, 6)
-        ctx.evidence.append(f"attention scaling {constant:.4g} vs head_dim**-0.5 {default:.4g}, measured, no field")
-        return True, None, constant
+        return source is not None, source
     # Candidate head widths: the config's, MLA's query-key width, the module's own.
     widths = {ctx.tiny_head_dim()}
     for name in ("qk_head_dim", "head_dim"):
@@ -701,29 +649,14 @@ def _custom_scaling(ctx: Context) -> tuple[bool, ConfigScalar | None, float | No
                 widths.add(value)
     default = ctx.tiny_head_dim() ** -0.5
     if any(math.isclose(float(scaling), w**-0.5, rel_tol=1e-4) for w in widths) and source is None:
-        return False, None, None
+        return False, None
     if source is None:
         match = probes.matching_field(ctx.tiny, float(scaling))
         source = ConfigScalar(field=match[0], relation=match[1]) if match else None
     ctx.evidence.append(
         f"attention scaling {scaling:.4g} vs head_dim**-0.5 {default:.4g} (field {source.field if source else None})"
     )
-    return True, source, None
-
-
-def _measured_score_scale(ctx: Context) -> float | None:
-    """Layer 0's score scale from its attention weights, for an attention module that names
-    no ``scaling`` (GPT-Neo multiplies by nothing). Needs separate query and key
-    projections; ``None`` where the scores are no plain scaled ``q . k`` (RoPE, QK norms)."""
-    attention = ctx.anatomy.attention
-    roles = _attention_projections(ctx)
-    if attention is None or "q" not in roles or "k" not in roles:
-        return None
-    try:
-        return probes.probe_score_scale(ctx.model, attention, roles["q"].module, roles["k"].module, ctx.tiny)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        logger.debug("the score-scale probe failed: %s", exc)
-        return None
+    return True, source
 
 
 @dataclass(frozen=True)
@@ -781,19 +714,11 @@ def uses_rope(ctx: Context) -> bool:
     return attention is not None and ctx.source is not None and ctx.source.applies_rotary(type(attention).__name__)
 
 
-def _submodule(module: nn.Module, path: str) -> nn.Module | None:
-    """``module``'s submodule at a dotted ``path`` (an attention inside its wrapper), or ``None``."""
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        return None
-
-
 def _layer_attentions(ctx: Context, layers: nn.ModuleList) -> list[nn.Module] | None:
     name = ctx.anatomy.attention_name
     found = []
     for layer in layers:
-        module = _submodule(layer, name) if name else None
+        module = getattr(layer, name, None) if name else None
         if not isinstance(module, nn.Module):
             module = next((child for _, child in layer.named_children() if mt.is_attention(child)), None)
         if module is None:
@@ -976,7 +901,8 @@ def _probe_qkv(
     if qkv is None or out is None:
         return None
     values = probes.probe_value_rows(model, attention, qkv, out, config)
-    rows = probes.probe_query_rows(model, attention, qkv, out, config, heads)
+    qk_norms = [pair[1] for pair in mt.qk_norms(attention) if pair is not None]
+    rows = probes.probe_query_rows(model, attention, qkv, out, config, heads, bypassed=qk_norms)
     if values is None or rows is None or values.numel() % heads:
         return None
     values = values.reshape(heads, -1)
@@ -1236,7 +1162,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         head_dim, explicit = qk_width, True
     softcaps = {k: v for k, v in _fields_matching(ctx.config, "softcap").items() if "final" not in k}
     attn_softcap = next((float(v) for v in softcaps.values() if isinstance(v, (int, float))), None)
-    custom, scaling_source, scaling_constant = _custom_scaling(ctx)
+    custom, scaling_source = _custom_scaling(ctx)
     kv = _measured_kv_heads(ctx, roles, heads, kv)
     # A set multi-query switch fixes one KV head; the config's KV-head count follows it.
     mqa_flag = next(
@@ -1320,7 +1246,6 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         custom_scaling=custom,
         scaling_field=scaling_source.field if scaling_source else None,
         scaling_source=scaling_source,
-        scaling_constant=scaling_constant,
         fused_qkv=qkv is not None or stacked is not None,
         fused_qkv_layout=qkv_layout,
         fused_qkv_blocks=qkv_blocks,

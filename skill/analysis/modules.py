@@ -151,24 +151,6 @@ def is_attention(module: nn.Module) -> bool:
     return bool(_ATTENTION.search(type(module).__name__)) and not is_norm(module)
 
 
-def unwrapped_attention(name: str, module: nn.Module) -> tuple[str, nn.Module]:
-    """The attention a layer's attention child computes with, and its dotted path in the layer.
-
-    A child that holds no tensor of its own and only one module with parameters, itself an
-    attention and no projection, is a wrapper (GPT-Neo's ``attn`` picks the local or global
-    class and calls it as ``attn.attention``): the projections are the inner module's.
-    """
-    while not any(True for _ in module.parameters(recurse=False)):
-        holders = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-        if len(holders) != 1:
-            break
-        inner_name, inner = holders[0]
-        if not is_attention(inner) or weight_2d(inner) is not None:
-            break
-        name, module = f"{name}.{inner_name}", inner
-    return name, module
-
-
 def anatomy(model: PreTrainedModel, n_layers: int) -> LayerAnatomy:
     """Name the parts of layer 0 and the model's embedding, final norm and head."""
     path, layers = find_layers(model, n_layers)
@@ -180,7 +162,7 @@ def anatomy(model: PreTrainedModel, n_layers: int) -> LayerAnatomy:
         if is_norm(child):
             norms[name] = child
         elif attention is None and is_attention(child):
-            attention_name, attention = unwrapped_attention(name, child)
+            attention_name, attention = name, child
         elif ffn is None and (_FFN.search(type(child).__name__) or name in ("mlp", "feed_forward", "ffn")):
             ffn_name, ffn = name, child
         elif list(child.parameters()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +25,8 @@ from skill.features import NormKind, NormPlacement
 logger = logging.getLogger(__name__)
 
 _GEN_SEED = 1234
+# A sink logit no score reaches: its share of a softmax is exp(-1e4) = 0 in fp32.
+_SILENT_SINK = -1e4
 
 
 def _generator() -> torch.Generator:
@@ -188,10 +190,7 @@ def probe_block_norms(
 
     handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
     handles.append(layer.register_forward_hook(layer_out_hook))
-    hooked = dict(layer.named_children())
-    if anatomy.attention_name is not None and anatomy.attention is not None:
-        hooked.setdefault(anatomy.attention_name, anatomy.attention)  # one inside a wrapper (attn.attention)
-    for name, child in hooked.items():
+    for name, child in layer.named_children():
         handles.append(child.register_forward_hook(hook(name), with_kwargs=True))
     try:
         with _preserved(layer):
@@ -552,62 +551,6 @@ def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: to
     return mode.weights[0] if mode.weights else None
 
 
-def probe_score_scale(
-    model: nn.Module, attention: nn.Module, q_proj: nn.Module, k_proj: nn.Module, config: Any, length: int = 8
-) -> float | None:
-    """The factor layer 0's attention multiplies ``q . k`` by before the softmax.
-
-    The query and key projections are pinned to known outputs, so each head's log-weights
-    of the last query are ``scale * (q . k_j)`` plus one constant; the scale is their
-    least-squares slope. ``None`` when the weights are not there or not of that form (the
-    scores also hold a rotation, a norm or a position bias that moves them).
-    """
-    heads = int(config.num_attention_heads)
-    generator = _generator()
-    pinned: dict[str, torch.Tensor] = {}
-
-    def pin(name: str):
-        def run(module: nn.Module, args: tuple, output: Any) -> Any:
-            if not isinstance(output, torch.Tensor):
-                return output
-            if name not in pinned:
-                pinned[name] = 0.5 * torch.randn(output.shape, generator=generator, dtype=output.dtype)
-            return pinned[name]
-
-        return run
-
-    handles = [q_proj.register_forward_hook(pin("q")), k_proj.register_forward_hook(pin("k"))]
-    try:
-        with torch.no_grad():
-            weights = _layer0_attention_weights(model, attention, tokens_for(config, length))
-    finally:
-        for handle in handles:
-            handle.remove()
-    if weights is None or set(pinned) != {"q", "k"} or weights.shape[1] != heads:
-        return None
-    q, k = pinned["q"][0].double(), pinned["k"][0].double()  # [L, heads * d], [L, kv_heads * d]
-    if q.shape[-1] % heads or k.shape[-1] % (q.shape[-1] // heads):
-        return None
-    width = q.shape[-1] // heads
-    kv_heads = k.shape[-1] // width
-    if heads % kv_heads:
-        return None
-    q = q.view(length, heads, width)
-    k = k.view(length, kv_heads, width).repeat_interleave(heads // kv_heads, dim=1)
-    dots = torch.einsum("hd,jhd->hj", q[-1], k)  # the last query against every key, per head
-    last = weights[0, :, -1].double()
-    if bool((last <= 0).any()):
-        return None
-    logs = last.log()
-    x = dots - dots.mean(dim=-1, keepdim=True)
-    y = logs - logs.mean(dim=-1, keepdim=True)
-    slopes = (x * y).sum(dim=-1) / (x * x).sum(dim=-1)
-    scale = slopes.mean()
-    if not torch.allclose(y, scale * x, atol=1e-4, rtol=0):
-        return None
-    return float(scale)
-
-
 def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, length: int = 8) -> list[float] | None:
     """Per-head slopes of a bias linear in the key position on layer 0's attention scores.
 
@@ -777,9 +720,12 @@ def probe_value_rows(
     One token (position 0, so no rotation; attention over one key is that key's value):
     the attention input is replaced by the unit vector ``e_0`` and row ``r`` of the fused
     weight by ``(r + 1) * e_0`` (bias zeroed), so the output projection's input holds, at
-    (query head, feature), the row index plus one of the value it attends to. ``fused``
-    and ``out_proj`` are :class:`~skill.analysis.modules.Projection` s. Returns the
-    ``[n_values]`` row indices (``None`` when the probe cannot read them).
+    (query head, feature), the row index plus one of the value it attends to. Attention
+    sinks (parameters named ``*sink*``, as the sinks detection reads them) are pushed far
+    below any score for the probe: a sink would keep part of the one key's weight and scale
+    the codes off the integers. ``fused`` and ``out_proj`` are
+    :class:`~skill.analysis.modules.Projection` s. Returns the ``[n_values]`` row indices
+    (``None`` when the probe cannot read them).
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -808,6 +754,9 @@ def probe_value_rows(
             weight[0, :] = code
         if isinstance(bias, torch.Tensor):
             bias.zero_()
+        for name, param in attention.named_parameters():
+            if "sink" in name:
+                param.fill_(_SILENT_SINK)
         handles = [
             attention.register_forward_pre_hook(unit_input, with_kwargs=True),
             out_proj.module.register_forward_pre_hook(on_out),
@@ -830,7 +779,13 @@ def probe_value_rows(
 
 
 def probe_query_rows(
-    model: nn.Module, attention: nn.Module, fused: Any, out_proj: Any, config: Any, n_heads: int
+    model: nn.Module,
+    attention: nn.Module,
+    fused: Any,
+    out_proj: Any,
+    config: Any,
+    n_heads: int,
+    bypassed: Sequence[nn.Module] = (),
 ) -> tuple[list[set[int]], list[set[int]]] | None:
     """Per query head: the rows of a fused q/k/v projection that feed its query, and those
     that feed its keys or values.
@@ -843,6 +798,10 @@ def probe_query_rows(
     column 0 are the head's query rows, rows with a column-0 gradient its key and value
     rows. Returns ``(query rows, key-or-value rows)`` per head, or ``None`` when the probe
     cannot run (fewer than two input columns, no output reached).
+
+    Each module of ``bypassed`` returns its input unchanged during the probe: the QK norms,
+    since a full-width one normalises every head's query (or key) features together and
+    so sends each head's gradient to the rows of all the others.
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -873,6 +832,7 @@ def probe_query_rows(
         handles = [
             attention.register_forward_pre_hook(unit_inputs, with_kwargs=True),
             out_proj.module.register_forward_pre_hook(on_out),
+            *(module.register_forward_hook(_pass_input_through) for module in bypassed),
         ]
         try:
             with torch.enable_grad():
@@ -895,6 +855,11 @@ def probe_query_rows(
             for handle in handles:
                 handle.remove()
     return queries, keys_values
+
+
+def _pass_input_through(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook that makes ``module`` the identity (its first input as its output)."""
+    return args[0] if args and isinstance(args[0], torch.Tensor) else output
 
 
 def probe_qk_norm_kind(norm: nn.Module, width: int) -> NormKind:

@@ -198,7 +198,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
     if (
         att.custom_scaling
         and att.mla is None
-        and att.scaling_constant is None
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
@@ -219,10 +218,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append("RoPE turning each pair the other way with RoPE parameters per layer type")
     if pos.per_layer_type_rope and not att.sliding_window.layer_pattern:
         limits.append("per-layer-type RoPE without a per-layer layer_types pattern")
-    kinds_field = att.sliding_window.layer_kinds_field
-    if kinds_field is not None and (pos.per_layer_type_rope or att.nope_layer_type is not None):
-        # The args carry one per-layer kinds tuple; these read layer_types, the window another field.
-        limits.append(f"a window chosen by {kinds_field} beside RoPE or NoPE chosen by layer_types")
     if sc.embedding_norm is not None and sc.embedding_norm is not norm.kind:
         limits.append(f"embedding norm of kind {sc.embedding_norm.value} beside {norm.kind.value} block norms")
     pos = checklist.positions

@@ -255,28 +255,24 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
         )
     if profile.sliding_window:
         # None (whole documents) where HF's config class allows it and means it.
-        window = profile.window_field
-        nullable = window in profile.nullable_fields
+        nullable = "sliding_window" in profile.nullable_fields
         fields.append(
             ArgField(
                 "sliding_window",
                 "int | None" if nullable else "int",
-                getattr(config, window) if nullable else int(getattr(config, window)),
-                f"hf_config.{window}",
-                operator.attrgetter(window),
+                config.sliding_window if nullable else int(config.sliding_window),
+                "hf_config.sliding_window",
+                lambda c: c.sliding_window,
             )
         )
     if profile.sliding_layer_types or profile.per_layer_rope or profile.nope_layer_type:
-        # Each layer's kind: layer_types, or the field that marks the windowed layers (GPT-Neo's
-        # attention_layers; the analysis refuses it beside RoPE or NoPE chosen by layer_types).
-        kinds = profile.layer_kinds_field if profile.sliding_layer_types else "layer_types"
         fields.append(
             ArgField(
                 "layer_types",
                 "tuple[str, ...]",
-                tuple(getattr(config, kinds)),
-                f"tuple(hf_config.{kinds})",
-                lambda c: tuple(getattr(c, kinds)),
+                tuple(config.layer_types),
+                "tuple(hf_config.layer_types)",
+                lambda c: tuple(c.layer_types),
             )
         )
     if profile.nope_field or profile.nope_layer_type:

@@ -278,7 +278,7 @@ def hf_module_roles(hf_model: Any, model: Any) -> dict[str, str]:
     for index, layer in enumerate(anatomy.layers):
         prefix = f"layers.{index}"
         children = dict(layer.named_children())
-        attention = layer.get_submodule(anatomy.attention_name) if anatomy.attention_name else None
+        attention = children.get(anatomy.attention_name or "")
         pair(f"{prefix}.attention", attention)
         ffn = children.get(anatomy.ffn_name or "")
         pair(f"{prefix}.moe" if f"{prefix}.moe" in archon else f"{prefix}.feed_forward", ffn)

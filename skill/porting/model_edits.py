@@ -124,15 +124,11 @@ def _insert_kernel(text: Document, kernel: str) -> Document:
 
 
 PLAIN_ATTENTION = "self.attention = Attention(model_args)"
-
-
-def per_layer_window(windowed_kind: str) -> str:
-    """The block's attention, windowed on the layers of ``windowed_kind``."""
-    return (
-        f"# Layers marked {windowed_kind} see a window of their document; the others all of it.\n"
-        f'sliding = model_args.layer_types[layer_id] == "{windowed_kind}"\n'
-        "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n"
-    )
+PER_LAYER_WINDOW = (
+    "# Layers marked sliding_attention see a window of their document; the others all of it.\n"
+    'sliding = model_args.layer_types[layer_id] == "sliding_attention"\n'
+    "self.attention = Attention(model_args, sliding_window=model_args.sliding_window if sliding else None)\n"
+)
 
 
 def _window_argument(text: Document, ctx: EditContext) -> tuple[Document, str]:
@@ -142,9 +138,7 @@ def _window_argument(text: Document, ctx: EditContext) -> tuple[Document, str]:
     if profile.sliding_layer_types:
         if "sliding_window: int | None = None" not in text:
             text = add_parameter(text, "Attention", "__init__", "sliding_window: int | None = None")
-            text = replace_in_function(
-                text, "TransformerBlock", "__init__", PLAIN_ATTENTION, per_layer_window(profile.windowed_kind)
-            )
+            text = replace_in_function(text, "TransformerBlock", "__init__", PLAIN_ATTENTION, PER_LAYER_WINDOW)
         return text, "sliding_window"
     return text, "model_args.sliding_window" if profile.sliding_window else "None"
 
@@ -298,21 +292,6 @@ def _attention_scale(text: Document, ctx: EditContext) -> Document:
     assert scale is not None
     value = f"model_args.{scale.field}" + ("**-0.5" if scale.relation == "x**-0.5" else "")
     return replace_statement_assigning(text, "Attention", "__init__", "self.scaling", f"self.scaling = {value}\n")
-
-
-def _constant_attention_scale(text: Document, ctx: EditContext) -> Document:
-    """Scores scaled by a constant the checkpoint's code fixes and no config field sets
-    (GPT-Neo multiplies ``q . k`` by nothing, whatever ``head_dim`` is)."""
-    value = ctx.profile.attn_scale_constant
-    assert value is not None
-    return replace_statement_assigning(
-        text,
-        "Attention",
-        "__init__",
-        "self.scaling",
-        f"# The scores are scaled by {value!r}, not head_dim**-0.5: the family fixes it, no config field sets it.\n"
-        f"self.scaling = {value!r}\n",
-    )
 
 
 def _add_block_norms(text: Document, names: tuple[str, ...]) -> Document:
@@ -1647,12 +1626,6 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _attention_scale,
     ),
     ModelEdit(
-        "constant_attention_scale",
-        "attention scores scaled by a constant no config field sets",
-        lambda p: p.attn_scale is None and p.attn_scale_constant is not None,
-        _constant_attention_scale,
-    ),
-    ModelEdit(
         "qk_norm_after_rope",
         "per-head QK norm applied after RoPE",
         lambda p: p.qk_norm_after_rope,
@@ -2031,7 +2004,7 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append("The output projection has a bias.")
     if profile.sliding_layer_types:
         sentences.append(
-            f"On layers marked ``{profile.windowed_kind}`` each token attends to the last ``sliding_window`` "
+            "On layers marked ``sliding_attention`` each token attends to the last ``sliding_window`` "
             "tokens of its own document."
         )
     elif profile.sliding_window:

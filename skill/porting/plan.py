@@ -143,13 +143,6 @@ class PortPlan(BaseModel):
     )
     sliding_window: bool
     sliding_layer_types: bool
-    window_field: str = Field(default="sliding_window", description="the config field holding the window")
-    layer_kinds_field: str = Field(
-        default="layer_types", description="sliding_layer_types: the config field listing each layer's kind"
-    )
-    windowed_kind: str = Field(
-        default="sliding_attention", description="sliding_layer_types: the layer kind that sees the window"
-    )
     attn_softcap: bool
     attn_sinks: bool = Field(default=False, description="a learned sink logit per head joins each softmax row")
     output_gate: str | None = Field(
@@ -160,9 +153,6 @@ class PortPlan(BaseModel):
     output_gate_bias: bool = Field(default=False, description="the output gate's projection has a bias")
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
-    attn_scale_constant: float | None = Field(
-        default=None, description="a score scale no config field sets (GPT-Neo's 1.0), if custom"
-    )
     embedding_scale: Literal["none", "sqrt_dim", "multiplier"]
     embedding_scale_field: str | None
     embedding_norm_module: str | None = Field(
@@ -468,16 +458,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         clip_after_qk_norm=bool(att.clip_qkv_after_qk_norm) and att.qk_norm is not QKNormKind.NONE,
         sliding_window=att.sliding_window.kind is not SlidingWindowKind.NONE,
         sliding_layer_types=att.sliding_window.kind is SlidingWindowKind.PER_LAYER_PATTERN,
-        window_field=att.sliding_window.size_field or "sliding_window",
-        layer_kinds_field=att.sliding_window.layer_kinds_field or "layer_types",
-        windowed_kind=att.sliding_window.windowed_kind or "sliding_attention",
         attn_softcap=att.logit_softcap is not None,
         attn_sinks=att.sinks,
         output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
         output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,
-        attn_scale_constant=att.scaling_constant if att.custom_scaling else None,
         embedding_scale=embedding,
         embedding_scale_field=sc.embedding_scale_source.field
         if embedding == "multiplier" and sc.embedding_scale_source
