@@ -203,6 +203,14 @@ class MLA(_Frozen):
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # Left out of the serialised report when None (DeepSeek's case), so the reports and
+    # recorded sessions of the catalogue's MLA families read as before.
+    latent_norm_eps_field: str | None = Field(
+        None,
+        description="the block norms' epsilon field, when the q/kv latent norms take theirs from it "
+        "(DeepSeek's hold 1e-6 whatever the config says)",
+        exclude_if=lambda value: value is None,
+    )
 
 
 class AttentionFeatures(_Frozen):

@@ -446,3 +446,43 @@ def test_fused_qkv_rows_are_read_under_a_qk_norm_or_sinks(tmp_path, fused: str, 
     report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
     assert report.unsupported == []
     assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+def test_mla_latent_norms_at_the_config_epsilon_port(tmp_path):
+    """Before: the deepseek_v3 reference builds q_a/kv_a latent norms at a fixed 1e-6 (as
+    DeepSeek's modeling code does); a family passing ``rms_norm_eps`` (1e-5 here) to them
+    was ported at 1e-6 and failed stage 4 (seed 45: 6.0e-05 from the float64 truth against
+    a bound of 1.1e-05, seed 59 the same). The analysis moves the field and measures whether
+    the latent norms follow it; the port then builds them at ``norm_eps``."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from tests.fuzz.spec import MLASpec, NormSpec, RopeSpec
+
+    mla = MLASpec(
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        head_dim_in_config=True,
+        rope_interleave=False,
+    )
+    spec = plain_family(
+        "fzmlalatenteps",
+        mla=mla,
+        norm=NormSpec(kind="rms", placement="pre", eps=1e-5),
+        rope=RopeSpec(pairing="half"),
+        attention=AttentionSpec(n_heads=4, n_kv_heads=4, head_dim=32, explicit_head_dim=False),
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error}\n{failing}"
+    model_py = (root / "archon_models" / "fzmlalatenteps" / "model" / "model.py").read_text()
+    assert "LATENT_NORM_EPS" not in model_py and "eps=model_args.norm_eps" in model_py
+    mla = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True)).checklist.attention.mla
+    assert mla is not None and mla.latent_norm_eps_field == "rms_norm_eps"
