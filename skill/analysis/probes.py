@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from skill.analysis.modules import LayerAnatomy, is_norm
+from skill.analysis.modules import LayerAnatomy, is_norm, projections
 from skill.features import NormKind, NormPlacement
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def probe_block_norms(
 
     norm_records = {n: records[n] for n in anatomy.norms if n in records}
     pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
-    ffn_in = records.get(anatomy.ffn_name or "", (None, None))[0]
+    ffn_in, ffn_out = _ffn_io(anatomy, records)
     # A norm of the attention output that is added back to the residual (not fed straight
     # to the FFN, as in blocks whose attention returns the residual sum itself).
     post_sub = any(
@@ -240,7 +240,6 @@ def probe_block_norms(
         parallel = same(ffn_in, attn_in) or any(
             same(n_in, x) and same(n_out, ffn_in) for n_in, n_out in norm_records.values()
         )
-    ffn_out = records.get(anatomy.ffn_name or "", (None, None))[1]
     roles: dict[str, str] = {}
     for name, (n_in, n_out) in norm_records.items():
         if post_ln and residual_sum(n_in):
@@ -273,6 +272,21 @@ def probe_block_norms(
     if post_ln:
         return NormPlacement.POST_LN, roles
     return None, roles
+
+
+def _ffn_io(
+    anatomy: LayerAnatomy, records: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and output of layer 0's feed-forward, from the records of its children: its
+    module's, or, when the layer holds the projections itself (OPT's ``fc1``/``fc2``), the
+    first one's input and the last one's output in call order."""
+    if anatomy.ffn_name is not None:
+        return records.get(anatomy.ffn_name, (None, None))
+    own = {p.name for p in projections(anatomy.layers[0], recurse=False) if p.module is not anatomy.attention}
+    called = [name for name in records if name in own]
+    if not called:
+        return None, None
+    return records[called[0]][0], records[called[-1]][1]
 
 
 def _distinct_norm_weights(anatomy: LayerAnatomy) -> None:

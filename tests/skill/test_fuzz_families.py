@@ -486,3 +486,28 @@ def test_mla_latent_norms_at_the_config_epsilon_port(tmp_path):
     assert "LATENT_NORM_EPS" not in model_py and "eps=model_args.norm_eps" in model_py
     mla = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True)).checklist.attention.mla
     assert mla is not None and mla.latent_norm_eps_field == "rms_norm_eps"
+
+
+@pytest.mark.parametrize("placement", ["parallel", "pre"])
+def test_block_norms_are_read_around_a_feed_forward_held_by_the_layer(tmp_path, placement: str):
+    """Before: the block-norm probe read the feed-forward's input only from an FFN module; OPT's
+    layer holds fc1/fc2 itself, so a parallel block read as pre-norm with one norm (its FFN
+    norm unmapped in the port) and seed 26 failed stage 4 (logits 0.12 from the float64
+    truth); a pre-norm OPT block's FFN norm got no role either. The inline projections'
+    input (the first called) and output (the last) stand for the module's now."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from skill.features import NormPlacement
+    from tests.fuzz.spec import FFNSpec, NormSpec
+
+    spec = plain_family(
+        f"fzoptblock{placement}",
+        naming="opt",
+        norm=NormSpec(kind="rms", placement=placement),
+        ffn=FFNSpec(kind="plain", activation="gelu"),  # OPT's fc1/fc2 on the layer
+    )
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    norm = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True)).checklist.norm
+    assert norm.placement is NormPlacement(placement)
+    assert sorted(norm.block_norms.values()) == ["pre_attention", "pre_ffn"], norm.block_norms
