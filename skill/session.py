@@ -219,13 +219,20 @@ def _is_volatile(info: Any) -> bool:
     return isinstance(extra, dict) and bool(extra.get("volatile"))
 
 
+def _left_out(info: Any, value: Any) -> bool:
+    """A field the model's own serialisation leaves out for this value (pydantic's ``exclude_if``)."""
+    exclude_if = getattr(info, "exclude_if", None)
+    return exclude_if is not None and bool(exclude_if(value))
+
+
 def _plain(value: Any) -> Any:
-    """JSON-able form of ``value`` with fields marked volatile left out."""
+    """JSON-able form of ``value`` with fields marked volatile, and those its model leaves
+    out for their value (``exclude_if``), left out."""
     if isinstance(value, BaseModel):
         return {
             name: _plain(getattr(value, name))
             for name, info in type(value).model_fields.items()
-            if not _is_volatile(info)
+            if not _is_volatile(info) and not _left_out(info, getattr(value, name))
         }
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
