@@ -226,6 +226,10 @@ class MLA(_Frozen):
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    latent_norm_eps_field: str | None = _optional_fact(
+        "the block norms' epsilon field, when the q/kv latent norms take theirs from it "
+        "(DeepSeek's hold 1e-6 whatever the config says)"
+    )
 
 
 class AttentionFeatures(_Frozen):

@@ -980,7 +980,8 @@ def _probe_qkv(
     if qkv is None or out is None:
         return None
     values = probes.probe_value_rows(model, attention, qkv, out, config)
-    rows = probes.probe_query_rows(model, attention, qkv, out, config, heads)
+    qk_norms = [pair[1] for pair in mt.qk_norms(attention) if pair is not None]
+    rows = probes.probe_query_rows(model, attention, qkv, out, config, heads, bypassed=qk_norms)
     if values is None or rows is None or values.numel() % heads:
         return None
     values = values.reshape(heads, -1)
@@ -1207,6 +1208,52 @@ def query_position_scale(ctx: Context) -> QueryPositionScale | None:
     return None
 
 
+# The epsilon of the deepseek_v3 reference's latent norms (its model.py's LATENT_NORM_EPS).
+REFERENCE_LATENT_NORM_EPS = 1e-6
+
+
+def _latent_norm_eps(attention: nn.Module) -> float | None:
+    """The one epsilon MLA's latent norms hold, read or measured (``None``: none, or several)."""
+    values = set()
+    for _, norm in mt.latent_norms(attention):
+        eps = _norm_eps(norm)
+        if eps is None:
+            eps = probes.probe_norm_eps(norm, mt.norm_width(norm) or 8, NormKind.RMS)
+        values.add(eps)
+    return values.pop() if len(values) == 1 else None
+
+
+def _latent_norm_eps_field(ctx: Context) -> str | None:
+    """The block norms' epsilon field when MLA's latent norms take their epsilon from it.
+
+    DeepSeek builds ``q_a_layernorm`` and ``kv_a_layernorm`` at RMSNorm's default 1e-6
+    whatever ``rms_norm_eps`` says (the deepseek_v3 reference's ``LATENT_NORM_EPS``); other
+    code passes the config's. Measured: a second tiny model with the field moved tenfold
+    shows whether the latent norms follow it. A constant other than the reference's is
+    named as unsupported."""
+    attention = ctx.anatomy.attention
+    if attention is None or not mt.latent_norms(attention):
+        return None
+    held = _latent_norm_eps(attention)
+    field_name = _norm_eps_field(ctx.tiny)
+    path = next((name for name, module in ctx.model.named_modules() if module is attention), None)
+    if held is None or field_name is None or path is None:
+        return None
+    moved = _with_config_path(ctx.tiny, field_name, 10 * float(getattr(ctx.tiny, field_name)))
+    try:
+        follows = _latent_norm_eps(build_tiny_model(moved, trust_remote_code=ctx.trust_remote_code).get_submodule(path))
+    except Exception as exc:  # a config class may validate the moved value
+        logger.debug("latent norm epsilon probe failed: %s", exc)
+        follows = None
+    if follows is not None and not math.isclose(follows, held):
+        ctx.evidence.append(f"MLA latent norms: epsilon {held:g} follows {field_name} (moved tenfold: {follows:g})")
+        return field_name
+    if not math.isclose(held, REFERENCE_LATENT_NORM_EPS):
+        ctx.evidence.append(f"MLA latent norms: epsilon {held:g}, a constant of the modeling code")
+        ctx.other.append(f"MLA latent norm epsilon {held:g} (the reference's is {REFERENCE_LATENT_NORM_EPS:g})")
+    return None
+
+
 def _mla_qk_width(ctx: Context) -> int | None:
     """The query/key head width of multi-head latent attention (``qk_nope_head_dim +
     qk_rope_head_dim``), or ``None`` without MLA."""
@@ -1261,6 +1308,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             qk_nope_head_dim=ctx.get("qk_nope_head_dim"),
             qk_rope_head_dim=ctx.get("qk_rope_head_dim"),
             v_head_dim=ctx.get("v_head_dim"),
+            latent_norm_eps_field=_latent_norm_eps_field(ctx),
         )
     sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
     unexplained = [
@@ -2582,13 +2630,18 @@ def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[s
     return {renamed.get(name, name): role for name, role in block_norms.items()}
 
 
+def _norm_eps_field(config: PretrainedConfig) -> str | None:
+    """The config field of the norms' epsilon: the first float field named ``*eps`` or ``*epsilon``."""
+    return next(
+        (k for k, v in sorted(config.to_dict().items()) if k.endswith(("eps", "epsilon")) and isinstance(v, float)),
+        None,
+    )
+
+
 def norm_features(ctx: Context) -> NormFeatures:
     norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
-    eps_field = next(
-        (k for k, v in sorted(ctx.config.to_dict().items()) if k.endswith(("eps", "epsilon")) and isinstance(v, float)),
-        None,
-    )
+    eps_field = _norm_eps_field(ctx.config)
     placement, block_norms = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
     block_norms = _saved_block_norm_names(ctx, block_norms)
     if placement is None:

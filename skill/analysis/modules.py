@@ -209,11 +209,21 @@ def norm_width(norm: nn.Module) -> int | None:
     return int(dim) if isinstance(dim, int) else None
 
 
+def _is_latent_norm_name(name: str) -> bool:
+    return "_a_" in name or name.startswith(("kv_a", "q_a"))
+
+
+def latent_norms(attention: nn.Module) -> list[tuple[str, nn.Module]]:
+    """MLA's low-rank latent norms of an attention module (``q_a_layernorm``, ``kv_a_layernorm``)."""
+    children = attention.named_children()
+    return [(name, child) for name, child in children if is_norm(child) and _is_latent_norm_name(name)]
+
+
 def qk_norms(attention: nn.Module) -> tuple[tuple[str, nn.Module] | None, tuple[str, nn.Module] | None]:
     """The query and key norms of an attention module (not MLA's low-rank latent norms)."""
     q = k = None
     for name, child in attention.named_children():
-        if not is_norm(child) or "_a_" in name or name.startswith(("kv_a", "q_a")):
+        if not is_norm(child) or _is_latent_norm_name(name):
             continue
         lowered = name.lower()
         if q is None and (lowered.startswith("q") or "query" in lowered):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,12 +19,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from skill.analysis.modules import LayerAnatomy, is_norm
+from skill.analysis.modules import LayerAnatomy, is_norm, projections
 from skill.features import NormKind, NormPlacement
 
 logger = logging.getLogger(__name__)
 
 _GEN_SEED = 1234
+# A sink logit no score reaches: its share of a softmax is exp(-1e4) = 0 in fp32.
+_SILENT_SINK = -1e4
 
 
 def _generator() -> torch.Generator:
@@ -210,7 +212,7 @@ def probe_block_norms(
 
     norm_records = {n: records[n] for n in anatomy.norms if n in records}
     pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
-    ffn_in = records.get(anatomy.ffn_name or "", (None, None))[0]
+    ffn_in, ffn_out = _ffn_io(anatomy, records)
     # A norm of the attention output that is added back to the residual (not fed straight
     # to the FFN, as in blocks whose attention returns the residual sum itself).
     post_sub = any(
@@ -241,7 +243,6 @@ def probe_block_norms(
         parallel = same(ffn_in, attn_in) or any(
             same(n_in, x) and same(n_out, ffn_in) for n_in, n_out in norm_records.values()
         )
-    ffn_out = records.get(anatomy.ffn_name or "", (None, None))[1]
     roles: dict[str, str] = {}
     for name, (n_in, n_out) in norm_records.items():
         if post_ln and residual_sum(n_in):
@@ -274,6 +275,21 @@ def probe_block_norms(
     if post_ln:
         return NormPlacement.POST_LN, roles
     return None, roles
+
+
+def _ffn_io(
+    anatomy: LayerAnatomy, records: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and output of layer 0's feed-forward, from the records of its children: its
+    module's, or, when the layer holds the projections itself (OPT's ``fc1``/``fc2``), the
+    first one's input and the last one's output in call order."""
+    if anatomy.ffn_name is not None:
+        return records.get(anatomy.ffn_name, (None, None))
+    own = {p.name for p in projections(anatomy.layers[0], recurse=False) if p.module is not anatomy.attention}
+    called = [name for name in records if name in own]
+    if not called:
+        return None, None
+    return records[called[0]][0], records[called[-1]][1]
 
 
 def _distinct_norm_weights(anatomy: LayerAnatomy) -> None:
@@ -777,9 +793,12 @@ def probe_value_rows(
     One token (position 0, so no rotation; attention over one key is that key's value):
     the attention input is replaced by the unit vector ``e_0`` and row ``r`` of the fused
     weight by ``(r + 1) * e_0`` (bias zeroed), so the output projection's input holds, at
-    (query head, feature), the row index plus one of the value it attends to. ``fused``
-    and ``out_proj`` are :class:`~skill.analysis.modules.Projection` s. Returns the
-    ``[n_values]`` row indices (``None`` when the probe cannot read them).
+    (query head, feature), the row index plus one of the value it attends to. Attention
+    sinks (parameters named ``*sink*``, as the sinks detection reads them) are pushed far
+    below any score for the probe: a sink would keep part of the one key's weight and scale
+    the codes off the integers. ``fused`` and ``out_proj`` are
+    :class:`~skill.analysis.modules.Projection` s. Returns the ``[n_values]`` row indices
+    (``None`` when the probe cannot read them).
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -808,6 +827,9 @@ def probe_value_rows(
             weight[0, :] = code
         if isinstance(bias, torch.Tensor):
             bias.zero_()
+        for name, param in attention.named_parameters():
+            if "sink" in name:
+                param.fill_(_SILENT_SINK)
         handles = [
             attention.register_forward_pre_hook(unit_input, with_kwargs=True),
             out_proj.module.register_forward_pre_hook(on_out),
@@ -830,7 +852,13 @@ def probe_value_rows(
 
 
 def probe_query_rows(
-    model: nn.Module, attention: nn.Module, fused: Any, out_proj: Any, config: Any, n_heads: int
+    model: nn.Module,
+    attention: nn.Module,
+    fused: Any,
+    out_proj: Any,
+    config: Any,
+    n_heads: int,
+    bypassed: Sequence[nn.Module] = (),
 ) -> tuple[list[set[int]], list[set[int]]] | None:
     """Per query head: the rows of a fused q/k/v projection that feed its query, and those
     that feed its keys or values.
@@ -843,6 +871,10 @@ def probe_query_rows(
     column 0 are the head's query rows, rows with a column-0 gradient its key and value
     rows. Returns ``(query rows, key-or-value rows)`` per head, or ``None`` when the probe
     cannot run (fewer than two input columns, no output reached).
+
+    Each module of ``bypassed`` returns its input unchanged during the probe: the QK norms,
+    since a full-width one normalises every head's query (or key) features together and
+    so sends each head's gradient to the rows of all the others.
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -873,6 +905,7 @@ def probe_query_rows(
         handles = [
             attention.register_forward_pre_hook(unit_inputs, with_kwargs=True),
             out_proj.module.register_forward_pre_hook(on_out),
+            *(module.register_forward_hook(_pass_input_through) for module in bypassed),
         ]
         try:
             with torch.enable_grad():
@@ -895,6 +928,11 @@ def probe_query_rows(
             for handle in handles:
                 handle.remove()
     return queries, keys_values
+
+
+def _pass_input_through(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook that makes ``module`` the identity (its first input as its output)."""
+    return args[0] if args and isinstance(args[0], torch.Tensor) else output
 
 
 def probe_qk_norm_kind(norm: nn.Module, width: int) -> NormKind:

@@ -48,6 +48,7 @@ from skill.codemod.cst import (
     remove_from_all,
     remove_function,
     remove_method,
+    remove_statements,
     replace_class,
     replace_function,
     replace_in_function,
@@ -266,6 +267,14 @@ def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     return set_call_kwarg(
         text, "self.packed_attn", "slopes", "self.local_alibi_slopes(xq.shape[2], xq.device)", target="out"
     )
+
+
+def _latent_norm_eps(text: Document, ctx: EditContext) -> Document:
+    """MLA's latent norms built with the block norms' epsilon (the config's), not the
+    reference's fixed ``LATENT_NORM_EPS``."""
+    # (the statement's code starts with the comment lines above it)
+    text = remove_statements(text, lambda code: re.search(r"^LATENT_NORM_EPS\s*=", code, re.MULTILINE) is not None)
+    return replace_name(text, "LATENT_NORM_EPS", "model_args.norm_eps")
 
 
 def _clip_qkv(text: Document, ctx: EditContext) -> Document:
@@ -1605,6 +1614,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _projection_bias,
     ),
     ModelEdit(
+        "latent_norm_eps",
+        "MLA latent norms at the config's norm epsilon",
+        lambda p: p.latent_norm_eps_from_config,
+        _latent_norm_eps,
+        needed=lambda text: "LATENT_NORM_EPS" in text,
+    ),
+    ModelEdit(
         "clip_qkv",
         "q/k/v projections clamped to [-clip_qkv, clip_qkv]",
         lambda p: p.clip_qkv_field is not None,
@@ -1890,6 +1906,7 @@ EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # reference shares, and those of its MoE's router (no_correction_bias, max_group_router); its MLA attention
 # and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
+    "latent_norm_eps",
     "residual_multiplier",
     "dense_layers",
     "no_correction_bias",

@@ -141,6 +141,9 @@ class PortPlan(BaseModel):
     norm_eps_fixed: float | None = Field(
         default=None, description="the norms' epsilon when no config field sets it (a modeling-code constant)"
     )
+    latent_norm_eps_from_config: bool = Field(
+        default=False, description="MLA's latent norms take the block norms' epsilon (norm_eps), not 1e-6"
+    )
     clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
     query_position_scale: QueryPositionScale | None = Field(
         default=None, description="queries scaled by their absolute position, and the config paths of its constants"
@@ -471,6 +474,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         ffn_width_ratio_field=ffn.intermediate_ratio_field,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
+        latent_norm_eps_from_config=att.mla is not None
+        and att.mla.latent_norm_eps_field is not None
+        and att.mla.latent_norm_eps_field == norm.eps_field,
         clip_qkv_field=att.clip_qkv_field,
         query_position_scale=att.query_position_scale,
         clip_after_qk_norm=bool(att.clip_qkv_after_qk_norm) and att.qk_norm is not QKNormKind.NONE,

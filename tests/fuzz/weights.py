@@ -123,7 +123,10 @@ def set_realistic_weights(model: PreTrainedModel, spec: FamilySpec) -> float:
                 param.copy_(torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+                # Non-negative, as the router's scores are: a negative choice score would lose to
+                # the 0.0 that HF's grouped routing writes over the dropped groups, and which of
+                # those tied experts wins is up to topk's tie-breaking (DeepSeek-V3's quirk).
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator).abs())
 
         # Unit-variance draws once; then three passes scale each projection to its measured input.
         modules = {n: m for n, m in _projection_weights(model).items() if m[0] is not head}

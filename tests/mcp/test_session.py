@@ -224,3 +224,16 @@ def test_virtual_environments_are_outside_the_session_state_and_the_replay_copy(
     copy = copy_repository(root, tmp_path / "copy")
     copied = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
     assert copied == tracked
+
+
+def test_a_field_its_model_leaves_out_is_left_out_of_the_record():
+    """A report fact only some families have (``exclude_if``: absent when None, as MLA's
+    latent_norm_eps_field) stays out of recorded results, so the sessions of the other
+    families read as before; present, it is recorded. Before: recorded as null, and every
+    MLA family's committed session failed to replay ('unexpected None')."""
+    from skill.features import MLA
+
+    assert "latent_norm_eps_field" not in sessions._plain(MLA(kv_lora_rank=8))
+    assert sessions._plain(MLA(kv_lora_rank=8, latent_norm_eps_field="rms_norm_eps"))["latent_norm_eps_field"] == (
+        "rms_norm_eps"
+    )
