@@ -8,6 +8,7 @@ from archon_models.afmoe import spec as afmoe_spec  # noqa: F401
 from archon_models.apertus import spec as apertus_spec  # noqa: F401
 from archon_models.arcee import spec as arcee_spec  # noqa: F401
 from archon_models.aria_text import spec as aria_text_spec  # noqa: F401
+from archon_models.axk1 import spec as axk1_spec  # noqa: F401
 from archon_models.biogpt import spec as biogpt_spec  # noqa: F401
 from archon_models.bitnet import spec as bitnet_spec  # noqa: F401
 from archon_models.bloom import spec as bloom_spec  # noqa: F401
