@@ -9,11 +9,21 @@ Code and formatting stay as written (libcst re-emits the file unchanged elsewher
 ``import archon_models...`` binds the name ``archon_models`` that the code then uses, so
 renaming it would need the whole body rewritten: such a file is refused, naming the line
 (packages the engine writes use ``from`` imports only).
+
+Most files name the prefix only in ``from`` imports, comments and plain strings: those are
+rewritten token by token (:mod:`tokenize`), ~20 times faster than a libcst parse, visit and
+print (the AReaL tier exports every committed package, ~700 files: 49 CPU-s through libcst).
+A file that names it anywhere else (an f-string's text, a bare name, a plain import, a
+``yield from``) goes through libcst, which this module's tests hold both paths to agree with.
 """
 
 from __future__ import annotations
 
+import io
+import keyword
 import re
+import tokenize
+from collections.abc import Iterator
 
 import libcst as cst
 import libcst.helpers
@@ -106,9 +116,123 @@ class _PlainImportLocator(cst.CSTVisitor):
             self.line = self.get_metadata(PositionProvider, node).start.line
 
 
+# The tokens after which a ``from`` starts a statement (an import), not ``yield from`` or ``raise ... from``.
+_STATEMENT_STARTS = {tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+_STATEMENT_SEPARATORS = {";", ":"}
+
+
+def _string_prefix(literal: str) -> str:
+    """A string literal's prefix letters (``rb``, ``f``...), before its opening quote."""
+    return literal[: len(literal) - len(literal.lstrip("rRbBuUfFtT"))]
+
+
+def _starts_statement(previous: tokenize.TokenInfo | None) -> bool:
+    """Whether the token after ``previous`` (a significant token) begins a simple statement."""
+    if previous is None or previous.type in _STATEMENT_STARTS:
+        return True
+    return previous.type == tokenize.OP and previous.string in _STATEMENT_SEPARATORS
+
+
+class _NeedsSyntaxTree(Exception):
+    """The prefix occurs where only the libcst rewrite knows what to do with it."""
+
+
+def _significant(tokens: list[tokenize.TokenInfo]) -> Iterator[tuple[int, tokenize.TokenInfo]]:
+    """Tokens that are code: not comments, line breaks inside a statement, or the end marker."""
+    for index, token in enumerate(tokens):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.ENDMARKER):
+            yield index, token
+
+
+def _from_import_module(tokens: list[tokenize.TokenInfo], start: int) -> tuple[int, str] | None:
+    """For the name token at ``start`` right after a statement's ``from``: the index of the
+    module name's last token and the dotted name (None for anything but ``NAME(.NAME)*``)."""
+    parts = [tokens[start].string]
+    index = start
+    while tokens[index + 1].exact_type == tokenize.DOT and tokens[index + 2].type == tokenize.NAME:
+        index += 2
+        parts.append(tokens[index].string)
+    if tokens[index + 1].string != "import":
+        return None
+    return index, ".".join(parts)
+
+
+def _token_edits(source: str, old: str, new: str) -> list[tuple[tuple[int, int], tuple[int, int], str]]:
+    """The replacements (start, end, text) that rename ``old`` in ``source``, found token by
+    token; raises :class:`_NeedsSyntaxTree` where the prefix occurs outside a statement's
+    ``from`` import, a comment or a plain (not formatted) string."""
+    mention = re.compile(rf"(?<![\w.]){re.escape(old)}(?!\w)")
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        raise _NeedsSyntaxTree from None
+    edits = []
+    previous: tokenize.TokenInfo | None = None
+    renamed_until = -1
+    for index, token in _significant(tokens):
+        starts_statement = _starts_statement(previous)
+        after, previous = previous, token
+        if index <= renamed_until:
+            continue
+        if token.type == tokenize.NAME and token.string == "from" and starts_statement:
+            module = _from_import_module(tokens, index + 1) if tokens[index + 1].type == tokenize.NAME else None
+            target = module and _renamed(module[1], old, new)
+            if module is not None and target is not None:
+                end = tokens[module[0]]
+                edits.append((tokens[index + 1].start, end.end, target))
+                renamed_until = module[0]
+            continue
+        if token.type == tokenize.STRING and mention.search(token.string):
+            if "f" in _string_prefix(token.string).lower():
+                raise _NeedsSyntaxTree
+            edits.append((token.start, token.end, rename_in_text(token.string, old, new)))
+        elif token.type == tokenize.NAME and token.string == old:
+            if after is None or after.exact_type != tokenize.DOT:  # an attribute ``x.archon_models`` stays
+                raise _NeedsSyntaxTree
+        elif token.type not in (tokenize.NAME, tokenize.STRING) and mention.search(token.string):
+            raise _NeedsSyntaxTree
+    edits += [
+        (token.start, token.end, rename_in_text(token.string, old, new))
+        for token in tokens
+        if token.type == tokenize.COMMENT and mention.search(token.string)
+    ]
+    return edits
+
+
+def _apply(source: str, edits: list[tuple[tuple[int, int], tuple[int, int], str]]) -> str:
+    """``source`` with each (start, end) span, as tokenize counts rows and columns, replaced."""
+    line_starts = [0]
+    for line in io.StringIO(source).readlines():
+        line_starts.append(line_starts[-1] + len(line))
+    out, done = [], 0
+    for (start_row, start_col), (end_row, end_col), text in sorted(edits):
+        start, end = line_starts[start_row - 1] + start_col, line_starts[end_row - 1] + end_col
+        out += [source[done:start], text]
+        done = end
+    return "".join([*out, source[done:]])
+
+
+def _rewrite_tokens(source: str, old: str, new: str) -> str | None:
+    """The rewrite done token by token, or None where it needs the syntax tree."""
+    if not old.isidentifier() or keyword.iskeyword(old):
+        return None
+    try:
+        return _apply(source, _token_edits(source, old, new))
+    except _NeedsSyntaxTree:
+        return None
+
+
 def rewrite_prefix(source: str, old: str = ARCHON_PREFIX, new: str = AREAL_PREFIX, filename: str = "<source>") -> str:
     """``source`` with every absolute ``from`` import of ``old`` (or a submodule) importing
     ``new``, and every string and comment naming ``old`` naming ``new``."""
+    rewritten = _rewrite_tokens(source, old, new)
+    if rewritten is not None:
+        return rewritten
+    return _rewrite_syntax_tree(source, old, new, filename)
+
+
+def _rewrite_syntax_tree(source: str, old: str, new: str, filename: str) -> str:
+    """The rewrite through libcst: any file, and the refusal of a plain import, naming its line."""
     module = cst.parse_module(source)
     try:
         return module.visit(_PrefixRewriter(old, new)).code

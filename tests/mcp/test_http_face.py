@@ -25,6 +25,7 @@ import httpx2 as httpx
 import pytest
 
 from skill.serving import TOKEN_ENV, server_token
+from tests.mcp.conftest import make_workspace
 from tests.processes import process_gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,13 +109,19 @@ def _stop(served: Served) -> str:
     return served.process.communicate(timeout=60)[1]
 
 
-@pytest.fixture
-def served(workspace: Path) -> Iterator[Served]:
-    server = _serve(workspace, "127.0.0.1")
+# One server (a process importing the engine, ~8 CPU-s to start) answers both tests that only
+# send it requests; their xdist group keeps them on one worker, so it starts once per run.
+SHARED_SERVER = pytest.mark.xdist_group("http_token_server")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    server = _serve(make_workspace(tmp_path_factory.mktemp("http") / "ws"), "127.0.0.1")
     yield server
     _stop(server)
 
 
+@SHARED_SERVER
 def test_a_request_without_the_token_gets_401_and_one_line(served: Served):
     for token in (None, "wrong-token-wrong-token", TOKEN.upper()):
         refused = served.post(token=token)
@@ -126,6 +133,7 @@ def test_a_request_without_the_token_gets_401_and_one_line(served: Served):
     assert "serverInfo" in accepted.text
 
 
+@SHARED_SERVER
 def test_a_client_with_the_token_calls_tools(served: Served):
     from mcp import Client
     from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client

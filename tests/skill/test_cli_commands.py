@@ -162,21 +162,45 @@ def _cli(*argv: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_generated_command_runs_a_real_tool_from_a_shell(tmp_path: Path):
+def _in_process(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    """``archon-port ARGV`` run by the same ``main`` the shell's ``python -m skill.cli`` runs: its
+    exit status (argparse's own refusals included), stdout and stderr."""
+    capsys.readouterr()
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as done:
+        status = int(done.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_a_generated_command_runs_a_real_tool_from_a_shell(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     workspace = tmp_path / "ws"
     shutil.copytree(REPO / "archon_models", workspace / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
     session = tmp_path / "session.jsonl"
 
+    # From a shell: a fresh interpreter running the console entry point.
     done = _cli("--record", session, "copy-reference", "toyport", "--reference", "qwen2", "--workspace", workspace)
     assert done.returncode == 0, done.stderr
     assert "package_dir: archon_models/toyport" in done.stdout and "reference: qwen2" in done.stdout
     assert "class ToyportModel" in (workspace / "archon_models/toyport/model/model.py").read_text()
-    # Again, as JSON: the result model an MCP client gets; nothing changes the second time.
-    again = _cli(
-        "--record", session, "copy-reference", "toyport", "--reference", "qwen2", "--workspace", workspace, "--json"
+    # The rest through the same main() in this process (each shell start costs ~7 CPU seconds of
+    # imports and proves nothing the first did not). Again, as JSON: the result model an MCP
+    # client gets; nothing changes the second time.
+    status, out, err = _in_process(
+        capsys,
+        "--record",
+        session,
+        "copy-reference",
+        "toyport",
+        "--reference",
+        "qwen2",
+        "--workspace",
+        workspace,
+        "--json",
     )
-    assert again.returncode == 0, again.stderr
-    result = CopyReferenceResult.model_validate_json(again.stdout)
+    assert status == 0, err
+    result = CopyReferenceResult.model_validate_json(out)
     assert result.changed_files == [] and result.package_dir == "archon_models/toyport"
     # Recorded as an MCP client would send the call, so the session replays.
     calls = [r for r in sessions.read_session(session) if r.kind == "call"]
@@ -185,17 +209,17 @@ def test_a_generated_command_runs_a_real_tool_from_a_shell(tmp_path: Path):
     ] * 2
 
     # Bad input: 2, one line naming the problem and the fix; nothing written.
-    bad_name = _cli("copy-reference", "Toy-Port", "--reference", "qwen2", "--workspace", workspace)
-    assert bad_name.returncode == 2
-    assert _one_line(bad_name.stderr).startswith("archon-port: error: model_name: Model name 'Toy-Port'")
-    assert "try 'toy_port'" in bad_name.stderr and not (workspace / "archon_models/Toy-Port").exists()
-    missing = _cli("copy-reference", "toyport", "--workspace", workspace)
-    assert missing.returncode == 2 and "required: --reference" in _one_line(missing.stderr)
+    status, _, err = _in_process(capsys, "copy-reference", "Toy-Port", "--reference", "qwen2", "--workspace", workspace)
+    assert status == 2
+    assert _one_line(err).startswith("archon-port: error: model_name: Model name 'Toy-Port'")
+    assert "try 'toy_port'" in err and not (workspace / "archon_models/Toy-Port").exists()
+    status, _, err = _in_process(capsys, "copy-reference", "toyport", "--workspace", workspace)
+    assert status == 2 and "required: --reference" in _one_line(err)
 
     # The package is copied, not yet ported: check runs and fails -> 1.
-    check = _cli("check", "toyport", "--workspace", workspace, "--json")
-    assert check.returncode == 1, check.stderr
-    assert json.loads(check.stdout)["passed"] is False
+    status, out, err = _in_process(capsys, "check", "toyport", "--workspace", workspace, "--json")
+    assert status == 1, err
+    assert json.loads(out)["passed"] is False
 
 
 def test_archon_port_help_lists_every_command_without_importing_the_engine():
