@@ -406,7 +406,9 @@ class EditAdapterMapRequest(PackageRequest):
         description="model_type or config path whose checkpoint keys to derive the map from; omit to edit entries only",
     )
     add: dict[str, str | None] = Field(
-        default_factory=dict, description="entries to add or change: HF key -> Archon key (None drops the key)"
+        default_factory=dict,
+        description="entries to add or change: HF key -> Archon key (None drops the key); with source, "
+        "they map the keys no rule covers (a hand edit's parameters) and the rest is derived around them",
     )
     remove: list[str] = Field(default_factory=list, description="HF keys whose entries to remove")
     trust_remote_code: bool = Field(default=False, description="the source folder's own code builds the HF side")
