@@ -144,6 +144,16 @@ class UnmappedKeyError(ValueError):
     """HF checkpoint keys no rule maps to an Archon parameter."""
 
 
+def unmapped_keys_error(keys: list[str], why: str) -> UnmappedKeyError:
+    """The one refusal of keys with no Archon parameter: ``why`` no rule maps them, the fix
+    (``add``, on the CLI ``--add``, in the same call) and the hand-port pointer, last."""
+    return UnmappedKeyError(
+        f"no Archon parameter for HF checkpoint key(s) {keys}: {why}. If a hand edit created their "
+        "Archon parameters, map each one with `add` in this same call (HF key -> Archon key, `{}` for "
+        f"the layer index; CLI: `--add HF_KEY=ARCHON_KEY`) ({HAND_PORT_POINTER})"
+    )
+
+
 # Archon parameters a fused checkpoint tensor holds, stacked along dim 0 in this order.
 FUSED_QKV_PARTS = ("attention.wq", "attention.wk", "attention.wv")
 FUSED_GATE_UP_PARTS = ("feed_forward.w1", "feed_forward.w3")
@@ -369,12 +379,7 @@ def derive_from_hf_map(
     mapping.update({key: explicit[key] for key in unmapped if key in explicit})
     unmapped = [key for key in unmapped if key not in explicit]
     if unmapped:
-        raise UnmappedKeyError(
-            f"no Archon parameter for HF checkpoint key(s) {unmapped}; the engine has no edit that "
-            "creates these modules. If a hand edit created their Archon parameters, map each one "
-            "with `add` (HF key -> Archon key, `{}` for the layer index) in this call "
-            f"({HAND_PORT_POINTER})."
-        )
+        raise unmapped_keys_error(unmapped, "the engine has no edit that creates these modules")
     if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
             mapping.setdefault(f"{layer_prefix}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
@@ -401,7 +406,9 @@ class EditAdapterMapRequest(PackageRequest):
         description="model_type or config path whose checkpoint keys to derive the map from; omit to edit entries only",
     )
     add: dict[str, str | None] = Field(
-        default_factory=dict, description="entries to add or change: HF key -> Archon key (None drops the key)"
+        default_factory=dict,
+        description="entries to add or change: HF key -> Archon key (None drops the key); with source, "
+        "they map the keys no rule covers (a hand edit's parameters) and the rest is derived around them",
     )
     remove: list[str] = Field(default_factory=list, description="HF keys whose entries to remove")
     trust_remote_code: bool = Field(default=False, description="the source folder's own code builds the HF side")
@@ -453,11 +460,11 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         # A reference no edit targets keeps its whole map (its modules serve every config
         # variant it reads); the family's checkpoint must fit it.
         keys = sorted({generalise_key(k) for k in checkpoint_keys(request.source, request.trust_remote_code)})
-        unmapped = [k for k in keys if k not in current]
+        # The caller's own entries (a hand edit's parameter, named with `add`) count as mapped.
+        unmapped = [k for k in keys if k not in current and k not in request.add]
         if unmapped:
-            raise UnmappedKeyError(
-                f"no Archon parameter for HF checkpoint key(s) {unmapped}: the reference's from_hf_map lacks them, "
-                "and no adapter edit targets that reference."
+            raise unmapped_keys_error(
+                unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
             )
         mla_plan = plan_for(request.source, request.trust_remote_code)
         if not mla_plan.moe:

@@ -47,7 +47,7 @@ from skill.porting.common import (
 from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
 from skill.porting.mla_router import router_args
-from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
+from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.snippets import snippet, snippet_method
 from skill.porting.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
@@ -1076,11 +1076,12 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(profile, "edit_args")
+    skipped = skipped_features(profile, request.allow_unsupported)
     check_reference_fits(profile, text)
     config = load_config(request.source, request.trust_remote_code)
     camel = layout.names.camel
     if profile.reference not in EDITABLE_REFERENCES:
-        return _reference_mapping_args(tree, layout, text, profile, config, request)
+        return _reference_mapping_args(tree, layout, text, profile, config, skipped)
     fields = arg_fields(profile, config)
     doc = Document(text)
     spec = {f.name: f"{f.annotation} = {f.default_source or _literal(f.default)}" for f in fields}
@@ -1171,7 +1172,6 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         raise ValueError(f"from_hf_config maps fields wrongly: {detail}.")
     changed: list[str] = []
     write_if_changed(tree, layout.args, doc.code, changed)
-    skipped = list(profile.unsupported) if request.allow_unsupported else []
     return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)
 
 
@@ -1364,15 +1364,16 @@ def _reference_mapping_args(
     text: str,
     profile: PortPlan,
     config: Any,
-    request: EditArgsRequest,
+    skipped: list[str],
 ) -> EditArgsResult:
     """Args of a family copied from a reference no edit targets (deepseek_v3): its mapping as is.
 
-    The analysis found no feature the reference does not produce from the config, so the
-    copied ``from_hf_config`` (which reads every field by name and refuses what it does
-    not reproduce) is the family's. Only the defaults change, to the family's config
-    class defaults, read through that mapping; each field is then checked against the
-    mapping on the default and on the tiny config.
+    The analysis found no feature the reference does not produce from the config (beyond
+    ``skipped``, the unsupported features a hand edit writes), so the copied
+    ``from_hf_config`` (which reads every field by name and refuses what it does not
+    reproduce) is the family's. Only the defaults change, to the family's config class
+    defaults, read through that mapping; each field is then checked against the mapping on
+    the default and on the tiny config.
     """
     doc = Document(text)
     if profile.moe_layer_types_field is not None:
@@ -1430,4 +1431,4 @@ def _reference_mapping_args(
         raise ValueError(f"the {profile.reference} args mapping does not fit {profile.config_class}: {detail}.")
     changed: list[str] = []
     write_if_changed(tree, layout.args, doc.code, changed)
-    return EditArgsResult(fields=spec, checks=checks, skipped_features=[], changed_files=changed)
+    return EditArgsResult(fields=spec, checks=checks, skipped_features=skipped, changed_files=changed)

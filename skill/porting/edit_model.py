@@ -24,7 +24,7 @@ from skill.porting.common import (
     write_if_changed,
 )
 from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_document, select_edits
-from skill.porting.plan import PortPlan, plan_for, refuse_unsupported
+from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     names = request.edits if request.edits is not None else select_edits(plan, text)
     ctx = EditContext(camel=layout.names.camel, model_class=layout.model_class, profile=plan)
     edited = edit_document(Document(text), ctx, names)
-    skipped = list(plan.unsupported) if request.allow_unsupported else []
+    skipped = skipped_features(plan, request.allow_unsupported)
     if skipped:
         edited = mark_hand_edits(edited, skipped, layout.model_class, plan.hand_edit_places)
     changed: list[str] = []

@@ -631,3 +631,10 @@ def refuse_unsupported(plan: PortPlan, step: str) -> None:
     """The one refusal: raise naming every unsupported feature of the report."""
     if plan.unsupported:
         raise unsupported_error(plan.model_type, plan.unsupported, step)
+
+
+def skipped_features(plan: PortPlan, allow_unsupported: bool) -> list[str]:
+    """What a step that took ``allow_unsupported`` left for hand edits: the report's
+    ``unsupported`` list, the one fact every step (``analyze_hf_model``, ``edit_args``,
+    ``edit_model``) reports; nothing when the step was not allowed past them."""
+    return list(plan.unsupported) if allow_unsupported else []

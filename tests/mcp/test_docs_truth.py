@@ -185,3 +185,44 @@ def test_the_tp_example_for_a_norm_over_a_sharded_width_is_bitnet_s_own_plan():
     assert sorted(shown) == ["attention.attn_sub_norm", "attention.wo"]
     written = entries(ast.parse(plan))
     assert {key: written.get(key) for key in shown} == shown
+
+
+def test_the_docs_say_how_to_run_a_family_s_stage_5_and_areal_tier():
+    """Agent20c's friction 9: `pytest tests/areal -k axk1` selected nothing (the default `-m`
+    deselects every_family) and the family's stage 5 was left out silently; the docs name the
+    marker a porter adds, and the facts they state about it are the suite's."""
+    import tomllib
+
+    from tests.archon import conftest as archon_conftest
+
+    marker = archon_conftest.EVERY_FAMILY_MARKER
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert f"not {marker}" in addopts["addopts"]
+    assert "DEFAULT_RUN_FAMILIES" in vars(archon_conftest)
+    prove = _section(SKILL_MD, "Porting by hand")
+    prove = prove[prove.index("4. **Prove it.**") : prove.index("5. **When a stage fails**")]
+    command = f"python -m pytest tests/archon/test_<model_name>.py tests/areal -k <model_name> -m {marker}"
+    assert command in " ".join(prove.split())
+    assert "`DEFAULT_RUN_FAMILIES`" in prove and "`tests/archon/conftest.py`" in prove
+    readme = " ".join(README.split())
+    assert f"python -m pytest tests/archon/test_<family>.py tests/areal -k <family> -m {marker}" in readme
+
+
+def test_skill_md_says_closing_a_session_is_final_with_the_code_s_refusal(tmp_path):
+    """Agent20c's friction 8: a hand edit found after `replay --close` could not enter the session;
+    step 8 says so before the close, quoting the refusal the recorder gives, and says to check a
+    real checkpoint's extra keys first."""
+    from skill.session import SessionRecorder, open_records
+
+    (tmp_path / "archon_models").mkdir()
+    session = tmp_path / "s.jsonl"
+    SessionRecorder(session, tmp_path).close()
+    with pytest.raises(ValueError, match="closed") as refused:
+        open_records(session)
+    quoted = str(refused.value).replace(str(session), "...")
+    commit = _section(SKILL_MD, "Porting by hand")
+    commit = " ".join(commit[commit.index("8. **Commit the session**") :].split())
+    assert "**Closing is final.**" in commit and f"(`{quoted}`)" in commit
+    assert "`replay --rerecord`" in commit and "new session" in commit
+    assert "`_keys_to_ignore_on_load_unexpected`" in commit
+    assert commit.index("check what a real checkpoint") < commit.index("before the close")

@@ -93,3 +93,54 @@ def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(worksp
     assert from_hf_map[f"{name}.layers.{{}}.attention.dense.weight"] == "layers.{}.attention.wo.weight"
     adapter = (workspace / f"archon_models/{name}/model/state_dict_adapter.py").read_text()
     assert f'"{name}.layers.{{}}.attention.query_key_value.weight": [' in adapter
+
+
+# axk1 (transformers' A.X-K1) ports from deepseek_v3, a reference whose map no edit derives; its
+# MoE output norm is the one feature no edit writes (issue 20, the axk1 agent's friction log).
+AXK1, AXK1_NORM_KEY = "axk1", "model.layers.{}.post_mlp_layernorm.weight"
+
+
+def _fresh_axk1(workspace: Path) -> None:
+    shutil.rmtree(workspace / "archon_models" / AXK1)  # committed (ported by hand): port it afresh here
+    arguments = {"model_name": AXK1, "reference": "deepseek_v3", "model_types": [AXK1]}
+    assert not _call(workspace, "copy_reference", arguments).is_error
+
+
+def test_an_unmapped_key_of_a_reference_no_edit_derives_names_the_fix_and_the_section(workspace: Path):
+    """The refusal names the key, the fix on both faces (``add``, ``--add HF_KEY=ARCHON_KEY``) and
+    ends with the pointer to SKILL.md § Porting by hand, as the ground rules promise."""
+    _fresh_axk1(workspace)
+    refused = _call(workspace, "edit_adapter_map", {"model_name": AXK1, "source": AXK1})
+    error = refused.structured_content["error"]
+    assert error["exception"] == "UnmappedKeyError" and AXK1_NORM_KEY in error["message"]
+    assert "`add`" in error["message"] and "`--add HF_KEY=ARCHON_KEY`" in error["message"]
+    assert error["message"].endswith(f"({HAND_PORT_POINTER})") and error["see"] is not None
+
+
+def test_the_documented_call_maps_a_hand_edited_weight_of_a_reference_no_edit_derives(workspace: Path):
+    """SKILL.md § Porting by hand, step 2: after the hand edit, call edit_adapter_map again with the
+    same ``source`` and ``add``. For a deepseek_v3 family that call refused the added key as it did
+    without it (only ``add`` without ``source`` passed)."""
+    _fresh_axk1(workspace)
+    target = "layers.{}.post_ffn_norm.weight"
+    arguments = {"model_name": AXK1, "source": AXK1, "add": {AXK1_NORM_KEY: target}}
+    mapped = _call(workspace, "edit_adapter_map", arguments)
+    assert not mapped.is_error, mapped.structured_content
+    assert mapped.structured_content["from_hf_map"][AXK1_NORM_KEY] == target
+    assert mapped.structured_content["added"] == [AXK1_NORM_KEY]
+    # The entry now in the map keeps the derivation passing without `add`.
+    again = _call(workspace, "edit_adapter_map", {"model_name": AXK1, "source": AXK1})
+    assert not again.is_error and again.structured_content["changed_files"] == []
+
+
+def test_edit_args_returns_the_features_every_other_step_reports(workspace: Path):
+    """With allow_unsupported, edit_args's skipped_features is the analysis's unsupported list, as
+    edit_model's is: for a deepseek_v3 family it came back empty."""
+    unsupported = _call(workspace, "analyze_hf_model", {"source": AXK1}).structured_content["unsupported"]
+    assert unsupported, "axk1's MoE output norm is a feature no edit writes"
+    _fresh_axk1(workspace)
+    arguments = {"model_name": AXK1, "source": AXK1, "allow_unsupported": True}
+    for tool in ("edit_args", "edit_model"):
+        result = _call(workspace, tool, arguments)
+        assert not result.is_error, result.structured_content
+        assert result.structured_content["skipped_features"] == unsupported, tool
