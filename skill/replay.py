@@ -90,8 +90,9 @@ class ReplayInput(BaseModel):
     rerecord: bool = Field(
         default=False,
         description="re-record the session on this engine (after an engine change altered what its calls "
-        "write, e.g. a hand port's files): differences in results, error texts and files are taken, but a "
-        "call whose outcome changed or a hand edit that no longer applies stops it, as in a replay. On "
+        "write, e.g. a hand port's files): differences in results, error texts and files are taken, and a "
+        "call recorded as failing that now succeeds (an engine fix), but a call recorded as succeeding that "
+        "now fails or a hand edit that no longer applies stops it, as in a replay. On "
         "success the session file is replaced by the new recording and the files the session created "
         "(its package and tests) are written into the repository",
     )
@@ -211,12 +212,14 @@ class ReplayMismatch(BaseModel):
 
     seq: int
     tool: str | None = Field(default=None, description="the tool of the differing call; None for an edit")
-    kind: Literal["outcome", "error", "result", "files", "edit"]
+    kind: Literal["outcome", "fixed", "error", "result", "files", "edit"]
     detail: str
 
 
 # What a re-recording takes as the engine's new behaviour; any other difference stops it.
-RERECORDABLE = frozenset({"error", "result", "files", "edit"})
+# "fixed": a call recorded as failing now succeeds (an engine fix). "outcome" (a recorded success
+# that now fails, a call that did not run, a hand edit that no longer applies) is never taken.
+RERECORDABLE = frozenset({"fixed", "error", "result", "files", "edit"})
 
 
 class ReplayReport(BaseModel):

@@ -223,3 +223,56 @@ def test_rerecord_stops_where_the_hand_edit_no_longer_applies(workspace: Path, m
     assert report.mismatch.kind == "outcome" and "does not apply" in report.mismatch.detail, report.describe()
     assert report.written == []
     assert path.read_bytes() == before_session and note.read_bytes() == before_note
+
+
+def _engine_refuses_the_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy step fails, as an engine before a fix refuses what a session asks."""
+
+    def rewrite_note(request: object) -> object:
+        """Replace archon_models/<model_name>/NOTES.txt; this engine cannot."""
+        raise ValueError("this engine cannot write the note")
+
+    tools.load_tools()
+    refusing = dataclasses.replace(tools.load_tools()["toy_rewrite_note"], function=rewrite_note)
+    monkeypatch.setitem(tools._resolved, "toy_rewrite_note", refusing)
+
+
+def _toy_session_with_a_failed_call(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A call that failed on the engine it was recorded with, then one that succeeded."""
+    path = workspace / "sessions" / "toy_fixed.jsonl"
+    with monkeypatch.context() as patched:
+        _engine_refuses_the_note(patched)
+        with sessions.recording(path, workspace, close=True):
+            with pytest.raises(ValueError, match="cannot write the note"):
+                invoke("toy_rewrite_note", {"model_name": "toy", "content": "a note\n"}, workspace=workspace)
+            invoke("toy_append_note", {"model_name": "toy", "text": "after"}, workspace=workspace)
+    return path
+
+
+def test_rerecord_takes_a_call_an_engine_fix_lets_succeed(workspace: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 20: an agent's first-try session records a call that failed; an engine fix lets it
+    succeed. A plain replay stops there (the session no longer says what the engine does); a
+    re-record takes it, and the new session records the call as succeeding."""
+    path = _toy_session_with_a_failed_call(workspace, monkeypatch)
+    assert [r.ok for r in sessions.read_session(path) if isinstance(r, sessions.CallRecord)] == [False, True]
+
+    stale = replay_session(ReplayInput(session=path, source=workspace))
+    assert not stale.ok and stale.mismatch is not None and stale.mismatch.kind == "fixed", stale.describe()
+
+    report = replay_session(ReplayInput(session=path, source=workspace, rerecord=True))
+    assert report.ok, report.describe()
+    assert [m.kind for m in report.taken][:1] == ["fixed"]
+    assert [r.ok for r in sessions.read_session(path) if isinstance(r, sessions.CallRecord)] == [True, True]
+    again = replay_session(ReplayInput(session=path, source=workspace))
+    assert again.ok, again.describe()
+
+
+def test_rerecord_stops_where_a_call_that_succeeded_now_fails(workspace: Path, monkeypatch: pytest.MonkeyPatch):
+    """The other way round is a regression, never taken: the session and the repository stay."""
+    path, note = _toy_session_with_a_hand_edit(workspace)
+    before_session, before_note = path.read_bytes(), note.read_bytes()
+    _engine_refuses_the_note(monkeypatch)
+    report = replay_session(ReplayInput(session=path, source=workspace, rerecord=True))
+    assert not report.ok and report.mismatch is not None and report.mismatch.kind == "outcome", report.describe()
+    assert "replay failed" in report.mismatch.detail
+    assert path.read_bytes() == before_session and note.read_bytes() == before_note
