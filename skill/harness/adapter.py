@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from archon_models.base import BaseStateDictAdapter
-from skill.analysis.ignored_keys import ignored_checkpoint_keys
+from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
 from skill.analysis.saved_names import saved_locations
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
@@ -298,6 +298,8 @@ def check_ignored_keys(rec: StageRecorder, case: ModelCase, hf_config: Pretraine
     report nothing unexpected and the adapter's ``from_hf`` must drop the same copies. Families
     without such keys get no check."""
     model = build_hf_model(case, hf_config)
+    if not ignore_patterns(model):
+        return  # most families: nothing to measure, no save to spend
     templates = ignored_checkpoint_keys(model, saved_locations(model).get)
     if not templates:
         return
