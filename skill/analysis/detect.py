@@ -26,7 +26,7 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
-from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN, norm_place
+from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN, moe_output_norm_place, norm_place
 from skill.analysis.saved_names import SavedLocation, saved_locations
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
@@ -2053,6 +2053,19 @@ def moe_block(ctx: Context) -> tuple[nn.Module | None, nn.Module | None]:
     return moe_layer, None
 
 
+def _moe_output_norm_place(
+    ctx: Context, moe_layer: nn.Module | None, ffn: nn.Module, inner: list[str]
+) -> HandEditPlace | None:
+    """Where the hand edit of the MoE block's own output norm goes (measured), when it has one
+    norm and its routed experts; their sum with the shared experts is what the norm reads."""
+    experts = mt.experts_module(ffn)
+    if moe_layer is None or len(inner) != 1 or experts is None:
+        return None
+    children = dict(ffn.named_children())
+    shared = [child for name, child in children.items() if "shared" in name and "gate" not in name]
+    return moe_output_norm_place(ctx.model, ctx.tiny, moe_layer, ffn, children[inner[0]], [experts[1], *shared])
+
+
 def moe_features(ctx: Context) -> MoEFeatures | None:
     num_experts = expert_count(ctx.config)
     has_experts = any(mt.layer_has_experts(layer) for layer in ctx.anatomy.layers)
@@ -2091,7 +2104,11 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     if ffn is not None:
         inner = [n for n, child in ffn.named_children() if mt.is_norm(child)]
         if inner:
-            ctx.other.append(f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}")
+            feature = f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}"
+            ctx.other.append(feature)
+            place = _moe_output_norm_place(ctx, moe_layer, ffn, inner)
+            if place is not None:
+                ctx.places[feature] = place
     router_bias = False
     shared_gate = False
     shared = 0

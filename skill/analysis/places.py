@@ -5,8 +5,12 @@ and ``ffn_sub_norm``) is placed by what it feeds: the tiny model runs once with 
 projection whose input *is* the norm's output (equal tensors, and as wide as the norm) is the
 statement the hand edit goes before. Its width follows from that projection's input width in the
 Archon contract (``wo`` reads ``n_heads * head_dim``, ``w2`` reads ``hidden_dim``), not from the
-feature's name. A norm feeding nothing the contract names gets no place: the marker then falls
-back to the name's keywords (:func:`skill.porting.edit_model.marker_place`).
+feature's name. A norm an HF MoE block applies to its own output (A.X-K1's ``post_mlp_layernorm``
+on the routed plus shared experts' sum) is placed at the block's MoE residual add, over ``dim``:
+Archon's MoE module cannot hold it, since under TP its output is a partial sum until the module's
+output step reduce-scatters it to the sequence shard. A norm feeding nothing the contract names
+gets no place: the marker then falls back to the name's keywords
+(:func:`skill.porting.edit_model.marker_place`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.features import HandEditPlace
 
@@ -110,3 +115,80 @@ def norm_place(
         statement=contract.statement,
         width=contract.width,
     )
+
+
+# The MoE branch's residual add in ``TransformerBlock.forward``: the one statement that calls
+# the pre-FFN norm ``ffn_norm`` (``return x + mlp(self.ffn_norm(x))`` in both references).
+MOE_BRANCH_ADD = HandEditPlace(
+    class_name="TransformerBlock",
+    function="forward",
+    anchor="self.ffn_norm(",
+    statement="on the MoE's output, where the block adds it to the residual (on MoE layers only; "
+    "inside Archon's MoE module its output is a partial sum under TP until the module's output step)",
+    width="dim",
+)
+
+
+class _Recorder:
+    """The first input and output of each watched module in one forward."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[nn.Module, torch.Tensor] = {}
+        self.outputs: dict[nn.Module, torch.Tensor] = {}
+
+    def hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            self.inputs.setdefault(module, args[0].detach())
+        tensor = _first_tensor(output)
+        if tensor is not None:
+            self.outputs.setdefault(module, tensor.detach())
+
+    def run(self, model: nn.Module, config: Any, modules: list[nn.Module]) -> bool:
+        handles = [module.register_forward_hook(self.hook) for module in modules]
+        try:
+            probes.logits(model, probes.tokens_for(config, 5))
+        except Exception as exc:  # a forward the probe cannot run: no measured place
+            logger.debug("measuring the MoE block's output norm failed: %s", exc)
+            return False
+        finally:
+            for handle in handles:
+                handle.remove()
+        return True
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.numel() == b.numel() and torch.allclose(a.reshape(b.shape), b)
+
+
+def moe_output_norm_place(
+    model: nn.Module,
+    config: Any,
+    layer: nn.Module,
+    moe: nn.Module,
+    norm: nn.Module,
+    branches: list[nn.Module],
+) -> HandEditPlace | None:
+    """The place of a norm the HF MoE block ``moe`` (in decoder ``layer``) applies to its own
+    output, measured in one forward of the tiny ``model``: the norm's input is the sum of the
+    MoE's ``branches`` (routed experts, shared experts), its output is the MoE's output, and the
+    layer's output is the residual (the pre-FFN norm's input) plus that output. In Archon that is
+    the block's MoE residual add (:data:`MOE_BRANCH_ADD`); ``None`` when any of it does not hold."""
+    layer_norms = [child for child in layer.children() if child is not moe and mt.is_norm(child)]
+    recorder = _Recorder()
+    if not recorder.run(model, config, [layer, moe, norm, *branches, *layer_norms]):
+        return None
+    outputs, inputs = recorder.outputs, recorder.inputs
+    if not _same(outputs.get(norm), outputs.get(moe)) or _norm_width(norm) != outputs[moe].shape[-1]:
+        return None
+    parts = [outputs.get(branch) for branch in branches]
+    if not parts or any(part is None for part in parts) or norm not in inputs:
+        return None
+    summed = sum((part.reshape(inputs[norm].shape) for part in parts if part is not None), torch.zeros(()))
+    if not _same(summed, inputs[norm]):
+        return None
+    pre_ffn = [n for n in layer_norms if _same(outputs.get(n), inputs.get(moe))]
+    if len(pre_ffn) != 1 or pre_ffn[0] not in inputs or layer not in outputs:
+        return None
+    if not _same(inputs[pre_ffn[0]] + outputs[moe], outputs[layer]):
+        return None
+    return MOE_BRANCH_ADD

@@ -67,6 +67,14 @@ class CheckpointKeys(BaseModel):
         default_factory=dict,
         description="top-level module path -> Archon module (tok_embeddings, norm, output), from the module tree",
     )
+    ignored_unexpected: list[str] = Field(
+        default_factory=list,
+        # Left out of the serialised report while empty: the reports of families without one read as before.
+        exclude_if=is_empty,
+        description="checkpoint keys ({} for each index) transformers' load drops where the model has no "
+        "parameter for them (the family's _keys_to_ignore_on_load_unexpected, after its conversion mapping): "
+        "held by some layers only, so a released checkpoint's copies on the other layers are dropped",
+    )
 
 
 class ArchitectureReport(BaseModel):

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from archon_models.base import BaseStateDictAdapter
+from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
+from skill.analysis.saved_names import saved_locations
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.keys import distinct_state_dict, join_single, key_indices, mapped_archon_key, wrapped_names
@@ -21,6 +25,7 @@ from skill.harness.models import (
     build_archon_model,
     build_hf_config,
     build_hf_model,
+    copy_remote_code,
     read_hf_checkpoint,
     save_hf_checkpoint,
 )
@@ -271,6 +276,59 @@ def check_bad_keys(rec: StageRecorder, adapter: BaseStateDictAdapter, hf_state: 
     )
 
 
+def _released_copies(state: dict[str, torch.Tensor], templates: list[str], n_layers: int) -> dict[str, torch.Tensor]:
+    """A released checkpoint's extra keys: each ignored key template written for every layer of
+    ``n_layers`` the saved ``state`` lacks it on, holding a copy of a layer's tensor moved by 1."""
+    copies: dict[str, torch.Tensor] = {}
+    for template in templates:
+        held = [state[template.format(layer)] for layer in range(n_layers) if template.format(layer) in state]
+        if template.count("{}") != 1 or not held:
+            continue
+        copies.update(
+            {template.format(layer): held[0] + 1.0 for layer in range(n_layers) if template.format(layer) not in state}
+        )
+    return copies
+
+
+def check_ignored_keys(rec: StageRecorder, case: ModelCase, hf_config: PretrainedConfig, directory: Path) -> None:
+    """Keys transformers' load drops where the model lacks them (``_keys_to_ignore_on_load_unexpected``,
+    measured as :func:`skill.analysis.ignored_keys.ignored_checkpoint_keys` measures it): the
+    ``save_pretrained`` checkpoint gets a copy on every layer without the module, as a released
+    one stores it (A.X-K1's ``post_mlp_layernorm`` on dense layers); ``from_pretrained`` must
+    report nothing unexpected and the adapter's ``from_hf`` must drop the same copies. Families
+    without such keys get no check."""
+    model = build_hf_model(case, hf_config)
+    if not ignore_patterns(model):
+        return  # most families: nothing to measure, no save to spend
+    templates = ignored_checkpoint_keys(model, saved_locations(model).get)
+    if not templates:
+        return
+    save_hf_checkpoint(model, directory)
+    copy_remote_code(case, directory)
+    saved = read_hf_checkpoint(directory)
+    copies = _released_copies(saved, templates, int(hf_config.num_hidden_layers))
+    files = sorted(directory.glob("*.safetensors"))
+    save_file({**load_file(str(files[0])), **copies}, str(files[0]), metadata={"format": "pt"})
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        str(directory), output_loading_info=True, trust_remote_code=case.trust_remote_code
+    )
+    reported = sorted(str(key) for kind in ("unexpected_keys", "missing_keys") for key in loaded[1].get(kind, []))
+    rec.check(
+        f"from_pretrained ignores the {len(copies)} copies of {', '.join(templates)} on layers without it",
+        bool(copies) and not reported,
+        f"reported: {reported[:5]}" if reported else ", ".join(sorted(copies)),
+    )
+    adapter = build_archon_model(hf_config).adapter
+    try:
+        got = adapter.from_hf(read_hf_checkpoint(directory))
+    except KeyError as e:
+        rec.check("from_hf drops the copies transformers ignores", False, str(e))
+        return
+    rec.add(
+        compare_tensor_dicts("from_hf drops the copies transformers ignores", got, adapter.from_hf(saved), exact=True)
+    )
+
+
 def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_on_failure: bool = True) -> StageResult:
     """Stage 2: roundtrips, single-tensor conversion, wrapper prefixes, MoE split, tying, bad keys."""
 
@@ -284,5 +342,6 @@ def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_
             check_expert_split(rec, adapter, archon_state)
             check_bad_keys(rec, adapter, hf_state)
             check_tying(rec, case, Path(tmp) / "hf_tied")
+            check_ignored_keys(rec, case, hf_config, Path(tmp) / "hf_released")
 
     return run_stage(case, 2, body, raise_on_failure)

@@ -467,6 +467,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
                 unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
             )
         mla_plan = plan_for(request.source, request.trust_remote_code)
+        ignored = report_for(request.source, request.trust_remote_code).checkpoint.ignored_unexpected
+        text = apply_ignored_keys_adapter(text, layout, ignored)
         if not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)
@@ -531,6 +533,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         if plan.score_correction_key and moe is not None and len(moe.score_correction_shape) > 1:
             axes = len(moe.score_correction_shape) - 1
             text = apply_unit_axes_adapter(text, layout, {prefix + plan.score_correction_key: axes})
+        text = apply_ignored_keys_adapter(text, layout, report.checkpoint.ignored_unexpected)
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -1186,6 +1189,52 @@ def apply_unit_axes_adapter(text: Document, layout: PackageLayout, keys: dict[st
     for helper in ("_drop_unit_axes", "_add_unit_axes"):
         text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
     return text
+
+
+# --- keys transformers' load drops where the model lacks them ----------------------------------
+
+IGNORED = "ignored_unexpected_hf_keys"
+
+_FROM_HF_IGNORED = """
+# Copies of a family's ignored keys on layers without their module: dropped, as transformers' load drops them.
+hf_state_dict = {key: value for key, value in hf_state_dict.items() if not self._ignored_unexpected(key)}
+"""
+
+_IGNORED_UNEXPECTED = """
+def _ignored_unexpected(self, hf_key: str) -> bool:
+    \"\"\"Whether ``hf_key`` is one of the family's ignored keys (``ignored_unexpected_hf_keys``) on a layer
+    whose Archon module lacks its parameter; a key with no map entry is kept (``from_hf`` names it).\"\"\"
+    template, indices = _abstract(hf_key)
+    target = self.from_hf_map.get(template) if template in self.ignored_unexpected_hf_keys else None
+    if target is None or target.format(*indices) in self._expected_archon_keys():
+        return False
+    logger.debug("Dropped %s: no parameter on this layer (transformers ignores it too).", hf_key)
+    return True
+"""
+
+
+def apply_ignored_keys_adapter(text: Document, layout: PackageLayout, keys: list[str]) -> Document:
+    """Teach a copied adapter the checkpoint keys transformers' load drops where the model has no
+    parameter for them (the analysis's ``ignored_unexpected``: A.X-K1's ``post_mlp_layernorm``,
+    stored on every layer of a released checkpoint, held by the MoE layers only): ``from_hf``
+    drops a copy whose mapped Archon parameter this config's model lacks, before anything else.
+    Any reference's adapter takes it (each checks its keys against the model's)."""
+    if not keys:
+        return text
+    cls = layout.adapter_class
+    literal = (
+        "# Checkpoint keys transformers' load ignores where the model lacks them (its ignore patterns).\n"
+        f"{IGNORED}: ClassVar[frozenset[str]] = frozenset(\n    {{\n"
+        + "".join(f'        "{key}",\n' for key in keys)
+        + "    }\n)\n"
+    )
+    anchor = next((name for name in (UNIT_AXES, TRANSPOSED, FUSED_MAP) if name in text), "from_hf_map")
+    text = insert_class_statement_after(text, cls, anchor, literal)
+    try:
+        text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_IGNORED.strip() + "\n")
+    except CodemodError as e:
+        raise CodemodError(f"ignored checkpoint keys {keys} need the reference adapter's from_hf: {e}") from e
+    return upsert_method(text, cls, "_ignored_unexpected", _IGNORED_UNEXPECTED.strip() + "\n", after="_hf_key")
 
 
 def _indent(block: str) -> str:

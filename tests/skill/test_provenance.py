@@ -125,3 +125,30 @@ def test_a_sub_norm_is_marked_where_the_analysis_measured_it():
     header = " ".join(line.removeprefix("#   ") for line in header_lines(plan, "bitnet", QWEN2_MODEL).splitlines())
     assert "attn_sub_norm (model/model.py, Attention.forward, before the output projection wo, over n_heads *" in header
     assert "ffn_sub_norm (model/model.py, FeedForward.forward, before the down projection w2, over hidden_dim" in header
+
+
+def test_a_norm_on_the_moe_output_is_marked_at_the_blocks_moe_residual_add():
+    """A.X-K1's ``AXK1MoE`` returns ``post_mlp_layernorm(experts + shared_experts)``: the analysis
+    measures the norm's input (the routed plus shared experts' sum) and output (the MoE's output,
+    which the decoder layer adds to the residual) and places the hand edit at the block's MoE
+    residual add, over ``dim``. Archon's MoE module cannot hold it: under TP its output is a
+    partial sum until the module's output step. Unplaced, the marker sat atop the block's forward,
+    above the attention."""
+    from skill.porting.edit_model import mark_hand_edits
+
+    plan = plan_for("axk1")
+    feature = "norm on the MoE block's output, inside the MoE module: post_mlp_layernorm"
+    place = plan.hand_edit_places[feature]
+    assert (place.class_name, place.function, place.anchor, place.width) == (
+        "TransformerBlock",
+        "forward",
+        "self.ffn_norm(",
+        "dim",
+    )
+    model = (REPO / "archon_models" / "deepseek_v3" / "model" / "model.py").read_text()
+    lines = mark_hand_edits(Document(model), plan.unsupported, "Axk1Model", plan.hand_edit_places).code.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.strip().endswith(f"hand edit needed: {feature}"))
+    assert lines[index + 1].strip() == "return x + mlp(self.ffn_norm(x))"
+    assert next(line.strip() for line in reversed(lines[:index]) if line.lstrip().startswith("def ")) == "def forward("
+    header = " ".join(line.removeprefix("#   ") for line in header_lines(plan, "axk1", model).splitlines())
+    assert "post_mlp_layernorm (model/model.py, TransformerBlock.forward, on the MoE's output" in header

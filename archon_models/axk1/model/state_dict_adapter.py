@@ -109,6 +109,12 @@ class Axk1StateDictAdapter(BaseStateDictAdapter):
         "score.weight": "score.weight",
         "model.layers.{}.post_mlp_layernorm.weight": "layers.{}.post_ffn_norm.weight",
     }
+    # Checkpoint keys transformers' load ignores where the model lacks them (its ignore patterns).
+    ignored_unexpected_hf_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            "model.layers.{}.post_mlp_layernorm.weight",
+        }
+    )
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):
         super().__init__(model_config, hf_assets_path)
@@ -154,6 +160,16 @@ class Axk1StateDictAdapter(BaseStateDictAdapter):
         for index in indices:  # an expert template keeps its expert "{}" (it names all experts)
             hf_key = hf_key.replace("{}", index, 1)
         return hf_key
+
+    def _ignored_unexpected(self, hf_key: str) -> bool:
+        """Whether ``hf_key`` is one of the family's ignored keys (``ignored_unexpected_hf_keys``) on a layer
+        whose Archon module lacks its parameter; a key with no map entry is kept (``from_hf`` names it)."""
+        template, indices = _abstract(hf_key)
+        target = self.from_hf_map.get(template) if template in self.ignored_unexpected_hf_keys else None
+        if target is None or target.format(*indices) in self._expected_archon_keys():
+            return False
+        logger.debug("Dropped %s: no parameter on this layer (transformers ignores it too).", hf_key)
+        return True
 
     # -- completeness ------------------------------------------------------------------
 
@@ -248,6 +264,8 @@ class Axk1StateDictAdapter(BaseStateDictAdapter):
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict: dict[str, Any] = {}
+        # Copies of a family's ignored keys on layers without their module: dropped, as transformers' load drops them.
+        hf_state_dict = {key: value for key, value in hf_state_dict.items() if not self._ignored_unexpected(key)}
         experts_by_layer: dict[str, dict[str, dict[int, Any]]] = {}
         dropped_layers: set[int] = set()
         for hf_key, value in hf_state_dict.items():
