@@ -16,8 +16,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from archon_models.base import BaseStateDictAdapter
-from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
-from skill.analysis.saved_names import saved_locations
 from skill.harness.case import ModelCase
 from skill.harness.compare import compare_tensor_dicts
 from skill.harness.keys import distinct_state_dict, join_single, key_indices, mapped_archon_key, wrapped_names
@@ -297,6 +295,10 @@ def check_ignored_keys(rec: StageRecorder, case: ModelCase, hf_config: Pretraine
     one stores it (A.X-K1's ``post_mlp_layernorm`` on dense layers); ``from_pretrained`` must
     report nothing unexpected and the adapter's ``from_hf`` must drop the same copies. Families
     without such keys get no check."""
+    # Imported here: skill.analysis pulls in libcst, which the GPU machine running the harness lacks.
+    from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
+    from skill.analysis.saved_names import saved_locations
+
     model = build_hf_model(case, hf_config)
     if not ignore_patterns(model):
         return  # most families: nothing to measure, no save to spend
