@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from archon_models.base import BaseStateDictAdapter
 from skill.harness.case import ModelCase
@@ -42,10 +42,6 @@ def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictA
         # A tied model's output projection is its embedding, whatever the module layout.
         state[OUTPUT_KEY] = state[EMBEDDING_KEY].clone()
     return archon.adapter, state, tied
-
-
-def _hf_side(case: ModelCase, hf_config: PretrainedConfig, directory: Path) -> dict[str, torch.Tensor]:
-    return read_hf_checkpoint(save_hf_checkpoint(build_hf_model(case, hf_config), directory))
 
 
 def check_roundtrips(
@@ -288,18 +284,19 @@ def _released_copies(state: dict[str, torch.Tensor], templates: list[str], n_lay
     return copies
 
 
-def check_ignored_keys(rec: StageRecorder, case: ModelCase, hf_config: PretrainedConfig, directory: Path) -> None:
+def check_ignored_keys(
+    rec: StageRecorder, case: ModelCase, hf_config: PretrainedConfig, model: PreTrainedModel, directory: Path
+) -> None:
     """Keys transformers' load drops where the model lacks them (``_keys_to_ignore_on_load_unexpected``,
     measured as :func:`skill.analysis.ignored_keys.ignored_checkpoint_keys` measures it): the
     ``save_pretrained`` checkpoint gets a copy on every layer without the module, as a released
     one stores it (A.X-K1's ``post_mlp_layernorm`` on dense layers); ``from_pretrained`` must
     report nothing unexpected and the adapter's ``from_hf`` must drop the same copies. Families
-    without such keys get no check."""
+    without such keys get no check. ``model`` is the stage's tiny HF model of ``hf_config``."""
     # Imported here: skill.analysis pulls in libcst, which the GPU machine running the harness lacks.
     from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
     from skill.analysis.saved_names import saved_locations
 
-    model = build_hf_model(case, hf_config)
     if not ignore_patterns(model):
         return  # most families: nothing to measure, no save to spend
     templates = ignored_checkpoint_keys(model, saved_locations(model).get)
@@ -337,13 +334,14 @@ def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_
     def body(rec: StageRecorder) -> None:
         with tempfile.TemporaryDirectory(prefix="archon-stage2-", dir=workdir) as tmp:
             hf_config = build_hf_config(case)
-            hf_state = _hf_side(case, hf_config, Path(tmp) / "hf")
+            hf_model = build_hf_model(case, hf_config)
+            hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, Path(tmp) / "hf"))
             adapter, archon_state, tied = _archon_side(hf_config, case.seed)
             hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state)
             check_single_conversion(rec, adapter, archon_state, hf_from_archon, tied=tied)
             check_expert_split(rec, adapter, archon_state)
             check_bad_keys(rec, adapter, hf_state)
             check_tying(rec, case, Path(tmp) / "hf_tied")
-            check_ignored_keys(rec, case, hf_config, Path(tmp) / "hf_released")
+            check_ignored_keys(rec, case, hf_config, hf_model, Path(tmp) / "hf_released")
 
     return run_stage(case, 2, body, raise_on_failure)
