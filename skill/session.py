@@ -397,7 +397,7 @@ def _lines(text: str) -> list[str]:
     return re.findall(r"[^\n]*\n|[^\n]+$", text)
 
 
-_HUNK_RE = re.compile(r"^@@ -(?P<start>\d+)(?:,(?P<count>\d+))? \+\d+(?:,\d+)? @@")
+HUNK_RE = re.compile(r"^@@ -(?P<start>\d+)(?:,(?P<count>\d+))? \+(?P<new_start>\d+)(?:,\d+)? @@")
 
 
 def unified_diff(rel: str, old: bytes | None, new: bytes | None) -> str:
@@ -425,7 +425,7 @@ class PatchError(ValueError):
     """A patch that does not apply to the file it names."""
 
 
-def _patch_chunks(patch: str) -> Iterator[tuple[str, list[str]]]:
+def patch_sections(patch: str) -> Iterator[tuple[str, list[str]]]:
     """Each file section of a patch: the path it names and its lines."""
     for chunk in re.split(r"^diff --git ", patch, flags=re.MULTILINE)[1:]:
         lines = _lines(chunk)
@@ -437,14 +437,14 @@ def _patch_chunks(patch: str) -> Iterator[tuple[str, list[str]]]:
 
 def patch_paths(patch: str) -> list[str]:
     """The paths a patch names, in order."""
-    return [rel for rel, _ in _patch_chunks(patch)]
+    return [rel for rel, _ in patch_sections(patch)]
 
 
 def patch_writes(patch: str) -> list[str]:
     """The paths a patch creates or changes (not those it only deletes), in order."""
     return [
         rel
-        for rel, lines in _patch_chunks(patch)
+        for rel, lines in patch_sections(patch)
         if not any(line.startswith("deleted file mode") for line in lines[1:3])
     ]
 
@@ -459,7 +459,7 @@ def apply_patch(root: Path, patch: str) -> list[str]:
     """
     changed: list[str] = []
     root = root.resolve()
-    for rel, lines in _patch_chunks(patch):
+    for rel, lines in patch_sections(patch):
         creating = any(line.startswith("new file mode") for line in lines[1:3])
         deleting = any(line.startswith("deleted file mode") for line in lines[1:3])
         path = confine(root, rel)
@@ -473,7 +473,7 @@ def apply_patch(root: Path, patch: str) -> list[str]:
             header = lines[i]
             if not header.startswith("@@"):
                 raise PatchError(f"{rel}: expected a hunk header, got {header!r}")
-            match = _HUNK_RE.match(header)
+            match = HUNK_RE.match(header)
             if match is None:
                 raise PatchError(f"{rel}: malformed hunk header {header.strip()!r}")
             old_start, old_count = int(match["start"]), int(match["count"] or 1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import re
 from collections.abc import Iterable, Mapping
 
 from skill.codemod.workspace import Workspace
@@ -33,11 +32,10 @@ from skill.porting.provenance import (
     strip_header,
     wrap_header_line,
 )
+from skill.session import HUNK_RE, patch_sections
 
 logger = logging.getLogger(__name__)
 
-_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,\d+)? @@")
-_FILE = re.compile(r"^diff --git a/\S+ b/(?P<path>\S+)$")
 MODULE_LEVEL = "module level"
 
 
@@ -45,23 +43,21 @@ def changed_lines(patch: str) -> dict[str, list[int]]:
     """Per file of a unified diff, the new-side lines it adds, and the new-side line now standing
     where it removed lines."""
     lines: dict[str, list[int]] = {}
-    path: str | None = None
-    new = 0
-    for line in patch.splitlines():
-        if match := _FILE.match(line):
-            path = match.group("path")
-            lines.setdefault(path, [])
-        elif match := _HUNK.match(line):
-            new = int(match.group("start"))
-        elif path is None or line.startswith(("--- ", "+++ ", "\\", "new file mode", "deleted file mode")):
-            continue
-        elif line.startswith("+"):
-            lines[path].append(new)
-            new += 1
-        elif line.startswith("-"):
-            lines[path].append(new)
-        else:
-            new += 1
+    for path, section in patch_sections(patch):
+        numbers = lines.setdefault(path, [])
+        new = 0
+        for line in section[1:]:
+            if match := HUNK_RE.match(line):
+                new = int(match["new_start"])
+            elif line.startswith(("--- ", "+++ ", "\\", "new file mode", "deleted file mode")):
+                continue
+            elif line.startswith("+"):
+                numbers.append(new)
+                new += 1
+            elif line.startswith("-"):
+                numbers.append(new)
+            else:
+                new += 1
     return lines
 
 
