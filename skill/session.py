@@ -42,6 +42,8 @@ from pydantic_core import to_jsonable_python
 
 from skill import __version__
 from skill.codemod.workspace import STATE_DIR, Workspace, confine
+from skill.patch_format import HUNK_RE, PatchError, patch_sections
+from skill.patch_format import split_lines as _lines
 from skill.replay_compare import normalise_volatile
 from skill.tools import Tool, active_recorder, recording_into, state_dir
 
@@ -392,14 +394,6 @@ class WorkspaceState:
 _NO_NEWLINE = "\\ No newline at end of file\n"
 
 
-def _lines(text: str) -> list[str]:
-    """``text`` split after each ``\\n`` only (``str.splitlines`` also splits on \\f, \\x1c, ...)."""
-    return re.findall(r"[^\n]*\n|[^\n]+$", text)
-
-
-HUNK_RE = re.compile(r"^@@ -(?P<start>\d+)(?:,(?P<count>\d+))? \+(?P<new_start>\d+)(?:,\d+)? @@")
-
-
 def unified_diff(rel: str, old: bytes | None, new: bytes | None) -> str:
     """A git-style unified diff of one text file (``/dev/null`` for creation and deletion)."""
     old_lines = _lines((old or b"").decode("utf-8"))
@@ -419,20 +413,6 @@ def unified_diff(rel: str, old: bytes | None, new: bytes | None) -> str:
     for line in lines:
         out.append(line if line.endswith("\n") else line + "\n" + _NO_NEWLINE)
     return "".join(out)
-
-
-class PatchError(ValueError):
-    """A patch that does not apply to the file it names."""
-
-
-def patch_sections(patch: str) -> Iterator[tuple[str, list[str]]]:
-    """Each file section of a patch: the path it names and its lines."""
-    for chunk in re.split(r"^diff --git ", patch, flags=re.MULTILINE)[1:]:
-        lines = _lines(chunk)
-        header = lines[0]
-        if " b/" not in header:
-            raise PatchError(f"malformed patch header {('diff --git ' + header).strip()!r}")
-        yield header.split(" b/", 1)[1].strip(), lines
 
 
 def patch_paths(patch: str) -> list[str]:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from skill.codemod.workspace import Workspace
+from skill.patch_format import HUNK_RE, patch_sections
 from skill.porting.common import PackageLayout
 from skill.porting.provenance import (
     CONTINUATION,
@@ -32,7 +33,6 @@ from skill.porting.provenance import (
     strip_header,
     wrap_header_line,
 )
-from skill.session import HUNK_RE, patch_sections
 
 logger = logging.getLogger(__name__)
 
