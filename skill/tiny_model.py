@@ -142,6 +142,27 @@ def _resolve_config(model_type_or_config: str | PretrainedConfig | Mapping[str, 
         ) from exc
 
 
+def _expand_run_length(value: Any) -> list[Any] | None:
+    """The per-layer list a run-length field encodes, or None when ``value`` is not one.
+
+    GPT-Neo's ``attention_types`` is ``[[["global", "local"], 12]]``: each entry a pattern
+    and how often it repeats, expanding to one kind per layer.
+    """
+    if not isinstance(value, list) or not value:
+        return None
+    expanded: list[Any] = []
+    for entry in value:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
+            return None
+        pattern, repeats = entry
+        if not (isinstance(pattern, list) and pattern and isinstance(repeats, int) and repeats > 0):
+            return None
+        if not all(isinstance(kind, (str, int)) and not isinstance(kind, bool) for kind in pattern):
+            return None
+        expanded.extend(list(pattern) * repeats)
+    return expanded
+
+
 def _layer_count(config_dict: dict[str, Any], canonical: dict[str, str], n_layers: int) -> int:
     """The smallest layer count that shows every distinct per-layer kind of the family.
 
@@ -151,6 +172,9 @@ def _layer_count(config_dict: dict[str, Any], canonical: dict[str, str], n_layer
     """
     needed = TINY_LAYERS
     for name, value in config_dict.items():
+        expanded = _expand_run_length(value)
+        if expanded is not None and len(expanded) == n_layers:
+            value = expanded
         if isinstance(value, list) and len(value) == n_layers and n_layers > 0:
             if not all(isinstance(v, (str, int, bool)) for v in value):
                 continue
@@ -270,6 +294,10 @@ def _tiny_value(
         return _shrink_token_id(value, TINY_VOCAB)
     if name in _PROTECTED:
         return value
+    expanded = _expand_run_length(value)
+    if expanded is not None and len(expanded) == n_layers and n_layers > 0:
+        # A run-length per-layer list keeps its encoding: the prefix, as one run.
+        return [[[expanded[i] for i in range(new_layers)], 1]]
     if isinstance(value, list) and len(value) == n_layers and n_layers > 0:
         # Per-layer lists: keep the prefix (and shrink widths inside it).
         prefix = [value[i % len(value)] for i in range(new_layers)]

@@ -39,6 +39,17 @@ def test_per_layer_pattern_keeps_each_kind() -> None:
     assert config.sliding_window <= 8
 
 
+def test_a_run_length_layer_pattern_shrinks_in_its_own_encoding() -> None:
+    # GPT-Neo's attention_types is [[["global", "local"], 12]]; transformers 5.3 re-expands it
+    # and rejects a list whose length is not num_layers, so it must shrink to one run.
+    config = tiny_config("gpt_neo")
+    assert config.num_layers == 2
+    assert config.attention_types == [[["global", "local"], 1]]
+    assert list(config.attention_layers) == ["global", "local"]
+    three = tiny_config("gpt_neo", num_layers=3)
+    assert three.attention_types == [[["global", "local", "global"], 1]]
+
+
 def test_token_ids_fall_inside_the_tiny_vocab() -> None:
     config = tiny_config("llama")  # defaults: bos 1, eos 2 ... and llama3-style ids elsewhere
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
