@@ -115,6 +115,12 @@ def probe_norm_eps(norm: nn.Module, width: int, kind: NormKind) -> float | None:
     return float(f"{value:.3g}") if value > 0 else 0.0
 
 
+def primary_output(output: Any) -> Any:
+    """A module's main output: the first item of the tuple, or of the list (GPT-1's blocks
+    and attention return lists), many HF modules return; anything else as it is."""
+    return output[0] if isinstance(output, (tuple, list)) and output else output
+
+
 def _call_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = norm(x)
     return out[0] if isinstance(out, tuple) else out
@@ -169,7 +175,7 @@ def probe_block_norms(
     def hook(name: str):
         def run(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
-            out = output[0] if isinstance(output, tuple) else output
+            out = primary_output(output)
             if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) and name not in records:
                 records[name] = (first.detach(), out.detach())
 
@@ -184,7 +190,7 @@ def probe_block_norms(
             layer_input.setdefault("x", first.detach())
 
     def layer_out_hook(module: nn.Module, args: tuple, output: Any) -> None:
-        out = output[0] if isinstance(output, tuple) else output
+        out = primary_output(output)
         if isinstance(out, torch.Tensor):
             layer_input.setdefault("out", out.detach())
 
@@ -730,7 +736,7 @@ def probe_residual_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: A
             captured.setdefault("x", first.detach())
 
     def after_layer(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        out = output[0] if isinstance(output, tuple) else output
+        out = primary_output(output)
         if isinstance(out, torch.Tensor):
             captured.setdefault("y", out.detach())
 

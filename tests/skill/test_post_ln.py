@@ -111,6 +111,18 @@ def test_trocr_block_is_post_ln_without_a_final_norm():
     assert not any("norm placement" in line for line in report.unsupported)
 
 
+def test_gpt1_blocks_that_return_lists_are_read_as_post_ln():
+    # OpenAI GPT's Block: n = ln_1(x + attn(x)[0]); h = ln_2(n + mlp(n)); its attention and
+    # its block return lists, not tuples (a hook reads the first item of either), and the
+    # model has no norm after the stack.
+    report = report_for("openai-gpt")
+    norm = report.checklist.norm
+    assert norm.placement is NormPlacement.POST_LN
+    assert norm.block_norms == {"ln_1": "attention_residual", "ln_2": "ffn_residual"}
+    assert norm.final_norm is False
+    assert report.unsupported == []
+
+
 def test_an_identity_first_norm_is_not_post_ln():
     # ModernBertDecoderLayer: attn_norm is nn.Identity on layer 0, then
     # residual + attn(attn_norm(x)); residual + mlp(mlp_norm(x)): pre-norm, the layer ends on
