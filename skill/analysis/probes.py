@@ -115,12 +115,6 @@ def probe_norm_eps(norm: nn.Module, width: int, kind: NormKind) -> float | None:
     return float(f"{value:.3g}") if value > 0 else 0.0
 
 
-def primary_output(output: Any) -> Any:
-    """A module's main output: the first item of the tuple, or of the list (GPT-1's blocks
-    and attention return lists), many HF modules return; anything else as it is."""
-    return output[0] if isinstance(output, (tuple, list)) and output else output
-
-
 def _call_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = norm(x)
     return out[0] if isinstance(out, tuple) else out
@@ -175,7 +169,7 @@ def probe_block_norms(
     def hook(name: str):
         def run(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
-            out = primary_output(output)
+            out = _output_tensor(output)
             if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) and name not in records:
                 records[name] = (first.detach(), out.detach())
 
@@ -190,7 +184,7 @@ def probe_block_norms(
             layer_input.setdefault("x", first.detach())
 
     def layer_out_hook(module: nn.Module, args: tuple, output: Any) -> None:
-        out = primary_output(output)
+        out = _output_tensor(output)
         if isinstance(out, torch.Tensor):
             layer_input.setdefault("out", out.detach())
 
@@ -736,7 +730,7 @@ def probe_residual_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: A
             captured.setdefault("x", first.detach())
 
     def after_layer(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        out = primary_output(output)
+        out = _output_tensor(output)
         if isinstance(out, torch.Tensor):
             captured.setdefault("y", out.detach())
 
@@ -1059,6 +1053,8 @@ def _unit_rms_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[t
 
 
 def _output_tensor(output: Any) -> torch.Tensor | None:
+    """A module's main output: the tensor first in the tuple or list (GPT-1's blocks and
+    attention return lists) many HF modules return, or the tensor itself."""
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     return out if isinstance(out, torch.Tensor) else None
 
@@ -1367,7 +1363,9 @@ OUTPUT_GATE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.Module, config: Any) -> str | None:
+def probe_output_gate_function(
+    model: nn.Module, gate: nn.Module, out_proj: nn.Module, config: Any, channels: torch.Tensor | None = None
+) -> str | None:
     """The function ``f`` with ``out_proj``'s input ``= attention output * f(gate(x))``.
 
     The gate projection's output is pinned to a constant ``c`` (every head, every
@@ -1375,6 +1373,8 @@ def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.M
     output does not depend on the gate, so two constants give inputs whose ratio is
     ``f(c1) / f(c2)`` everywhere. ``None`` when no entry of
     :data:`OUTPUT_GATE_FUNCTIONS` explains it (the projection is no multiplicative gate).
+    ``channels``: the gate's output channels when the projection also yields others (a
+    query projection whose rows hold each head's query and gate); only those are pinned.
     """
     tokens = tokens_for(config, 5)
 
@@ -1383,7 +1383,13 @@ def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.M
 
         def pin(module: nn.Module, args: tuple, output: Any) -> Any:
             found = _output_tensor(output)
-            return torch.full_like(found, value) if found is not None else output
+            if found is None:
+                return output
+            if channels is None:
+                return torch.full_like(found, value)
+            pinned = found.clone()
+            pinned[..., channels] = value
+            return pinned
 
         def on_out(module: nn.Module, args: tuple) -> None:
             if "x" not in captured and args and isinstance(args[0], torch.Tensor):
