@@ -3236,6 +3236,30 @@ def per_layer_differences(ctx: Context) -> list[str]:
     return found
 
 
+def head_transform(ctx: Context, scalars: ScalarFeatures) -> list[str]:
+    """Modules between the final norm and the LM head's projection, named.
+
+    Archon's head is ``output(norm(h))`` (times a constant, or through a measured embedding
+    projection). A model whose head reads something else, as ModernBERT-decoder's
+    prediction head (dense, activation, norm) before its ``decoder`` projection, would be
+    ported without it: the parametered top-level modules beside the base model and the
+    head are named.
+    """
+    if scalars.embedding_projection_out is not None:
+        return []
+    if probes.head_reads_final_norm(ctx.model, ctx.anatomy, ctx.tiny) is not False:
+        return []
+    head = ctx.anatomy.lm_head
+    base = ctx.anatomy.layers_path.split(".", 1)[0]
+    between = [
+        f"{name} ({type(child).__name__})"
+        for name, child in ctx.model.named_children()
+        if child is not head and name != base and any(True for _ in child.parameters())
+    ]
+    ctx.evidence.append("LM head: its input is no constant multiple of the final norm's output")
+    return [f"a transform between the final norm and the LM head: {', '.join(between) or 'unnamed'}"]
+
+
 def layer_stack_structure(ctx: Context) -> list[str]:
     """What makes the model more than one stack of layers run once each, in order.
 

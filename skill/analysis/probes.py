@@ -699,6 +699,37 @@ def probe_logit_multiplier(
     return None
 
 
+def head_reads_final_norm(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> bool | None:
+    """Whether the LM head's input is the final norm's output (or a constant multiple of it,
+    as MiniCPM's division before ``lm_head``); ``False`` when a module transforms it in
+    between (ModernBERT-decoder's dense, activation and norm), ``None`` when either is not
+    reached."""
+    head, norm = anatomy.lm_head, anatomy.final_norm
+    if head is None or norm is None:
+        return None
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_head(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            captured.setdefault("head", args[0].detach())
+
+    def on_norm(module: nn.Module, args: tuple, output: Any) -> None:
+        out = _output_tensor(output)
+        if out is not None and "head" not in captured:
+            # Its last call before the head (NanoChat's one norm also runs on the embeddings).
+            captured["norm"] = out.detach()
+
+    handles = [head.register_forward_pre_hook(on_head), norm.register_forward_hook(on_norm)]
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "head" not in captured or "norm" not in captured:
+        return None
+    return _constant_ratio(captured["head"], captured["norm"]) is not None
+
+
 def _constant_ratio(out: torch.Tensor, plain: torch.Tensor) -> float | None:
     """``out / plain`` when it is one constant over the entries that are not tiny."""
     mask = plain.abs() > 1e-3

@@ -263,3 +263,15 @@ def test_minicpm5_moe_query_projection_also_yields_the_output_gate() -> None:
     # transformers saves q_gate_proj as q_proj: the port's wq loads it whole.
     assert report.checkpoint.module_map["model.layers.{}.self_attn.q_proj"] == "layers.{}.attention.wq"
     assert report.unsupported == []
+
+
+def test_a_prediction_head_between_the_final_norm_and_the_lm_head_is_named() -> None:
+    # ModernBertDecoderForCausalLM: decoder(lm_head(final_norm(h))), lm_head a dense layer, an
+    # activation and a LayerNorm; read as a plain head, the port would leave them out.
+    report = report_for("modernbert-decoder")
+    line = "unsupported: a transform between the final norm and the LM head: lm_head (ModernBertDecoderPredictionHead)"
+    assert line in report.unsupported
+    # A constant factor in between is no transform (MiniCPM3 divides by its width scale), and a
+    # norm that also runs on the embeddings is read on its last call (NanoChat).
+    for family in ("minicpm3", "nanochat"):
+        assert not any("LM head" in line for line in report_for(family).unsupported), family
