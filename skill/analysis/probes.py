@@ -210,7 +210,7 @@ def probe_block_norms(
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
-    norm_records = {n: records[n] for n in anatomy.norms if n in records}
+    norm_records = {n: records[n] for n in [*anatomy.norms, *_identity_norm_standins(anatomy)] if n in records}
     pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
     ffn_in, ffn_out = _ffn_io(anatomy, records)
     # A norm of the attention output that is added back to the residual (not fed straight
@@ -275,6 +275,18 @@ def probe_block_norms(
     if post_ln:
         return NormPlacement.POST_LN, roles
     return None, roles
+
+
+def _identity_norm_standins(anatomy: LayerAnatomy) -> list[str]:
+    """Layer 0's identities where later layers hold a norm (ModernBERT-decoder's layer-0
+    ``attn_norm``, the embeddings' norm standing in): read in its norm's place, so the
+    block's structure shows; the per-layer difference names the missing norm."""
+    later = anatomy.layers[1:]
+    return [
+        name
+        for name, child in anatomy.layers[0].named_children()
+        if isinstance(child, nn.Identity) and any(is_norm(getattr(layer, name, nn.Identity())) for layer in later)
+    ]
 
 
 def _ffn_io(

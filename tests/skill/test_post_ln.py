@@ -127,9 +127,16 @@ def test_an_identity_first_norm_is_not_post_ln():
     # ModernBertDecoderLayer: attn_norm is nn.Identity on layer 0, then
     # residual + attn(attn_norm(x)); residual + mlp(mlp_norm(x)): pre-norm, the layer ends on
     # a residual sum, not on a norm.
+    # The identity is read in the norm's place: a pre-norm block.
     report = report_for("modernbert-decoder")
-    assert report.checklist.norm.placement is not NormPlacement.POST_LN
-    assert report.unsupported  # still refused (its first layer differs, its head is not plain)
+    assert report.checklist.norm.placement is NormPlacement.PRE
+    assert report.checklist.norm.block_norms == {"mlp_norm": "pre_ffn", "attn_norm": "pre_attention"}
+    # Still refused, by name: its first layer has no attention norm, its head is not plain.
+    assert not any("norm probe could not read" in line for line in report.unsupported)
+    assert any(
+        "per-layer difference: attn_norm" in line and "(layer 0: Identity[])" in line for line in report.unsupported
+    )
+    assert any("between the final norm and the LM head" in line for line in report.unsupported)
 
 
 def test_pre_norm_families_keep_their_final_norm():
