@@ -78,6 +78,7 @@ from archon_models.olmo import spec as olmo_spec  # noqa: F401
 from archon_models.olmo2 import spec as olmo2_spec  # noqa: F401
 from archon_models.olmo3 import spec as olmo3_spec  # noqa: F401
 from archon_models.olmoe import spec as olmoe_spec  # noqa: F401
+from archon_models.openai_gpt import spec as openai_gpt_spec  # noqa: F401
 from archon_models.opt import spec as opt_spec  # noqa: F401
 from archon_models.persimmon import spec as persimmon_spec  # noqa: F401
 from archon_models.phi import spec as phi_spec  # noqa: F401

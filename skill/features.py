@@ -65,16 +65,25 @@ class QKNormPlacement(StrEnum):
 class OutputGateKind(StrEnum):
     """How a gated attention output scales the attention output before ``o_proj``: the
     gate function applied to a projection of the block input, and whether the gate has
-    one value per element (``heads * head_dim``) or one per head. ``in_query``: the
-    query projection also yields the gate (Qwen3-Next); ``unmatched``: an extra
-    projection whose effect on the output no gate function explains."""
+    one value per element (``heads * head_dim``) or one per head. ``<function>_in_query``:
+    the query projection also yields the gate, each head's rows its query then its gate
+    (MiniCPM5-MoE's ``q_gate_proj``, Qwen3-Next), one value per element; ``in_query``: a
+    query projection twice the query width whose gate no probe read; ``unmatched``: an
+    extra projection whose effect on the output no gate function explains."""
 
     SIGMOID_PER_ELEMENT = "sigmoid_per_element"
     SIGMOID_PER_HEAD = "sigmoid_per_head"
     SOFTPLUS_PER_ELEMENT = "softplus_per_element"
     SOFTPLUS_PER_HEAD = "softplus_per_head"
+    SIGMOID_IN_QUERY = "sigmoid_in_query"
+    SOFTPLUS_IN_QUERY = "softplus_in_query"
     IN_QUERY = "in_query"
     UNMATCHED = "unmatched"
+
+
+# The suffix of the gate kinds whose gate is the second half of each head's rows of the query
+# projection (``sigmoid_in_query``): what the gate function is applied to.
+IN_QUERY_SUFFIX = "_in_query"
 
 
 class SlidingWindowKind(StrEnum):
@@ -771,7 +780,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ATTN_SOFTCAP: frozenset({"true", "false"}),
     Feature.ATTN_SINKS: frozenset({"true", "false"}),  # attention_sinks edit: one learned logit per head
     # output_gate edit: a separate gate projection of the block input (sigmoid or softplus,
-    # per element or per head) scales the attention output before wo.
+    # per element or per head) scales the attention output before wo; query_gate edit: the
+    # gate is the second half of each head's rows of wq.
     Feature.ATTN_OUTPUT_GATE: frozenset(
         {
             "false",
@@ -779,6 +789,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
             OutputGateKind.SIGMOID_PER_HEAD,
             OutputGateKind.SOFTPLUS_PER_ELEMENT,
             OutputGateKind.SOFTPLUS_PER_HEAD,
+            OutputGateKind.SIGMOID_IN_QUERY,
+            OutputGateKind.SOFTPLUS_IN_QUERY,
         }
     ),
     Feature.QKV_CLIP: frozenset({"true", "false"}),  # clamped as they leave the projections

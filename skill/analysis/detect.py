@@ -476,14 +476,19 @@ def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
     hd = ctx.tiny_head_dim()
     kv = ctx.tiny_kv_heads()
     roles: dict[str, mt.Projection] = {}
-    for proj in mt.projections(attention, recurse=False):
+    found = mt.projections(attention, recurse=False)
+    # A projection is a fused q/k/v by its width only where no key and value projections of
+    # their own exist: with half as many KV heads as query heads, a query that also yields a
+    # gate (2 * heads * head_dim, MiniCPM5-MoE's q_gate_proj) has that width too.
+    separate_kv = any(_K.search(p.name.lower()) for p in found) and any(_V.search(p.name.lower()) for p in found)
+    for proj in found:
         name = proj.name.lower()
         out = proj.out_features
         if (
             "qkv" in name
             or "query_key_value" in name
             or name in ("c_attn", "w_pack", "wqkv")
-            or (proj.in_features == hidden and out == (heads + 2 * kv) * hd and heads + 2 * kv > 3)
+            or (not separate_kv and proj.in_features == hidden and out == (heads + 2 * kv) * hd and heads + 2 * kv > 3)
         ):
             roles.setdefault("qkv", proj)
         elif _Q.search(name):
@@ -496,6 +501,18 @@ def _attention_projections(ctx: Context) -> dict[str, mt.Projection]:
             roles.setdefault("o", proj)
         else:
             roles.setdefault(f"other:{proj.name}", proj)
+    if separate_kv and "q" not in roles and "qkv" not in roles:
+        # The query under a name of its own (q_gate_proj): the one other projection of the
+        # block input to the query width, or to twice it (each head's query and gate).
+        queries = [
+            key
+            for key, proj in roles.items()
+            if key.startswith("other:")
+            and proj.in_features == hidden
+            and proj.out_features in (heads * hd, 2 * heads * hd)
+        ]
+        if len(queries) == 1:
+            roles["q"] = roles.pop(queries[0])
     return roles
 
 
@@ -737,6 +754,12 @@ class _OutputGate:
     bias: bool = False
 
 
+def _query_gate_channels(heads: int, head_dim: int) -> torch.Tensor:
+    """The gate's channels of a query projection whose rows hold, head after head, the
+    head's query then its gate (``view(..., heads, 2 * head_dim).chunk(2, -1)``)."""
+    return (torch.arange(heads).unsqueeze(1) * 2 * head_dim + head_dim + torch.arange(head_dim)).flatten()
+
+
 def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> _OutputGate | None:
     """The attention output's gate, or ``None``: where it comes from, its function (probed
     by pinning the gate projection's output, :func:`probes.probe_output_gate_function`)
@@ -744,9 +767,22 @@ def _output_gate(ctx: Context, roles: dict[str, mt.Projection]) -> _OutputGate |
     if isinstance(ctx.get("kv_lora_rank"), int):
         return None  # MLA's query width is its own (nope + rope), not a gate
     q = roles.get("q")
-    if q is not None and q.out_features == 2 * ctx.tiny.num_attention_heads * ctx.tiny_head_dim():
-        ctx.evidence.append("attention output gate: the query projection also yields the gate")
-        return _OutputGate(OutputGateKind.IN_QUERY)
+    heads, hd = ctx.tiny.num_attention_heads, ctx.tiny_head_dim()
+    if q is not None and q.out_features == 2 * heads * hd:
+        out = roles.get("o")
+        key = f"{ctx.anatomy.attention_name}.{q.name}" if ctx.anatomy.attention_name else q.name
+        function = None
+        if out is not None and q.orientation == "out_in":
+            channels = _query_gate_channels(heads, hd)
+            function = probes.probe_output_gate_function(ctx.model, q.module, out.module, ctx.tiny, channels)
+        if function is None:
+            ctx.evidence.append("attention output gate: the query projection also yields a gate no probe read")
+            return _OutputGate(OutputGateKind.IN_QUERY)
+        kind = OutputGateKind(f"{function}_in_query")
+        ctx.evidence.append(
+            f"attention output gate: the second half of each head's rows of {key} (bias {q.bias}), probed {function}"
+        )
+        return _OutputGate(kind, key, q.bias)
     gates = [proj for key, proj in roles.items() if _is_gate_projection(ctx, key, proj)]
     if not gates:
         return None
@@ -3198,6 +3234,30 @@ def per_layer_differences(ctx: Context) -> list[str]:
             f"per-layer differences read over the {'full-depth' if full else 'tiny'} stack of {len(layers)} layers"
         )
     return found
+
+
+def head_transform(ctx: Context, scalars: ScalarFeatures) -> list[str]:
+    """Modules between the final norm and the LM head's projection, named.
+
+    Archon's head is ``output(norm(h))`` (times a constant, or through a measured embedding
+    projection). A model whose head reads something else, as ModernBERT-decoder's
+    prediction head (dense, activation, norm) before its ``decoder`` projection, would be
+    ported without it: the parametered top-level modules beside the base model and the
+    head are named.
+    """
+    if scalars.embedding_projection_out is not None:
+        return []
+    if probes.head_reads_final_norm(ctx.model, ctx.anatomy, ctx.tiny) is not False:
+        return []
+    head = ctx.anatomy.lm_head
+    base = ctx.anatomy.layers_path.split(".", 1)[0]
+    between = [
+        f"{name} ({type(child).__name__})"
+        for name, child in ctx.model.named_children()
+        if child is not head and name != base and any(True for _ in child.parameters())
+    ]
+    ctx.evidence.append("LM head: its input is no constant multiple of the final norm's output")
+    return [f"a transform between the final norm and the LM head: {', '.join(between) or 'unnamed'}"]
 
 
 def layer_stack_structure(ctx: Context) -> list[str]:

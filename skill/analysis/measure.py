@@ -183,6 +183,7 @@ def _inspect(
     scalars = detect.scalar_features(ctx)
     ctx.other.extend(detect.per_layer_differences(ctx))
     ctx.other.extend(detect.layer_stack_structure(ctx))
+    ctx.other.extend(detect.head_transform(ctx, scalars))
     pinned = detect.nested_forward_fields(ctx)
     switches = detect.forward_switches(ctx)
     nullable = detect.nullable_fields(ctx)

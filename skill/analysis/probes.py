@@ -169,7 +169,7 @@ def probe_block_norms(
     def hook(name: str):
         def run(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             first = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
-            out = output[0] if isinstance(output, tuple) else output
+            out = _output_tensor(output)
             if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) and name not in records:
                 records[name] = (first.detach(), out.detach())
 
@@ -184,7 +184,7 @@ def probe_block_norms(
             layer_input.setdefault("x", first.detach())
 
     def layer_out_hook(module: nn.Module, args: tuple, output: Any) -> None:
-        out = output[0] if isinstance(output, tuple) else output
+        out = _output_tensor(output)
         if isinstance(out, torch.Tensor):
             layer_input.setdefault("out", out.detach())
 
@@ -210,7 +210,7 @@ def probe_block_norms(
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
-    norm_records = {n: records[n] for n in anatomy.norms if n in records}
+    norm_records = {n: records[n] for n in [*anatomy.norms, *_identity_norm_standins(anatomy)] if n in records}
     pre = any(same(n_in, x) and same(n_out, attn_in) for n_in, n_out in norm_records.values())
     ffn_in, ffn_out = _ffn_io(anatomy, records)
     # A norm of the attention output that is added back to the residual (not fed straight
@@ -275,6 +275,18 @@ def probe_block_norms(
     if post_ln:
         return NormPlacement.POST_LN, roles
     return None, roles
+
+
+def _identity_norm_standins(anatomy: LayerAnatomy) -> list[str]:
+    """Layer 0's identities where later layers hold a norm (ModernBERT-decoder's layer-0
+    ``attn_norm``, the embeddings' norm standing in): read in its norm's place, so the
+    block's structure shows; the per-layer difference names the missing norm."""
+    later = anatomy.layers[1:]
+    return [
+        name
+        for name, child in anatomy.layers[0].named_children()
+        if isinstance(child, nn.Identity) and any(is_norm(getattr(layer, name, nn.Identity())) for layer in later)
+    ]
 
 
 def _ffn_io(
@@ -699,6 +711,37 @@ def probe_logit_multiplier(
     return None
 
 
+def head_reads_final_norm(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> bool | None:
+    """Whether the LM head's input is the final norm's output (or a constant multiple of it,
+    as MiniCPM's division before ``lm_head``); ``False`` when a module transforms it in
+    between (ModernBERT-decoder's dense, activation and norm), ``None`` when either is not
+    reached."""
+    head, norm = anatomy.lm_head, anatomy.final_norm
+    if head is None or norm is None:
+        return None
+    captured: dict[str, torch.Tensor] = {}
+
+    def on_head(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            captured.setdefault("head", args[0].detach())
+
+    def on_norm(module: nn.Module, args: tuple, output: Any) -> None:
+        out = _output_tensor(output)
+        if out is not None and "head" not in captured:
+            # Its last call before the head (NanoChat's one norm also runs on the embeddings).
+            captured["norm"] = out.detach()
+
+    handles = [head.register_forward_pre_hook(on_head), norm.register_forward_hook(on_norm)]
+    try:
+        logits(model, tokens_for(config, 4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "head" not in captured or "norm" not in captured:
+        return None
+    return _constant_ratio(captured["head"], captured["norm"]) is not None
+
+
 def _constant_ratio(out: torch.Tensor, plain: torch.Tensor) -> float | None:
     """``out / plain`` when it is one constant over the entries that are not tiny."""
     mask = plain.abs() > 1e-3
@@ -730,7 +773,7 @@ def probe_residual_multiplier(model: nn.Module, anatomy: LayerAnatomy, config: A
             captured.setdefault("x", first.detach())
 
     def after_layer(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        out = output[0] if isinstance(output, tuple) else output
+        out = _output_tensor(output)
         if isinstance(out, torch.Tensor):
             captured.setdefault("y", out.detach())
 
@@ -1053,6 +1096,8 @@ def _unit_rms_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[t
 
 
 def _output_tensor(output: Any) -> torch.Tensor | None:
+    """A module's main output: the tensor first in the tuple or list (GPT-1's blocks and
+    attention return lists) many HF modules return, or the tensor itself."""
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     return out if isinstance(out, torch.Tensor) else None
 
@@ -1361,7 +1406,9 @@ OUTPUT_GATE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.Module, config: Any) -> str | None:
+def probe_output_gate_function(
+    model: nn.Module, gate: nn.Module, out_proj: nn.Module, config: Any, channels: torch.Tensor | None = None
+) -> str | None:
     """The function ``f`` with ``out_proj``'s input ``= attention output * f(gate(x))``.
 
     The gate projection's output is pinned to a constant ``c`` (every head, every
@@ -1369,6 +1416,8 @@ def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.M
     output does not depend on the gate, so two constants give inputs whose ratio is
     ``f(c1) / f(c2)`` everywhere. ``None`` when no entry of
     :data:`OUTPUT_GATE_FUNCTIONS` explains it (the projection is no multiplicative gate).
+    ``channels``: the gate's output channels when the projection also yields others (a
+    query projection whose rows hold each head's query and gate); only those are pinned.
     """
     tokens = tokens_for(config, 5)
 
@@ -1377,7 +1426,13 @@ def probe_output_gate_function(model: nn.Module, gate: nn.Module, out_proj: nn.M
 
         def pin(module: nn.Module, args: tuple, output: Any) -> Any:
             found = _output_tensor(output)
-            return torch.full_like(found, value) if found is not None else output
+            if found is None:
+                return output
+            if channels is None:
+                return torch.full_like(found, value)
+            pinned = found.clone()
+            pinned[..., channels] = value
+            return pinned
 
         def on_out(module: nn.Module, args: tuple) -> None:
             if "x" not in captured and args and isinstance(args[0], torch.Tensor):

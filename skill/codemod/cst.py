@@ -846,6 +846,43 @@ def set_call_kwarg(
     return edited
 
 
+def set_call_argument(doc: Document, func_name: str, position: int, value_source: str, *, target: str) -> Document:
+    """Set positional argument ``position`` to the expression ``value_source`` in the calls
+    to ``func_name`` assigned to ``target`` (``nn.Linear``'s width of ``self.wq``). Raises
+    ``CodemodError`` when no such call has that argument."""
+    value = cst.parse_expression(value_source)
+    hits = 0
+
+    def edit(stmt: cst.BaseStatement) -> dict[cst.CSTNode, cst.CSTNode]:
+        nonlocal hits
+        calls = [
+            node
+            for small in _small_statements(stmt)
+            if isinstance(small, cst.Assign) and any(node_code(t.target) == target for t in small.targets)
+            for node in walk(small)
+            if isinstance(node, cst.Call)
+            and _call_name(node) == func_name
+            and len(node.args) > position
+            and all(arg.keyword is None and not arg.star for arg in node.args[: position + 1])
+        ]
+        hits += len(calls)
+        return {
+            call: call.with_changes(
+                args=[
+                    arg.with_changes(value=value.deep_clone()) if i == position else arg
+                    for i, arg in enumerate(call.args)
+                ]
+            )
+            for call in calls
+            if node_code(call.args[position].value) != value_source
+        }
+
+    edited = _edit_statements(doc, edit)
+    if hits == 0:
+        raise CodemodError(f"no call to {func_name} assigned to {target} with a positional argument {position}")
+    return edited
+
+
 def _small_statements(stmt: cst.CSTNode) -> Iterator[cst.BaseSmallStatement]:
     """Every small statement (an assignment, a return, an expression, ...) inside ``stmt``."""
     if isinstance(stmt, cst.SimpleStatementLine | cst.SimpleStatementSuite):

@@ -56,10 +56,12 @@ from skill.codemod.cst import (
     replace_return,
     replace_statement_assigning,
     replace_text,
+    set_call_argument,
     set_call_kwarg,
     set_docstring,
     upsert_method,
 )
+from skill.features import IN_QUERY_SUFFIX
 from skill.porting.plan import PortPlan
 from skill.porting.snippets import snippet
 
@@ -238,6 +240,30 @@ def _output_gate(text: Document, ctx: EditContext) -> Document:
     if granularity == "head":
         text = insert_before_class(text, "Attention", snippet("attention", "gate_per_head"))
         return replace_call(text, "Attention", "forward", "self.wo", f"self.wo(gate_per_head({{}}, {gate}))")
+    return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
+
+
+def _query_gate(text: Document, ctx: EditContext) -> Document:
+    """The query projection also yields the output gate (MiniCPM5-MoE's ``q_gate_proj``):
+    ``wq`` is twice as wide, each head's rows its query then its gate, and the gate
+    function of the gate scales the attention output before ``wo``, element by element."""
+    if "split_query_gate(" in text:
+        return text
+    kind = ctx.profile.output_gate
+    assert kind is not None
+    function = kind.removesuffix(IN_QUERY_SUFFIX)
+    text = set_call_argument(text, "nn.Linear", 1, "2 * self.n_heads * self.head_dim", target="self.wq")
+    text = insert_before_class(text, "Attention", snippet("attention", "split_query_gate"))
+    text = replace_call(text, "Attention", "forward", "self.wq", "query")
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "forward",
+        "bs, seqlen, _",
+        "# Each head's rows of wq hold its query, then the gate of its attention output.\n"
+        "query, gate = split_query_gate(self.wq(x), self.head_dim)\n",
+    )
+    gate = _GATE_FUNCTIONS[function].format("gate")
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
 
 
@@ -1647,8 +1673,14 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "output_gate",
         "attention output gated by a projection of the block input before wo",
-        lambda p: p.output_gate is not None,
+        lambda p: p.output_gate is not None and not p.output_gate.endswith(IN_QUERY_SUFFIX),
         _output_gate,
+    ),
+    ModelEdit(
+        "query_gate",
+        "attention output gated before wo by the second half of each head's query rows",
+        lambda p: p.output_gate is not None and p.output_gate.endswith(IN_QUERY_SUFFIX),
+        _query_gate,
     ),
     ModelEdit(
         "alibi_attention",
@@ -2057,7 +2089,13 @@ def _attention_features(profile: PortPlan) -> str:
         sentences.append("Scores are soft-capped before the softmax.")
     if profile.attn_sinks:
         sentences.append("A learned sink logit per head joins every softmax row and attends to nothing.")
-    if profile.output_gate:
+    if profile.output_gate and profile.output_gate.endswith(IN_QUERY_SUFFIX):
+        function = profile.output_gate.removesuffix(IN_QUERY_SUFFIX)
+        sentences.append(
+            f"Each head's rows of ``wq`` hold its query, then a gate: the {function} of the gate scales "
+            "the output before ``wo``."
+        )
+    elif profile.output_gate:
         function, granularity = profile.output_gate.split("_per_")
         sentences.append(
             f"``wg``, a projection of the block input, gates the output before ``wo``: {function} of one "

@@ -165,7 +165,8 @@ class PortPlan(BaseModel):
     output_gate: str | None = Field(
         default=None,
         description="a gate projection of the block input scales the attention output before wo: "
-        "<sigmoid|softplus>_per_<element|head>",
+        "<sigmoid|softplus>_per_<element|head>, or <sigmoid|softplus>_in_query (the gate is the second half "
+        "of each head's rows of wq)",
     )
     output_gate_bias: bool = Field(default=False, description="the output gate's projection has a bias")
     final_softcap: bool

@@ -28,6 +28,7 @@ from skill.codemod.cst import (
     statements,
     upsert_function,
 )
+from skill.features import IN_QUERY_SUFFIX
 from skill.porting.common import (
     PackageLayout,
     SourceRequest,
@@ -420,7 +421,7 @@ def apply_write_parallelize(
             {"feed_forward.act_fn": "SequenceParallel(sequence_dim=-1, use_local_output=True)"},
             raw_values=True,
         )
-    if profile.output_gate is not None:
+    if profile.output_gate is not None and not profile.output_gate.endswith(IN_QUERY_SUFFIX):
         # The gate projection splits like wq: each rank gates the heads it attends with.
         text = edit_dict_literal(text, PLAN_TARGET, {"attention.wg": "ColwiseParallel()"}, raw_values=True)
     if profile.block == "sandwich":

@@ -271,8 +271,19 @@ def export_head(destination: Path) -> Path:
 Porter = Callable[[Path, str, Path], Awaitable[Transcript]]
 
 
+def add_source(family: str, root: Path = REPO) -> str:
+    """What ``add`` ports ``family`` from, as its generated header names it (the model_type
+    ``openai-gpt`` for the package ``openai_gpt``); the family name for a package without one."""
+    from skill.porting.regenerate import header_command, parse_add_command
+
+    model = root / "archon_models" / family / "model" / "model.py"
+    command = header_command(model.read_text(encoding="utf-8")) if model.is_file() else None
+    return parse_add_command(command, family).source if command is not None else family
+
+
 def _skill_md_port(root: Path, family: str, session: Path) -> Awaitable[Transcript]:
-    return port_over_stdio(root, family, session=session, stages=SESSION_STAGES)
+    # SKILL.md names the package after the source (``openai-gpt`` -> ``openai_gpt``).
+    return port_over_stdio(root, add_source(family), session=session, stages=SESSION_STAGES)
 
 
 def porter(family: str) -> Porter:

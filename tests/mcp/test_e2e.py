@@ -12,7 +12,7 @@ import pytest
 from skill import session as sessions
 from skill.replay import ReplayInput, _check_call, replay_session
 from tests.mcp.conftest import REPO, make_project
-from tests.mcp.scripted_client import SESSIONS, port_over_stdio, ported_families
+from tests.mcp.scripted_client import SESSIONS, add_source, port_over_stdio, ported_families
 
 COMMITTED = sorted(SESSIONS.glob("*.jsonl"))
 E2E_FAMILY = "llama"
@@ -90,3 +90,10 @@ def test_committed_sessions_are_closed_and_portable():
         assert "/tmp/" not in text and str(REPO) not in text, f"{path.name} holds a machine-specific path"
         calls = [json.loads(line) for line in text.splitlines() if '"kind":"call"' in line]
         assert calls[-1]["tool"] == "check_package" and calls[-1]["result"]["passed"], path.name
+
+
+def test_a_session_is_recorded_from_the_source_the_package_header_names():
+    # The package of model_type "openai-gpt" is openai_gpt (a hyphen is no Python name): its
+    # session ports the model_type, and SKILL.md names the package after it again.
+    assert add_source("openai_gpt") == "openai-gpt"
+    assert add_source("llama") == "llama"

@@ -248,3 +248,30 @@ def test_a_multi_query_switch_fixes_one_kv_head_whatever_count_the_config_also_c
 
     assert plan.mqa_flag == "multi_query"
     assert plan.single_kv_head
+
+
+@needs("minicpm5_moe")
+def test_minicpm5_moe_query_projection_also_yields_the_output_gate() -> None:
+    # MiniCPM5MoeAttention: q_gate_proj (2 * heads * head_dim rows, each head's query then its
+    # gate) beside its own k_proj and v_proj; the default config has half as many KV heads as
+    # query heads at the tiny size, so the width alone also read as a fused q/k/v ("other").
+    report = report_for("minicpm5_moe")
+    attention = report.checklist.attention
+    assert not attention.fused_qkv and attention.fused_qkv_layout is FusedQKVLayout.NONE
+    assert attention.output_gate and attention.output_gate_kind == "sigmoid_in_query"
+    assert attention.output_gate_key == "self_attn.q_gate_proj"
+    # transformers saves q_gate_proj as q_proj: the port's wq loads it whole.
+    assert report.checkpoint.module_map["model.layers.{}.self_attn.q_proj"] == "layers.{}.attention.wq"
+    assert report.unsupported == []
+
+
+def test_a_prediction_head_between_the_final_norm_and_the_lm_head_is_named() -> None:
+    # ModernBertDecoderForCausalLM: decoder(lm_head(final_norm(h))), lm_head a dense layer, an
+    # activation and a LayerNorm; read as a plain head, the port would leave them out.
+    report = report_for("modernbert-decoder")
+    line = "unsupported: a transform between the final norm and the LM head: lm_head (ModernBertDecoderPredictionHead)"
+    assert line in report.unsupported
+    # A constant factor in between is no transform (MiniCPM3 divides by its width scale), and a
+    # norm that also runs on the embeddings is read on its last call (NanoChat).
+    for family in ("minicpm3", "nanochat"):
+        assert not any("LM head" in line for line in report_for(family).unsupported), family

@@ -19,12 +19,13 @@ KINDS = [
     OutputGateKind.SOFTPLUS_PER_ELEMENT,
     OutputGateKind.SOFTPLUS_PER_HEAD,
 ]
+QUERY_KINDS = [OutputGateKind.SIGMOID_IN_QUERY, OutputGateKind.SOFTPLUS_IN_QUERY]
 GATE_FUNCTIONS = {"sigmoid": torch.sigmoid, "softplus": F.softplus}
 
 
-def test_supported_kinds_are_the_separate_projection_ones() -> None:
+def test_supported_kinds_are_the_read_gate_functions() -> None:
     supported = SUPPORTED_EDITS[Feature.ATTN_OUTPUT_GATE]
-    assert set(KINDS) | {"false"} == supported
+    assert set(KINDS) | set(QUERY_KINDS) | {"false"} == supported
     assert OutputGateKind.IN_QUERY not in supported and OutputGateKind.UNMATCHED not in supported
 
 
@@ -130,4 +131,72 @@ def test_output_gate_scales_what_wo_receives(reference: str, kind: str) -> None:
     if granularity == "head":
         assert gate.shape[-1] == attention.n_heads
         gate = gate.repeat_interleave(attention.head_dim, dim=-1)
+    torch.testing.assert_close(seen["gated"], seen["plain"] * gate)
+
+
+# ------------------------------------------------------ a gate inside the query projection
+
+
+def test_query_gate_composes_in_any_order_with_the_other_attention_edits_on_both_references() -> None:
+    for reference in sorted(REFERENCES):
+        plan = _plan(OutputGateKind.SIGMOID_IN_QUERY, attn_sinks=True, block="sandwich")
+        names = select_edits(plan, REFERENCES[reference])
+        assert "query_gate" in names and "output_gate" not in names and "attention_sinks" in names
+        text = apply_model_edits(REFERENCES[reference], _ctx(plan, reference), names)
+        assert apply_model_edits(REFERENCES[reference], _ctx(plan, reference), list(reversed(names))) == text
+        assert apply_model_edits(text, _ctx(plan, reference), names) == text
+        assert "nn.Linear(model_args.dim, 2 * self.n_heads * self.head_dim" in text
+        assert text.count("query, gate = split_query_gate(self.wq(x), self.head_dim)") == 1
+        assert "self.wg" not in text and text.count("def split_query_gate(") == 1
+        _load(text, f"_query_gate_{reference}")  # it compiles
+
+
+@pytest.mark.parametrize("reference", sorted(REFERENCES))
+@pytest.mark.parametrize("kind", QUERY_KINDS)
+def test_query_gate_splits_each_heads_rows_into_query_then_gate(reference: str, kind: str) -> None:
+    """With wq's rows head by head [query, gate], ``wo`` receives the attention output of the
+    query rows alone times f(the gate rows of x)."""
+    plan = _plan(kind)
+    gated = _load(
+        apply_model_edits(REFERENCES[reference], _ctx(plan, reference), select_edits(plan, REFERENCES[reference])), "_q"
+    )
+    plain_plan = plan.model_copy(update={"output_gate": None})
+    plain = _load(
+        apply_model_edits(
+            REFERENCES[reference], _ctx(plain_plan, reference), select_edits(plain_plan, REFERENCES[reference])
+        ),
+        "_p",
+    )
+    torch.manual_seed(0)
+    model = _tiny_model(gated, reference)
+    model.init_weights()
+    base = _tiny_model(plain, reference)
+    attention = model.layers["0"].attention
+    heads, head_dim = attention.n_heads, attention.head_dim
+    rows = attention.wq.weight.unflatten(0, (heads, 2, head_dim))  # head, [query, gate], channel
+    state = dict(model.state_dict())
+    state["layers.0.attention.wq.weight"] = rows[:, 0].flatten(0, 1)
+    base.load_state_dict(state)
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(name: str):
+        def hook(module, args):
+            seen[name] = args[0].detach()
+
+        return hook
+
+    handles = [
+        attention.wo.register_forward_pre_hook(capture("gated")),
+        attention.wq.register_forward_pre_hook(capture("x")),
+        base.layers["0"].attention.wo.register_forward_pre_hook(capture("plain")),
+    ]
+    tokens = torch.arange(10).unsqueeze(0)
+    cu_seqlens, positions = torch.tensor([0, 4, 10]), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        model(tokens, positions, cu_seqlens, 6)
+        base(tokens, positions, cu_seqlens, 6)
+    for handle in handles:
+        handle.remove()
+    gate = GATE_FUNCTIONS[kind.removesuffix("_in_query")](seen["x"] @ rows[:, 1].flatten(0, 1).detach().T)
     torch.testing.assert_close(seen["gated"], seen["plain"] * gate)

@@ -135,6 +135,18 @@ def test_set_call_kwarg_edits_only_the_named_target():
     assert "self.wq = nn.Linear(1, 2, bias=bias)" in out and "self.wo = nn.Linear(2, 1, bias=True)" in out
 
 
+def test_set_call_argument_edits_one_positional_argument_of_the_named_target():
+    source = (
+        "class A:\n    def __init__(self):\n        self.wq = nn.Linear(1, 2, bias=bias)\n"
+        "        self.wo = nn.Linear(2, 1, bias=False)\n"
+    )
+    out = c.set_call_argument(c.Document(source), "nn.Linear", 1, "2 * 2", target="self.wq")
+    assert "self.wq = nn.Linear(1, 2 * 2, bias=bias)" in out and "self.wo = nn.Linear(2, 1, bias=False)" in out
+    assert c.set_call_argument(out, "nn.Linear", 1, "2 * 2", target="self.wq") is out  # already set
+    with pytest.raises(c.CodemodError, match="positional argument 2"):
+        c.set_call_argument(c.Document(source), "nn.Linear", 2, "3", target="self.wq")
+
+
 @pytest.mark.parametrize(
     "name", ["../evil", "a/b", "Mistral", "my-model", "class", "attention", "", "9lives", ".hidden"]
 )

@@ -111,13 +111,32 @@ def test_trocr_block_is_post_ln_without_a_final_norm():
     assert not any("norm placement" in line for line in report.unsupported)
 
 
+def test_gpt1_blocks_that_return_lists_are_read_as_post_ln():
+    # OpenAI GPT's Block: n = ln_1(x + attn(x)[0]); h = ln_2(n + mlp(n)); its attention and
+    # its block return lists, not tuples (a hook reads the first item of either), and the
+    # model has no norm after the stack.
+    report = report_for("openai-gpt")
+    norm = report.checklist.norm
+    assert norm.placement is NormPlacement.POST_LN
+    assert norm.block_norms == {"ln_1": "attention_residual", "ln_2": "ffn_residual"}
+    assert norm.final_norm is False
+    assert report.unsupported == []
+
+
 def test_an_identity_first_norm_is_not_post_ln():
     # ModernBertDecoderLayer: attn_norm is nn.Identity on layer 0, then
     # residual + attn(attn_norm(x)); residual + mlp(mlp_norm(x)): pre-norm, the layer ends on
     # a residual sum, not on a norm.
+    # The identity is read in the norm's place: a pre-norm block.
     report = report_for("modernbert-decoder")
-    assert report.checklist.norm.placement is not NormPlacement.POST_LN
-    assert report.unsupported  # still refused (its first layer differs, its head is not plain)
+    assert report.checklist.norm.placement is NormPlacement.PRE
+    assert report.checklist.norm.block_norms == {"mlp_norm": "pre_ffn", "attn_norm": "pre_attention"}
+    # Still refused, by name: its first layer has no attention norm, its head is not plain.
+    assert not any("norm probe could not read" in line for line in report.unsupported)
+    assert any(
+        "per-layer difference: attn_norm" in line and "(layer 0: Identity[])" in line for line in report.unsupported
+    )
+    assert any("between the final norm and the LM head" in line for line in report.unsupported)
 
 
 def test_pre_norm_families_keep_their_final_norm():

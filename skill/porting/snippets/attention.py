@@ -493,6 +493,14 @@ def query_position_scale(positions: torch.Tensor, beta: float, period: int) -> t
     return scale[..., None, None]
 
 
+def split_query_gate(projected: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries and the output gate of a query projection whose rows hold, head after
+    head, the head's query and then its gate (``[..., heads * 2 * head_dim]``; the heads a
+    rank holds under tensor parallelism): two ``[..., heads * head_dim]`` tensors."""
+    query, gate = projected.unflatten(-1, (-1, 2 * head_dim)).chunk(2, dim=-1)
+    return query.flatten(-2), gate.flatten(-2)
+
+
 def gate_per_head(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The attention output ``out`` (``[..., heads * head_dim]``) with each head's channels
     scaled by that head's one gate value (``gate``: ``[..., heads]``; the heads a rank
