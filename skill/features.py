@@ -288,6 +288,10 @@ class AttentionFeatures(_Frozen):
         None, description="the gate projection's module in a layer's checkpoint keys (self_attn.gate_proj)"
     )
     output_gate_bias: bool = Field(False, description="the gate projection has a bias")
+    sub_norm: NormKind | None = _optional_fact(
+        "a norm over every head's output (n_heads * head_dim) that the output projection reads (BitNet's "
+        "attn_sub_norm), its kind; measured: the projection's input is the norm's output, with the block norms' eps"
+    )
     nope_layers: list[int] = Field(
         default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
     )
@@ -335,6 +339,10 @@ class FFNFeatures(_Frozen):
     )
     intermediate_ratio_field: str | None = Field(
         None, description="config field whose value times hidden_size is the FFN width (MPT's expansion_ratio)"
+    )
+    sub_norm: NormKind | None = _optional_fact(
+        "a norm over the hidden width that the down projection reads (BitNet's ffn_sub_norm), its kind; "
+        "measured: the projection's input is the norm's output, with the block norms' eps"
     )
 
 
@@ -601,6 +609,7 @@ class Feature(StrEnum):
     MLA = "mla"
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
+    ATTN_SUB_NORM = "attn_sub_norm"
     QKV_CLIP = "qkv_clip"
     QUERY_POSITION_SCALE = "query_position_scale"
     NOPE_LAYERS = "nope_layers"
@@ -608,6 +617,7 @@ class Feature(StrEnum):
     ACTIVATION = "activation"
     FFN_BIAS = "ffn_bias"
     FUSED_GATE_UP = "fused_gate_up"
+    FFN_SUB_NORM = "ffn_sub_norm"
     MOE = "moe"
     ROUTER_SCORING = "router_scoring"
     NORM_TOPK_PROB = "norm_topk_prob"
@@ -659,6 +669,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.MLA: "multi-head latent attention",
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
+    Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
     Feature.QKV_CLIP: "q/k/v clipping",
     Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
     Feature.NOPE_LAYERS: "layers without RoPE",
@@ -666,6 +677,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ACTIVATION: "activation",
     Feature.FFN_BIAS: "FFN bias",
     Feature.FUSED_GATE_UP: "fused gate/up projection",
+    Feature.FFN_SUB_NORM: "norm on the FFN hidden state before the down projection",
     Feature.MOE: "mixture of experts",
     Feature.ROUTER_SCORING: "router scoring",
     Feature.NORM_TOPK_PROB: "top-k renormalisation",
@@ -794,6 +806,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
         {"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu", "clamped_swiglu"}
     ),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
+    # model_edits.attention_sub_norm / ffn_sub_norm: the block norms' class over the width the
+    # projection reads (engine_limits refuses one of another kind than the block norms').
+    Feature.ATTN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
+    Feature.FFN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     Feature.NORM_KIND: frozenset(
         {
             NormKind.RMS,
@@ -1015,6 +1031,11 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         ).value,
         Feature.OTHER: "; ".join(checklist.other),
     }
+    # Only a family with the norm has the feature: the others' reports read as before.
+    if att.sub_norm is not None:
+        values[Feature.ATTN_SUB_NORM] = att.sub_norm.value
+    if ffn.sub_norm is not None:
+        values[Feature.FFN_SUB_NORM] = ffn.sub_norm.value
     if pos.kind is PositionKind.ROPE:
         # RoPE details only mean something for a rotary family.
         values.update(

@@ -26,7 +26,14 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
-from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN, moe_output_norm_place, norm_place
+from skill.analysis.places import (
+    ATTENTION_OUTPUT,
+    FFN_DOWN,
+    ContractInput,
+    moe_output_norm_place,
+    norm_place,
+    norm_width,
+)
 from skill.analysis.saved_names import SavedLocation, saved_locations
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
@@ -88,6 +95,9 @@ class Context:
     other: list[str] = field(default_factory=list)
     # An ``other`` feature -> where its hand edit goes in the Archon contract (measured).
     places: dict[str, HandEditPlace] = field(default_factory=dict)
+    # A norm inside a layer's module that an edit writes -> its Archon module inside the layer
+    # (``attention.sub_norm``), for the checkpoint's module map.
+    contract_norms: dict[nn.Module, str] = field(default_factory=dict)
     _scalars: dict[str, ScalarField] | None = None
     _locations: dict[str, SavedLocation] | None = None
 
@@ -1265,6 +1275,35 @@ def _mla_qk_width(ctx: Context) -> int | None:
     return nope + rope
 
 
+def _eps_of(norm: nn.Module) -> float | None:
+    value = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    return value if isinstance(value, float) else None
+
+
+def _sub_norm(
+    ctx: Context, norms: dict[str, nn.Module], place: HandEditPlace | None, contract: ContractInput, archon: str
+) -> NormKind | None:
+    """The kind of the one norm whose output the projection of ``contract`` reads, when an edit
+    writes it (as Archon's ``archon`` module): ``place`` (measured by :func:`norm_place`) is that
+    projection's input, the norm computes a kind of the vocabulary and holds the block norms'
+    epsilon. ``None`` otherwise: the norm stays a feature no edit supports."""
+    if place != contract.place or len(norms) != 1:
+        return None
+    (norm,) = norms.values()
+    width = norm_width(norm)
+    block_norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
+    if width is None or block_norm is None:
+        return None
+    kind = probes.probe_norm_kind(norm, width)
+    eps = _eps_of(norm)
+    if kind is NormKind.OTHER or eps is None or eps != _eps_of(block_norm):
+        ctx.evidence.append(f"{next(iter(norms))}: {kind.value} norm, eps {eps} unlike the block norms': no edit")
+        return None
+    ctx.contract_norms[norm] = archon
+    ctx.evidence.append(f"{next(iter(norms))}: a {kind.value} norm {contract.statement} (measured)")
+    return kind
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -1311,6 +1350,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             latent_norm_eps_field=_latent_norm_eps_field(ctx),
         )
     sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
+    sub_norm: NormKind | None = None
     unexplained = [
         n for n, _ in (attention.named_parameters(recurse=False) if attention is not None else []) if "sink" not in n
     ]
@@ -1335,13 +1375,16 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             if mt.is_norm(child) and n not in named and "_a_" not in n and not n.startswith(("kv_a", "q_a"))
         ]
         if inner:
-            feature = f"norm inside the attention outside the vocabulary: {', '.join(inner)}"
-            ctx.other.append(feature)
             children = dict(attention.named_children())
             consumers = {roles["o"].module: ATTENTION_OUTPUT} if "o" in roles else {}
-            place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, consumers)
-            if place is not None:
-                ctx.places[feature] = place
+            norms = {n: children[n] for n in inner}
+            place = norm_place(ctx.model, ctx.tiny, norms, consumers)
+            sub_norm = _sub_norm(ctx, norms, place, ATTENTION_OUTPUT, "attention.sub_norm")
+            if sub_norm is None:
+                feature = f"norm inside the attention outside the vocabulary: {', '.join(inner)}"
+                ctx.other.append(feature)
+                if place is not None:
+                    ctx.places[feature] = place
         # A child with parameters of its own that is no projection and no norm: a module the
         # attention consults (DeepSeek-V3.2's sparse-attention indexer picking the keys to attend).
         nested = [
@@ -1392,6 +1435,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         output_gate_kind=gate.kind if gate else None,
         output_gate_key=gate.key if gate else None,
         output_gate_bias=gate.bias if gate else False,
+        sub_norm=sub_norm,
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
@@ -1593,16 +1637,21 @@ def ffn_features(ctx: Context) -> FFNFeatures:
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
     inner = [n for n, m in mlp.named_modules() if n and mt.is_norm(m)]
+    sub_norm = None
     if inner:
-        feature = f"norm inside the feed-forward: {', '.join(inner)}"
-        ctx.other.append(feature)
         hidden = ctx.tiny.hidden_size
         downs = [p for p in mt.projections(mlp) if p.out_features == hidden and p.in_features != hidden]
         children = dict(mlp.named_modules())
-        place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, {p.module: FFN_DOWN for p in downs})
-        if place is not None:
-            ctx.places[feature] = place
-    return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
+        norms = {n: children[n] for n in inner}
+        place = norm_place(ctx.model, ctx.tiny, norms, {p.module: FFN_DOWN for p in downs})
+        sub_norm = _sub_norm(ctx, norms, place, FFN_DOWN, "feed_forward.sub_norm")
+        if sub_norm is None:
+            feature = f"norm inside the feed-forward: {', '.join(inner)}"
+            ctx.other.append(feature)
+            if place is not None:
+                ctx.places[feature] = place
+    features = _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
+    return features.model_copy(update={"sub_norm": sub_norm}) if sub_norm is not None else features
 
 
 def _plain_or_gated(
@@ -3336,6 +3385,10 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             hf = template(proj.module)
             if hf is not None:
                 mapping[hf] = f"layers.{{}}.feed_forward.{part}"
+    for norm, archon in ctx.contract_norms.items():
+        hf = template(norm)
+        if hf is not None:
+            mapping[hf] = f"layers.{{}}.{archon}"
     if anatomy.attention is not None:
         # The QK norms, found by structure (Archon's q_norm / k_norm whatever HF calls them).
         for pair, archon in zip(mt.qk_norms(anatomy.attention), ("q_norm", "k_norm"), strict=True):

@@ -241,6 +241,29 @@ def _output_gate(text: Document, ctx: EditContext) -> Document:
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
 
 
+def _attention_sub_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class over every head's output (``n_heads * head_dim``) on
+    the input of ``wo``, innermost: ``wo`` reads the norm's output (BitNet's attn_sub_norm)."""
+    if "self.sub_norm" in class_code(text, "Attention"):
+        return text
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# The attention output is normalised over all heads before wo.\n"
+        "self.sub_norm = RMSNorm(self.n_heads * self.head_dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nself.sub_norm.reset_parameters()\n",
+    )
+    return replace_call(text, "Attention", "forward", "self.wo", "self.wo(self.sub_norm({}))")
+
+
 def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
@@ -1153,6 +1176,53 @@ def _mlp_bias(text: Document, ctx: EditContext) -> Document:
     return text
 
 
+FEED_FORWARD = "self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)"
+# The block's pre-attention norm as the norm edits left it: its class and keywords.
+BLOCK_NORM = re.compile(r"self\.attention_norm = (?P<cls>[\w.]+)\(model_args\.dim, (?P<kwargs>[^)]*)\)")
+
+
+def _block_norm_call(text: Document, width: str, eps: str) -> str:
+    """A norm built as the block's ``attention_norm`` is (what the norm-kind edits made of it),
+    over ``width`` with epsilon ``eps``."""
+    found = BLOCK_NORM.search(class_code(text, "TransformerBlock"))
+    if found is None:
+        raise CodemodError("TransformerBlock.__init__ builds no attention_norm over model_args.dim")
+    return f"{found['cls']}({width}, {found['kwargs'].replace('model_args.norm_eps', eps)})"
+
+
+def _ffn_sub_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class over the hidden width on the input of ``w2``,
+    innermost: ``w2`` reads the norm's output (BitNet's ffn_sub_norm). The feed-forward takes
+    the norm's epsilon from the block. It runs after the norm-kind edits and the MLP's own
+    (plain_mlp rewrites the class), so it builds the norm as the block's norms are built."""
+    if "self.sub_norm" in class_code(text, "FeedForward"):
+        return text
+    text = add_parameter(text, "FeedForward", "__init__", "norm_eps: float")
+    text = insert_after_statement_assigning(
+        text,
+        "FeedForward",
+        "__init__",
+        "self.w2",
+        "# The hidden state is normalised over its full width before w2.\n"
+        f"self.sub_norm = {_block_norm_call(text, 'hidden_dim', 'norm_eps')}\n",
+    )
+    text = replace_in_function(
+        text,
+        "FeedForward",
+        "init_weights",
+        "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)",
+        "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)\nself.sub_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        FEED_FORWARD,
+        FEED_FORWARD.replace("model_args.hidden_dim)", "model_args.hidden_dim, model_args.norm_eps)"),
+    )
+    return replace_call(text, "FeedForward", "forward", "self.w2", "self.w2(self.sub_norm({}))")
+
+
 # --- block and model scalars ------------------------------------------------------------
 
 EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
@@ -1651,6 +1721,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _output_gate,
     ),
     ModelEdit(
+        "attention_sub_norm",
+        "a norm over all heads on the attention output before wo",
+        lambda p: p.attn_sub_norm,
+        _attention_sub_norm,
+    ),
+    ModelEdit(
         "alibi_attention",
         "ALiBi: a fixed per-head linear bias on the scores by in-document distance",
         lambda p: p.positions == "alibi",
@@ -1828,6 +1904,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "biases on the feed-forward projections",
         lambda p: p.mlp_bias and not p.all_layers_moe,
         _mlp_bias,
+        needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
+        "ffn_sub_norm",
+        "a norm over the hidden width on the feed-forward's hidden state before w2",
+        lambda p: p.ffn_sub_norm and not p.all_layers_moe,
+        _ffn_sub_norm,
         needed=lambda text: "class FeedForward" in text,
     ),
     ModelEdit(

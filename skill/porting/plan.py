@@ -168,6 +168,12 @@ class PortPlan(BaseModel):
         "<sigmoid|softplus>_per_<element|head>",
     )
     output_gate_bias: bool = Field(default=False, description="the output gate's projection has a bias")
+    attn_sub_norm: bool = Field(
+        default=False, description="a norm of the block norms' class over n_heads * head_dim on wo's input"
+    )
+    ffn_sub_norm: bool = Field(
+        default=False, description="a norm of the block norms' class over hidden_dim on w2's input"
+    )
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     attn_scale_constant: float | None = Field(
@@ -488,6 +494,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         attn_softcap=att.logit_softcap is not None,
         attn_sinks=att.sinks,
         output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
+        attn_sub_norm=att.sub_norm is not None,
+        ffn_sub_norm=ffn.sub_norm is not None,
         output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,

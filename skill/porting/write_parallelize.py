@@ -423,6 +423,21 @@ def apply_write_parallelize(
     if profile.output_gate is not None:
         # The gate projection splits like wq: each rank gates the heads it attends with.
         text = edit_dict_literal(text, PLAN_TARGET, {"attention.wg": "ColwiseParallel()"}, raw_values=True)
+    # A norm over the full width a column-wise projection shards (all heads, the hidden units):
+    # the shards are gathered for it, whatever it computes, and the row-wise projection takes its
+    # own slice of the replicated result locally.
+    gathered = (
+        "PrepareModuleInput(input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_output=True)"
+    )
+    row_wise = "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
+    if profile.attn_sub_norm:
+        text = edit_dict_literal(
+            text, PLAN_TARGET, {"attention.sub_norm": gathered, "attention.wo": row_wise}, raw_values=True
+        )
+    if profile.ffn_sub_norm and not profile.all_layers_moe:
+        text = edit_dict_literal(
+            text, PLAN_TARGET, {"feed_forward.sub_norm": gathered, "feed_forward.w2": row_wise}, raw_values=True
+        )
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
         # reduce-scatter to; local outputs, because they are added to the local residual.
