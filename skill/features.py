@@ -349,6 +349,11 @@ class FFNFeatures(_Frozen):
 class MoEFeatures(_Frozen):
     num_experts: int
     top_k: int
+    output_norm: NormKind | None = _optional_fact(
+        "a norm the HF MoE block applies to its own output (routed plus shared experts) before the residual add "
+        "(A.X-K1's post_mlp_layernorm), its kind; measured: its input is the branches' sum, its output the "
+        "block's, with the block norms' eps"
+    )
     router_scoring: RouterScoring = RouterScoring.SOFTMAX
     norm_topk_prob: bool = False
     score_correction_bias: bool = False
@@ -631,6 +636,7 @@ class Feature(StrEnum):
     EXPERT_BIAS = "expert_bias"
     ROUTER_BIAS = "router_bias"
     SELECTION_BIAS_PLACEMENT = "selection_bias_placement"
+    MOE_OUTPUT_NORM = "moe_output_norm"
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
@@ -691,6 +697,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.EXPERT_BIAS: "expert projection biases",
     Feature.ROUTER_BIAS: "router linear bias",
     Feature.SELECTION_BIAS_PLACEMENT: "router selection bias on the logits",
+    Feature.MOE_OUTPUT_NORM: "norm on the MoE block's output",
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
@@ -775,6 +782,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # joins the logits before the score function (reported only then; on the scores it is
     # AReaL's expert_bias, the score-correction bias above).
     Feature.SELECTION_BIAS_PLACEMENT: frozenset({"logits"}),
+    # model_edits.moe_output_norm: the block norms' class on the MoE's output in the block, on MoE
+    # layers (engine_limits refuses one of another kind than the block norms').
+    Feature.MOE_OUTPUT_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
@@ -898,6 +908,8 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # No shared experts: the reference's _moe_args reads n_shared_experts (0 when the config
     # has none), AReaL's MoE then builds none, and the TP plan skips them when None.
     Feature.SHARED_EXPERTS: frozenset({"false"}),
+    # model_edits.moe_output_norm writes it in the block, which this reference shares.
+    Feature.MOE_OUTPUT_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
 }
 
 
@@ -1065,6 +1077,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         )
         if moe.selection_bias_placement == "logits":
             values[Feature.SELECTION_BIAS_PLACEMENT] = "logits"
+        if moe.output_norm is not None:
+            values[Feature.MOE_OUTPUT_NORM] = moe.output_norm.value
     return {feature: values[feature] for feature in Feature if feature in values}
 
 

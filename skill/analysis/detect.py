@@ -29,6 +29,7 @@ from skill.analysis.config_fields import mapped_field
 from skill.analysis.places import (
     ATTENTION_OUTPUT,
     FFN_DOWN,
+    MOE_BRANCH_ADD,
     ContractInput,
     moe_output_norm_place,
     norm_place,
@@ -1280,16 +1281,10 @@ def _eps_of(norm: nn.Module) -> float | None:
     return value if isinstance(value, float) else None
 
 
-def _sub_norm(
-    ctx: Context, norms: dict[str, nn.Module], place: HandEditPlace | None, contract: ContractInput, archon: str
-) -> NormKind | None:
-    """The kind of the one norm whose output the projection of ``contract`` reads, when an edit
-    writes it (as Archon's ``archon`` module): ``place`` (measured by :func:`norm_place`) is that
-    projection's input, the norm computes a kind of the vocabulary and holds the block norms'
-    epsilon. ``None`` otherwise: the norm stays a feature no edit supports."""
-    if place != contract.place or len(norms) != 1:
-        return None
-    (norm,) = norms.values()
+def _block_like_norm(ctx: Context, name: str, norm: nn.Module, archon: str, where: str) -> NormKind | None:
+    """The kind of ``norm`` (HF's ``name``, found ``where``) when an edit writes it as Archon's
+    ``archon`` module inside the layer: it computes a kind of the vocabulary and holds the block
+    norms' epsilon. ``None`` otherwise: the norm stays a feature no edit supports."""
     width = norm_width(norm)
     block_norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     if width is None or block_norm is None:
@@ -1297,11 +1292,22 @@ def _sub_norm(
     kind = probes.probe_norm_kind(norm, width)
     eps = _eps_of(norm)
     if kind is NormKind.OTHER or eps is None or eps != _eps_of(block_norm):
-        ctx.evidence.append(f"{next(iter(norms))}: {kind.value} norm, eps {eps} unlike the block norms': no edit")
+        ctx.evidence.append(f"{name}: {kind.value} norm, eps {eps} unlike the block norms': no edit")
         return None
     ctx.contract_norms[norm] = archon
-    ctx.evidence.append(f"{next(iter(norms))}: a {kind.value} norm {contract.statement} (measured)")
+    ctx.evidence.append(f"{name}: a {kind.value} norm {where} (measured)")
     return kind
+
+
+def _sub_norm(
+    ctx: Context, norms: dict[str, nn.Module], place: HandEditPlace | None, contract: ContractInput, archon: str
+) -> NormKind | None:
+    """The kind of the one norm whose output the projection of ``contract`` reads, when an edit
+    writes it (:func:`_block_like_norm`); ``place`` is where :func:`norm_place` measured it."""
+    if place != contract.place or len(norms) != 1:
+        return None
+    ((name, norm),) = norms.items()
+    return _block_like_norm(ctx, name, norm, archon, contract.statement)
 
 
 def attention_features(ctx: Context) -> AttentionFeatures:
@@ -2150,14 +2156,19 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         or (ffn is not None and _has_selection_bias(ffn, expert_count(ctx.tiny) or 0))
     )
     placement = _selection_bias_placement(ctx, ffn, moe_layer) if correction else ""
+    output_norm: NormKind | None = None
     if ffn is not None:
         inner = [n for n, child in ffn.named_children() if mt.is_norm(child)]
         if inner:
-            feature = f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}"
-            ctx.other.append(feature)
             place = _moe_output_norm_place(ctx, moe_layer, ffn, inner)
-            if place is not None:
-                ctx.places[feature] = place
+            if place == MOE_BRANCH_ADD:
+                where = "on the MoE's output before the residual add"
+                output_norm = _block_like_norm(ctx, inner[0], getattr(ffn, inner[0]), "moe_output_norm", where)
+            if output_norm is None:
+                feature = f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}"
+                ctx.other.append(feature)
+                if place is not None:
+                    ctx.places[feature] = place
     router_bias = False
     shared_gate = False
     shared = 0
@@ -2244,6 +2255,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     return MoEFeatures(
         num_experts=num_experts,
         top_k=_top_k(ctx.config) or 0,
+        output_norm=output_norm,
         router_scoring=scoring,
         norm_topk_prob=bool(norm_topk),
         score_correction_bias=correction,
@@ -3311,6 +3323,25 @@ def saved_qkv(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[str, list[
     return ctx.layer_prefix.removesuffix("0.") + "{}." + key[len(ctx.layer_prefix) :], order
 
 
+def _layer_key_template(ctx: Context, name: str | None, saved_modules: set[str]) -> str | None:
+    """The checkpoint module of the layer module ``name`` (of any layer: a MoE block's norm may
+    sit on layer 1 of the tiny model), with ``{}`` for the layer index; found by value when
+    ``save_pretrained`` writes it under another name (A.X-K1's ``mlp.post_mlp_layernorm`` is
+    saved as ``post_mlp_layernorm``)."""
+    layers_path = ctx.anatomy.layers_path
+    found = re.match(rf"{re.escape(layers_path)}\.(?P<index>\d+)\.(?P<inner>.+)$", name or "")
+    if found is None or name is None:
+        return None
+    if name in saved_modules:
+        return f"{layers_path}.{{}}.{found['inner']}"
+    stack = ctx.layer_prefix.removesuffix("0.")
+    saved_layer = f"{stack}{found['index']}."
+    location = ctx.saved_location(f"{name}.weight")
+    if location is None or not location.whole or not location.key.startswith(saved_layer):
+        return None
+    return f"{stack}{{}}.{location.module[len(saved_layer) :]}"
+
+
 def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
     """HF module -> Archon module, found by structure, for the modules the checkpoint holds.
 
@@ -3386,7 +3417,7 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             if hf is not None:
                 mapping[hf] = f"layers.{{}}.feed_forward.{part}"
     for norm, archon in ctx.contract_norms.items():
-        hf = template(norm)
+        hf = _layer_key_template(ctx, names.get(id(norm)), saved_modules)
         if hf is not None:
             mapping[hf] = f"layers.{{}}.{archon}"
     if anatomy.attention is not None:

@@ -236,6 +236,10 @@ def engine_limits(checklist: Checklist) -> list[str]:
             f"norm before the down projection of kind {checklist.ffn.sub_norm.value} "
             f"beside {norm.kind.value} block norms"
         )
+    if moe is not None and moe.output_norm is not None and moe.output_norm is not norm.kind:
+        limits.append(
+            f"norm on the MoE block's output of kind {moe.output_norm.value} beside {norm.kind.value} block norms"
+        )
     if checklist.ffn.sub_norm is not None and moe is not None:
         # FeedForward also builds the shared experts, whose MLP has no such norm measured.
         limits.append("norm before the down projection of a MoE family's dense MLP")

@@ -424,6 +424,31 @@ def _post_branches(text: Document) -> Document:
     return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
 
 
+def _moe_output_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class on the MoE's output, where the block adds it to the
+    residual (A.X-K1's post_mlp_layernorm, which HF applies inside its MoE block). Not inside
+    Archon's MoE module: under TP its output there is a partial sum until the module's output
+    step. Dense layers add their feed-forward's output as it is."""
+    if "self.moe_output_norm" in text:
+        return text
+    norm = "RMSNorm(model_args.dim, eps=model_args.norm_eps)"
+    built = norm if ctx.profile.all_layers_moe else f"{norm} if self.moe_enabled else nn.Identity()"
+    text = insert_after_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe_enabled",
+        "# The MoE's output (routed plus shared experts) is normalised before the residual add.\n"
+        f"self.moe_output_norm = {built}\n",
+    )
+    reset = "self.moe_output_norm.reset_parameters()"
+    if not ctx.profile.all_layers_moe:
+        reset = f"if self.moe_enabled:\n    {reset}"
+    init = "self.attention.init_weights(self.weight_init_std)"
+    text = replace_in_function(text, "TransformerBlock", "init_weights", init, f"{init}\n{reset}\n")
+    return wrap_residual_branch(text, "ffn", "self.moe_output_norm({})", applied_if="moe_output_norm")
+
+
 def _sandwich_norm(text: Document, ctx: EditContext) -> Document:
     """Norms before and after each sub-layer: ``x + post_norm(f(norm(x)))``."""
     text = _add_block_norms(text, ("post_attention_norm", "post_ffn_norm"))
@@ -1780,6 +1805,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         lambda p: p.rotary_reversed,
         _reversed_rotation,
     ),
+    ModelEdit(
+        "moe_output_norm",
+        "a norm on the MoE's output before the residual add (MoE layers only)",
+        lambda p: p.moe_output_norm,
+        _moe_output_norm,
+    ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit(
         "sandwich_norm", "norms before and after each sub-layer", lambda p: p.block == "sandwich", _sandwich_norm
@@ -1990,6 +2021,7 @@ EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
     "latent_norm_eps",
+    "moe_output_norm",
     "residual_multiplier",
     "dense_layers",
     "no_correction_bias",

@@ -174,6 +174,9 @@ class PortPlan(BaseModel):
     ffn_sub_norm: bool = Field(
         default=False, description="a norm of the block norms' class over hidden_dim on w2's input"
     )
+    moe_output_norm: bool = Field(
+        default=False, description="a norm of the block norms' class on the MoE's output before the residual add"
+    )
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     attn_scale_constant: float | None = Field(
@@ -496,6 +499,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
         attn_sub_norm=att.sub_norm is not None,
         ffn_sub_norm=ffn.sub_norm is not None,
+        moe_output_norm=moe is not None and moe.output_norm is not None,
         output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,

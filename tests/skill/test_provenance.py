@@ -142,10 +142,15 @@ def test_a_norm_on_the_moe_output_is_marked_at_the_blocks_moe_residual_add():
     residual add, over ``dim``. Archon's MoE module cannot hold it: under TP its output is a
     partial sum until the module's output step. Unplaced, the marker sat atop the block's forward,
     above the attention."""
+    from skill.analysis.places import MOE_BRANCH_ADD
     from skill.porting.edit_model import mark_hand_edits
 
-    plan = plan_for("axk1")
+    # As if it were of another kind than the block norms (the moe_output_norm edit writes it as it
+    # is): the place tests/skill/test_moe_output_norm.py measures on A.X-K1's classes.
     feature = "norm on the MoE block's output, inside the MoE module: post_mlp_layernorm"
+    plan = plan_for("axk1").model_copy(
+        update={"unsupported": [f"unsupported: {feature}"], "hand_edit_places": {feature: MOE_BRANCH_ADD}}
+    )
     place = plan.hand_edit_places[feature]
     assert (place.class_name, place.function, place.anchor, place.width) == (
         "TransformerBlock",
