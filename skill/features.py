@@ -288,6 +288,11 @@ class AttentionFeatures(_Frozen):
         None, description="the gate projection's module in a layer's checkpoint keys (self_attn.gate_proj)"
     )
     output_gate_bias: bool = Field(False, description="the gate projection has a bias")
+    o_bias_last_layer_key: str | None = _optional_fact(
+        "the checkpoint key inside a layer ({} the layer) of a bias the last layer's output projection has and no "
+        "other layer's does (GPT-NeoX-Japanese's attention.dense_bias); measured: folded into the projection's "
+        "output, the logits stay the same"
+    )
     sub_norm: NormKind | None = _optional_fact(
         "a norm over every head's output (n_heads * head_dim) that the output projection reads (BitNet's "
         "attn_sub_norm), its kind; measured: the projection's input is the norm's output, with the block norms' eps"
@@ -615,6 +620,7 @@ class Feature(StrEnum):
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
     ATTN_SUB_NORM = "attn_sub_norm"
+    O_BIAS_LAYERS = "o_bias_layers"
     QKV_CLIP = "qkv_clip"
     QUERY_POSITION_SCALE = "query_position_scale"
     NOPE_LAYERS = "nope_layers"
@@ -676,6 +682,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
     Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
+    Feature.O_BIAS_LAYERS: "layers whose output projection has a bias",
     Feature.QKV_CLIP: "q/k/v clipping",
     Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
     Feature.NOPE_LAYERS: "layers without RoPE",
@@ -816,6 +823,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
         {"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu", "clamped_swiglu"}
     ),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
+    # model_edits.last_layer_o_bias: the last layer's output projection alone is biased.
+    Feature.O_BIAS_LAYERS: frozenset({"last"}),
     # model_edits.attention_sub_norm / ffn_sub_norm: the block norms' class over the width the
     # projection reads (engine_limits refuses one of another kind than the block norms').
     Feature.ATTN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
@@ -1046,6 +1055,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
     # Only a family with the norm has the feature: the others' reports read as before.
     if att.sub_norm is not None:
         values[Feature.ATTN_SUB_NORM] = att.sub_norm.value
+    if att.o_bias_last_layer_key is not None:
+        values[Feature.O_BIAS_LAYERS] = "last"
     if ffn.sub_norm is not None:
         values[Feature.FFN_SUB_NORM] = ffn.sub_norm.value
     if pos.kind is PositionKind.ROPE:

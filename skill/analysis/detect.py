@@ -14,7 +14,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,9 @@ class Context:
     # A norm inside a layer's module that an edit writes -> its Archon module inside the layer
     # (``attention.sub_norm``), for the checkpoint's module map.
     contract_norms: dict[nn.Module, str] = field(default_factory=dict)
+    # Parameters (dotted, inside a layer) an edit writes on some layers only: no per-layer
+    # difference (``attention.dense_bias``, the last layer's output-projection bias).
+    per_layer_parameters: set[str] = field(default_factory=set)
     _scalars: dict[str, ScalarField] | None = None
     _locations: dict[str, SavedLocation] | None = None
 
@@ -1310,6 +1313,53 @@ def _sub_norm(
     return _block_like_norm(ctx, name, norm, archon, contract.statement)
 
 
+def last_layer_output_bias(ctx: Context, roles: dict[str, mt.Projection]) -> str | None:
+    """The checkpoint key, inside a layer, of a vector the last layer's attention holds and no
+    other layer's does, measured as its output projection's bias (GPT-NeoX-Japanese's
+    ``dense_bias``): with it zeroed and its value added to the projection's output instead, the
+    full-depth model's logits stay the same. ``None`` when there is no such vector."""
+    model, layers, full = ctx.layer_stack()
+    name = ctx.anatomy.attention_name
+    if not full or len(layers) < 2 or name is None or "o" not in roles:
+        return None
+    first, *middle, last = (layer.get_submodule(name) for layer in layers)
+    own = {n for n, _ in first.named_parameters(recurse=False)}
+    extra = [(n, p) for n, p in last.named_parameters(recurse=False) if n not in own]
+    if len(extra) != 1 or extra[0][1].dim() != 1:
+        return None
+    (param_name, bias), projection = extra[0], roles["o"].name
+    if any(param_name in dict(m.named_parameters(recurse=False)) for m in middle):
+        return None
+    output = last.get_submodule(projection)
+    if bias.shape[0] != getattr(output, "out_features", None):
+        return None
+    tokens = probes.tokens_for(ctx.tiny, 5)
+    saved = bias.detach().clone()
+    try:
+        with torch.no_grad():
+            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(0)))
+            value = bias.detach().clone()
+            held = probes.logits(model, tokens)
+            bias.zero_()
+            handle = output.register_forward_hook(lambda module, args, out: out + value)
+            try:
+                moved = probes.logits(model, tokens)
+            finally:
+                handle.remove()
+    except Exception as exc:  # a forward the probe cannot run: not measured
+        logger.debug("measuring %s as the output projection's bias failed: %s", param_name, exc)
+        return None
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+    if not torch.allclose(held, moved, atol=1e-5):
+        return None
+    key = f"{name}.{param_name}"
+    ctx.per_layer_parameters.add(key)
+    ctx.evidence.append(f"{key}: the last layer's output-projection bias, no other layer's (measured)")
+    return key
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -1442,6 +1492,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         output_gate_key=gate.key if gate else None,
         output_gate_bias=gate.bias if gate else False,
         sub_norm=sub_norm,
+        o_bias_last_layer_key=last_layer_output_bias(ctx, roles) if not o_bias else None,
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
@@ -3192,12 +3243,15 @@ def transposed_weights(ctx: Context) -> list[str]:
 # ------------------------------------------------------------ per-layer differences
 
 
-def _module_signature(module: nn.Module, prefix: str) -> dict[str, str]:
-    """Every sub-module of a layer part by path: its class and its own parameters' shapes."""
+def _module_signature(module: nn.Module, prefix: str, written: Set[str] = frozenset()) -> dict[str, str]:
+    """Every sub-module of a layer part by path: its class and its own parameters' shapes, but
+    those an edit ``written`` on some layers only."""
     signature = {}
     for name, sub in module.named_modules():
         path = f"{prefix}.{name}" if name else prefix
-        params = ", ".join(f"{p}{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False))
+        params = ", ".join(
+            f"{p}{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False) if f"{path}.{p}" not in written
+        )
         signature[path] = f"{type(sub).__name__}[{params}]"
     return signature
 
@@ -3212,7 +3266,7 @@ def _layer_parts(ctx: Context, layer: nn.Module) -> tuple[dict[str, str], dict[s
     rest: dict[str, str] = {}
     for name, child in layer.named_children():
         is_ffn = name == ctx.anatomy.ffn_name or mt.layer_has_experts(child)
-        (ffn if is_ffn else rest).update(_module_signature(child, name))
+        (ffn if is_ffn else rest).update(_module_signature(child, name, ctx.per_layer_parameters))
     rest.update(_module_signature_own(layer))
     return ffn, rest
 

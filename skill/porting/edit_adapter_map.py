@@ -517,6 +517,9 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         )
         experts = fused_expert_keys(checklist.moe)
         buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
+        if checklist.attention.o_bias_last_layer_key is not None:
+            # The last layer's output-projection bias, held by its attention module itself.
+            buffers[checklist.attention.o_bias_last_layer_key] = "attention.wo.bias"
         derived = derive_from_hf_map(
             list(shapes),
             dense_layers=dense_layers,

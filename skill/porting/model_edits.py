@@ -241,6 +241,22 @@ def _output_gate(text: Document, ctx: EditContext) -> Document:
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
 
 
+def _last_layer_o_bias(text: Document, ctx: EditContext) -> Document:
+    """The last layer's output projection alone has a bias (GPT-NeoX-Japanese's ``dense_bias``,
+    added to ``dense``'s output): ``Attention`` takes ``output_bias`` and the block sets it on the
+    last layer."""
+    text = add_parameter(text, "Attention", "__init__", "output_bias: bool = False")
+    # Set again on a second run: projection_bias writes the projections' biases of layer 0.
+    text = set_call_kwarg(text, "nn.Linear", "bias", "output_bias", target="self.wo")
+    init = "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)"
+    zero = "if self.wo.bias is not None:\n    nn.init.zeros_(self.wo.bias)"
+    if "nn.init.zeros_(self.wo.bias)" not in class_code(text, "Attention"):
+        text = replace_in_function(text, "Attention", "init_weights", init, f"{init}\n{zero}\n")
+    return set_call_kwarg(
+        text, "Attention", "output_bias", "layer_id == model_args.n_layers - 1", target="self.attention"
+    )
+
+
 def _attention_sub_norm(text: Document, ctx: EditContext) -> Document:
     """A norm of the block norms' class over every head's output (``n_heads * head_dim``) on
     the input of ``wo``, innermost: ``wo`` reads the norm's output (BitNet's attn_sub_norm)."""
@@ -1744,6 +1760,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "attention output gated by a projection of the block input before wo",
         lambda p: p.output_gate is not None,
         _output_gate,
+    ),
+    ModelEdit(
+        "last_layer_o_bias",
+        "a bias on the last layer's output projection only",
+        lambda p: p.o_bias_last_layer,
+        _last_layer_o_bias,
     ),
     ModelEdit(
         "attention_sub_norm",

@@ -74,25 +74,26 @@ def test_the_cli_prints_the_pointer_on_the_same_errors(capsys, error: Exception,
 
 
 def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(workspace: Path):
-    """gpt_neox_japanese's last-layer ``attention.dense_bias`` matches no rule: the derivation
-    names it, says to map it with ``add`` and points to the section; with ``add`` in the same
-    call the map is derived around it (fused q/k/v included)."""
-    name, key = "gpt_neox_japanese", "gpt_neox_japanese.layers.{}.attention.dense_bias"
-    shutil.rmtree(workspace / "archon_models" / name)  # committed (ported by hand): port it afresh here
+    """DiffLlama's differential-attention ``lambda_*`` vectors match no rule: the derivation names
+    them, says to map them with ``add`` and points to the section; with ``add`` in the same call
+    the map is derived around them. (gpt_neox_japanese's last-layer ``dense_bias`` was the example
+    until the last_layer_o_bias edit mapped it.)"""
+    name = "diffllama"
+    keys = {
+        f"model.layers.{{}}.self_attn.{lam}": f"layers.{{}}.attention.{lam}"
+        for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+    }
     copied = _call(workspace, "copy_reference", {"model_name": name, "reference": "qwen2", "model_types": [name]})
     assert not copied.is_error
     refused = _call(workspace, "edit_adapter_map", {"model_name": name, "source": name})
     error = refused.structured_content["error"]
-    assert error["exception"] == "UnmappedKeyError" and key in error["message"]
+    assert error["exception"] == "UnmappedKeyError" and all(key in error["message"] for key in keys)
     assert "`add`" in error["message"] and error["see"] is not None
-    arguments = {"model_name": name, "source": name, "add": {key: "layers.{}.attention.wo.bias"}}
-    derived = _call(workspace, "edit_adapter_map", arguments)
+    derived = _call(workspace, "edit_adapter_map", {"model_name": name, "source": name, "add": keys})
     assert not derived.is_error, derived.structured_content
     from_hf_map = derived.structured_content["from_hf_map"]
-    assert from_hf_map[key] == "layers.{}.attention.wo.bias"
-    assert from_hf_map[f"{name}.layers.{{}}.attention.dense.weight"] == "layers.{}.attention.wo.weight"
-    adapter = (workspace / f"archon_models/{name}/model/state_dict_adapter.py").read_text()
-    assert f'"{name}.layers.{{}}.attention.query_key_value.weight": [' in adapter
+    assert {key: from_hf_map[key] for key in keys} == keys
+    assert from_hf_map["model.layers.{}.self_attn.o_proj.weight"] == "layers.{}.attention.wo.weight"
 
 
 # deepseek_v32 ports from deepseek_v3, a reference whose map no edit derives; its sparse-attention
