@@ -297,6 +297,15 @@ class AttentionFeatures(_Frozen):
         None, description="the gate projection's module in a layer's checkpoint keys (self_attn.gate_proj)"
     )
     output_gate_bias: bool = Field(False, description="the gate projection has a bias")
+    o_bias_last_layer_key: str | None = _optional_fact(
+        "the checkpoint key inside a layer ({} the layer) of a bias the last layer's output projection has and no "
+        "other layer's does (GPT-NeoX-Japanese's attention.dense_bias); measured: folded into the projection's "
+        "output, the logits stay the same"
+    )
+    sub_norm: NormKind | None = _optional_fact(
+        "a norm over every head's output (n_heads * head_dim) that the output projection reads (BitNet's "
+        "attn_sub_norm), its kind; measured: the projection's input is the norm's output, with the block norms' eps"
+    )
     nope_layers: list[int] = Field(
         default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
     )
@@ -345,11 +354,20 @@ class FFNFeatures(_Frozen):
     intermediate_ratio_field: str | None = Field(
         None, description="config field whose value times hidden_size is the FFN width (MPT's expansion_ratio)"
     )
+    sub_norm: NormKind | None = _optional_fact(
+        "a norm over the hidden width that the down projection reads (BitNet's ffn_sub_norm), its kind; "
+        "measured: the projection's input is the norm's output, with the block norms' eps"
+    )
 
 
 class MoEFeatures(_Frozen):
     num_experts: int
     top_k: int
+    output_norm: NormKind | None = _optional_fact(
+        "a norm the HF MoE block applies to its own output (routed plus shared experts) before the residual add "
+        "(A.X-K1's post_mlp_layernorm), its kind; measured: its input is the branches' sum, its output the "
+        "block's, with the block norms' eps"
+    )
     router_scoring: RouterScoring = RouterScoring.SOFTMAX
     norm_topk_prob: bool = False
     score_correction_bias: bool = False
@@ -610,6 +628,8 @@ class Feature(StrEnum):
     MLA = "mla"
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
+    ATTN_SUB_NORM = "attn_sub_norm"
+    O_BIAS_LAYERS = "o_bias_layers"
     QKV_CLIP = "qkv_clip"
     QUERY_POSITION_SCALE = "query_position_scale"
     NOPE_LAYERS = "nope_layers"
@@ -617,6 +637,7 @@ class Feature(StrEnum):
     ACTIVATION = "activation"
     FFN_BIAS = "ffn_bias"
     FUSED_GATE_UP = "fused_gate_up"
+    FFN_SUB_NORM = "ffn_sub_norm"
     MOE = "moe"
     ROUTER_SCORING = "router_scoring"
     NORM_TOPK_PROB = "norm_topk_prob"
@@ -630,6 +651,7 @@ class Feature(StrEnum):
     EXPERT_BIAS = "expert_bias"
     ROUTER_BIAS = "router_bias"
     SELECTION_BIAS_PLACEMENT = "selection_bias_placement"
+    MOE_OUTPUT_NORM = "moe_output_norm"
     POSITION_KIND = "position_kind"
     ROPE_TYPE = "rope_type"
     ROTARY_STYLE = "rotary_style"
@@ -668,6 +690,8 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.MLA: "multi-head latent attention",
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
+    Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
+    Feature.O_BIAS_LAYERS: "layers whose output projection has a bias",
     Feature.QKV_CLIP: "q/k/v clipping",
     Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
     Feature.NOPE_LAYERS: "layers without RoPE",
@@ -675,6 +699,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ACTIVATION: "activation",
     Feature.FFN_BIAS: "FFN bias",
     Feature.FUSED_GATE_UP: "fused gate/up projection",
+    Feature.FFN_SUB_NORM: "norm on the FFN hidden state before the down projection",
     Feature.MOE: "mixture of experts",
     Feature.ROUTER_SCORING: "router scoring",
     Feature.NORM_TOPK_PROB: "top-k renormalisation",
@@ -688,6 +713,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.EXPERT_BIAS: "expert projection biases",
     Feature.ROUTER_BIAS: "router linear bias",
     Feature.SELECTION_BIAS_PLACEMENT: "router selection bias on the logits",
+    Feature.MOE_OUTPUT_NORM: "norm on the MoE block's output",
     Feature.POSITION_KIND: "position encoding",
     Feature.ROPE_TYPE: "RoPE scaling type",
     Feature.ROTARY_STYLE: "rotary pairing",
@@ -772,6 +798,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # joins the logits before the score function (reported only then; on the scores it is
     # AReaL's expert_bias, the score-correction bias above).
     Feature.SELECTION_BIAS_PLACEMENT: frozenset({"logits"}),
+    # model_edits.moe_output_norm: the block norms' class on the MoE's output in the block, on MoE
+    # layers (engine_limits refuses one of another kind than the block norms').
+    Feature.MOE_OUTPUT_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     # Edits of the porting engine (skill/porting/model_edits.py, set_rope.py).
     Feature.O_BIAS: frozenset({"true", "false"}),
     Feature.SLIDING_WINDOW: frozenset(
@@ -806,6 +835,12 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
         {"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu", "clamped_swiglu"}
     ),
     Feature.FFN_BIAS: frozenset({"true", "false"}),
+    # model_edits.last_layer_o_bias: the last layer's output projection alone is biased.
+    Feature.O_BIAS_LAYERS: frozenset({"last"}),
+    # model_edits.attention_sub_norm / ffn_sub_norm: the block norms' class over the width the
+    # projection reads (engine_limits refuses one of another kind than the block norms').
+    Feature.ATTN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
+    Feature.FFN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     Feature.NORM_KIND: frozenset(
         {
             NormKind.RMS,
@@ -894,6 +929,8 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # No shared experts: the reference's _moe_args reads n_shared_experts (0 when the config
     # has none), AReaL's MoE then builds none, and the TP plan skips them when None.
     Feature.SHARED_EXPERTS: frozenset({"false"}),
+    # model_edits.moe_output_norm writes it in the block, which this reference shares.
+    Feature.MOE_OUTPUT_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
 }
 
 
@@ -1027,6 +1064,13 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         ).value,
         Feature.OTHER: "; ".join(checklist.other),
     }
+    # Only a family with the norm has the feature: the others' reports read as before.
+    if att.sub_norm is not None:
+        values[Feature.ATTN_SUB_NORM] = att.sub_norm.value
+    if att.o_bias_last_layer_key is not None:
+        values[Feature.O_BIAS_LAYERS] = "last"
+    if ffn.sub_norm is not None:
+        values[Feature.FFN_SUB_NORM] = ffn.sub_norm.value
     if pos.kind is PositionKind.ROPE:
         # RoPE details only mean something for a rotary family.
         values.update(
@@ -1056,6 +1100,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         )
         if moe.selection_bias_placement == "logits":
             values[Feature.SELECTION_BIAS_PLACEMENT] = "logits"
+        if moe.output_norm is not None:
+            values[Feature.MOE_OUTPUT_NORM] = moe.output_norm.value
     return {feature: values[feature] for feature in Feature if feature in values}
 
 

@@ -14,7 +14,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,15 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
-from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN, moe_output_norm_place, norm_place
+from skill.analysis.places import (
+    ATTENTION_OUTPUT,
+    FFN_DOWN,
+    MOE_BRANCH_ADD,
+    ContractInput,
+    moe_output_norm_place,
+    norm_place,
+    norm_width,
+)
 from skill.analysis.saved_names import SavedLocation, saved_locations
 from skill.analysis.source_scan import SourceFacts
 from skill.features import (
@@ -88,6 +96,12 @@ class Context:
     other: list[str] = field(default_factory=list)
     # An ``other`` feature -> where its hand edit goes in the Archon contract (measured).
     places: dict[str, HandEditPlace] = field(default_factory=dict)
+    # A norm inside a layer's module that an edit writes -> its Archon module inside the layer
+    # (``attention.sub_norm``), for the checkpoint's module map.
+    contract_norms: dict[nn.Module, str] = field(default_factory=dict)
+    # Parameters (dotted, inside a layer) an edit writes on some layers only: no per-layer
+    # difference (``attention.dense_bias``, the last layer's output-projection bias).
+    per_layer_parameters: set[str] = field(default_factory=set)
     _scalars: dict[str, ScalarField] | None = None
     _locations: dict[str, SavedLocation] | None = None
 
@@ -1301,6 +1315,87 @@ def _mla_qk_width(ctx: Context) -> int | None:
     return nope + rope
 
 
+def _eps_of(norm: nn.Module) -> float | None:
+    value = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    return value if isinstance(value, float) else None
+
+
+def _block_like_norm(ctx: Context, name: str, norm: nn.Module, archon: str, where: str) -> NormKind | None:
+    """The kind of ``norm`` (HF's ``name``, found ``where``) when an edit writes it as Archon's
+    ``archon`` module inside the layer: it computes a kind of the vocabulary and holds the block
+    norms' epsilon. ``None`` otherwise: the norm stays a feature no edit supports."""
+    width = norm_width(norm)
+    block_norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
+    if width is None or block_norm is None:
+        return None
+    kind = probes.probe_norm_kind(norm, width)
+    eps = _eps_of(norm)
+    if kind is NormKind.OTHER or eps is None or eps != _eps_of(block_norm):
+        ctx.evidence.append(f"{name}: {kind.value} norm, eps {eps} unlike the block norms': no edit")
+        return None
+    ctx.contract_norms[norm] = archon
+    ctx.evidence.append(f"{name}: a {kind.value} norm {where} (measured)")
+    return kind
+
+
+def _sub_norm(
+    ctx: Context, norms: dict[str, nn.Module], place: HandEditPlace | None, contract: ContractInput, archon: str
+) -> NormKind | None:
+    """The kind of the one norm whose output the projection of ``contract`` reads, when an edit
+    writes it (:func:`_block_like_norm`); ``place`` is where :func:`norm_place` measured it."""
+    if place != contract.place or len(norms) != 1:
+        return None
+    ((name, norm),) = norms.items()
+    return _block_like_norm(ctx, name, norm, archon, contract.statement)
+
+
+def last_layer_output_bias(ctx: Context, roles: dict[str, mt.Projection]) -> str | None:
+    """The checkpoint key, inside a layer, of a vector the last layer's attention holds and no
+    other layer's does, measured as its output projection's bias (GPT-NeoX-Japanese's
+    ``dense_bias``): with it zeroed and its value added to the projection's output instead, the
+    full-depth model's logits stay the same. ``None`` when there is no such vector."""
+    model, layers, full = ctx.layer_stack()
+    name = ctx.anatomy.attention_name
+    if not full or len(layers) < 2 or name is None or "o" not in roles:
+        return None
+    first, *middle, last = (layer.get_submodule(name) for layer in layers)
+    own = {n for n, _ in first.named_parameters(recurse=False)}
+    extra = [(n, p) for n, p in last.named_parameters(recurse=False) if n not in own]
+    if len(extra) != 1 or extra[0][1].dim() != 1:
+        return None
+    (param_name, bias), projection = extra[0], roles["o"].name
+    if any(param_name in dict(m.named_parameters(recurse=False)) for m in middle):
+        return None
+    output = last.get_submodule(projection)
+    if bias.shape[0] != getattr(output, "out_features", None):
+        return None
+    tokens = probes.tokens_for(ctx.tiny, 5)
+    saved = bias.detach().clone()
+    try:
+        with torch.no_grad():
+            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(0)))
+            value = bias.detach().clone()
+            held = probes.logits(model, tokens)
+            bias.zero_()
+            handle = output.register_forward_hook(lambda module, args, out: out + value)
+            try:
+                moved = probes.logits(model, tokens)
+            finally:
+                handle.remove()
+    except Exception as exc:  # a forward the probe cannot run: not measured
+        logger.debug("measuring %s as the output projection's bias failed: %s", param_name, exc)
+        return None
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+    if not torch.allclose(held, moved, atol=1e-5):
+        return None
+    key = f"{name}.{param_name}"
+    ctx.per_layer_parameters.add(key)
+    ctx.evidence.append(f"{key}: the last layer's output-projection bias, no other layer's (measured)")
+    return key
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -1347,6 +1442,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             latent_norm_eps_field=_latent_norm_eps_field(ctx),
         )
     sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
+    sub_norm: NormKind | None = None
     unexplained = [
         n for n, _ in (attention.named_parameters(recurse=False) if attention is not None else []) if "sink" not in n
     ]
@@ -1371,13 +1467,16 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             if mt.is_norm(child) and n not in named and "_a_" not in n and not n.startswith(("kv_a", "q_a"))
         ]
         if inner:
-            feature = f"norm inside the attention outside the vocabulary: {', '.join(inner)}"
-            ctx.other.append(feature)
             children = dict(attention.named_children())
             consumers = {roles["o"].module: ATTENTION_OUTPUT} if "o" in roles else {}
-            place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, consumers)
-            if place is not None:
-                ctx.places[feature] = place
+            norms = {n: children[n] for n in inner}
+            place = norm_place(ctx.model, ctx.tiny, norms, consumers)
+            sub_norm = _sub_norm(ctx, norms, place, ATTENTION_OUTPUT, "attention.sub_norm")
+            if sub_norm is None:
+                feature = f"norm inside the attention outside the vocabulary: {', '.join(inner)}"
+                ctx.other.append(feature)
+                if place is not None:
+                    ctx.places[feature] = place
         # A child with parameters of its own that is no projection and no norm: a module the
         # attention consults (DeepSeek-V3.2's sparse-attention indexer picking the keys to attend).
         nested = [
@@ -1428,6 +1527,8 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         output_gate_kind=gate.kind if gate else None,
         output_gate_key=gate.key if gate else None,
         output_gate_bias=gate.bias if gate else False,
+        sub_norm=sub_norm,
+        o_bias_last_layer_key=last_layer_output_bias(ctx, roles) if not o_bias else None,
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
@@ -1629,16 +1730,21 @@ def ffn_features(ctx: Context) -> FFNFeatures:
             intermediate_size=intermediate if isinstance(intermediate, int) else None,
         )
     inner = [n for n, m in mlp.named_modules() if n and mt.is_norm(m)]
+    sub_norm = None
     if inner:
-        feature = f"norm inside the feed-forward: {', '.join(inner)}"
-        ctx.other.append(feature)
         hidden = ctx.tiny.hidden_size
         downs = [p for p in mt.projections(mlp) if p.out_features == hidden and p.in_features != hidden]
         children = dict(mlp.named_modules())
-        place = norm_place(ctx.model, ctx.tiny, {n: children[n] for n in inner}, {p.module: FFN_DOWN for p in downs})
-        if place is not None:
-            ctx.places[feature] = place
-    return _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
+        norms = {n: children[n] for n in inner}
+        place = norm_place(ctx.model, ctx.tiny, norms, {p.module: FFN_DOWN for p in downs})
+        sub_norm = _sub_norm(ctx, norms, place, FFN_DOWN, "feed_forward.sub_norm")
+        if sub_norm is None:
+            feature = f"norm inside the feed-forward: {', '.join(inner)}"
+            ctx.other.append(feature)
+            if place is not None:
+                ctx.places[feature] = place
+    features = _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
+    return features.model_copy(update={"sub_norm": sub_norm}) if sub_norm is not None else features
 
 
 def _plain_or_gated(
@@ -2137,14 +2243,19 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         or (ffn is not None and _has_selection_bias(ffn, expert_count(ctx.tiny) or 0))
     )
     placement = _selection_bias_placement(ctx, ffn, moe_layer) if correction else ""
+    output_norm: NormKind | None = None
     if ffn is not None:
         inner = [n for n, child in ffn.named_children() if mt.is_norm(child)]
         if inner:
-            feature = f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}"
-            ctx.other.append(feature)
             place = _moe_output_norm_place(ctx, moe_layer, ffn, inner)
-            if place is not None:
-                ctx.places[feature] = place
+            if place == MOE_BRANCH_ADD:
+                where = "on the MoE's output before the residual add"
+                output_norm = _block_like_norm(ctx, inner[0], getattr(ffn, inner[0]), "moe_output_norm", where)
+            if output_norm is None:
+                feature = f"norm on the MoE block's output, inside the MoE module: {', '.join(inner)}"
+                ctx.other.append(feature)
+                if place is not None:
+                    ctx.places[feature] = place
     router_bias = False
     shared_gate = False
     shared = 0
@@ -2231,6 +2342,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     return MoEFeatures(
         num_experts=num_experts,
         top_k=_top_k(ctx.config) or 0,
+        output_norm=output_norm,
         router_scoring=scoring,
         norm_topk_prob=bool(norm_topk),
         score_correction_bias=correction,
@@ -3167,12 +3279,15 @@ def transposed_weights(ctx: Context) -> list[str]:
 # ------------------------------------------------------------ per-layer differences
 
 
-def _module_signature(module: nn.Module, prefix: str) -> dict[str, str]:
-    """Every sub-module of a layer part by path: its class and its own parameters' shapes."""
+def _module_signature(module: nn.Module, prefix: str, written: Set[str] = frozenset()) -> dict[str, str]:
+    """Every sub-module of a layer part by path: its class and its own parameters' shapes, but
+    those an edit ``written`` on some layers only."""
     signature = {}
     for name, sub in module.named_modules():
         path = f"{prefix}.{name}" if name else prefix
-        params = ", ".join(f"{p}{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False))
+        params = ", ".join(
+            f"{p}{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False) if f"{path}.{p}" not in written
+        )
         signature[path] = f"{type(sub).__name__}[{params}]"
     return signature
 
@@ -3187,7 +3302,7 @@ def _layer_parts(ctx: Context, layer: nn.Module) -> tuple[dict[str, str], dict[s
     rest: dict[str, str] = {}
     for name, child in layer.named_children():
         is_ffn = name == ctx.anatomy.ffn_name or mt.layer_has_experts(child)
-        (ffn if is_ffn else rest).update(_module_signature(child, name))
+        (ffn if is_ffn else rest).update(_module_signature(child, name, ctx.per_layer_parameters))
     rest.update(_module_signature_own(layer))
     return ffn, rest
 
@@ -3322,6 +3437,25 @@ def saved_qkv(ctx: Context, roles: dict[str, mt.Projection]) -> tuple[str, list[
     return ctx.layer_prefix.removesuffix("0.") + "{}." + key[len(ctx.layer_prefix) :], order
 
 
+def _layer_key_template(ctx: Context, name: str | None, saved_modules: set[str]) -> str | None:
+    """The checkpoint module of the layer module ``name`` (of any layer: a MoE block's norm may
+    sit on layer 1 of the tiny model), with ``{}`` for the layer index; found by value when
+    ``save_pretrained`` writes it under another name (A.X-K1's ``mlp.post_mlp_layernorm`` is
+    saved as ``post_mlp_layernorm``)."""
+    layers_path = ctx.anatomy.layers_path
+    found = re.match(rf"{re.escape(layers_path)}\.(?P<index>\d+)\.(?P<inner>.+)$", name or "")
+    if found is None or name is None:
+        return None
+    if name in saved_modules:
+        return f"{layers_path}.{{}}.{found['inner']}"
+    stack = ctx.layer_prefix.removesuffix("0.")
+    saved_layer = f"{stack}{found['index']}."
+    location = ctx.saved_location(f"{name}.weight")
+    if location is None or not location.whole or not location.key.startswith(saved_layer):
+        return None
+    return f"{stack}{{}}.{location.module[len(saved_layer) :]}"
+
+
 def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
     """HF module -> Archon module, found by structure, for the modules the checkpoint holds.
 
@@ -3396,6 +3530,10 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             hf = template(proj.module)
             if hf is not None:
                 mapping[hf] = f"layers.{{}}.feed_forward.{part}"
+    for norm, archon in ctx.contract_norms.items():
+        hf = _layer_key_template(ctx, names.get(id(norm)), saved_modules)
+        if hf is not None:
+            mapping[hf] = f"layers.{{}}.{archon}"
     if anatomy.attention is not None:
         # The QK norms, found by structure (Archon's q_norm / k_norm whatever HF calls them).
         for pair, archon in zip(mt.qk_norms(anatomy.attention), ("q_norm", "k_norm"), strict=True):

@@ -1,9 +1,11 @@
-"""Where a feature no edit supports sits in the Archon module contract, measured on the HF model.
+"""Where a norm inside a layer's module sits in the Archon module contract, measured on the HF model.
 
-A norm inside the attention or the feed-forward that no edit writes (BitNet's ``attn_sub_norm``
-and ``ffn_sub_norm``) is placed by what it feeds: the tiny model runs once with hooks, and the
-projection whose input *is* the norm's output (equal tensors, and as wide as the norm) is the
-statement the hand edit goes before. Its width follows from that projection's input width in the
+A norm inside the attention or the feed-forward (BitNet's ``attn_sub_norm`` and ``ffn_sub_norm``)
+is placed by what it feeds: the tiny model runs once with hooks, and the projection whose input
+*is* the norm's output (equal tensors, and as wide as the norm) is the statement it goes before.
+The analysis reads that place twice: a norm there of the block norms' kind and epsilon is a
+sub-norm the ``attention_sub_norm`` / ``ffn_sub_norm`` edits write; any other is a feature no edit
+supports, and the place is where its hand edit goes. Its width follows from that projection's input width in the
 Archon contract (``wo`` reads ``n_heads * head_dim``, ``w2`` reads ``hidden_dim``), not from the
 feature's name. A norm an HF MoE block applies to its own output (A.X-K1's ``post_mlp_layernorm``
 on the routed plus shared experts' sum) is placed at the block's MoE residual add, over ``dim``:
@@ -39,6 +41,16 @@ class ContractInput:
     statement: str
     width: str  # the projection's input width, as Archon args
 
+    @property
+    def place(self) -> HandEditPlace:
+        return HandEditPlace(
+            class_name=self.class_name,
+            function=self.function,
+            anchor=self.anchor,
+            statement=self.statement,
+            width=self.width,
+        )
+
 
 # HF projection role -> the Archon statement that calls it.
 ATTENTION_OUTPUT = ContractInput(
@@ -47,7 +59,7 @@ ATTENTION_OUTPUT = ContractInput(
 FFN_DOWN = ContractInput("FeedForward", "forward", "self.w2(", "before the down projection w2", "hidden_dim")
 
 
-def _norm_width(norm: nn.Module) -> int | None:
+def norm_width(norm: nn.Module) -> int | None:
     weight = getattr(norm, "weight", None)
     return int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
 
@@ -100,21 +112,14 @@ def norm_place(
             and module in inputs
             and inputs[module].shape == outputs[name].shape
             and torch.equal(inputs[module], outputs[name])
-            and _norm_width(norm) == inputs[module].shape[-1]
+            and norm_width(norm) == inputs[module].shape[-1]
         ]
         if len(fed) != 1:
             return None
         places.add(fed[0])
     if len(places) != 1:
         return None
-    contract = places.pop()
-    return HandEditPlace(
-        class_name=contract.class_name,
-        function=contract.function,
-        anchor=contract.anchor,
-        statement=contract.statement,
-        width=contract.width,
-    )
+    return places.pop().place
 
 
 # The MoE branch's residual add in ``TransformerBlock.forward``: the one statement that calls
@@ -178,7 +183,7 @@ def moe_output_norm_place(
     if not recorder.run(model, config, [layer, moe, norm, *branches, *layer_norms]):
         return None
     outputs, inputs = recorder.outputs, recorder.inputs
-    if not _same(outputs.get(norm), outputs.get(moe)) or _norm_width(norm) != outputs[moe].shape[-1]:
+    if not _same(outputs.get(norm), outputs.get(moe)) or norm_width(norm) != outputs[moe].shape[-1]:
         return None
     parts = [outputs.get(branch) for branch in branches]
     if not parts or any(part is None for part in parts) or norm not in inputs:

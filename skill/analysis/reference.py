@@ -225,6 +225,24 @@ def engine_limits(checklist: Checklist) -> list[str]:
         limits.append(f"a window chosen by {kinds_field} beside RoPE or NoPE chosen by layer_types")
     if sc.embedding_norm is not None and sc.embedding_norm is not norm.kind:
         limits.append(f"embedding norm of kind {sc.embedding_norm.value} beside {norm.kind.value} block norms")
+    # The sub-norm edits build the block norms' class over the projection's input width.
+    if att.sub_norm is not None and att.sub_norm is not norm.kind:
+        limits.append(
+            f"norm before the attention output projection of kind {att.sub_norm.value} "
+            f"beside {norm.kind.value} block norms"
+        )
+    if checklist.ffn.sub_norm is not None and checklist.ffn.sub_norm is not norm.kind:
+        limits.append(
+            f"norm before the down projection of kind {checklist.ffn.sub_norm.value} "
+            f"beside {norm.kind.value} block norms"
+        )
+    if moe is not None and moe.output_norm is not None and moe.output_norm is not norm.kind:
+        limits.append(
+            f"norm on the MoE block's output of kind {moe.output_norm.value} beside {norm.kind.value} block norms"
+        )
+    if checklist.ffn.sub_norm is not None and moe is not None:
+        # FeedForward also builds the shared experts, whose MLP has no such norm measured.
+        limits.append("norm before the down projection of a MoE family's dense MLP")
     pos = checklist.positions
     if pos.kind is PositionKind.LEARNED:
         if pos.table_key is None:

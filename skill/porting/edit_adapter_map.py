@@ -393,6 +393,16 @@ def derive_from_hf_map(
     return dict(sorted(mapping.items()))
 
 
+def _module_map_entries(keys: list[str], module_map: dict[str, str]) -> dict[str, str]:
+    """HF key -> Archon key for each of ``keys`` whose module the analysis' module map names."""
+    entries = {}
+    for key in keys:
+        match = _PARAM_SUFFIX.match(key)
+        if match is not None and match["module"] in module_map:
+            entries[key] = f"{module_map[match['module']]}.{match['param']}"
+    return entries
+
+
 def _layer_template(layer0_prefix: str) -> str:
     """``transformer.h.0.`` (the report's layer-0 prefix) -> ``transformer.h.{}.``."""
     if not layer0_prefix.endswith(".0."):
@@ -460,8 +470,14 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         # A reference no edit targets keeps its whole map (its modules serve every config
         # variant it reads); the family's checkpoint must fit it.
         keys = sorted({generalise_key(k) for k in checkpoint_keys(request.source, request.trust_remote_code)})
-        # The caller's own entries (a hand edit's parameter, named with `add`) count as mapped.
-        unmapped = [k for k in keys if k not in current and k not in request.add]
+        # A module an edit of the block wrote (the norm on the MoE's output) is in the analysis'
+        # module map; the caller's own entries (a hand edit's parameter, named with `add`) count too.
+        edited = _module_map_entries(
+            [k for k in keys if k not in current],
+            report_for(request.source, request.trust_remote_code).checkpoint.module_map,
+        )
+        wanted.update(edited)
+        unmapped = [k for k in keys if k not in current and k not in edited and k not in request.add]
         if unmapped:
             raise unmapped_keys_error(
                 unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
@@ -501,6 +517,9 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         )
         experts = fused_expert_keys(checklist.moe)
         buffers = {plan.score_correction_key: CORRECTION_BIAS_TARGET} if plan.score_correction_key else {}
+        if checklist.attention.o_bias_last_layer_key is not None:
+            # The last layer's output-projection bias, held by its attention module itself.
+            buffers[checklist.attention.o_bias_last_layer_key] = "attention.wo.bias"
         derived = derive_from_hf_map(
             list(shapes),
             dense_layers=dense_layers,

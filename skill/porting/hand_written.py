@@ -5,7 +5,8 @@ edit): it names each unsupported feature and where its hand edit goes. What the 
 wrote is known only from the session's captured patches, the diffs against what the tools
 wrote. When the session closes, :func:`restamp_hand_edited` replaces that line, in every file of
 each hand-edited package the patches touch (and its stage test file), by the files and the
-functions the patches changed, bitnet's ``infra/parallelize.py`` included::
+functions the patches changed, ``infra/parallelize.py`` included (bitnet's header, when its
+sub-norms were still a hand edit)::
 
     # Hand-written in the recorded session: model/model.py (Attention.__init__, Attention.forward,
     #   FeedForward.forward); infra/parallelize.py (apply_tp). Regenerate by replaying it:

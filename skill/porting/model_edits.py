@@ -267,6 +267,45 @@ def _query_gate(text: Document, ctx: EditContext) -> Document:
     return replace_call(text, "Attention", "forward", "self.wo", f"self.wo({{}} * {gate})")
 
 
+def _last_layer_o_bias(text: Document, ctx: EditContext) -> Document:
+    """The last layer's output projection alone has a bias (GPT-NeoX-Japanese's ``dense_bias``,
+    added to ``dense``'s output): ``Attention`` takes ``output_bias`` and the block sets it on the
+    last layer."""
+    text = add_parameter(text, "Attention", "__init__", "output_bias: bool = False")
+    # Set again on a second run: projection_bias writes the projections' biases of layer 0.
+    text = set_call_kwarg(text, "nn.Linear", "bias", "output_bias", target="self.wo")
+    init = "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)"
+    zero = "if self.wo.bias is not None:\n    nn.init.zeros_(self.wo.bias)"
+    if "nn.init.zeros_(self.wo.bias)" not in class_code(text, "Attention"):
+        text = replace_in_function(text, "Attention", "init_weights", init, f"{init}\n{zero}\n")
+    return set_call_kwarg(
+        text, "Attention", "output_bias", "layer_id == model_args.n_layers - 1", target="self.attention"
+    )
+
+
+def _attention_sub_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class over every head's output (``n_heads * head_dim``) on
+    the input of ``wo``, innermost: ``wo`` reads the norm's output (BitNet's attn_sub_norm)."""
+    if "self.sub_norm" in class_code(text, "Attention"):
+        return text
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# The attention output is normalised over all heads before wo.\n"
+        "self.sub_norm = RMSNorm(self.n_heads * self.head_dim, eps=model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nself.sub_norm.reset_parameters()\n",
+    )
+    return replace_call(text, "Attention", "forward", "self.wo", "self.wo(self.sub_norm({}))")
+
+
 def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
@@ -425,6 +464,31 @@ def _set_block_doc(text: Document, plan: PortPlan) -> Document:
 def _post_branches(text: Document) -> Document:
     text = wrap_residual_branch(text, "attention", "self.post_attention_norm({})", applied_if="post_attention_norm")
     return wrap_residual_branch(text, "ffn", "self.post_ffn_norm({})", applied_if="post_ffn_norm")
+
+
+def _moe_output_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class on the MoE's output, where the block adds it to the
+    residual (A.X-K1's post_mlp_layernorm, which HF applies inside its MoE block). Not inside
+    Archon's MoE module: under TP its output there is a partial sum until the module's output
+    step. Dense layers add their feed-forward's output as it is."""
+    if "self.moe_output_norm" in text:
+        return text
+    norm = "RMSNorm(model_args.dim, eps=model_args.norm_eps)"
+    built = norm if ctx.profile.all_layers_moe else f"{norm} if self.moe_enabled else nn.Identity()"
+    text = insert_after_statement_assigning(
+        text,
+        "TransformerBlock",
+        "__init__",
+        "self.moe_enabled",
+        "# The MoE's output (routed plus shared experts) is normalised before the residual add.\n"
+        f"self.moe_output_norm = {built}\n",
+    )
+    reset = "self.moe_output_norm.reset_parameters()"
+    if not ctx.profile.all_layers_moe:
+        reset = f"if self.moe_enabled:\n    {reset}"
+    init = "self.attention.init_weights(self.weight_init_std)"
+    text = replace_in_function(text, "TransformerBlock", "init_weights", init, f"{init}\n{reset}\n")
+    return wrap_residual_branch(text, "ffn", "self.moe_output_norm({})", applied_if="moe_output_norm")
 
 
 def _sandwich_norm(text: Document, ctx: EditContext) -> Document:
@@ -1179,6 +1243,53 @@ def _mlp_bias(text: Document, ctx: EditContext) -> Document:
     return text
 
 
+FEED_FORWARD = "self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)"
+# The block's pre-attention norm as the norm edits left it: its class and keywords.
+BLOCK_NORM = re.compile(r"self\.attention_norm = (?P<cls>[\w.]+)\(model_args\.dim, (?P<kwargs>[^)]*)\)")
+
+
+def _block_norm_call(text: Document, width: str, eps: str) -> str:
+    """A norm built as the block's ``attention_norm`` is (what the norm-kind edits made of it),
+    over ``width`` with epsilon ``eps``."""
+    found = BLOCK_NORM.search(class_code(text, "TransformerBlock"))
+    if found is None:
+        raise CodemodError("TransformerBlock.__init__ builds no attention_norm over model_args.dim")
+    return f"{found['cls']}({width}, {found['kwargs'].replace('model_args.norm_eps', eps)})"
+
+
+def _ffn_sub_norm(text: Document, ctx: EditContext) -> Document:
+    """A norm of the block norms' class over the hidden width on the input of ``w2``,
+    innermost: ``w2`` reads the norm's output (BitNet's ffn_sub_norm). The feed-forward takes
+    the norm's epsilon from the block. It runs after the norm-kind edits and the MLP's own
+    (plain_mlp rewrites the class), so it builds the norm as the block's norms are built."""
+    if "self.sub_norm" in class_code(text, "FeedForward"):
+        return text
+    text = add_parameter(text, "FeedForward", "__init__", "norm_eps: float")
+    text = insert_after_statement_assigning(
+        text,
+        "FeedForward",
+        "__init__",
+        "self.w2",
+        "# The hidden state is normalised over its full width before w2.\n"
+        f"self.sub_norm = {_block_norm_call(text, 'hidden_dim', 'norm_eps')}\n",
+    )
+    text = replace_in_function(
+        text,
+        "FeedForward",
+        "init_weights",
+        "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)",
+        "nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)\nself.sub_norm.reset_parameters()\n",
+    )
+    text = replace_in_function(
+        text,
+        "TransformerBlock",
+        "__init__",
+        FEED_FORWARD,
+        FEED_FORWARD.replace("model_args.hidden_dim)", "model_args.hidden_dim, model_args.norm_eps)"),
+    )
+    return replace_call(text, "FeedForward", "forward", "self.w2", "self.w2(self.sub_norm({}))")
+
+
 # --- block and model scalars ------------------------------------------------------------
 
 EMBED = "h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens"
@@ -1683,6 +1794,18 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _query_gate,
     ),
     ModelEdit(
+        "last_layer_o_bias",
+        "a bias on the last layer's output projection only",
+        lambda p: p.o_bias_last_layer,
+        _last_layer_o_bias,
+    ),
+    ModelEdit(
+        "attention_sub_norm",
+        "a norm over all heads on the attention output before wo",
+        lambda p: p.attn_sub_norm,
+        _attention_sub_norm,
+    ),
+    ModelEdit(
         "alibi_attention",
         "ALiBi: a fixed per-head linear bias on the scores by in-document distance",
         lambda p: p.positions == "alibi",
@@ -1735,6 +1858,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "RoPE turning each pair the other way: (x1, x2) -> (x2, -x1), the RoPE cache's sine negated",
         lambda p: p.rotary_reversed,
         _reversed_rotation,
+    ),
+    ModelEdit(
+        "moe_output_norm",
+        "a norm on the MoE's output before the residual add (MoE layers only)",
+        lambda p: p.moe_output_norm,
+        _moe_output_norm,
     ),
     ModelEdit("post_norm", "norms after each sub-layer, none before", lambda p: p.block == "post_norm", _post_norm),
     ModelEdit(
@@ -1863,6 +1992,13 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         needed=lambda text: "class FeedForward" in text,
     ),
     ModelEdit(
+        "ffn_sub_norm",
+        "a norm over the hidden width on the feed-forward's hidden state before w2",
+        lambda p: p.ffn_sub_norm and not p.all_layers_moe,
+        _ffn_sub_norm,
+        needed=lambda text: "class FeedForward" in text,
+    ),
+    ModelEdit(
         "trained_pad_row",
         "every embedding row trains (no padding_idx)",
         lambda p: p.padding_idx_field is None,
@@ -1939,6 +2075,7 @@ EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
     "latent_norm_eps",
+    "moe_output_norm",
     "residual_multiplier",
     "dense_layers",
     "no_correction_bias",

@@ -169,6 +169,16 @@ class PortPlan(BaseModel):
         "of each head's rows of wq)",
     )
     output_gate_bias: bool = Field(default=False, description="the output gate's projection has a bias")
+    o_bias_last_layer: bool = Field(default=False, description="the last layer's output projection alone has a bias")
+    attn_sub_norm: bool = Field(
+        default=False, description="a norm of the block norms' class over n_heads * head_dim on wo's input"
+    )
+    ffn_sub_norm: bool = Field(
+        default=False, description="a norm of the block norms' class over hidden_dim on w2's input"
+    )
+    moe_output_norm: bool = Field(
+        default=False, description="a norm of the block norms' class on the MoE's output before the residual add"
+    )
     final_softcap: bool
     attn_scale: ConfigScalar | None = Field(description="config field setting the attention scale, if custom")
     attn_scale_constant: float | None = Field(
@@ -489,6 +499,10 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         attn_softcap=att.logit_softcap is not None,
         attn_sinks=att.sinks,
         output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
+        o_bias_last_layer=att.o_bias_last_layer_key is not None,
+        attn_sub_norm=att.sub_norm is not None,
+        ffn_sub_norm=ffn.sub_norm is not None,
+        moe_output_norm=moe is not None and moe.output_norm is not None,
         output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,
         attn_scale=scale,

@@ -299,6 +299,21 @@ PIPELINE_IMPORTS = (
 )
 
 
+MOE_OUTPUT_NORM_PLAN = """if _is_moe_block(block):
+    # The MoE's output reaches its norm as the local sequence shard (the MoE's output step
+    # reduce-scattered the partial sum): a norm per token, whose replicated weight gets its
+    # gradient summed over the TP ranks.
+    layer_plan["moe_output_norm"] = SequenceParallel(use_local_output=True)"""
+
+
+def _plan_moe_output_norm(text: Document) -> Document:
+    if 'layer_plan["moe_output_norm"]' in text:
+        return text
+    return replace_in_function(
+        text, None, _tp_function(text), PARALLELIZE_BLOCK, f"{MOE_OUTPUT_NORM_PLAN}\n{PARALLELIZE_BLOCK}\n"
+    )
+
+
 def _stage_modules_source(first: tuple[str, ...], last: tuple[str, ...]) -> str:
     return (
         "# Top-level modules besides AReaL's canonical ones (tok_embeddings, layers, norm, output/score):\n"
@@ -344,9 +359,13 @@ def apply_write_parallelize(
     text = Document(require_file(tree, layout.parallelize, "run copy_reference first."))
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if profile.reference not in EDITABLE_REFERENCES:
-        # The reference's plan follows its modules as the config builds them; no edit
-        # changes them, so the copy stays.
-        return WriteParallelizeResult(layer_plan=sorted(read_dict_literal(text, PLAN_TARGET)), changed_files=[])
+        # The reference's plan follows its modules as the config builds them; of the edits, only
+        # the block's norm on the MoE output adds a module to plan.
+        written: list[str] = []
+        if profile.moe_output_norm:
+            text = _plan_moe_output_norm(text)
+            write_if_changed(tree, layout.parallelize, text.code, written)
+        return WriteParallelizeResult(layer_plan=sorted(read_dict_literal(text, PLAN_TARGET)), changed_files=written)
     if profile.qk_norm != "per_head" and "has_qk_norm" in text:
         # The qwen3 reference decides per block for its per-head norms; a family without
         # them keeps local outputs (a full-width norm is planned below).
@@ -424,6 +443,23 @@ def apply_write_parallelize(
     if profile.output_gate is not None and not profile.output_gate.endswith(IN_QUERY_SUFFIX):
         # The gate projection splits like wq: each rank gates the heads it attends with.
         text = edit_dict_literal(text, PLAN_TARGET, {"attention.wg": "ColwiseParallel()"}, raw_values=True)
+    # A norm over the full width a column-wise projection shards (all heads, the hidden units):
+    # the shards are gathered for it, whatever it computes, and the row-wise projection takes its
+    # own slice of the replicated result locally.
+    gathered = (
+        "PrepareModuleInput(input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_output=True)"
+    )
+    row_wise = "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
+    if profile.attn_sub_norm:
+        text = edit_dict_literal(
+            text, PLAN_TARGET, {"attention.sub_norm": gathered, "attention.wo": row_wise}, raw_values=True
+        )
+    if profile.ffn_sub_norm and not profile.all_layers_moe:
+        text = edit_dict_literal(
+            text, PLAN_TARGET, {"feed_forward.sub_norm": gathered, "feed_forward.w2": row_wise}, raw_values=True
+        )
+    if profile.moe_output_norm:
+        text = _plan_moe_output_norm(text)
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
         # reduce-scatter to; local outputs, because they are added to the local residual.

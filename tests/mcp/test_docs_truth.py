@@ -166,7 +166,7 @@ def test_ci_runs_the_newest_transformers_the_engine_names():
 
 def test_the_tp_example_for_a_norm_over_a_sharded_width_is_bitnet_s_own_plan():
     """SKILL.md's example of the TP entries a norm over a sharded width needs (issue 20) is the
-    plan bitnet's hand edit wrote and stage 5 proved, entry for entry."""
+    plan the sub-norm edits write for bitnet and stage 5 proves, entry for entry."""
     hand = SKILL_MD[SKILL_MD.index("## Porting by hand") :]
     example = hand[hand.index("A norm over a") :]
     code = example[example.index("```python") + len("```python") : example.index("```", example.index("```python") + 9)]
@@ -182,7 +182,7 @@ def test_the_tp_example_for_a_norm_over_a_sharded_width_is_bitnet_s_own_plan():
         }
 
     shown = entries(ast.parse("{" + code + "}"))
-    assert sorted(shown) == ["attention.attn_sub_norm", "attention.wo"]
+    assert sorted(shown) == ["attention.sub_norm", "attention.wo"]
     written = entries(ast.parse(plan))
     assert {key: written.get(key) for key in shown} == shown
 

@@ -74,45 +74,57 @@ def test_the_cli_prints_the_pointer_on_the_same_errors(capsys, error: Exception,
 
 
 def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(workspace: Path):
-    """gpt_neox_japanese's last-layer ``attention.dense_bias`` matches no rule: the derivation
-    names it, says to map it with ``add`` and points to the section; with ``add`` in the same
-    call the map is derived around it (fused q/k/v included)."""
-    name, key = "gpt_neox_japanese", "gpt_neox_japanese.layers.{}.attention.dense_bias"
-    shutil.rmtree(workspace / "archon_models" / name)  # committed (ported by hand): port it afresh here
+    """DiffLlama's differential-attention ``lambda_*`` vectors match no rule: the derivation names
+    them, says to map them with ``add`` and points to the section; with ``add`` in the same call
+    the map is derived around them. (gpt_neox_japanese's last-layer ``dense_bias`` was the example
+    until the last_layer_o_bias edit mapped it.)"""
+    name = "diffllama"
+    keys = {
+        f"model.layers.{{}}.self_attn.{lam}": f"layers.{{}}.attention.{lam}"
+        for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+    }
     copied = _call(workspace, "copy_reference", {"model_name": name, "reference": "qwen2", "model_types": [name]})
     assert not copied.is_error
     refused = _call(workspace, "edit_adapter_map", {"model_name": name, "source": name})
     error = refused.structured_content["error"]
-    assert error["exception"] == "UnmappedKeyError" and key in error["message"]
+    assert error["exception"] == "UnmappedKeyError" and all(key in error["message"] for key in keys)
     assert "`add`" in error["message"] and error["see"] is not None
-    arguments = {"model_name": name, "source": name, "add": {key: "layers.{}.attention.wo.bias"}}
-    derived = _call(workspace, "edit_adapter_map", arguments)
+    derived = _call(workspace, "edit_adapter_map", {"model_name": name, "source": name, "add": keys})
     assert not derived.is_error, derived.structured_content
     from_hf_map = derived.structured_content["from_hf_map"]
-    assert from_hf_map[key] == "layers.{}.attention.wo.bias"
-    assert from_hf_map[f"{name}.layers.{{}}.attention.dense.weight"] == "layers.{}.attention.wo.weight"
-    adapter = (workspace / f"archon_models/{name}/model/state_dict_adapter.py").read_text()
-    assert f'"{name}.layers.{{}}.attention.query_key_value.weight": [' in adapter
+    assert {key: from_hf_map[key] for key in keys} == keys
+    assert from_hf_map["model.layers.{}.self_attn.o_proj.weight"] == "layers.{}.attention.wo.weight"
 
 
-# axk1 (transformers' A.X-K1) ports from deepseek_v3, a reference whose map no edit derives; its
-# MoE output norm is the one feature no edit writes (issue 20, the axk1 agent's friction log).
-AXK1, AXK1_NORM_KEY = "axk1", "model.layers.{}.post_mlp_layernorm.weight"
+# deepseek_v32 ports from deepseek_v3, a reference whose map no edit derives; its sparse-attention
+# indexer is a feature no edit writes, whose weights no rule maps (axk1's MoE output norm was the
+# example of issue 20 until the moe_output_norm edit wrote it).
+SPARSE, INDEXER = "deepseek_v32", "model.layers.{}.self_attn.indexer."
+INDEXER_KEYS = {
+    f"{INDEXER}{module}.{param}": f"layers.{{}}.attention.indexer.{module}.{param}"
+    for module, param in (
+        ("k_norm", "bias"),
+        ("k_norm", "weight"),
+        ("weights_proj", "weight"),
+        ("wk", "weight"),
+        ("wq_b", "weight"),
+    )
+}
 
 
-def _fresh_axk1(workspace: Path) -> None:
-    shutil.rmtree(workspace / "archon_models" / AXK1)  # committed (ported by hand): port it afresh here
-    arguments = {"model_name": AXK1, "reference": "deepseek_v3", "model_types": [AXK1]}
+def _fresh_sparse(workspace: Path) -> None:
+    shutil.rmtree(workspace / "archon_models" / SPARSE, ignore_errors=True)  # port it afresh here
+    arguments = {"model_name": SPARSE, "reference": "deepseek_v3", "model_types": [SPARSE]}
     assert not _call(workspace, "copy_reference", arguments).is_error
 
 
 def test_an_unmapped_key_of_a_reference_no_edit_derives_names_the_fix_and_the_section(workspace: Path):
     """The refusal names the key, the fix on both faces (``add``, ``--add HF_KEY=ARCHON_KEY``) and
     ends with the pointer to SKILL.md § Porting by hand, as the ground rules promise."""
-    _fresh_axk1(workspace)
-    refused = _call(workspace, "edit_adapter_map", {"model_name": AXK1, "source": AXK1})
+    _fresh_sparse(workspace)
+    refused = _call(workspace, "edit_adapter_map", {"model_name": SPARSE, "source": SPARSE})
     error = refused.structured_content["error"]
-    assert error["exception"] == "UnmappedKeyError" and AXK1_NORM_KEY in error["message"]
+    assert error["exception"] == "UnmappedKeyError" and all(key in error["message"] for key in INDEXER_KEYS)
     assert "`add`" in error["message"] and "`--add HF_KEY=ARCHON_KEY`" in error["message"]
     assert error["message"].endswith(f"({HAND_PORT_POINTER})") and error["see"] is not None
 
@@ -121,25 +133,24 @@ def test_the_documented_call_maps_a_hand_edited_weight_of_a_reference_no_edit_de
     """SKILL.md § Porting by hand, step 2: after the hand edit, call edit_adapter_map again with the
     same ``source`` and ``add``. For a deepseek_v3 family that call refused the added key as it did
     without it (only ``add`` without ``source`` passed)."""
-    _fresh_axk1(workspace)
-    target = "layers.{}.post_ffn_norm.weight"
-    arguments = {"model_name": AXK1, "source": AXK1, "add": {AXK1_NORM_KEY: target}}
+    _fresh_sparse(workspace)
+    arguments = {"model_name": SPARSE, "source": SPARSE, "add": INDEXER_KEYS}
     mapped = _call(workspace, "edit_adapter_map", arguments)
     assert not mapped.is_error, mapped.structured_content
-    assert mapped.structured_content["from_hf_map"][AXK1_NORM_KEY] == target
-    assert mapped.structured_content["added"] == [AXK1_NORM_KEY]
-    # The entry now in the map keeps the derivation passing without `add`.
-    again = _call(workspace, "edit_adapter_map", {"model_name": AXK1, "source": AXK1})
+    assert {key: mapped.structured_content["from_hf_map"][key] for key in INDEXER_KEYS} == INDEXER_KEYS
+    assert mapped.structured_content["added"] == sorted(INDEXER_KEYS)
+    # The entries now in the map keep the derivation passing without `add`.
+    again = _call(workspace, "edit_adapter_map", {"model_name": SPARSE, "source": SPARSE})
     assert not again.is_error and again.structured_content["changed_files"] == []
 
 
 def test_edit_args_returns_the_features_every_other_step_reports(workspace: Path):
     """With allow_unsupported, edit_args's skipped_features is the analysis's unsupported list, as
     edit_model's is: for a deepseek_v3 family it came back empty."""
-    unsupported = _call(workspace, "analyze_hf_model", {"source": AXK1}).structured_content["unsupported"]
-    assert unsupported, "axk1's MoE output norm is a feature no edit writes"
-    _fresh_axk1(workspace)
-    arguments = {"model_name": AXK1, "source": AXK1, "allow_unsupported": True}
+    unsupported = _call(workspace, "analyze_hf_model", {"source": SPARSE}).structured_content["unsupported"]
+    assert unsupported, "deepseek_v32's indexer is a feature no edit writes"
+    _fresh_sparse(workspace)
+    arguments = {"model_name": SPARSE, "source": SPARSE, "allow_unsupported": True}
     for tool in ("edit_args", "edit_model"):
         result = _call(workspace, tool, arguments)
         assert not result.is_error, result.structured_content

@@ -420,15 +420,14 @@ def test_a_dense_family_with_a_per_head_qk_norm_starts_from_qwen2() -> None:
     assert report.unsupported == []
 
 
-def test_norms_inside_the_attention_or_feed_forward_are_named() -> None:
-    # BitNet: attn_sub_norm before o_proj, ffn_sub_norm before down_proj; no edit writes
-    # them, so the analyser refuses by name instead of the adapter failing on their keys.
+def test_norms_inside_the_attention_or_feed_forward_are_measured_not_refused() -> None:
+    # BitNet: attn_sub_norm before o_proj, ffn_sub_norm before down_proj, of the block norms'
+    # kind: the sub-norm edits write them (tests/skill/test_sub_norms.py), nothing is refused.
     from skill.porting.plan import report_for
 
-    assert report_for("bitnet").unsupported == [
-        "unsupported: norm inside the attention outside the vocabulary: attn_sub_norm",
-        "unsupported: norm inside the feed-forward: ffn_sub_norm",
-    ]
+    report = report_for("bitnet")
+    assert report.unsupported == []
+    assert (report.checklist.attention.sub_norm, report.checklist.ffn.sub_norm) == (NormKind.RMS, NormKind.RMS)
 
 
 def test_learned_activation_is_replicated_over_tp_with_summed_gradients() -> None:

@@ -73,14 +73,18 @@ def test_every_layer_rotates(model_type: str) -> None:
 # ------------------------------------------------------- 2. per-layer differences
 
 
-def test_bias_in_the_last_layer_only_is_named() -> None:
+def test_a_bias_of_the_last_layers_output_projection_is_measured_not_named() -> None:
     # GPTNeoXJapaneseLayer: attention built with use_bias=layer_number == num_hidden_layers - 1,
-    # which adds a `dense_bias` parameter to the last layer's attention only (32 layers).
+    # which adds a `dense_bias` parameter to the last layer's attention only (32 layers), added to
+    # `dense`'s output: measured as that projection's bias (folded into it, the logits stay), it is
+    # the last_layer_o_bias edit's, no per-layer difference.
     report = report_for("gpt_neox_japanese")
-    named = [item for item in report.checklist.other if item.startswith("per-layer difference:")]
-    assert len(named) == 1
-    assert "dense_bias" in named[0] and "layer 31 of 32" in named[0]
-    assert f"unsupported: {named[0]}" in report.unsupported
+    assert not [item for item in report.checklist.other if item.startswith("per-layer difference:")]
+    assert report.checklist.attention.o_bias_last_layer_key == "attention.dense_bias"
+    assert not report.checklist.attention.o_bias
+    assert report.unsupported == []
+    assert plan_for("gpt_neox_japanese").o_bias_last_layer
+    assert report_for("llama").checklist.attention.o_bias_last_layer_key is None
 
 
 def test_qk_norm_missing_from_nope_layers_is_named() -> None:

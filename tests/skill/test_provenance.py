@@ -92,16 +92,24 @@ def test_the_header_s_replay_command_is_one_replay_accepts_for_a_hand_edited_ses
     vet_session([None, hand_edit], trust_remote_code=args.trust_remote_code)
 
 
-def test_a_sub_norm_is_marked_where_the_analysis_measured_it():
-    """BitNet's sub-norms: the analysis places each by the projection that reads its output in the
-    HF forward (``attn_sub_norm`` feeds ``o_proj``, ``ffn_sub_norm`` feeds ``down_proj``), with its
-    width from that projection's input. Placed by name ("norm" first), both markers sat in
+def test_a_sub_norm_no_edit_writes_is_marked_where_the_analysis_measured_it():
+    """A norm inside the attention or the feed-forward that no edit writes (here BitNet's, as if
+    they were of another kind than its block norms: the sub-norm edits write them as they are) is
+    placed by the projection that reads its output in the HF forward (``attn_sub_norm`` feeds
+    ``o_proj``, ``ffn_sub_norm`` feeds ``down_proj``, measured in tests/skill/test_sub_norms.py),
+    with its width from that projection's input. Placed by name ("norm" first), both markers sat in
     ``TransformerBlock.forward``."""
+    from skill.analysis.places import ATTENTION_OUTPUT, FFN_DOWN
     from skill.porting.edit_model import mark_hand_edits
 
-    plan = plan_for("bitnet")
     attention = "norm inside the attention outside the vocabulary: attn_sub_norm"
     ffn = "norm inside the feed-forward: ffn_sub_norm"
+    plan = plan_for("bitnet").model_copy(
+        update={
+            "unsupported": [f"unsupported: {attention}", f"unsupported: {ffn}"],
+            "hand_edit_places": {attention: ATTENTION_OUTPUT.place, ffn: FFN_DOWN.place},
+        }
+    )
     assert plan.hand_edit_places[attention].model_dump() == {
         "class_name": "Attention",
         "function": "forward",
@@ -134,10 +142,15 @@ def test_a_norm_on_the_moe_output_is_marked_at_the_blocks_moe_residual_add():
     residual add, over ``dim``. Archon's MoE module cannot hold it: under TP its output is a
     partial sum until the module's output step. Unplaced, the marker sat atop the block's forward,
     above the attention."""
+    from skill.analysis.places import MOE_BRANCH_ADD
     from skill.porting.edit_model import mark_hand_edits
 
-    plan = plan_for("axk1")
+    # As if it were of another kind than the block norms (the moe_output_norm edit writes it as it
+    # is): the place tests/skill/test_moe_output_norm.py measures on A.X-K1's classes.
     feature = "norm on the MoE block's output, inside the MoE module: post_mlp_layernorm"
+    plan = plan_for("axk1").model_copy(
+        update={"unsupported": [f"unsupported: {feature}"], "hand_edit_places": {feature: MOE_BRANCH_ADD}}
+    )
     place = plan.hand_edit_places[feature]
     assert (place.class_name, place.function, place.anchor, place.width) == (
         "TransformerBlock",
