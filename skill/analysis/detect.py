@@ -1511,10 +1511,46 @@ _WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
 _RATIO_WORDS = ("ratio", "expansion")
 
 
+def _parameter_name(model: nn.Module, module: nn.Module) -> str | None:
+    """The full name of ``module``'s weight in ``model``."""
+    for name, child in model.named_modules():
+        if child is module:
+            return f"{name}.weight" if name else "weight"
+    return None
+
+
+def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str) -> bool:
+    """Whether a config field sets the FFN width, measured: a tiny model built with the field
+    moved has every up projection as wide as the new value. A field whose value merely equals
+    the width (or whose name merely says "ffn") is no evidence; CTRL's ``dff`` is named by no
+    width word and sets the width all the same."""
+    value = getattr(ctx.tiny, field_name)
+    moved = value + 32
+    names = [_parameter_name(ctx.model, p.module) for p in ups]
+    if not names or None in names:
+        return False
+    config = copy.deepcopy(ctx.tiny)
+    try:
+        setattr(config, field_name, moved)
+        variant = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+    except Exception as exc:  # config validators and model builds raise several exception types
+        logger.debug("moving %s to probe the FFN width failed: %s", field_name, exc)
+        return False
+    variant_params = dict(variant.named_parameters())
+    for p, name in zip(ups, names, strict=True):
+        weight = variant_params.get(str(name))
+        if weight is None or weight.dim() != 2:
+            return False
+        out_axis = 1 if p.orientation == "in_out" else 0
+        if weight.shape[out_axis] != moved:
+            return False
+    return True
+
+
 def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None, str | None]:
     """The FFN width at full size and the config field that sets it: ``intermediate_size``,
-    else the width field whose tiny value is the up projection's width (``ffn_dim``,
-    ``n_inner``, ...), else a width field left ``None`` when the width is a multiple of the
+    else the field whose tiny value is the up projection's width and whose move moves that
+    width (probed: ``ffn_dim``, ``n_inner``, CTRL's ``dff``, ...), else a width field left ``None`` when the width is a multiple of the
     hidden size (GPT-2's ``n_inner=None``: 4 * hidden), else a ratio field whose value is
     that multiple (MPT's ``expansion_ratio``), else, with no field at all, the multiple
     alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
@@ -1524,14 +1560,11 @@ def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | No
     widths = {p.out_features for p in ups}
     tiny_fields = sorted(ctx.tiny.to_dict().items())
     for name, value in tiny_fields:
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and value in widths
-            and any(w in name for w in _WIDTH_WORDS)
-        ):
+        is_width = isinstance(value, int) and not isinstance(value, bool) and value in widths
+        if is_width and _sets_ffn_width(ctx, ups, name):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
+                ctx.evidence.append(f"FFN width: {name} (probed: moving it moves the up projection's width)")
                 return full, name, None, None
     hidden = ctx.tiny.hidden_size
     if len(widths) == 1 and next(iter(widths)) % hidden == 0:
