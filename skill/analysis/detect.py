@@ -1550,10 +1550,10 @@ def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str) -> 
 def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None, str | None]:
     """The FFN width at full size and the config field that sets it: ``intermediate_size``,
     else the field whose tiny value is the up projection's width and whose move moves that
-    width (probed: ``ffn_dim``, ``n_inner``, CTRL's ``dff``, ...), else a width field left ``None`` when the width is a multiple of the
-    hidden size (GPT-2's ``n_inner=None``: 4 * hidden), else a ratio field whose value is
-    that multiple (MPT's ``expansion_ratio``), else, with no field at all, the multiple
-    alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
+    width (probed: ``ffn_dim``, ``n_inner``, CTRL's ``dff``, ...), else a width field left
+    ``None`` when the width is a multiple of the hidden size (GPT-2's ``n_inner=None``:
+    4 * hidden), else a ratio field whose value is that multiple (MPT's ``expansion_ratio``),
+    else, with no field at all, the multiple alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
     declared = ctx.get("intermediate_size")
     if isinstance(declared, int) and not isinstance(declared, bool):
         return declared, "intermediate_size", None, None

@@ -10,10 +10,24 @@ d_model))`` with two ``LayerNorm(d_model, eps=1e-6)``; the final ``layernorm`` r
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 from transformers import AutoConfig
 
+import archon_models
+from skill.codemod.cst import Document
+from skill.porting.common import PackageLayout
+from skill.porting.edit_adapter_map import (
+    UnmappedKeyError,
+    apply_literal_inner_adapter,
+    derive_from_hf_map,
+    derive_literal_inner,
+    has_inner_index,
+)
 from skill.porting.plan import plan_for
-from skill.tiny_model import TINY_INTERMEDIATE, tiny_config
+from skill.tiny_model import TINY_INTERMEDIATE, saved_checkpoint_keys, tiny_config
 from tests.skill.test_analyze_families import report_for
 
 # ------------------------------------------------- 1. the FFN width field, by probe
@@ -39,3 +53,51 @@ def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
     assert tiny_config("deepseek_v32").index_topk == AutoConfig.for_model("deepseek_v32").index_topk
     assert tiny_config("minicpm3").dim_model_base == AutoConfig.for_model("minicpm3").dim_model_base
     assert tiny_config("ctrl", dff=96).dff == 96
+
+
+# --------------------------------------- 4. Sequential positions in checkpoint keys
+
+
+def _ctrl_map_inputs() -> dict[str, Any]:
+    report = report_for("ctrl")
+    return {
+        "hf_keys": list(saved_checkpoint_keys(tiny_config("ctrl"))),
+        "norm_roles": report.checklist.norm.block_norms,
+        "layer_prefix": "transformer.h.{}.",
+        "top_modules": report.checkpoint.top_modules,
+        "module_map": report.checkpoint.module_map,
+    }
+
+
+def test_ctrl_sequential_ffn_positions_stay_apart() -> None:
+    # EncoderLayer.ffn = nn.Sequential(Linear, ReLU, Linear): ffn.0 is the up projection, ffn.2
+    # the down one; the analysis' module map pairs them with w1 and w2.
+    inputs = _ctrl_map_inputs()
+    assert inputs["module_map"]["transformer.h.{}.ffn.0"] == "layers.{}.feed_forward.w1"
+    with pytest.raises(UnmappedKeyError) as refused:
+        derive_from_hf_map(**inputs)
+    # The refusal says what is true: the module map pairs them (not "no edit creates them").
+    assert "module map pairs their modules (transformer.h.{}.ffn.0 -> layers.{}.feed_forward.w1" in str(refused.value)
+    assert "no edit that creates" not in str(refused.value)
+    derived = derive_literal_inner(**inputs)
+    assert derived is not None
+    assert derived["transformer.h.{}.ffn.0.weight"] == "layers.{}.feed_forward.w1.weight"
+    assert derived["transformer.h.{}.ffn.0.bias"] == "layers.{}.feed_forward.w1.bias"
+    assert derived["transformer.h.{}.ffn.2.weight"] == "layers.{}.feed_forward.w2.weight"
+    layer_keys = [key for key in derived if key.startswith("transformer.h.{}.")]
+    assert layer_keys and not [key for key in layer_keys if has_inner_index(key, "transformer.h.{}.")]
+
+
+def test_adapter_abstracts_only_the_layer_and_expert_index() -> None:
+    # The generated adapter's _abstract must read keys as the literal map writes them.
+    reference = Path(archon_models.__file__).parent / "qwen2" / "model" / "state_dict_adapter.py"
+    text = apply_literal_inner_adapter(
+        Document(reference.read_text()), PackageLayout.for_name("ctrl"), "transformer.h.{}."
+    )
+    line = next(row for row in text.code.splitlines() if row.startswith("_INDEX = "))
+    namespace: dict[str, Any] = {}
+    exec("import re\n" + line, namespace)
+    index = namespace["_INDEX"]
+    assert index.sub(".{}", "transformer.h.11.ffn.2.weight") == "transformer.h.{}.ffn.2.weight"
+    assert index.sub(".{}", "layers.11.feed_forward.w1.weight") == "layers.{}.feed_forward.w1.weight"
+    assert index.sub(".{}", "layers.1.moe.experts.7.w1") == "layers.{}.moe.experts.{}.w1"
