@@ -2680,6 +2680,47 @@ def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[s
     return {renamed.get(name, name): role for name, role in block_norms.items()}
 
 
+def constant_eps_norms(ctx: Context, eps_field: str) -> dict[str, float]:
+    """The norms of the tiny model whose epsilon does not follow ``eps_field``, measured: a
+    tiny model built with the field moved holds a new epsilon in every norm that reads it; one
+    that keeps its value is a constant of the modeling code (CTRL's block ``LayerNorm(d_model,
+    eps=1e-6)`` beside a final norm that reads ``layer_norm_epsilon``). Module path (layer
+    index as ``{}``) -> the constant."""
+    value = getattr(ctx.tiny, eps_field, None)
+    if not isinstance(value, float):
+        return {}
+    moved = copy.deepcopy(ctx.tiny)
+    try:
+        setattr(moved, eps_field, value * 1.37 if value else 1e-5)
+        variant = build_tiny_model(moved, seed=0, trust_remote_code=ctx.trust_remote_code)
+    except Exception as exc:  # config validators and model builds raise several exception types
+        logger.debug("moving %s to probe the norms' epsilon failed: %s", eps_field, exc)
+        return {}
+    moved_modules = dict(variant.named_modules())
+    constants: dict[str, float] = {}
+    for name, module in ctx.model.named_modules():
+        held = _norm_eps(module) if mt.is_norm(module) else None
+        twin = moved_modules.get(name)
+        if held is None or twin is None or not math.isclose(held, value):
+            continue
+        if (after := _norm_eps(twin)) is not None and math.isclose(after, held):
+            constants[re.sub(r"\.\d+\.", ".{}.", name, count=1)] = held
+    return constants
+
+
+def _name_constant_block_norm_eps(ctx: Context, eps_field: str) -> None:
+    """Name the block or final norms whose epsilon is a constant beside ``eps_field`` (the port
+    gives every norm ``norm_eps``, read from that field: right only while the two agree)."""
+    block = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}" for name in ctx.anatomy.norms}
+    final = {name for name, module in ctx.model.named_modules() if module is ctx.anatomy.final_norm}
+    constants = {name: value for name, value in constant_eps_norms(ctx, eps_field).items() if name in block | final}
+    if not constants:
+        return
+    held = ", ".join(f"{name} eps={value:g}" for name, value in sorted(constants.items()))
+    ctx.evidence.append(f"norm epsilon: {held} is a constant of the modeling code (moving {eps_field} leaves it)")
+    ctx.other.append(f"norms whose epsilon is a constant, not {eps_field}: {held}")
+
+
 def _norm_eps_field(config: PretrainedConfig) -> str | None:
     """The config field of the norms' epsilon: the first float field named ``*eps`` or ``*epsilon``."""
     return next(
@@ -2708,6 +2749,7 @@ def norm_features(ctx: Context) -> NormFeatures:
     eps: float | None
     if eps_field is not None:
         eps = float(ctx.get(eps_field))
+        _name_constant_block_norm_eps(ctx, eps_field)
     elif held is not None:
         eps = held
         ctx.evidence.append(f"norm epsilon {held:g}: a constant of the modeling code, no config field")

@@ -55,6 +55,30 @@ def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
     assert tiny_config("ctrl", dff=96).dff == 96
 
 
+# ------------------------------------------- 2. each norm's epsilon, by perturbation
+
+
+def test_ctrl_block_norm_eps_is_a_constant_named_by_the_analysis() -> None:
+    # EncoderLayer: LayerNorm(d_model, eps=1e-6) twice; CTRLModel.layernorm reads
+    # layer_norm_epsilon. Equal by default, so only moving the field tells them apart.
+    report = report_for("ctrl")
+    assert report.checklist.norm.eps_field == "layer_norm_epsilon"
+    named = [line for line in report.unsupported if "epsilon is a constant" in line]
+    expected = (
+        "unsupported: norms whose epsilon is a constant, not layer_norm_epsilon: "
+        "transformer.h.{}.layernorm1 eps=1e-06, transformer.h.{}.layernorm2 eps=1e-06"
+    )
+    assert named == [expected]
+
+
+def test_mla_latent_norms_are_not_named_as_block_norms() -> None:
+    # DeepseekV3Attention's q_a_layernorm / kv_a_layernorm keep 1e-6 too, but they are the
+    # latent norms (latent_norm_eps_field), not the block norms that norm_eps builds.
+    report = report_for("deepseek_v3")
+    assert report.checklist.norm.eps_field == "rms_norm_eps"
+    assert not [line for line in report.unsupported if "epsilon is a constant" in line]
+
+
 # --------------------------------------- 4. Sequential positions in checkpoint keys
 
 
