@@ -2398,6 +2398,7 @@ def position_features(ctx: Context) -> PositionFeatures:
         if isinstance(m, nn.Embedding) and m is not embedding and ("pos" in n.lower() or n.endswith("wpe"))
     ]
     sinusoidal = [n for n, m in model.named_modules() if "Sinusoidal" in type(m).__name__]
+    sinusoidal += [n for n in _position_buffer_owners(ctx) if n not in sinusoidal]
     relative = [n for n, m in model.named_modules() if "relative" in n.lower() and isinstance(m, nn.Embedding)]
     alibi_field = any(bool(v) for v in _fields_matching(ctx.config, "alibi").values() if isinstance(v, bool))
     alibi_code = ctx.source is not None and ctx.source.mentions("alibi")
@@ -2502,6 +2503,19 @@ def _measured_rotation(ctx: Context) -> tuple[str | None, bool] | None:
     return None, reversed_
 
 
+def _position_buffer_owners(ctx: Context) -> list[str]:
+    """Modules holding a fixed position table as a non-persistent buffer (CTRL's model)."""
+    return list(probes.position_buffers(ctx.model, ctx.anatomy, int(ctx.tiny.hidden_size)))
+
+
+def _vaswani_positions(n_positions: int, dim: int) -> torch.Tensor:
+    """The Transformer paper's table as CTRL builds it: ``[sin | cos]`` of ``p * 10000^(-2i/d)``
+    (the denominator ``d``, not fairseq's ``d/2 - 1``); a measuring stick, no port writes it."""
+    frequencies = torch.pow(10000.0, -2.0 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+    angles = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1) * frequencies.unsqueeze(0)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
+
+
 def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
     """A fixed sinusoidal position table: the row offset position ``p`` reads (probed through
     layer 0's input), and the config field naming a row the module zeroes (XGLM zeroes row
@@ -2510,6 +2524,14 @@ def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
     width = int(ctx.tiny.hidden_size)
     offset = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, sinusoidal_positions)
     if offset is None:
+        vaswani = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, _vaswani_positions)
+        if vaswani is not None:
+            ctx.evidence.append(f"sinusoidal positions: position p reads row p + {vaswani} of {name} (probe)")
+            ctx.other.append(
+                f"sinusoidal positions of another formula ([sin | cos] rows, frequencies 10000^(-2i/d), offset "
+                f"{vaswani}, probe of {name}): the sinusoidal_positions edit builds 10000^(-i/(d/2-1))"
+            )
+            return vaswani, None
         ctx.other.append(f"sinusoidal positions that are no [sin | cos] table rows (probe of {name})")
         return 0, None
     module = dict(ctx.model.named_modules())[name]

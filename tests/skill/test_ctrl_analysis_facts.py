@@ -79,6 +79,35 @@ def test_mla_latent_norms_are_not_named_as_block_norms() -> None:
     assert not [line for line in report.unsupported if "epsilon is a constant" in line]
 
 
+# ------------------------------ 3. sinusoidal positions in a buffer, sqrt(d) embedding scale
+
+
+def test_ctrl_sinusoidal_buffer_and_sqrt_dim_scale_are_reported() -> None:
+    # CTRLModel: pos_encoding = positional_encoding(n_positions, n_embd) (non-persistent,
+    # [sin | cos] of p * 10000^(-2i/d)), added after `inputs_embeds *= np.sqrt(d_model_size)`.
+    report = report_for("ctrl")
+    positions = report.checklist.positions
+    assert positions.kind == "sinusoidal" and positions.table_offset == 0
+    assert positions.table_zero_row_field is None
+    scalars = report.checklist.scalars
+    assert scalars.embedding_scale_kind == "sqrt_dim"
+    assert scalars.embedding_scale == pytest.approx(AutoConfig.for_model("ctrl").n_embd ** 0.5)
+    formula = [line for line in report.unsupported if "sinusoidal" in line]
+    assert len(formula) == 1 and "10000^(-2i/d)" in formula[0] and "offset 0" in formula[0]
+    assert not [line for line in report.unsupported if "position encoding = none" in line]
+    assert not [line for line in report.unsupported if "beyond a constant scale" in line]
+
+
+def test_xglm_fairseq_sinusoidal_table_still_matches_the_edit() -> None:
+    # XGLMSinusoidalPositionalEmbedding: fairseq's table, offset 2, pad row zero: the
+    # sinusoidal_positions edit's formula, so nothing is named.
+    report = report_for("xglm")
+    positions = report.checklist.positions
+    assert positions.kind == "sinusoidal" and positions.table_offset == 2
+    assert positions.table_zero_row_field == "pad_token_id"
+    assert not [line for line in report.unsupported if "sinusoidal" in line]
+
+
 # --------------------------------------- 4. Sequential positions in checkpoint keys
 
 
