@@ -1564,7 +1564,6 @@ def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | No
         if is_width and _sets_ffn_width(ctx, ups, name):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
-                ctx.evidence.append(f"FFN width: {name} (probed: moving it moves the up projection's width)")
                 return full, name, None, None
     hidden = ctx.tiny.hidden_size
     if len(widths) == 1 and next(iter(widths)) % hidden == 0:
