@@ -419,7 +419,7 @@ def derive_from_hf_map(
 def _why_unmapped(keys: list[str], module_map: dict[str, str], layer_prefix: str) -> str:
     """Why no rule maps ``keys``: the analysis' module map pairs their modules (a number in the
     key that is no layer index, an ``nn.Sequential`` position, hides the pairing), or nothing
-    in the engine knows their modules."""
+    in the engine creates their modules."""
     paired: dict[str, str] = {}
     for key in keys:
         match = _PARAM_SUFFIX.match(key)
@@ -431,7 +431,7 @@ def _why_unmapped(keys: list[str], module_map: dict[str, str], layer_prefix: str
         pattern = re.compile("^" + re.escape(head) + re.escape(inner).replace(re.escape("{}"), r"\d+") + "$")
         paired.update({hf: archon for hf, archon in module_map.items() if pattern.match(hf)})
     if not paired:
-        return "no analysis fact or map rule names their modules, and no engine edit creates them"
+        return "the engine has no edit that creates these modules"
     pairs = ", ".join(f"{hf} -> {archon}" for hf, archon in sorted(paired.items()))
     if any(has_inner_index(key, layer_prefix) for key in keys):
         return (
