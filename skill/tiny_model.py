@@ -18,6 +18,7 @@ Public API:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -443,7 +444,61 @@ def _shrink(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedCo
         raise TinyModelError(
             f"cannot build a tiny {config_class.__name__}: {exc}; pass overrides that satisfy its validation"
         ) from exc
+    unshrunk = [
+        stored
+        for stored, value in shrunk.items()
+        if stored not in overrides
+        and _is_int(value)
+        and value == original.get(stored)
+        and value > TINY_INTERMEDIATE
+        and canonical.get(stored, stored) not in _PROTECTED
+        and not stored.endswith(_TOKEN_ID_SUFFIX)
+    ]
+    for stored in unshrunk:
+        tiny = _shrink_if_width(tiny, stored, _width(canonical.get(stored, stored), shrunk[stored]))
     return tiny
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _projection_widths(config: PretrainedConfig) -> set[int] | None:
+    """The widths of every projection (2-D ``nn.Linear`` or transformers ``Conv1D`` weight) of
+    ``config``'s causal LM, built on the meta device; ``None`` when it cannot be built there
+    without remote code."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # model constructors raise several exception types
+        logger.debug("cannot build %s on the meta device: %s", type(config).__name__, exc)
+        return None
+    widths: set[int] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+            widths.update(int(d) for d in weight.shape)
+    return widths
+
+
+def _shrink_if_width(tiny: PretrainedConfig, stored: str, small: int) -> PretrainedConfig:
+    """``tiny`` with the field ``stored`` shrunk to ``small`` when the field is a projection width
+    the role names do not catch (CTRL's ``dff``), measured: at its value it is the width of some
+    projection, and moving it to ``small`` makes that width ``small``. Any other field (an index
+    top-k, a scalar base, a count of buckets) stays as it was."""
+    value = getattr(tiny, stored)
+    before = _projection_widths(tiny)
+    if before is None or value not in before:
+        return tiny
+    moved = copy.deepcopy(tiny)
+    setattr(moved, stored, small)
+    after = _projection_widths(moved)
+    if after is None or value in after or small not in after:
+        return tiny
+    logger.debug("%s=%s sets a projection width: shrunk to %s", stored, value, small)
+    return moved
 
 
 def build_tiny_model(

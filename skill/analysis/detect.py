@@ -1648,25 +1648,57 @@ _WIDTH_WORDS = ("intermediate", "ffn", "inner", "mlp")
 _RATIO_WORDS = ("ratio", "expansion")
 
 
+def _parameter_name(model: nn.Module, module: nn.Module) -> str | None:
+    """The full name of ``module``'s weight in ``model``."""
+    for name, child in model.named_modules():
+        if child is module:
+            return f"{name}.weight" if name else "weight"
+    return None
+
+
+def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str) -> bool:
+    """Whether a config field sets the FFN width, measured: a tiny model built with the field
+    moved has every up projection as wide as the new value. A field whose value merely equals
+    the width (or whose name merely says "ffn") is no evidence; CTRL's ``dff`` is named by no
+    width word and sets the width all the same."""
+    value = getattr(ctx.tiny, field_name)
+    moved = value + 32
+    names = [_parameter_name(ctx.model, p.module) for p in ups]
+    if not names or None in names:
+        return False
+    config = copy.deepcopy(ctx.tiny)
+    try:
+        setattr(config, field_name, moved)
+        variant = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+    except Exception as exc:  # config validators and model builds raise several exception types
+        logger.debug("moving %s to probe the FFN width failed: %s", field_name, exc)
+        return False
+    variant_params = dict(variant.named_parameters())
+    for p, name in zip(ups, names, strict=True):
+        weight = variant_params.get(str(name))
+        if weight is None or weight.dim() != 2:
+            return False
+        out_axis = 1 if p.orientation == "in_out" else 0
+        if weight.shape[out_axis] != moved:
+            return False
+    return True
+
+
 def _intermediate_size(ctx: Context, ups: list[mt.Projection]) -> tuple[int | None, str | None, int | None, str | None]:
     """The FFN width at full size and the config field that sets it: ``intermediate_size``,
-    else the width field whose tiny value is the up projection's width (``ffn_dim``,
-    ``n_inner``, ...), else a width field left ``None`` when the width is a multiple of the
-    hidden size (GPT-2's ``n_inner=None``: 4 * hidden), else a ratio field whose value is
-    that multiple (MPT's ``expansion_ratio``), else, with no field at all, the multiple
-    alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
+    else the field whose tiny value is the up projection's width and whose move moves that
+    width (probed: ``ffn_dim``, ``n_inner``, CTRL's ``dff``, ...), else a width field left
+    ``None`` when the width is a multiple of the hidden size (GPT-2's ``n_inner=None``:
+    4 * hidden), else a ratio field whose value is that multiple (MPT's ``expansion_ratio``),
+    else, with no field at all, the multiple alone (Bloom: 4 * hidden). (size, field, multiple, ratio field)."""
     declared = ctx.get("intermediate_size")
     if isinstance(declared, int) and not isinstance(declared, bool):
         return declared, "intermediate_size", None, None
     widths = {p.out_features for p in ups}
     tiny_fields = sorted(ctx.tiny.to_dict().items())
     for name, value in tiny_fields:
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and value in widths
-            and any(w in name for w in _WIDTH_WORDS)
-        ):
+        is_width = isinstance(value, int) and not isinstance(value, bool) and value in widths
+        if is_width and _sets_ffn_width(ctx, ups, name):
             full = ctx.get(name)
             if isinstance(full, int) and not isinstance(full, bool):
                 return full, name, None, None
@@ -2513,6 +2545,7 @@ def position_features(ctx: Context) -> PositionFeatures:
         if isinstance(m, nn.Embedding) and m is not embedding and ("pos" in n.lower() or n.endswith("wpe"))
     ]
     sinusoidal = [n for n, m in model.named_modules() if "Sinusoidal" in type(m).__name__]
+    sinusoidal += [n for n in _position_buffer_owners(ctx) if n not in sinusoidal]
     relative = [n for n, m in model.named_modules() if "relative" in n.lower() and isinstance(m, nn.Embedding)]
     alibi_field = any(bool(v) for v in _fields_matching(ctx.config, "alibi").values() if isinstance(v, bool))
     alibi_code = ctx.source is not None and ctx.source.mentions("alibi")
@@ -2617,6 +2650,19 @@ def _measured_rotation(ctx: Context) -> tuple[str | None, bool] | None:
     return None, reversed_
 
 
+def _position_buffer_owners(ctx: Context) -> list[str]:
+    """Modules holding a fixed position table as a non-persistent buffer (CTRL's model)."""
+    return list(probes.position_buffers(ctx.model, ctx.anatomy, int(ctx.tiny.hidden_size)))
+
+
+def _vaswani_positions(n_positions: int, dim: int) -> torch.Tensor:
+    """The Transformer paper's table as CTRL builds it: ``[sin | cos]`` of ``p * 10000^(-2i/d)``
+    (the denominator ``d``, not fairseq's ``d/2 - 1``); a measuring stick, no port writes it."""
+    frequencies = torch.pow(10000.0, -2.0 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+    angles = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1) * frequencies.unsqueeze(0)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
+
+
 def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
     """A fixed sinusoidal position table: the row offset position ``p`` reads (probed through
     layer 0's input), and the config field naming a row the module zeroes (XGLM zeroes row
@@ -2625,6 +2671,14 @@ def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
     width = int(ctx.tiny.hidden_size)
     offset = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, sinusoidal_positions)
     if offset is None:
+        vaswani = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, _vaswani_positions)
+        if vaswani is not None:
+            ctx.evidence.append(f"sinusoidal positions: position p reads row p + {vaswani} of {name} (probe)")
+            ctx.other.append(
+                f"sinusoidal positions of another formula ([sin | cos] rows, frequencies 10000^(-2i/d), offset "
+                f"{vaswani}, probe of {name}): the sinusoidal_positions edit builds 10000^(-i/(d/2-1))"
+            )
+            return vaswani, None
         ctx.other.append(f"sinusoidal positions that are no [sin | cos] table rows (probe of {name})")
         return 0, None
     module = dict(ctx.model.named_modules())[name]
@@ -2795,6 +2849,47 @@ def _saved_block_norm_names(ctx: Context, block_norms: dict[str, str]) -> dict[s
     return {renamed.get(name, name): role for name, role in block_norms.items()}
 
 
+def constant_eps_norms(ctx: Context, eps_field: str) -> dict[str, float]:
+    """The norms of the tiny model whose epsilon does not follow ``eps_field``, measured: a
+    tiny model built with the field moved holds a new epsilon in every norm that reads it; one
+    that keeps its value is a constant of the modeling code (CTRL's block ``LayerNorm(d_model,
+    eps=1e-6)`` beside a final norm that reads ``layer_norm_epsilon``). Module path (layer
+    index as ``{}``) -> the constant."""
+    value = getattr(ctx.tiny, eps_field, None)
+    if not isinstance(value, float):
+        return {}
+    moved = copy.deepcopy(ctx.tiny)
+    try:
+        setattr(moved, eps_field, value * 1.37 if value else 1e-5)
+        variant = build_tiny_model(moved, seed=0, trust_remote_code=ctx.trust_remote_code)
+    except Exception as exc:  # config validators and model builds raise several exception types
+        logger.debug("moving %s to probe the norms' epsilon failed: %s", eps_field, exc)
+        return {}
+    moved_modules = dict(variant.named_modules())
+    constants: dict[str, float] = {}
+    for name, module in ctx.model.named_modules():
+        held = _norm_eps(module) if mt.is_norm(module) else None
+        twin = moved_modules.get(name)
+        if held is None or twin is None or not math.isclose(held, value):
+            continue
+        if (after := _norm_eps(twin)) is not None and math.isclose(after, held):
+            constants[re.sub(r"\.\d+\.", ".{}.", name, count=1)] = held
+    return constants
+
+
+def _name_constant_block_norm_eps(ctx: Context, eps_field: str) -> None:
+    """Name the block or final norms whose epsilon is a constant beside ``eps_field`` (the port
+    gives every norm ``norm_eps``, read from that field: right only while the two agree)."""
+    block = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}" for name in ctx.anatomy.norms}
+    final = {name for name, module in ctx.model.named_modules() if module is ctx.anatomy.final_norm}
+    constants = {name: value for name, value in constant_eps_norms(ctx, eps_field).items() if name in block | final}
+    if not constants:
+        return
+    held = ", ".join(f"{name} eps={value:g}" for name, value in sorted(constants.items()))
+    ctx.evidence.append(f"norm epsilon: {held} is a constant of the modeling code (moving {eps_field} leaves it)")
+    ctx.other.append(f"norms whose epsilon is a constant, not {eps_field}: {held}")
+
+
 def _norm_eps_field(config: PretrainedConfig) -> str | None:
     """The config field of the norms' epsilon: the first float field named ``*eps`` or ``*epsilon``."""
     return next(
@@ -2823,6 +2918,7 @@ def norm_features(ctx: Context) -> NormFeatures:
     eps: float | None
     if eps_field is not None:
         eps = float(ctx.get(eps_field))
+        _name_constant_block_norm_eps(ctx, eps_field)
     elif held is not None:
         eps = held
         ctx.evidence.append(f"norm epsilon {held:g}: a constant of the modeling code, no config field")

@@ -332,8 +332,9 @@ def _zero_output(module: nn.Module, args: tuple, output: Any) -> Any:
 def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) -> float | None:
     """Ratio of layer 0's input to the raw embedding rows; ``None`` when not a constant.
 
-    Other embeddings (learned positions) are zeroed for the probe, and fixed position
-    tables (sinusoidal: :func:`position_table_modules`) give zeros, so only the token
+    Other embeddings (learned positions) and fixed position buffers (:func:`position_buffers`)
+    are zeroed for the probe, and fixed position tables (sinusoidal:
+    :func:`position_table_modules`) give zeros, so only the token
     embedding and any factor on it reach the layer.
     """
     embedding = anatomy.embedding
@@ -354,11 +355,15 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
         module.register_forward_hook(_zero_output)
         for module in position_table_modules(model, anatomy, int(weight.shape[-1]))
     ]
+    tables = list(position_buffers(model, anatomy, int(weight.shape[-1])).values())
     try:
         saved = [m.weight.detach().clone() for m in others]
+        saved_tables = [table.clone() for table in tables]
         with torch.no_grad():
             for m in others:
                 m.weight.zero_()
+            for table in tables:
+                table.zero_()
         logits(model, tokens)
     finally:
         handle.remove()
@@ -367,6 +372,8 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
         with torch.no_grad():
             for m, w in zip(others, saved, strict=True):
                 m.weight.copy_(w)
+            for table, kept in zip(tables, saved_tables, strict=True):
+                table.copy_(kept)
     if "x" not in captured:
         return None
     rows = weight[tokens].detach()
@@ -379,6 +386,27 @@ def probe_embedding_scale(model: nn.Module, anatomy: LayerAnatomy, config: Any) 
     if float(ratio.std()) > 1e-3 * max(abs(mean), 1e-6):
         return None
     return mean
+
+
+def position_buffers(model: nn.Module, anatomy: LayerAnatomy, width: int) -> dict[str, torch.Tensor]:
+    """Fixed position tables a module holding the layer stack keeps as non-persistent buffers
+    (CTRL's ``transformer.pos_encoding``, ``[n_positions, d_model]``, added to the embeddings):
+    2-D float buffers of the hidden width, named for positions, that no checkpoint holds.
+    Owner module path -> the buffer."""
+    found: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not any(child is anatomy.layers for child in module.children()):
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if (
+                "pos" in buffer_name.lower()
+                and buffer_name in module._non_persistent_buffers_set
+                and buffer.ndim == 2
+                and buffer.shape[-1] == width
+                and buffer.is_floating_point()
+            ):
+                found.setdefault(name, buffer)
+    return found
 
 
 def position_table_modules(model: nn.Module, anatomy: LayerAnatomy, width: int) -> list[nn.Module]:

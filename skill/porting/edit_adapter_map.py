@@ -178,15 +178,33 @@ def fused_rows(config: Any) -> dict[int, tuple[str, ...]]:
     return rows
 
 
-def layer_generaliser(layer_prefix: str = LAYER_PREFIX):
+_EXPERT_INDEX = re.compile(r"(?<=\.experts)\.\d+(?=\.)")
+
+
+def layer_generaliser(layer_prefix: str = LAYER_PREFIX, literal_inner: bool = False):
     """A function that writes a key's layer index (after ``layer_prefix``, ``{}`` for the
-    index) and expert index as ``{}``: ``transformer.h.3.mlp.w`` -> ``transformer.h.{}.mlp.w``."""
+    index) and expert index as ``{}``: ``transformer.h.3.mlp.w`` -> ``transformer.h.{}.mlp.w``.
+    Every other number is written as ``{}`` too, unless ``literal_inner``: then it stays, so
+    the positions of an ``nn.Sequential`` (CTRL's ``ffn.0``, ``ffn.2``) stay apart."""
     stack = re.compile("^" + re.escape(layer_prefix).replace(re.escape("{}"), r"\d+"))
 
     def generalise(key: str) -> str:
-        return generalise_key(stack.sub(layer_prefix, key, count=1))
+        key = stack.sub(layer_prefix, key, count=1)
+        return _EXPERT_INDEX.sub(".{}", key) if literal_inner else generalise_key(key)
 
     return generalise
+
+
+def has_inner_index(key: str, layer_prefix: str = LAYER_PREFIX) -> bool:
+    """Whether an abstract key holds an index that is neither the layer's nor an expert's."""
+    inner = key[len(layer_prefix) :] if key.startswith(layer_prefix) else key
+    return "{}" in _EXPERT_INDEX.sub("", inner.replace(".experts.{}.", ".experts.0."))
+
+
+# The adapter's runtime key abstraction when the map keeps Sequential positions literal:
+# only the layer stack's index (HF's and Archon's ``layers``) and an expert's become ``{}``.
+_LAYER_ONLY_INDEX = r"""_INDEX = re.compile(r"(?:(?<=^{hf_stack})|(?<=^layers)|(?<=\.experts))\.(\d+)(?=\.)")"""
+_ALL_INDICES = r"""_INDEX = re.compile(r"\.(\d+)(?=\.)")"""
 
 
 def detect_fused_keys(
@@ -283,8 +301,13 @@ def derive_from_hf_map(
     top_modules: dict[str, str] | None = None,
     module_map: dict[str, str] | None = None,
     explicit: dict[str, str | None] | None = None,
+    literal_inner: bool = False,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
+
+    ``literal_inner`` keeps the numbers that are no layer or expert index literal
+    (``transformer.h.{}.ffn.0.weight``), for a checkpoint whose ``nn.Sequential`` positions
+    are different modules.
 
     ``layer_buffers``: keys inside a layer that are not a weight or bias (a router's
     score-correction bias) -> the Archon key inside the layer that holds them.
@@ -299,7 +322,7 @@ def derive_from_hf_map(
     fused = fused or {}
     explicit = explicit or {}
     module_map = module_map or {}
-    generalise = layer_generaliser(layer_prefix)
+    generalise = layer_generaliser(layer_prefix, literal_inner)
     keys = sorted({generalise(k) for k in hf_keys})
     layer_modules = {
         _PARAM_SUFFIX.match(k[len(layer_prefix) :]).group("module")  # type: ignore[union-attr]
@@ -379,7 +402,7 @@ def derive_from_hf_map(
     mapping.update({key: explicit[key] for key in unmapped if key in explicit})
     unmapped = [key for key in unmapped if key not in explicit]
     if unmapped:
-        raise unmapped_keys_error(unmapped, "the engine has no edit that creates these modules")
+        raise unmapped_keys_error(unmapped, _why_unmapped(unmapped, module_map, layer_prefix))
     if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
             mapping.setdefault(f"{layer_prefix}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
@@ -401,6 +424,50 @@ def _module_map_entries(keys: list[str], module_map: dict[str, str]) -> dict[str
         if match is not None and match["module"] in module_map:
             entries[key] = f"{module_map[match['module']]}.{match['param']}"
     return entries
+
+
+def _why_unmapped(keys: list[str], module_map: dict[str, str], layer_prefix: str) -> str:
+    """Why no rule maps ``keys``: the analysis' module map pairs their modules (a number in the
+    key that is no layer index, an ``nn.Sequential`` position, hides the pairing), or nothing
+    in the engine creates their modules."""
+    paired: dict[str, str] = {}
+    for key in keys:
+        match = _PARAM_SUFFIX.match(key)
+        if match is None:
+            continue
+        module = match.group("module")
+        inner = module[len(layer_prefix) :] if module.startswith(layer_prefix) else module
+        head = layer_prefix if module.startswith(layer_prefix) else ""
+        pattern = re.compile("^" + re.escape(head) + re.escape(inner).replace(re.escape("{}"), r"\d+") + "$")
+        paired.update({hf: archon for hf, archon in module_map.items() if pattern.match(hf)})
+    if not paired:
+        return "the engine has no edit that creates these modules"
+    pairs = ", ".join(f"{hf} -> {archon}" for hf, archon in sorted(paired.items()))
+    if any(has_inner_index(key, layer_prefix) for key in keys):
+        return (
+            f"the analysis' module map pairs their modules ({pairs}), but a number in them is no layer index "
+            "(an nn.Sequential position, kept literal when the module map pairs each position): map each "
+            "position with `add`, the position written literally"
+        )
+    return f"the analysis' module map pairs their modules ({pairs}), but the Archon package lacks those modules"
+
+
+def derive_literal_inner(**derive_args: Any) -> dict[str, str | None] | None:
+    """The map with literal Sequential positions, when the all-``{}`` keys leave some unmapped
+    only because a number in them is no layer index (CTRL's ``ffn.0``/``ffn.2``, which the
+    analysis' module map pairs with ``w1``/``w2``); ``None`` when that map fails too."""
+    try:
+        return derive_from_hf_map(**derive_args, literal_inner=True)
+    except UnmappedKeyError:
+        return None
+
+
+def apply_literal_inner_adapter(text: Document, layout: PackageLayout, layer_prefix: str) -> Document:
+    """Teach the adapter's ``_abstract`` the map's literal Sequential positions: only the layer
+    stack's index (``layer_prefix``'s ``{}``, and Archon's ``layers``) and an expert's index
+    become ``{}``."""
+    stack = re.escape(layer_prefix[: -len(".{}.")])
+    return replace_text(text, _ALL_INDICES, _LAYER_ONLY_INDEX.replace("{hf_stack}", stack))
 
 
 def _layer_template(layer0_prefix: str) -> str:
@@ -520,19 +587,28 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         if checklist.attention.o_bias_last_layer_key is not None:
             # The last layer's output-projection bias, held by its attention module itself.
             buffers[checklist.attention.o_bias_last_layer_key] = "attention.wo.bias"
-        derived = derive_from_hf_map(
-            list(shapes),
-            dense_layers=dense_layers,
-            fused={**fused, **experts},
-            norm_roles=checklist.norm.block_norms,
-            layer_buffers=buffers,
-            layer_prefix=prefix,
-            position_table_key=checklist.positions.table_key,
-            embedding_norm_module=checklist.scalars.embedding_norm_module,
-            top_modules=report.checkpoint.top_modules,
-            module_map=module_map,
-            explicit={**current, **request.add},
-        )
+        derive_args: dict[str, Any] = {
+            "hf_keys": list(shapes),
+            "dense_layers": dense_layers,
+            "fused": {**fused, **experts},
+            "norm_roles": checklist.norm.block_norms,
+            "layer_buffers": buffers,
+            "layer_prefix": prefix,
+            "position_table_key": checklist.positions.table_key,
+            "embedding_norm_module": checklist.scalars.embedding_norm_module,
+            "top_modules": report.checkpoint.top_modules,
+            "module_map": module_map,
+            "explicit": {**current, **request.add},
+        }
+        try:
+            derived = derive_from_hf_map(**derive_args)
+        except UnmappedKeyError as exc:
+            # Sequential positions (ffn.0 up, ffn.2 down) are different modules: keep them literal.
+            literal = derive_literal_inner(**derive_args) if not fused and not experts else None
+            if literal is None:
+                raise exc from None
+            derived = literal
+            text = apply_literal_inner_adapter(text, layout, prefix)
         attention = checklist.attention
         grouped = attention.fused_qkv_layout == "grouped"
         blocked = (

@@ -1,0 +1,156 @@
+"""Facts the analysis once inferred wrong for CTRL (issue 20, a fresh agent's hand port),
+each now measured on the real HF classes, and checked on another family the same rule moves.
+
+transformers' ``modeling_ctrl.py``: ``CTRLModel`` scales the token embeddings by
+``sqrt(n_embd)`` and adds a non-persistent sinusoidal table; each ``EncoderLayer`` holds
+``MultiHeadAttention`` and ``ffn = nn.Sequential(Linear(d_model, dff), ReLU(), Linear(dff,
+d_model))`` with two ``LayerNorm(d_model, eps=1e-6)``; the final ``layernorm`` reads
+``config.layer_norm_epsilon``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoConfig
+
+import archon_models
+from skill.codemod.cst import Document
+from skill.porting.common import PackageLayout
+from skill.porting.edit_adapter_map import (
+    UnmappedKeyError,
+    apply_literal_inner_adapter,
+    derive_from_hf_map,
+    derive_literal_inner,
+    has_inner_index,
+)
+from skill.porting.plan import plan_for
+from skill.tiny_model import TINY_INTERMEDIATE, saved_checkpoint_keys, tiny_config
+from tests.skill.test_analyze_families import report_for
+
+# ------------------------------------------------- 1. the FFN width field, by probe
+
+
+def test_ctrl_ffn_width_is_dff_at_released_size() -> None:
+    # CTRLConfig's defaults are the released Salesforce/ctrl (n_embd 1280, dff 8192): the
+    # width is dff, not a multiple of the hidden size (8192 / 64 was once taken as 128x).
+    released = AutoConfig.for_model("ctrl")
+    assert (released.n_embd, released.dff) == (1280, 8192)
+    ffn = report_for("ctrl").checklist.ffn
+    assert ffn.intermediate_size == released.dff
+    assert ffn.intermediate_size_field == "dff"
+    assert ffn.intermediate_multiple is None and ffn.intermediate_ratio_field is None
+    assert plan_for("ctrl").ffn_width_field == "dff"
+
+
+def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
+    # dff (CTRL) and dim_ff (CPM-Ant) set the FFN width: the shrinker measures that and
+    # shrinks them; fields that set no projection width keep their value.
+    assert tiny_config("ctrl").dff == TINY_INTERMEDIATE
+    assert tiny_config("cpmant").dim_ff == TINY_INTERMEDIATE
+    assert tiny_config("deepseek_v32").index_topk == AutoConfig.for_model("deepseek_v32").index_topk
+    assert tiny_config("minicpm3").dim_model_base == AutoConfig.for_model("minicpm3").dim_model_base
+    assert tiny_config("ctrl", dff=96).dff == 96
+
+
+# ------------------------------------------- 2. each norm's epsilon, by perturbation
+
+
+def test_ctrl_block_norm_eps_is_a_constant_named_by_the_analysis() -> None:
+    # EncoderLayer: LayerNorm(d_model, eps=1e-6) twice; CTRLModel.layernorm reads
+    # layer_norm_epsilon. Equal by default, so only moving the field tells them apart.
+    report = report_for("ctrl")
+    assert report.checklist.norm.eps_field == "layer_norm_epsilon"
+    named = [line for line in report.unsupported if "epsilon is a constant" in line]
+    expected = (
+        "unsupported: norms whose epsilon is a constant, not layer_norm_epsilon: "
+        "transformer.h.{}.layernorm1 eps=1e-06, transformer.h.{}.layernorm2 eps=1e-06"
+    )
+    assert named == [expected]
+
+
+def test_mla_latent_norms_are_not_named_as_block_norms() -> None:
+    # DeepseekV3Attention's q_a_layernorm / kv_a_layernorm keep 1e-6 too, but they are the
+    # latent norms (latent_norm_eps_field), not the block norms that norm_eps builds.
+    report = report_for("deepseek_v3")
+    assert report.checklist.norm.eps_field == "rms_norm_eps"
+    assert not [line for line in report.unsupported if "epsilon is a constant" in line]
+
+
+# ------------------------------ 3. sinusoidal positions in a buffer, sqrt(d) embedding scale
+
+
+def test_ctrl_sinusoidal_buffer_and_sqrt_dim_scale_are_reported() -> None:
+    # CTRLModel: pos_encoding = positional_encoding(n_positions, n_embd) (non-persistent,
+    # [sin | cos] of p * 10000^(-2i/d)), added after `inputs_embeds *= np.sqrt(d_model_size)`.
+    report = report_for("ctrl")
+    positions = report.checklist.positions
+    assert positions.kind == "sinusoidal" and positions.table_offset == 0
+    assert positions.table_zero_row_field is None
+    scalars = report.checklist.scalars
+    assert scalars.embedding_scale_kind == "sqrt_dim"
+    assert scalars.embedding_scale == pytest.approx(AutoConfig.for_model("ctrl").n_embd ** 0.5)
+    formula = [line for line in report.unsupported if "sinusoidal" in line]
+    assert len(formula) == 1 and "10000^(-2i/d)" in formula[0] and "offset 0" in formula[0]
+    assert not [line for line in report.unsupported if "position encoding = none" in line]
+    assert not [line for line in report.unsupported if "beyond a constant scale" in line]
+
+
+def test_xglm_fairseq_sinusoidal_table_still_matches_the_edit() -> None:
+    # XGLMSinusoidalPositionalEmbedding: fairseq's table, offset 2, pad row zero: the
+    # sinusoidal_positions edit's formula, so nothing is named.
+    report = report_for("xglm")
+    positions = report.checklist.positions
+    assert positions.kind == "sinusoidal" and positions.table_offset == 2
+    assert positions.table_zero_row_field == "pad_token_id"
+    assert not [line for line in report.unsupported if "sinusoidal" in line]
+
+
+# --------------------------------------- 4. Sequential positions in checkpoint keys
+
+
+def _ctrl_map_inputs() -> dict[str, Any]:
+    report = report_for("ctrl")
+    return {
+        "hf_keys": list(saved_checkpoint_keys(tiny_config("ctrl"))),
+        "norm_roles": report.checklist.norm.block_norms,
+        "layer_prefix": "transformer.h.{}.",
+        "top_modules": report.checkpoint.top_modules,
+        "module_map": report.checkpoint.module_map,
+    }
+
+
+def test_ctrl_sequential_ffn_positions_stay_apart() -> None:
+    # EncoderLayer.ffn = nn.Sequential(Linear, ReLU, Linear): ffn.0 is the up projection, ffn.2
+    # the down one; the analysis' module map pairs them with w1 and w2.
+    inputs = _ctrl_map_inputs()
+    assert inputs["module_map"]["transformer.h.{}.ffn.0"] == "layers.{}.feed_forward.w1"
+    with pytest.raises(UnmappedKeyError) as refused:
+        derive_from_hf_map(**inputs)
+    # The refusal says what is true: the module map pairs them (not "no edit creates them").
+    assert "module map pairs their modules (transformer.h.{}.ffn.0 -> layers.{}.feed_forward.w1" in str(refused.value)
+    assert "no edit that creates" not in str(refused.value)
+    derived = derive_literal_inner(**inputs)
+    assert derived is not None
+    assert derived["transformer.h.{}.ffn.0.weight"] == "layers.{}.feed_forward.w1.weight"
+    assert derived["transformer.h.{}.ffn.0.bias"] == "layers.{}.feed_forward.w1.bias"
+    assert derived["transformer.h.{}.ffn.2.weight"] == "layers.{}.feed_forward.w2.weight"
+    layer_keys = [key for key in derived if key.startswith("transformer.h.{}.")]
+    assert layer_keys and not [key for key in layer_keys if has_inner_index(key, "transformer.h.{}.")]
+
+
+def test_adapter_abstracts_only_the_layer_and_expert_index() -> None:
+    # The generated adapter's _abstract must read keys as the literal map writes them.
+    reference = Path(archon_models.__file__).parent / "qwen2" / "model" / "state_dict_adapter.py"
+    text = apply_literal_inner_adapter(
+        Document(reference.read_text()), PackageLayout.for_name("ctrl"), "transformer.h.{}."
+    )
+    line = next(row for row in text.code.splitlines() if row.startswith("_INDEX = "))
+    namespace: dict[str, Any] = {}
+    exec("import re\n" + line, namespace)
+    index = namespace["_INDEX"]
+    assert index.sub(".{}", "transformer.h.11.ffn.2.weight") == "transformer.h.{}.ffn.2.weight"
+    assert index.sub(".{}", "layers.11.feed_forward.w1.weight") == "layers.{}.feed_forward.w1.weight"
+    assert index.sub(".{}", "layers.1.moe.experts.7.w1") == "layers.{}.moe.experts.{}.w1"
