@@ -448,6 +448,28 @@ def test_fused_qkv_rows_are_read_under_a_qk_norm_or_sinks(tmp_path, fused: str, 
     assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
 
 
+@pytest.mark.parametrize(("fused", "clip"), [("grouped", 8.0), ("stacked", 4.0)])
+def test_fused_qkv_rows_are_read_under_a_qkv_clip(tmp_path, fused: str, clip: float):
+    """Before: the value probe wrote row codes 1..out_features into the fused weight, and a
+    ``clip_qkv`` of 4 or 8 clamped every code above it, so the rows read as "fused qkv row
+    layout = other" (seed 147: GPT-NeoX names, grouped rows, clip_qkv 8.0). The codes now
+    stay below one, under any clip the vocabulary draws."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from skill.features import FusedQKVLayout
+
+    attention = AttentionSpec(
+        n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, fused_qkv=fused, clip_qkv=clip
+    )
+    spec = plain_family(f"fzfusedqkvclip{fused}", naming="neox", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
+    assert report.checklist.attention.clip_qkv == clip
+
+
 @pytest.mark.fuzz
 @pytest.mark.slow
 def test_mla_latent_norms_at_the_config_epsilon_port(tmp_path):
