@@ -206,8 +206,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
         att.sinks or att.logit_softcap is not None or att.sliding_window.kind is not SlidingWindowKind.NONE
     ):
         limits.append("ALiBi together with sinks, soft-capped scores or a sliding window (no kernel has both)")
-    if att.sinks and att.logit_softcap is not None:
-        limits.append("attention sinks together with soft-capped scores (no kernel has both)")
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm_full_width:
         # The full-width norm reads wq's output before the heads split; only a per-head one,
         # of any kind, moves after RoPE.

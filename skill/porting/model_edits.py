@@ -102,6 +102,7 @@ KERNEL_HELPERS = {
     "SlidingWindowAttention": ("per_document", *FLEX_HELPERS, "flash_varlen_keywords"),
     "EagerAttention": ("per_document", *FLEX_HELPERS),
     "SinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
+    "SoftCappedSinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
     "AlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
 }
 HELPER_IMPORTS = (
@@ -173,13 +174,18 @@ def _eager_attention(text: Document, ctx: EditContext) -> Document:
 
 
 def _attention_sinks(text: Document, ctx: EditContext) -> Document:
-    """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row."""
+    """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row; with
+    soft-capped scores, the kernel that caps them before the sink joins (SoftCappedSinkAttention)."""
     if "self.sinks =" in text:
         return text
     text = _insert_kernel(text, "SinkAttention")
     text, window = _window_argument(text, ctx)
+    kernel = f"SinkAttention({window})"
+    if ctx.profile.attn_softcap:
+        text = _insert_kernel(text, "SoftCappedSinkAttention")
+        kernel = f"SoftCappedSinkAttention(model_args.attn_logit_softcapping, {window})"
     text = replace_statement_assigning(
-        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = SinkAttention({window})\n"
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = {kernel}\n"
     )
     text = insert_after_statement_assigning(
         text,
@@ -1640,7 +1646,7 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ),
     ModelEdit(
         "attention_sinks",
-        "a learned sink logit per head in every softmax (with the family's window, if any)",
+        "a learned sink logit per head in every softmax (with the family's window and score soft-cap, if any)",
         lambda p: p.attn_sinks,
         _attention_sinks,
     ),

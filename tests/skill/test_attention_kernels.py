@@ -24,6 +24,7 @@ from skill.porting.snippets.attention import (
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
+    SoftCappedSinkAttention,
     alibi_slopes,
     flex_functions,
     flex_packed,
@@ -77,6 +78,8 @@ VARIANTS = {
     "window only, eager": (lambda: EagerAttention(None, 5), {"window": 5}),
     "sinks": (lambda: SinkAttention(None), {"sinks": True}),
     "sinks+window": (lambda: SinkAttention(5), {"sinks": True, "window": 5}),
+    "sinks+softcap": (lambda: SoftCappedSinkAttention(0.7, None), {"sinks": True, "softcap": 0.7}),
+    "sinks+softcap+window": (lambda: SoftCappedSinkAttention(0.7, 5), {"sinks": True, "softcap": 0.7, "window": 5}),
 }
 
 

@@ -472,6 +472,35 @@ def test_fused_qkv_rows_are_read_under_a_qkv_clip(tmp_path, fused: str, clip: fl
 
 @pytest.mark.fuzz
 @pytest.mark.slow
+def test_attention_sinks_with_soft_capped_scores_port(tmp_path):
+    """Before: a family with both learned sinks and soft-capped scores was refused, "attention
+    sinks together with soft-capped scores (no kernel has both)" (seeds 156, 248). The
+    attention_sinks edit now builds SoftCappedSinkAttention there: the scores capped before
+    the mask, the sink joining the softmax uncapped, on a per-layer window as well."""
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        softcap=20.0,
+        sinks=True,
+        window="some",
+        window_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    spec = plain_family("fzsinkssoftcap", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
+    model_py = (root / "archon_models" / "fzsinkssoftcap" / "model" / "model.py").read_text()
+    assert "SoftCappedSinkAttention(model_args.attn_logit_softcapping, sliding_window)" in model_py
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
 def test_mla_latent_norms_at_the_config_epsilon_port(tmp_path):
     """Before: the deepseek_v3 reference builds q_a/kv_a latent norms at a fixed 1e-6 (as
     DeepSeek's modeling code does); a family passing ``rms_norm_eps`` (1e-5 here) to them

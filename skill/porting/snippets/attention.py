@@ -365,6 +365,62 @@ class SinkAttention(nn.Module):
         return torch.matmul(probs[..., :-1].to(q.dtype), values)
 
 
+class SoftCappedSinkAttention(SinkAttention):
+    """:class:`SinkAttention` whose scores are soft-capped first: ``softcap * tanh(scores /
+    softcap)`` on the scaled scores, then the causal (and window) mask, then the head's sink
+    joins the softmax uncapped (HF's eager order: the cap rewrites the scores before the
+    mask and the sink logits are concatenated after it).
+
+    A kernel of its own, for the families that have both (the ``attention_sinks`` edit picks
+    it when the analysis also found a soft-cap), so a family with sinks alone carries no cap.
+    On CUDA the cap is flex attention's ``score_mod`` and the sinks are folded in from the
+    log-sum-exp of the capped scores; on CPU the capped scores are computed explicitly.
+    """
+
+    def __init__(self, softcap: float, window: int | None = None):
+        super().__init__(window)
+        self.softcap = softcap
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors with the cap as ``score_mod``,
+        the sinks folded in from the log-sum-exp of the capped scores."""
+        softcap = self.softcap
+
+        def capped(score, batch, head, query, key):
+            return torch.tanh(score / softcap) * softcap
+
+        out, lse = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped)
+        return fold_sinks(out, lse, sinks)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        n_rep = q.shape[1] // k.shape[1]
+        keys = k.repeat_interleave(n_rep, dim=1)
+        values = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = index[:, None] - index[None, :]
+        allowed = distance >= 0
+        if self.window is not None:
+            allowed = allowed & (distance < self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        # The sink joins each row's softmax in fp32, uncapped.
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)
+        return torch.matmul(probs[..., :-1].to(q.dtype), values)
+
+
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi's fixed per-head slopes (Press et al.), fp32 ``[n_heads]``.
 
