@@ -633,8 +633,10 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     alone, so in each head the last query's weights on keys ``j`` and ``j + 1`` differ by a
     factor ``exp(slope)``. The weights are the ones the model returns with
     ``output_attentions``, or (a remote-code model that returns none) the softmax computed
-    inside the attention. ``None`` when neither is there, or the log-ratios are not one
-    constant per head (no linear bias)."""
+    inside the attention. A sliding window hides the keys behind it: the log-ratios are
+    read over the keys the last query sees, which must be the last two or more. ``None``
+    when neither weight source is there, or the log-ratios are not one constant per head
+    (no linear bias)."""
     attention = anatomy.attention
     if attention is None:
         return None
@@ -645,8 +647,11 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     if weights is None:
         return None
     last = weights[0, :, -1].double()  # [H, L]: the last query's weights on every key
-    if bool((last <= 0).any()):
+    seen = last > 0
+    first = int(seen[0].long().argmax())
+    if not bool(seen[:, first:].all()) or bool(seen[:, :first].any()) or last.shape[-1] - first < 2:
         return None
+    last = last[:, first:]
     steps = last[:, 1:].log() - last[:, :-1].log()
     slopes = steps[:, :1]
     if not torch.allclose(steps, slopes.expand_as(steps), rtol=1e-4, atol=1e-5):

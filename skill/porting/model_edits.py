@@ -104,6 +104,7 @@ KERNEL_HELPERS = {
     "SinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
     "SoftCappedSinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
     "AlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
+    "WindowedAlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
 }
 HELPER_IMPORTS = (
     "import functools",
@@ -112,7 +113,11 @@ HELPER_IMPORTS = (
     "from typing import Any",
 )
 # Imports a kernel's helpers need beyond those.
-KERNEL_IMPORTS = {"AlibiAttention": ("import math",), "SlidingWindowAttention": ("import inspect",)}
+KERNEL_IMPORTS = {
+    "AlibiAttention": ("import math",),
+    "WindowedAlibiAttention": ("import math",),
+    "SlidingWindowAttention": ("import inspect",),
+}
 
 
 def _insert_kernel(text: Document, kernel: str) -> Document:
@@ -251,12 +256,18 @@ def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
     those of the heads it attends with (``head_offset``: its tensor-parallel block, which
-    ``parallelize`` sets)."""
-    if "AlibiAttention()" in text:
+    ``parallelize`` sets). With a sliding window (on every layer or by a per-layer pattern),
+    the kernel that also hides the keys behind it (WindowedAlibiAttention)."""
+    if "AlibiAttention()" in text or "WindowedAlibiAttention(" in text:
         return text
     text = _insert_kernel(text, "AlibiAttention")
+    kernel = "AlibiAttention()"
+    if ctx.profile.sliding_window:
+        text = _insert_kernel(text, "WindowedAlibiAttention")
+        text, window = _window_argument(text, ctx)
+        kernel = f"WindowedAlibiAttention({window})"
     text = replace_statement_assigning(
-        text, "Attention", "__init__", "self.packed_attn", "self.packed_attn = AlibiAttention()\n"
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = {kernel}\n"
     )
     text = insert_after_statement_assigning(
         text,
@@ -1635,13 +1646,19 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
-        lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap and not p.attn_sinks,
+        lambda p: (
+            p.sliding_window
+            and not p.sliding_layer_types
+            and not p.attn_softcap
+            and not p.attn_sinks
+            and p.positions != "alibi"
+        ),
         _sliding_window,
     ),
     ModelEdit(
         "eager_attention",
         "explicit attention for soft-capped scores and/or a per-layer sliding window",
-        lambda p: (p.attn_softcap or p.sliding_layer_types) and not p.attn_sinks,
+        lambda p: (p.attn_softcap or p.sliding_layer_types) and not p.attn_sinks and p.positions != "alibi",
         _eager_attention,
     ),
     ModelEdit(

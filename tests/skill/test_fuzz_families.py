@@ -373,6 +373,42 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
     assert report.checklist.positions.alibi_slopes == pytest.approx([2 ** (-2 * (h + 1)) for h in range(4)], rel=1e-4)
 
 
+@pytest.mark.fuzz
+@pytest.mark.slow
+@pytest.mark.parametrize("window", ["all", "some"])
+def test_alibi_with_a_sliding_window_ports(tmp_path, window: str):
+    """Before: ALiBi with a sliding window was refused twice, "ALiBi together with sinks,
+    soft-capped scores or a sliding window (no kernel has both)" and "ALiBi whose score bias
+    no probe reads" (the window zeroes the last query's weights on the keys behind it, and
+    the slope probe took any zero weight for no linear bias): seeds 37, 87, 98, 159. The
+    probe reads the keys the query sees; the alibi_attention edit builds
+    WindowedAlibiAttention, on every layer or on the layers of the per-layer pattern."""
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        window=window,
+        window_size=4,
+        layer_types=["sliding_attention", "full_attention"] if window == "some" else [],
+    )
+    spec = plain_family(f"fzalibiwindow{window}", positions="alibi", rope=None, attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
+    model_py = (root / "archon_models" / spec.name / "model" / "model.py").read_text()
+    kernel = (
+        "WindowedAlibiAttention(sliding_window)"
+        if window == "some"
+        else "WindowedAlibiAttention(model_args.sliding_window)"
+    )
+    assert f"self.packed_attn = {kernel}" in model_py
+    assert "SlidingWindowAttention" not in model_py and "EagerAttention" not in model_py
+
+
 def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
     """Before: moving clip_qkv from 4.0 to 5.5 left a random tiny model's q, k, v (far below
     4) unclamped, so the analysis never saw the clamp; the port ran without it and seed 10

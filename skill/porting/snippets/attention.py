@@ -500,6 +500,55 @@ class AlibiAttention(nn.Module):
         return out
 
 
+class WindowedAlibiAttention(AlibiAttention):
+    """:class:`AlibiAttention` on a sliding window: each token sees the last ``window``
+    tokens of its own document, itself included, each scored with its head's ALiBi bias
+    (``None``: the whole document, as on a full-attention layer of a per-layer pattern).
+
+    A kernel of its own, for the families that have both (the ``alibi_attention`` edit picks
+    it where the analysis found a window), so an ALiBi family without one carries no window.
+    On CUDA the window is part of flex attention's block mask; on CPU of the additive mask.
+    """
+
+    def __init__(self, window: int | None):
+        super().__init__()
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
+        self.window = window
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = (index[None, :] - index[:, None]).to(torch.float32)  # key - query
+        hidden = distance > 0
+        if self.window is not None:
+            hidden = hidden | (distance <= -self.window)
+        bias = slopes.to(q.device, torch.float32).view(-1, 1, 1) * distance
+        bias = bias.masked_fill(hidden, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the ALiBi bias as ``score_mod``;
+        documents, causality and the window as a block mask."""
+        head_slopes = slopes.to(q.device, torch.float32)
+
+        def alibi(score, batch, head, query, key):
+            return score + head_slopes[head] * (key - query)
+
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, score_mod=alibi)
+        return out
+
+
 # A method of the family's ``Attention``: the ``attention_sinks`` edit adds it there.
 def local_sinks(self, n_heads: int) -> torch.Tensor:
     """The sink logits of the ``n_heads`` heads this rank attends with: its tensor-parallel
