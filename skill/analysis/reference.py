@@ -201,9 +201,9 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
-    if checklist.positions.kind is PositionKind.ALIBI and (att.sinks or att.logit_softcap is not None):
-        # (A sliding window composes: WindowedAlibiAttention.)
-        limits.append("ALiBi together with sinks or soft-capped scores (no kernel has both)")
+    if checklist.positions.kind is PositionKind.ALIBI and att.sinks:
+        # (A sliding window and a soft-cap compose: WindowedAlibiAttention, SoftCappedAlibiAttention.)
+        limits.append("ALiBi together with attention sinks (no kernel has both)")
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm_full_width:
         # The full-width norm reads wq's output before the heads split; only a per-head one,
         # of any kind, moves after RoPE.

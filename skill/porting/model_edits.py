@@ -105,6 +105,7 @@ KERNEL_HELPERS = {
     "SoftCappedSinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
     "AlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
     "WindowedAlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
+    "SoftCappedAlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
 }
 HELPER_IMPORTS = (
     "import functools",
@@ -116,6 +117,7 @@ HELPER_IMPORTS = (
 KERNEL_IMPORTS = {
     "AlibiAttention": ("import math",),
     "WindowedAlibiAttention": ("import math",),
+    "SoftCappedAlibiAttention": ("import math",),
     "SlidingWindowAttention": ("import inspect",),
 }
 
@@ -257,15 +259,19 @@ def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
     those of the heads it attends with (``head_offset``: its tensor-parallel block, which
     ``parallelize`` sets). With a sliding window (on every layer or by a per-layer pattern),
-    the kernel that also hides the keys behind it (WindowedAlibiAttention)."""
-    if "AlibiAttention()" in text or "WindowedAlibiAttention(" in text:
+    the kernel that also hides the keys behind it (WindowedAlibiAttention); with soft-capped
+    scores, the one that caps them before the bias (SoftCappedAlibiAttention)."""
+    if "AlibiAttention()" in text or "WindowedAlibiAttention(" in text or "SoftCappedAlibiAttention(" in text:
         return text
     text = _insert_kernel(text, "AlibiAttention")
     kernel = "AlibiAttention()"
-    if ctx.profile.sliding_window:
+    if ctx.profile.sliding_window or ctx.profile.attn_softcap:
         text = _insert_kernel(text, "WindowedAlibiAttention")
         text, window = _window_argument(text, ctx)
         kernel = f"WindowedAlibiAttention({window})"
+        if ctx.profile.attn_softcap:
+            text = _insert_kernel(text, "SoftCappedAlibiAttention")
+            kernel = f"SoftCappedAlibiAttention(model_args.attn_logit_softcapping, {window})"
     text = replace_statement_assigning(
         text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = {kernel}\n"
     )

@@ -24,6 +24,7 @@ from skill.porting.snippets.attention import (
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
+    SoftCappedAlibiAttention,
     SoftCappedSinkAttention,
     WindowedAlibiAttention,
     alibi_slopes,
@@ -267,10 +268,11 @@ def _alibi_inputs(trailing: int = 0):
     return q, k, v, cu
 
 
-def _alibi_reference(q, k, v, cu, slopes, window=None):
+def _alibi_reference(q, k, v, cu, slopes, window=None, softcap=None):
     """The whole packed row: same document, causal (within the last ``window`` tokens, when
     given), and each head's slope times the key's position within its document (Bloom's
-    form: the query's own position is a per-row constant softmax ignores)."""
+    form: the query's own position is a per-row constant softmax ignores), added after
+    the ``softcap`` when given."""
     total = q.shape[2]
     pos = torch.arange(total)
     bounds = torch.cat([cu.long(), torch.tensor([total])]) if int(cu[-1]) < total else cu.long()
@@ -281,6 +283,8 @@ def _alibi_reference(q, k, v, cu, slopes, window=None):
         allowed &= pos[:, None] - pos[None, :] < window
     n_rep = ALIBI_HEADS // ALIBI_KV_HEADS
     scores = q @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * SCALE
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + slopes.double().view(1, -1, 1, 1) * in_doc.double().view(1, 1, 1, -1)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1) @ v.repeat_interleave(n_rep, 1)
@@ -298,23 +302,34 @@ def test_alibi_slopes_are_bloom_and_mpt_slopes(n_heads):
     torch.testing.assert_close(slopes, mpt_slopes, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("window", [None, 1, 5], ids=["alibi", "alibi+window1", "alibi+window5"])
+ALIBI_VARIANTS = {
+    "alibi": (AlibiAttention, {}),
+    "alibi+window1": (lambda: WindowedAlibiAttention(1), {"window": 1}),
+    "alibi+window5": (lambda: WindowedAlibiAttention(5), {"window": 5}),
+    "alibi+softcap": (lambda: SoftCappedAlibiAttention(0.7), {"softcap": 0.7}),
+    "alibi+softcap+window5": (lambda: SoftCappedAlibiAttention(0.7, 5), {"softcap": 0.7, "window": 5}),
+}
+
+
+@pytest.mark.parametrize("variant", list(ALIBI_VARIANTS))
 @pytest.mark.parametrize("trailing", [0, 3], ids=["exact", "trailing-padding"])
 @pytest.mark.parametrize("driver", ["forward", "per_document", "flex"])
-def test_alibi_matches_whole_row_reference(driver, trailing, window):
+def test_alibi_matches_whole_row_reference(driver, trailing, variant):
     """Positions restart at every document: each document alone gets the bias it would get
     unpacked. The flex path (CUDA's) runs forward on CPU here. With a window,
-    WindowedAlibiAttention also hides the keys behind it."""
+    WindowedAlibiAttention also hides the keys behind it; SoftCappedAlibiAttention caps the
+    scores before the bias."""
     q, k, v, cu = _alibi_inputs(trailing)
     slopes = alibi_slopes(ALIBI_HEADS)
-    kernel = AlibiAttention() if window is None else WindowedAlibiAttention(window)
+    make, expects = ALIBI_VARIANTS[variant]
+    kernel = make()
     if driver == "forward":
         got = kernel(q, k, v, slopes=slopes, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
     elif driver == "per_document":
         got = per_document(kernel.attend, q, k, v, cu, slopes=slopes, scale=SCALE)
     else:
         got = kernel.flex(q.float(), k.float(), v.float(), slopes, cu, SCALE).double()
-    want = _alibi_reference(q, k, v, cu, slopes, window)
+    want = _alibi_reference(q, k, v, cu, slopes, **expects)
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if driver == "flex" else {}
     torch.testing.assert_close(got, want, **tolerance)
 

@@ -375,14 +375,15 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
 
 @pytest.mark.fuzz
 @pytest.mark.slow
-@pytest.mark.parametrize("window", ["all", "some"])
-def test_alibi_with_a_sliding_window_ports(tmp_path, window: str):
-    """Before: ALiBi with a sliding window was refused twice, "ALiBi together with sinks,
-    soft-capped scores or a sliding window (no kernel has both)" and "ALiBi whose score bias
-    no probe reads" (the window zeroes the last query's weights on the keys behind it, and
-    the slope probe took any zero weight for no linear bias): seeds 37, 87, 98, 159. The
-    probe reads the keys the query sees; the alibi_attention edit builds
-    WindowedAlibiAttention, on every layer or on the layers of the per-layer pattern."""
+@pytest.mark.parametrize(("window", "softcap"), [("all", None), ("some", None), ("none", 20.0), ("some", 30.0)])
+def test_alibi_with_a_sliding_window_or_a_soft_cap_ports(tmp_path, window: str, softcap: float | None):
+    """Before: ALiBi with a sliding window or soft-capped scores was refused, "ALiBi together
+    with sinks, soft-capped scores or a sliding window (no kernel has both)", and with a
+    window also "ALiBi whose score bias no probe reads" (the window zeroes the last query's
+    weights on the keys behind it, and the slope probe took any zero weight for no linear
+    bias): seeds 37, 87, 98, 159 (window), 220 (soft-cap), 246 (both). The probe reads the
+    keys the query sees; the alibi_attention edit builds WindowedAlibiAttention (on every
+    layer or on the layers of the per-layer pattern) or SoftCappedAlibiAttention."""
     attention = AttentionSpec(
         n_heads=4,
         n_kv_heads=2,
@@ -391,8 +392,10 @@ def test_alibi_with_a_sliding_window_ports(tmp_path, window: str):
         window=window,
         window_size=4,
         layer_types=["sliding_attention", "full_attention"] if window == "some" else [],
+        softcap=softcap,
     )
-    spec = plain_family(f"fzalibiwindow{window}", positions="alibi", rope=None, attention=attention)
+    name = f"fzalibiwindow{window}{'softcap' if softcap else ''}"
+    spec = plain_family(name, positions="alibi", rope=None, attention=attention)
     folder = write_family(spec, tmp_path / spec.name)
     check_family(spec, folder)
     root = _workspace(tmp_path)
@@ -400,10 +403,11 @@ def test_alibi_with_a_sliding_window_ports(tmp_path, window: str):
     failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
     assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
     model_py = (root / "archon_models" / spec.name / "model" / "model.py").read_text()
+    window_arg = {"all": "model_args.sliding_window", "some": "sliding_window", "none": "None"}[window]
     kernel = (
-        "WindowedAlibiAttention(sliding_window)"
-        if window == "some"
-        else "WindowedAlibiAttention(model_args.sliding_window)"
+        f"SoftCappedAlibiAttention(model_args.attn_logit_softcapping, {window_arg})"
+        if softcap
+        else f"WindowedAlibiAttention({window_arg})"
     )
     assert f"self.packed_attn = {kernel}" in model_py
     assert "SlidingWindowAttention" not in model_py and "EagerAttention" not in model_py

@@ -549,6 +549,62 @@ class WindowedAlibiAttention(AlibiAttention):
         return out
 
 
+class SoftCappedAlibiAttention(WindowedAlibiAttention):
+    """ALiBi on soft-capped scores: ``softcap * tanh(scores / softcap)`` on the scaled
+    scores, then each head's ALiBi bias (uncapped), then the causal mask (and the window,
+    when given), as the eager attention of such a family orders them. SDPA cannot cap, so
+    the CPU path computes the scores explicitly; on CUDA the cap and the bias are flex
+    attention's ``score_mod``.
+
+    A kernel of its own, for the families that have both (the ``alibi_attention`` edit picks
+    it where the analysis also found a soft-cap; the analysis's slope probe reads a bias
+    added after the cap as linear, one added before it as none).
+    """
+
+    def __init__(self, softcap: float, window: int | None = None):
+        super().__init__(window)
+        self.softcap = softcap
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        n_rep = q.shape[1] // k.shape[1]
+        keys = k.repeat_interleave(n_rep, dim=1)
+        values = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = (index[None, :] - index[:, None]).to(torch.float32)  # key - query
+        hidden = distance > 0
+        if self.window is not None:
+            hidden = hidden | (distance <= -self.window)
+        scores = scores + (slopes.to(q.device, torch.float32).view(-1, 1, 1) * distance).to(scores.dtype)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the cap, then the ALiBi bias, as
+        ``score_mod``; documents, causality and the window as a block mask."""
+        head_slopes = slopes.to(q.device, torch.float32)
+        softcap = self.softcap
+
+        def capped_alibi(score, batch, head, query, key):
+            return torch.tanh(score / softcap) * softcap + head_slopes[head] * (key - query)
+
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, score_mod=capped_alibi)
+        return out
+
+
 # A method of the family's ``Attention``: the ``attention_sinks`` edit adds it there.
 def local_sinks(self, n_heads: int) -> torch.Tensor:
     """The sink logits of the ``n_heads`` heads this rank attends with: its tensor-parallel
