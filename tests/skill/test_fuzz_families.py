@@ -375,7 +375,16 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
 
 @pytest.mark.fuzz
 @pytest.mark.slow
-@pytest.mark.parametrize(("window", "softcap"), [("all", None), ("some", None), ("none", 20.0), ("some", 30.0)])
+# The per-layer window with and without a cap run by default; the others with .ci/run's every_family.
+@pytest.mark.parametrize(
+    ("window", "softcap"),
+    [
+        pytest.param("all", None, marks=pytest.mark.every_family),
+        ("some", None),
+        pytest.param("none", 20.0, marks=pytest.mark.every_family),
+        ("some", 30.0),
+    ],
+)
 def test_alibi_with_a_sliding_window_or_a_soft_cap_ports(tmp_path, window: str, softcap: float | None):
     """Before: ALiBi with a sliding window or soft-capped scores was refused, "ALiBi together
     with sinks, soft-capped scores or a sliding window (no kernel has both)", and with a
