@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 _GEN_SEED = 1234
 # A sink logit no score reaches: its share of a softmax is exp(-1e4) = 0 in fp32.
 _SILENT_SINK = -1e4
+# The query-row probe's random fused weights: q, k, v stay far below any clip_qkv (OLMo's 8, DBRX's 8).
+_QUERY_ROW_WEIGHT_SCALE = 0.05
 
 
 def _generator() -> torch.Generator:
@@ -671,8 +673,10 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     alone, so in each head the last query's weights on keys ``j`` and ``j + 1`` differ by a
     factor ``exp(slope)``. The weights are the ones the model returns with
     ``output_attentions``, or (a remote-code model that returns none) the softmax computed
-    inside the attention. ``None`` when neither is there, or the log-ratios are not one
-    constant per head (no linear bias)."""
+    inside the attention. A sliding window hides the keys behind it: the log-ratios are
+    read over the keys the last query sees, which must be the last two or more. ``None``
+    when neither weight source is there, or the log-ratios are not one constant per head
+    (no linear bias)."""
     attention = anatomy.attention
     if attention is None:
         return None
@@ -683,8 +687,11 @@ def probe_alibi_slopes(model: nn.Module, anatomy: LayerAnatomy, config: Any, len
     if weights is None:
         return None
     last = weights[0, :, -1].double()  # [H, L]: the last query's weights on every key
-    if bool((last <= 0).any()):
+    seen = last > 0
+    first = int(seen[0].long().argmax())
+    if not bool(seen[:, first:].all()) or bool(seen[:, :first].any()) or last.shape[-1] - first < 2:
         return None
+    last = last[:, first:]
     steps = last[:, 1:].log() - last[:, :-1].log()
     slopes = steps[:, :1]
     if not torch.allclose(steps, slopes.expand_as(steps), rtol=1e-4, atol=1e-5):
@@ -863,8 +870,10 @@ def probe_value_rows(
 
     One token (position 0, so no rotation; attention over one key is that key's value):
     the attention input is replaced by the unit vector ``e_0`` and row ``r`` of the fused
-    weight by ``(r + 1) * e_0`` (bias zeroed), so the output projection's input holds, at
-    (query head, feature), the row index plus one of the value it attends to. Attention
+    weight by ``(r + 1) / n * e_0`` for ``n`` rows (bias zeroed), so the output projection's
+    input holds, at (query head, feature), the code of the row of the value it attends to.
+    The codes stay within (0, 1]: a ``clip_qkv`` clamp (OLMo, DBRX: 8) leaves them alone,
+    where the row numbers themselves would be clamped to the clip. Attention
     sinks (parameters named ``*sink*``, as the sinks detection reads them) are pushed far
     below any score for the probe: a sink would keep part of the one key's weight and scale
     the codes off the integers. ``fused`` and ``out_proj`` are
@@ -891,7 +900,7 @@ def probe_value_rows(
     bias = getattr(fused.module, "bias", None)
     with _preserved(attention), torch.no_grad():
         weight.zero_()
-        code = torch.arange(1, fused.out_features + 1, dtype=weight.dtype)
+        code = torch.arange(1, fused.out_features + 1, dtype=weight.dtype) / fused.out_features
         if fused.orientation == "out_in":
             weight[:, 0] = code
         else:
@@ -916,8 +925,9 @@ def probe_value_rows(
     values = captured.get("v")
     if values is None:
         return None
-    rows = values.reshape(-1).round()
-    if not torch.allclose(values.reshape(-1), rows, atol=1e-3):
+    numbers = values.reshape(-1) * fused.out_features
+    rows = numbers.round()
+    if not torch.allclose(numbers, rows, atol=1e-3):
         return None
     return rows.long() - 1
 
@@ -935,7 +945,8 @@ def probe_query_rows(
     that feed its keys or values.
 
     Two tokens (positions 0 and 1); the attention input is replaced by the unit vectors
-    ``e_0`` and ``e_1`` and the fused weight by seeded random values (bias zeroed). The
+    ``e_0`` and ``e_1`` and the fused weight by small seeded random values (bias zeroed;
+    small so that a ``clip_qkv`` clamp, whose gradient is zero where it binds, never does). The
     gradient of one head's output at token 1 reaches column 0 of a row only through
     token 0's key or value (token 0's query feeds token 0 alone), and column 1 of a row
     through token 1's query, key or value: rows with a column-1 gradient and none in
@@ -970,7 +981,7 @@ def probe_query_rows(
     keys_values: list[set[int]] = []
     with _preserved(attention):
         with torch.no_grad():
-            weight.copy_(torch.randn(weight.shape, generator=_generator()))
+            weight.copy_(_QUERY_ROW_WEIGHT_SCALE * torch.randn(weight.shape, generator=_generator()))
             if isinstance(bias, torch.Tensor):
                 bias.zero_()
         handles = [

@@ -31,7 +31,6 @@ from skill.features import (
     QKNormKind,
     QKNormPlacement,
     RotaryDirection,
-    SlidingWindowKind,
     feature_values,
     is_supported,
 )
@@ -202,12 +201,9 @@ def engine_limits(checklist: Checklist) -> list[str]:
         and (att.scaling_source is None or att.scaling_source.relation not in ("x", "x**-0.5"))
     ):
         limits.append("attention scale that no config field explains")
-    if checklist.positions.kind is PositionKind.ALIBI and (
-        att.sinks or att.logit_softcap is not None or att.sliding_window.kind is not SlidingWindowKind.NONE
-    ):
-        limits.append("ALiBi together with sinks, soft-capped scores or a sliding window (no kernel has both)")
-    if att.sinks and att.logit_softcap is not None:
-        limits.append("attention sinks together with soft-capped scores (no kernel has both)")
+    if checklist.positions.kind is PositionKind.ALIBI and att.sinks:
+        # (A sliding window and a soft-cap compose: WindowedAlibiAttention, SoftCappedAlibiAttention.)
+        limits.append("ALiBi together with attention sinks (no kernel has both)")
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm_full_width:
         # The full-width norm reads wq's output before the heads split; only a per-head one,
         # of any kind, moves after RoPE.

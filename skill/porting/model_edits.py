@@ -104,7 +104,10 @@ KERNEL_HELPERS = {
     "SlidingWindowAttention": ("per_document", *FLEX_HELPERS, "flash_varlen_keywords"),
     "EagerAttention": ("per_document", *FLEX_HELPERS),
     "SinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
+    "SoftCappedSinkAttention": ("per_document", *FLEX_HELPERS, "fold_sinks"),
     "AlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
+    "WindowedAlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
+    "SoftCappedAlibiAttention": ("alibi_slopes", "per_document", *FLEX_HELPERS),
 }
 HELPER_IMPORTS = (
     "import functools",
@@ -113,7 +116,12 @@ HELPER_IMPORTS = (
     "from typing import Any",
 )
 # Imports a kernel's helpers need beyond those.
-KERNEL_IMPORTS = {"AlibiAttention": ("import math",), "SlidingWindowAttention": ("import inspect",)}
+KERNEL_IMPORTS = {
+    "AlibiAttention": ("import math",),
+    "WindowedAlibiAttention": ("import math",),
+    "SoftCappedAlibiAttention": ("import math",),
+    "SlidingWindowAttention": ("import inspect",),
+}
 
 
 def _insert_kernel(text: Document, kernel: str) -> Document:
@@ -175,13 +183,18 @@ def _eager_attention(text: Document, ctx: EditContext) -> Document:
 
 
 def _attention_sinks(text: Document, ctx: EditContext) -> Document:
-    """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row."""
+    """A learned sink logit per head (HF's ``self_attn.sinks``) joins every softmax row; with
+    soft-capped scores, the kernel that caps them before the sink joins (SoftCappedSinkAttention)."""
     if "self.sinks =" in text:
         return text
     text = _insert_kernel(text, "SinkAttention")
     text, window = _window_argument(text, ctx)
+    kernel = f"SinkAttention({window})"
+    if ctx.profile.attn_softcap:
+        text = _insert_kernel(text, "SoftCappedSinkAttention")
+        kernel = f"SoftCappedSinkAttention(model_args.attn_logit_softcapping, {window})"
     text = replace_statement_assigning(
-        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = SinkAttention({window})\n"
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = {kernel}\n"
     )
     text = insert_after_statement_assigning(
         text,
@@ -310,12 +323,22 @@ def _alibi_attention(text: Document, ctx: EditContext) -> Document:
     """ALiBi: each head adds its fixed slope times the key's distance behind the query (within
     the document) to its scores. The slopes are no checkpoint tensor: each rank computes
     those of the heads it attends with (``head_offset``: its tensor-parallel block, which
-    ``parallelize`` sets)."""
-    if "AlibiAttention()" in text:
+    ``parallelize`` sets). With a sliding window (on every layer or by a per-layer pattern),
+    the kernel that also hides the keys behind it (WindowedAlibiAttention); with soft-capped
+    scores, the one that caps them before the bias (SoftCappedAlibiAttention)."""
+    if "AlibiAttention()" in text or "WindowedAlibiAttention(" in text or "SoftCappedAlibiAttention(" in text:
         return text
     text = _insert_kernel(text, "AlibiAttention")
+    kernel = "AlibiAttention()"
+    if ctx.profile.sliding_window or ctx.profile.attn_softcap:
+        text = _insert_kernel(text, "WindowedAlibiAttention")
+        text, window = _window_argument(text, ctx)
+        kernel = f"WindowedAlibiAttention({window})"
+        if ctx.profile.attn_softcap:
+            text = _insert_kernel(text, "SoftCappedAlibiAttention")
+            kernel = f"SoftCappedAlibiAttention(model_args.attn_logit_softcapping, {window})"
     text = replace_statement_assigning(
-        text, "Attention", "__init__", "self.packed_attn", "self.packed_attn = AlibiAttention()\n"
+        text, "Attention", "__init__", "self.packed_attn", f"self.packed_attn = {kernel}\n"
     )
     text = insert_after_statement_assigning(
         text,
@@ -1766,18 +1789,24 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "sliding_window",
         "sliding-window attention inside each document",
-        lambda p: p.sliding_window and not p.sliding_layer_types and not p.attn_softcap and not p.attn_sinks,
+        lambda p: (
+            p.sliding_window
+            and not p.sliding_layer_types
+            and not p.attn_softcap
+            and not p.attn_sinks
+            and p.positions != "alibi"
+        ),
         _sliding_window,
     ),
     ModelEdit(
         "eager_attention",
         "explicit attention for soft-capped scores and/or a per-layer sliding window",
-        lambda p: (p.attn_softcap or p.sliding_layer_types) and not p.attn_sinks,
+        lambda p: (p.attn_softcap or p.sliding_layer_types) and not p.attn_sinks and p.positions != "alibi",
         _eager_attention,
     ),
     ModelEdit(
         "attention_sinks",
-        "a learned sink logit per head in every softmax (with the family's window, if any)",
+        "a learned sink logit per head in every softmax (with the family's window and score soft-cap, if any)",
         lambda p: p.attn_sinks,
         _attention_sinks,
     ),

@@ -24,6 +24,9 @@ from skill.porting.snippets.attention import (
     EagerAttention,
     SinkAttention,
     SlidingWindowAttention,
+    SoftCappedAlibiAttention,
+    SoftCappedSinkAttention,
+    WindowedAlibiAttention,
     alibi_slopes,
     flex_functions,
     flex_packed,
@@ -77,6 +80,8 @@ VARIANTS = {
     "window only, eager": (lambda: EagerAttention(None, 5), {"window": 5}),
     "sinks": (lambda: SinkAttention(None), {"sinks": True}),
     "sinks+window": (lambda: SinkAttention(5), {"sinks": True, "window": 5}),
+    "sinks+softcap": (lambda: SoftCappedSinkAttention(0.7, None), {"sinks": True, "softcap": 0.7}),
+    "sinks+softcap+window": (lambda: SoftCappedSinkAttention(0.7, 5), {"sinks": True, "softcap": 0.7, "window": 5}),
 }
 
 
@@ -263,18 +268,23 @@ def _alibi_inputs(trailing: int = 0):
     return q, k, v, cu
 
 
-def _alibi_reference(q, k, v, cu, slopes):
-    """The whole packed row: same document, causal, and each head's slope times the key's
-    position within its document (Bloom's form: the query's own position is a per-row
-    constant softmax ignores)."""
+def _alibi_reference(q, k, v, cu, slopes, window=None, softcap=None):
+    """The whole packed row: same document, causal (within the last ``window`` tokens, when
+    given), and each head's slope times the key's position within its document (Bloom's
+    form: the query's own position is a per-row constant softmax ignores), added after
+    the ``softcap`` when given."""
     total = q.shape[2]
     pos = torch.arange(total)
     bounds = torch.cat([cu.long(), torch.tensor([total])]) if int(cu[-1]) < total else cu.long()
     doc = torch.searchsorted(bounds, pos, right=True) - 1
     in_doc = pos - bounds[doc]
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
     n_rep = ALIBI_HEADS // ALIBI_KV_HEADS
     scores = q @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * SCALE
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + slopes.double().view(1, -1, 1, 1) * in_doc.double().view(1, 1, 1, -1)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1) @ v.repeat_interleave(n_rep, 1)
@@ -292,21 +302,34 @@ def test_alibi_slopes_are_bloom_and_mpt_slopes(n_heads):
     torch.testing.assert_close(slopes, mpt_slopes, rtol=1e-6, atol=0)
 
 
+ALIBI_VARIANTS = {
+    "alibi": (AlibiAttention, {}),
+    "alibi+window1": (lambda: WindowedAlibiAttention(1), {"window": 1}),
+    "alibi+window5": (lambda: WindowedAlibiAttention(5), {"window": 5}),
+    "alibi+softcap": (lambda: SoftCappedAlibiAttention(0.7), {"softcap": 0.7}),
+    "alibi+softcap+window5": (lambda: SoftCappedAlibiAttention(0.7, 5), {"softcap": 0.7, "window": 5}),
+}
+
+
+@pytest.mark.parametrize("variant", list(ALIBI_VARIANTS))
 @pytest.mark.parametrize("trailing", [0, 3], ids=["exact", "trailing-padding"])
 @pytest.mark.parametrize("driver", ["forward", "per_document", "flex"])
-def test_alibi_matches_whole_row_reference(driver, trailing):
+def test_alibi_matches_whole_row_reference(driver, trailing, variant):
     """Positions restart at every document: each document alone gets the bias it would get
-    unpacked. The flex path (CUDA's) runs forward on CPU here."""
+    unpacked. The flex path (CUDA's) runs forward on CPU here. With a window,
+    WindowedAlibiAttention also hides the keys behind it; SoftCappedAlibiAttention caps the
+    scores before the bias."""
     q, k, v, cu = _alibi_inputs(trailing)
     slopes = alibi_slopes(ALIBI_HEADS)
-    kernel = AlibiAttention()
+    make, expects = ALIBI_VARIANTS[variant]
+    kernel = make()
     if driver == "forward":
         got = kernel(q, k, v, slopes=slopes, scale=SCALE, cu_seqlens=cu, max_seqlen=max(DOC_LENS))
     elif driver == "per_document":
         got = per_document(kernel.attend, q, k, v, cu, slopes=slopes, scale=SCALE)
     else:
         got = kernel.flex(q.float(), k.float(), v.float(), slopes, cu, SCALE).double()
-    want = _alibi_reference(q, k, v, cu, slopes)
+    want = _alibi_reference(q, k, v, cu, slopes, **expects)
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if driver == "flex" else {}
     torch.testing.assert_close(got, want, **tolerance)
 

@@ -373,6 +373,55 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
     assert report.checklist.positions.alibi_slopes == pytest.approx([2 ** (-2 * (h + 1)) for h in range(4)], rel=1e-4)
 
 
+@pytest.mark.fuzz
+@pytest.mark.slow
+# The per-layer window with and without a cap run by default; the others with .ci/run's every_family.
+@pytest.mark.parametrize(
+    ("window", "softcap"),
+    [
+        pytest.param("all", None, marks=pytest.mark.every_family),
+        ("some", None),
+        pytest.param("none", 20.0, marks=pytest.mark.every_family),
+        ("some", 30.0),
+    ],
+)
+def test_alibi_with_a_sliding_window_or_a_soft_cap_ports(tmp_path, window: str, softcap: float | None):
+    """Before: ALiBi with a sliding window or soft-capped scores was refused, "ALiBi together
+    with sinks, soft-capped scores or a sliding window (no kernel has both)", and with a
+    window also "ALiBi whose score bias no probe reads" (the window zeroes the last query's
+    weights on the keys behind it, and the slope probe took any zero weight for no linear
+    bias): seeds 37, 87, 98, 159 (window), 220 (soft-cap), 246 (both). The probe reads the
+    keys the query sees; the alibi_attention edit builds WindowedAlibiAttention (on every
+    layer or on the layers of the per-layer pattern) or SoftCappedAlibiAttention."""
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        window=window,
+        window_size=4,
+        layer_types=["sliding_attention", "full_attention"] if window == "some" else [],
+        softcap=softcap,
+    )
+    name = f"fzalibiwindow{window}{'softcap' if softcap else ''}"
+    spec = plain_family(name, positions="alibi", rope=None, attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
+    model_py = (root / "archon_models" / spec.name / "model" / "model.py").read_text()
+    window_arg = {"all": "model_args.sliding_window", "some": "sliding_window", "none": "None"}[window]
+    kernel = (
+        f"SoftCappedAlibiAttention(model_args.attn_logit_softcapping, {window_arg})"
+        if softcap
+        else f"WindowedAlibiAttention({window_arg})"
+    )
+    assert f"self.packed_attn = {kernel}" in model_py
+    assert "SlidingWindowAttention" not in model_py and "EagerAttention" not in model_py
+
+
 def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
     """Before: moving clip_qkv from 4.0 to 5.5 left a random tiny model's q, k, v (far below
     4) unclamped, so the analysis never saw the clamp; the port ran without it and seed 10
@@ -446,6 +495,57 @@ def test_fused_qkv_rows_are_read_under_a_qk_norm_or_sinks(tmp_path, fused: str, 
     report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
     assert report.unsupported == []
     assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
+
+
+@pytest.mark.parametrize(("fused", "clip"), [("grouped", 8.0), ("stacked", 4.0)])
+def test_fused_qkv_rows_are_read_under_a_qkv_clip(tmp_path, fused: str, clip: float):
+    """Before: the value probe wrote row codes 1..out_features into the fused weight, and a
+    ``clip_qkv`` of 4 or 8 clamped every code above it, so the rows read as "fused qkv row
+    layout = other" (seed 147: GPT-NeoX names, grouped rows, clip_qkv 8.0). The codes now
+    stay below one, under any clip the vocabulary draws."""
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from skill.features import FusedQKVLayout
+
+    attention = AttentionSpec(
+        n_heads=4, n_kv_heads=2, head_dim=16, explicit_head_dim=False, fused_qkv=fused, clip_qkv=clip
+    )
+    spec = plain_family(f"fzfusedqkvclip{fused}", naming="neox", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    assert report.unsupported == []
+    assert report.checklist.attention.fused_qkv_layout is FusedQKVLayout(fused)
+    assert report.checklist.attention.clip_qkv == clip
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+def test_attention_sinks_with_soft_capped_scores_port(tmp_path):
+    """Before: a family with both learned sinks and soft-capped scores was refused, "attention
+    sinks together with soft-capped scores (no kernel has both)" (seeds 156, 248). The
+    attention_sinks edit now builds SoftCappedSinkAttention there: the scores capped before
+    the mask, the sink joining the softmax uncapped, on a per-layer window as well."""
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        softcap=20.0,
+        sinks=True,
+        window="some",
+        window_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    spec = plain_family("fzsinkssoftcap", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
+    model_py = (root / "archon_models" / "fzsinkssoftcap" / "model" / "model.py").read_text()
+    assert "SoftCappedSinkAttention(model_args.attn_logit_softcapping, sliding_window)" in model_py
 
 
 @pytest.mark.fuzz

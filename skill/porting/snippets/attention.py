@@ -365,6 +365,62 @@ class SinkAttention(nn.Module):
         return torch.matmul(probs[..., :-1].to(q.dtype), values)
 
 
+class SoftCappedSinkAttention(SinkAttention):
+    """:class:`SinkAttention` whose scores are soft-capped first: ``softcap * tanh(scores /
+    softcap)`` on the scaled scores, then the causal (and window) mask, then the head's sink
+    joins the softmax uncapped (HF's eager order: the cap rewrites the scores before the
+    mask and the sink logits are concatenated after it).
+
+    A kernel of its own, for the families that have both (the ``attention_sinks`` edit picks
+    it when the analysis also found a soft-cap), so a family with sinks alone carries no cap.
+    On CUDA the cap is flex attention's ``score_mod`` and the sinks are folded in from the
+    log-sum-exp of the capped scores; on CPU the capped scores are computed explicitly.
+    """
+
+    def __init__(self, softcap: float, window: int | None = None):
+        super().__init__(window)
+        self.softcap = softcap
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors with the cap as ``score_mod``,
+        the sinks folded in from the log-sum-exp of the capped scores."""
+        softcap = self.softcap
+
+        def capped(score, batch, head, query, key):
+            return torch.tanh(score / softcap) * softcap
+
+        out, lse = flex_packed(q, k, v, cu_seqlens, scale, self.window, capped)
+        return fold_sinks(out, lse, sinks)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        n_rep = q.shape[1] // k.shape[1]
+        keys = k.repeat_interleave(n_rep, dim=1)
+        values = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = index[:, None] - index[None, :]
+        allowed = distance >= 0
+        if self.window is not None:
+            allowed = allowed & (distance < self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        # The sink joins each row's softmax in fp32, uncapped.
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)
+        return torch.matmul(probs[..., :-1].to(q.dtype), values)
+
+
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi's fixed per-head slopes (Press et al.), fp32 ``[n_heads]``.
 
@@ -441,6 +497,111 @@ class AlibiAttention(nn.Module):
             return score + head_slopes[head] * (key - query)
 
         out, _ = flex_packed(q, k, v, cu_seqlens, scale, score_mod=alibi)
+        return out
+
+
+class WindowedAlibiAttention(AlibiAttention):
+    """:class:`AlibiAttention` on a sliding window: each token sees the last ``window``
+    tokens of its own document, itself included, each scored with its head's ALiBi bias
+    (``None``: the whole document, as on a full-attention layer of a per-layer pattern).
+
+    A kernel of its own, for the families that have both (the ``alibi_attention`` edit picks
+    it where the analysis found a window), so an ALiBi family without one carries no window.
+    On CUDA the window is part of flex attention's block mask; on CPU of the additive mask.
+    """
+
+    def __init__(self, window: int | None):
+        super().__init__()
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be a positive number of tokens, got {window}.")
+        self.window = window
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = (index[None, :] - index[:, None]).to(torch.float32)  # key - query
+        hidden = distance > 0
+        if self.window is not None:
+            hidden = hidden | (distance <= -self.window)
+        bias = slopes.to(q.device, torch.float32).view(-1, 1, 1) * distance
+        bias = bias.masked_fill(hidden, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the ALiBi bias as ``score_mod``;
+        documents, causality and the window as a block mask."""
+        head_slopes = slopes.to(q.device, torch.float32)
+
+        def alibi(score, batch, head, query, key):
+            return score + head_slopes[head] * (key - query)
+
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, score_mod=alibi)
+        return out
+
+
+class SoftCappedAlibiAttention(WindowedAlibiAttention):
+    """ALiBi on soft-capped scores: ``softcap * tanh(scores / softcap)`` on the scaled
+    scores, then each head's ALiBi bias (uncapped), then the causal mask (and the window,
+    when given), as the eager attention of such a family orders them. SDPA cannot cap, so
+    the CPU path computes the scores explicitly; on CUDA the cap and the bias are flex
+    attention's ``score_mod``.
+
+    A kernel of its own, for the families that have both (the ``alibi_attention`` edit picks
+    it where the analysis also found a soft-cap; the analysis's slope probe reads a bias
+    added after the cap as linear, one added before it as none).
+    """
+
+    def __init__(self, softcap: float, window: int | None = None):
+        super().__init__(window)
+        self.softcap = softcap
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Documents starting at position 0 of their rows, ``[B, H, L, D]`` -> ``[B, H, L, D]``."""
+        n_rep = q.shape[1] // k.shape[1]
+        keys = k.repeat_interleave(n_rep, dim=1)
+        values = v.repeat_interleave(n_rep, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        index = torch.arange(q.shape[2], device=q.device)
+        distance = (index[None, :] - index[:, None]).to(torch.float32)  # key - query
+        hidden = distance > 0
+        if self.window is not None:
+            hidden = hidden | (distance <= -self.window)
+        scores = scores + (slopes.to(q.device, torch.float32).view(-1, 1, 1) * distance).to(scores.dtype)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Flex attention on packed ``[1, H, T, D]`` tensors: the cap, then the ALiBi bias, as
+        ``score_mod``; documents, causality and the window as a block mask."""
+        head_slopes = slopes.to(q.device, torch.float32)
+        softcap = self.softcap
+
+        def capped_alibi(score, batch, head, query, key):
+            return torch.tanh(score / softcap) * softcap + head_slopes[head] * (key - query)
+
+        out, _ = flex_packed(q, k, v, cu_seqlens, scale, self.window, score_mod=capped_alibi)
         return out
 
 
