@@ -23,7 +23,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_document, select_edits
+from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_catalogue, edit_document, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,10 @@ def marker_place(feature: str) -> MarkerPlace:
 
 class EditModelRequest(SourceRequest):
     edits: list[str] | None = Field(
-        default=None, description="edit names to apply (default: every edit the family's features call for)"
+        default=None,
+        description="edit names to apply, in place of the default: every edit the family's features call for "
+        "(a call without it returns those in `edits`; pass them too when adding one the analysis did not "
+        f"select). On the deepseek_v3 reference only {', '.join(MLA_MODEL_EDITS)}. The edits: {edit_catalogue()}",
     )
     allow_unsupported: bool = Field(
         default=False,

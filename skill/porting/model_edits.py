@@ -1917,6 +1917,12 @@ MLA_MODEL_EDITS = (
 )
 
 
+def edit_catalogue() -> str:
+    """Every edit ``edit_model`` takes, ``name: what it writes``, in the canonical order: the one
+    list the tool's ``edits`` field, hence ``archon-port edit-model --help``, shows."""
+    return "; ".join(f"{edit.name}: {edit.description}" for edit in MODEL_EDITS)
+
+
 def select_edits(profile: PortPlan, text: str) -> list[str]:
     """The edits the family's features call for, given the copied reference's ``model.py``.
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from skill.analysis.reference import reference_for
-from skill.cli import build_parser
+from skill.cli import build_parser, sub_commands
 from skill.harness.distributed import LABELS, PARALLELISMS
 from skill.harness.results import STAGE_NAMES
 from skill.porting.copy_reference import CopyReferenceRequest
@@ -226,3 +226,26 @@ def test_skill_md_says_closing_a_session_is_final_with_the_code_s_refusal(tmp_pa
     assert "`replay --rerecord`" in commit and "new session" in commit
     assert "`_keys_to_ignore_on_load_unexpected`" in commit
     assert commit.index("check what a real checkpoint") < commit.index("before the close")
+
+
+def test_edit_model_lists_every_edit_from_the_registry_and_skill_md_says_when_to_pass_edits():
+    """Agent20d's friction 3: `--edits` was named nowhere in SKILL.md and no face listed the edit
+    names (found only in xglm's header). The tool's `edits` field, which the MCP schema and
+    `edit-model --help` both show, lists every edit of the registry with what it writes; SKILL.md's
+    hand port says when to pass it, and every name its example passes is an edit."""
+    from skill.porting.model_edits import MODEL_EDITS
+
+    schema = load_tools()["edit_model"].input_model.model_json_schema()
+    described = schema["properties"]["edits"]["description"]
+    commands = sub_commands(build_parser())
+    commands.populate("edit-model")
+    shown = "".join(commands.choices["edit-model"].format_help().split())  # argparse wraps at hyphens
+    for edit in MODEL_EDITS:
+        assert f"{edit.name}: {edit.description}" in described, edit.name
+        assert "".join(f"{edit.name}: {edit.description}".split()) in shown, edit.name
+    hand = " ".join(_section(SKILL_MD, "Porting by hand").split())
+    assert "`--edits NAME`" in hand and "`archon-port edit-model --help`" in hand
+    example = re.search(r'`"edits": \[([^\]]*)\]`', hand)
+    assert example, "the hand port shows an `edits` call"
+    passed = re.findall(r'"([a-z_]+)"', example[1])
+    assert passed and set(passed) <= {edit.name for edit in MODEL_EDITS}, passed
