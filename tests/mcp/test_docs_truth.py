@@ -249,3 +249,23 @@ def test_edit_model_lists_every_edit_from_the_registry_and_skill_md_says_when_to
     assert example, "the hand port shows an `edits` call"
     passed = re.findall(r'"([a-z_]+)"', example[1])
     assert passed and set(passed) <= {edit.name for edit in MODEL_EDITS}, passed
+
+
+def test_skill_md_says_what_an_absent_hand_edit_places_means_as_the_report_serialises_it():
+    """Agent20d's friction 8: SKILL.md said to read `hand_edit_places`, which ctrl's analysis left
+    out; the section says when the field is absent and where such a feature's marker goes, and the
+    report does leave an empty map out."""
+    from skill.analysis.report import ArchitectureReport
+    from skill.porting.edit_model import marker_place
+
+    field = ArchitectureReport.model_fields["hand_edit_places"]
+    assert field.exclude_if is not None and field.exclude_if({}) and not field.exclude_if({"x": object()})
+    hand = " ".join(_section(SKILL_MD, "Porting by hand").split())
+    assert "left out of the analysis result" in hand and "absent, not an empty map" in hand
+    assert "(`embedding` or `position`: the model's `forward`, above the embedding;" in hand
+    assert "`norm`: `TransformerBlock.forward`;" in hand and "no such word: `TransformerBlock.forward`)" in hand
+    assert marker_place("embeddings scaled").where("M") == "M.forward"
+    assert marker_place("embeddings scaled").anchor == "self.tok_embeddings(tokens)"
+    assert marker_place("position encoding = none").where("M") == "M.forward"
+    assert marker_place("sandwich norm of another kind").where("M") == "TransformerBlock.forward"
+    assert marker_place("something else").where("M") == "TransformerBlock.forward"
