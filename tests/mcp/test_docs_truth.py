@@ -269,3 +269,48 @@ def test_skill_md_says_what_an_absent_hand_edit_places_means_as_the_report_seria
     assert marker_place("position encoding = none").where("M") == "M.forward"
     assert marker_place("sandwich norm of another kind").where("M") == "TransformerBlock.forward"
     assert marker_place("something else").where("M") == "TransformerBlock.forward"
+
+
+def _collected(*args: str) -> list[str]:
+    """The test ids ``python -m pytest --collect-only`` selects with ``args``."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode in (0, 5), run.stdout + run.stderr  # 5: nothing collected
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+@pytest.mark.slow
+def test_the_docs_commands_for_one_family_s_replay_and_regeneration_select_what_they_say():
+    """Agent20d's friction 9 and 10: no document named the command replaying ONE family's session
+    (found through --collect-only), nor that `-m regenerate -k <family>` selects nothing for a hand
+    port; and the README named one committed hand port though there are several. The commands the
+    docs give select, for a committed hand port, its replay and no regeneration."""
+    from skill.codemod.workspace import Workspace
+    from skill.porting.provenance import HAND_WRITTEN
+    from skill.porting.regenerate import committed_regenerations
+    from tests.mcp.test_e2e import REPRESENTATIVE
+
+    replay = "python -m pytest tests/mcp/test_e2e.py -m replay -k <{}>"
+    regenerate = "python -m pytest tests/skill/test_regenerate.py -m regenerate -k <{}>"
+    skill_md, readme = " ".join(SKILL_MD.split()), " ".join(README.split())
+    assert replay.format("model_name") in skill_md and regenerate.format("model_name") in skill_md
+    assert replay.format("family") in readme and "-m regenerate -k <family>" in readme
+    assert "`REPRESENTATIVE`" in skill_md and "`REPRESENTATIVE`" in readme
+    assert "is the committed hand port" not in readme
+    assert f"`{HAND_WRITTEN}`" in readme
+    assert '"hand-edited (replayed instead)"' in readme
+
+    _, hand_ports = committed_regenerations(Workspace(REPO))
+    family = next(name for name in hand_ports if name not in REPRESENTATIVE)
+    assert _collected("tests/mcp/test_e2e.py", "-m", "replay", "-k", family) == [
+        f"tests/mcp/test_e2e.py::test_committed_sessions_replay[{family}]"
+    ]
+    assert _collected("tests/skill/test_regenerate.py", "-m", "regenerate", "-k", family) == []
