@@ -160,10 +160,12 @@ def ensure_test_file(
         unset_pad=unset_pad,
         nullable=nullable_cases(profile, config),
     )
+    from skill.porting.applied_edits import recorded_edits
     from skill.porting.provenance import header_lines, stamp
 
     pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
-    text = stamp(text, header_lines(profile, model_name, pristine))
+    applied = recorded_edits(tree.read_text(layout.model) or "")
+    text = stamp(text, header_lines(profile, model_name, pristine, applied))
     if keep_cases_of:
         text = carry_extra_cases(keep_cases_of, text)
     changed: list[str] = []

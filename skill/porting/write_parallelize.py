@@ -28,6 +28,7 @@ from skill.codemod.cst import (
     statements,
     upsert_function,
 )
+from skill.porting.applied_edits import applies_rope, recorded_edits
 from skill.porting.common import (
     PackageLayout,
     SourceRequest,
@@ -447,7 +448,7 @@ def apply_write_parallelize(
         text = replace_in_function(
             text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{ALIBI_COMMENT}\n{ALIBI_OFFSET}\n"
         )
-    if profile.positions != "rope":
+    if not applies_rope(profile.positions, recorded_edits(tree.read_text(layout.model) or "")):
         text = _plan_without_rope(text)
     if profile.positions == "learned":
         text = _plan_position_table(text)
