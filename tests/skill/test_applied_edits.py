@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 
 from skill.porting.applied_edits import recorded_edits, stamp_generated_line
+from skill.porting.common import staged
 from skill.porting.copy_reference import CopyReferenceRequest, copy_reference
 from skill.porting.edit_model import EditModelRequest, edit_model
+from skill.porting.model_edits import describe
 from skill.porting.plan import plan_for
 from skill.porting.provenance import header_lines
+from skill.porting.run_test_stage import ensure_test_file
 from skill.porting.set_rope import SetRopeRequest, set_rope
 from skill.porting.write_parallelize import (
     ATTENTION_INPUTS,
@@ -50,6 +53,9 @@ def test_edits_named_on_edit_model_decide_rope_the_tp_plan_and_the_header(tmp_pa
 
     model = (package / "model" / "model.py").read_text()
     assert recorded_edits(model) == applied and {"remove_rope", "embedding_sqrt_dim"} <= set(applied)
+    docstring = " ".join(model.split('"""')[1].split())
+    assert "no RoPE" in docstring and "sqrt(dim)-scaled embeddings" in docstring, docstring
+    assert " ".join(describe(plan_for(NAME), "Ctrl", applied).split()) == docstring
     set_rope(SetRopeRequest(**request))
     rope = (package / "model" / "rope.py").read_text()
     assert "applies no RoPE" in rope and "default rotary embedding" not in rope
@@ -60,3 +66,10 @@ def test_edits_named_on_edit_model_decide_rope_the_tp_plan_and_the_header(tmp_pa
     pristine = (workspace / "archon_models" / "qwen2" / "model" / "model.py").read_text()
     header = " ".join(header_lines(plan_for(NAME), NAME, pristine, recorded_edits(model)).split())
     assert "remove_rope, embedding_sqrt_dim." in header.replace("#", " ").replace("  ", " ")
+
+    (workspace / "tests" / "archon" / f"test_{NAME}.py").unlink(missing_ok=True)
+    with staged(workspace) as tree:
+        ensure_test_file(tree, NAME, NAME)
+    test_file = (workspace / "tests" / "archon" / f"test_{NAME}.py").read_text()
+    assert recorded_edits(test_file) == applied
+    assert "no RoPE" in " ".join(test_file.split('"""')[1].split())
