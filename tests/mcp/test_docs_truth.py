@@ -247,6 +247,9 @@ def test_edit_model_lists_every_edit_from_the_registry_and_skill_md_says_when_to
     assert "`--edits NAME`" in hand and "`archon-port edit-model --help`" in hand
     example = re.search(r'`"edits": \[([^\]]*)\]`', hand)
     assert example, "the hand port shows an `edits` call"
+    from skill.porting.applied_edits import GENERATED
+
+    assert f"(`{GENERATED} ... with edits: ...`)" in hand
     passed = re.findall(r'"([a-z_]+)"', example[1])
     assert passed and set(passed) <= {edit.name for edit in MODEL_EDITS}, passed
 
