@@ -370,7 +370,10 @@ def applicable_parallelisms(model: nn.Module, spec: ModelSpec | None = None) -> 
         reasons["ep"] = "the model has no MoE layer"
         reasons["ep_tp"] = "the model has no MoE layer"
     if getattr(model.model_args, "enable_weight_tying", False):
-        reasons["pp"] = "the embedding and LM head are tied, which pipeline_llm cannot split over stages"
+        # Name the function the spec pipelines with: a package with modules around its blocks has its own.
+        pipelining_fn = getattr(spec, "pipelining_fn", None)
+        splitter = getattr(pipelining_fn, "__name__", None) or "pipeline_llm"
+        reasons["pp"] = f"the embedding and LM head are tied, which {splitter} cannot split over stages"
     elif spec is not None and spec.pipelining_fn is None:
         reasons["pp"] = "the ModelSpec has no pipelining_fn (AReaL's engine refuses pipeline parallelism for it)"
     try:

@@ -13,6 +13,7 @@ from skill.codemod import StagedTree
 from skill.codemod.contract import add_marker
 from skill.codemod.cst import Document
 from skill.features import HandEditPlace
+from skill.porting.applied_edits import stamp_generated_line
 from skill.porting.common import (
     HAND_EDIT_MARKER,
     PackageLayout,
@@ -23,7 +24,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
-from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_document, select_edits
+from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_catalogue, edit_document, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ def marker_place(feature: str) -> MarkerPlace:
 
 class EditModelRequest(SourceRequest):
     edits: list[str] | None = Field(
-        default=None, description="edit names to apply (default: every edit the family's features call for)"
+        default=None,
+        description="edit names to apply, in place of the default: every edit the family's features call for "
+        "(a call without it returns those in `edits`; pass them too when adding one the analysis did not "
+        f"select). On the deepseek_v3 reference only {', '.join(MLA_MODEL_EDITS)}. The edits: {edit_catalogue()}",
     )
     allow_unsupported: bool = Field(
         default=False,
@@ -145,7 +149,11 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     skipped = skipped_features(plan, request.allow_unsupported)
     if skipped:
         edited = mark_hand_edits(edited, skipped, layout.model_class, plan.hand_edit_places)
+    code = edited.code
+    if request.edits is not None:
+        # Named edits may differ from the analysis' selection: record them where the later steps read them.
+        code = stamp_generated_line(code, plan.reference, names)
     changed: list[str] = []
-    write_if_changed(tree, layout.model, edited.code, changed)
+    write_if_changed(tree, layout.model, code, changed)
     logger.info("model edits for %s: %s", layout.names.package, ", ".join(names) or "none")
     return EditModelResult(edits=names, skipped_features=skipped, changed_files=changed)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from skill.activations import ACTIVATIONS
@@ -2115,6 +2115,12 @@ MLA_MODEL_EDITS = (
 )
 
 
+def edit_catalogue() -> str:
+    """Every edit ``edit_model`` takes, ``name: what it writes``, in the canonical order: the one
+    list the tool's ``edits`` field, hence ``archon-port edit-model --help``, shows."""
+    return "; ".join(f"{edit.name}: {edit.description}" for edit in MODEL_EDITS)
+
+
 def select_edits(profile: PortPlan, text: str) -> list[str]:
     """The edits the family's features call for, given the copied reference's ``model.py``.
 
@@ -2149,8 +2155,12 @@ POSITION_NAMES = {
 }
 
 
-def describe(profile: PortPlan, camel: str) -> str:
-    """A one-line module docstring naming the family's architecture."""
+def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
+    """A one-line module docstring naming the family's architecture, as the applied ``edits`` wrote
+    it where a caller named one the analysis did not select (``remove_rope``, ``embedding_sqrt_dim``)."""
+    positions = (
+        "no RoPE" if profile.positions == "rope" and "remove_rope" in edits else POSITION_NAMES[profile.positions]
+    )
     attention = ["multi-head latent attention"] if profile.reference == "deepseek_v3" else ["GQA"]
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
@@ -2201,7 +2211,7 @@ def describe(profile: PortPlan, camel: str) -> str:
             + (" whose experts have biases" if profile.expert_bias else "")
             + (" and a biased router" if profile.router_bias else "")
         )
-    if profile.embedding_scale == "sqrt_dim":
+    if profile.embedding_scale == "sqrt_dim" or "embedding_sqrt_dim" in edits:
         extras.append("sqrt(dim)-scaled embeddings")
     if profile.embedding_norm_module is not None:
         extras.append("normalised embeddings")
@@ -2220,9 +2230,7 @@ def describe(profile: PortPlan, camel: str) -> str:
     tail = ", ".join(extras)
     sentence = (
         f"{camel}: a {BLOCK_NAMES[profile.block]} decoder with {', '.join(attention)}, "
-        f"{POSITION_NAMES[profile.positions]}, {norm} and a {mlp} MLP"
-        + (f"; {tail}" if tail else "")
-        + ", over packed documents."
+        f"{positions}, {norm} and a {mlp} MLP" + (f"; {tail}" if tail else "") + ", over packed documents."
     )
     lines = textwrap.wrap(sentence, width=92, break_on_hyphens=False)
     return lines[0] if len(lines) == 1 else "\n".join(lines) + "\n"
@@ -2309,5 +2317,5 @@ def edit_document(text: Document, ctx: EditContext, names: list[str]) -> Documen
     if profile.reference in EDITABLE_REFERENCES:
         # Latent attention keeps the reference's own docstring: no edit changes it.
         text = set_docstring(text, "Attention", ATTENTION_DOC.format(features=_attention_features(profile)))
-    text = set_docstring(text, None, describe(profile, ctx.camel))
+    text = set_docstring(text, None, describe(profile, ctx.camel, names))
     return prune_unused_imports(text)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, JsonValue, field_validator
 
 import skill
 from skill.codemod import StagedTree
+from skill.porting.applied_edits import recorded_edits
 from skill.porting.child_process import run_python_module, scratch_dir
 from skill.porting.common import PackageLayout, PackageRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.edit_args import nullable_cases
@@ -148,7 +149,8 @@ def ensure_test_file(
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
     # The config leaves the row HF never trains unset: the tests set one (see test_file_source).
     unset_pad = profile.padding_idx_field is not None and getattr(config, profile.padding_idx_field, None) is None
-    summary = " ".join(describe(profile, layout.names.camel).split()).split(": ", 1)[-1].rstrip(".")
+    applied = recorded_edits(tree.read_text(layout.model) or "")
+    summary = " ".join(describe(profile, layout.names.camel, applied or ()).split()).split(": ", 1)[-1].rstrip(".")
     remote_source = str(Path(source).resolve()) if trust_remote_code and source else None
     text = test_file_source(
         layout.names.camel,
@@ -163,7 +165,7 @@ def ensure_test_file(
     from skill.porting.provenance import header_lines, stamp
 
     pristine = tree.read_text(PackageLayout.for_name(profile.reference).model) or ""
-    text = stamp(text, header_lines(profile, model_name, pristine))
+    text = stamp(text, header_lines(profile, model_name, pristine, applied))
     if keep_cases_of:
         text = carry_extra_cases(keep_cases_of, text)
     changed: list[str] = []

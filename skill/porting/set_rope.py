@@ -8,6 +8,7 @@ import textwrap
 from skill.analysis.reference import EDITABLE_REFERENCES
 from skill.codemod import StagedTree
 from skill.errors import HAND_PORT_POINTER
+from skill.porting.applied_edits import applies_rope, recorded_edits
 from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.plan import PortPlan, plan_for
 from skill.porting.snippets import snippet
@@ -143,6 +144,7 @@ def apply_set_rope(tree: StagedTree, request: SetRopeRequest, plan: PortPlan | N
         text = composed_source(camel, plan.rope_type, plan.partial_rotary, plan.rotary_interleaved)
         reexported = False
     else:
-        text, reexported = reexport_source(camel, rotary=plan.positions == "rope"), True
+        rotary = applies_rope(plan.positions, recorded_edits(tree.read_text(layout.model) or ""))
+        text, reexported = reexport_source(camel, rotary=rotary), True
     write_if_changed(tree, layout.rope, text, changed)
     return SetRopeResult(rope_type=plan.rope_type, reexported=reexported, changed_files=changed)

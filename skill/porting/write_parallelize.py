@@ -29,6 +29,7 @@ from skill.codemod.cst import (
     upsert_function,
 )
 from skill.features import IN_QUERY_SUFFIX
+from skill.porting.applied_edits import applies_rope, recorded_edits
 from skill.porting.common import (
     PackageLayout,
     SourceRequest,
@@ -484,7 +485,7 @@ def apply_write_parallelize(
         text = replace_in_function(
             text, None, function, PARALLELIZE_BLOCK, f"{PARALLELIZE_BLOCK}\n{ALIBI_COMMENT}\n{ALIBI_OFFSET}\n"
         )
-    if profile.positions != "rope":
+    if not applies_rope(profile.positions, recorded_edits(tree.read_text(layout.model) or "")):
         text = _plan_without_rope(text)
     if profile.positions == "learned":
         text = _plan_position_table(text)

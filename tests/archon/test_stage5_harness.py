@@ -134,6 +134,22 @@ def test_a_parallelism_that_does_not_apply_is_one_passing_line():
     assert dense == {"not run (tp=2)", "not run (pp=2)"}
 
 
+def test_a_tied_model_s_pp_reason_names_the_spec_s_own_pipelining_function():
+    """Agent20d's friction 11: ctrl's stage 5 said pipeline_llm cannot split its tied embedding and
+    head, though its spec pipelines with pipeline_ctrl (pos_embeddings kept on the first stage)."""
+    from archon_models.model_spec import get_model_spec
+
+    tied = _qwen3_on_meta(enable_weight_tying=True)
+    own = get_model_spec("ctrl")
+    assert own.pipelining_fn is not None and own.pipelining_fn.__name__ == "pipeline_ctrl"
+    assert applicable_parallelisms(tied, own)["pp"] == (
+        "the embedding and LM head are tied, which pipeline_ctrl cannot split over stages"
+    )
+    shared = get_model_spec("qwen3")
+    assert "which pipeline_llm cannot split" in (applicable_parallelisms(tied, shared)["pp"] or "")
+    assert applicable_parallelisms(_qwen3_on_meta(enable_weight_tying=False), own)["pp"] is None
+
+
 class _BrokenBlock(nn.Module):
     """Stands in for a block whose forward fails (a module the split left None, say)."""
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from skill.analysis.reference import reference_for
-from skill.cli import build_parser
+from skill.cli import build_parser, sub_commands
 from skill.harness.distributed import LABELS, PARALLELISMS
 from skill.harness.results import STAGE_NAMES
 from skill.porting.copy_reference import CopyReferenceRequest
@@ -226,3 +226,100 @@ def test_skill_md_says_closing_a_session_is_final_with_the_code_s_refusal(tmp_pa
     assert "`replay --rerecord`" in commit and "new session" in commit
     assert "`_keys_to_ignore_on_load_unexpected`" in commit
     assert commit.index("check what a real checkpoint") < commit.index("before the close")
+
+
+def test_edit_model_lists_every_edit_from_the_registry_and_skill_md_says_when_to_pass_edits():
+    """Agent20d's friction 3: `--edits` was named nowhere in SKILL.md and no face listed the edit
+    names (found only in xglm's header). The tool's `edits` field, which the MCP schema and
+    `edit-model --help` both show, lists every edit of the registry with what it writes; SKILL.md's
+    hand port says when to pass it, and every name its example passes is an edit."""
+    from skill.porting.model_edits import MODEL_EDITS
+
+    schema = load_tools()["edit_model"].input_model.model_json_schema()
+    described = schema["properties"]["edits"]["description"]
+    commands = sub_commands(build_parser())
+    commands.populate("edit-model")
+    shown = "".join(commands.choices["edit-model"].format_help().split())  # argparse wraps at hyphens
+    for edit in MODEL_EDITS:
+        assert f"{edit.name}: {edit.description}" in described, edit.name
+        assert "".join(f"{edit.name}: {edit.description}".split()) in shown, edit.name
+    hand = " ".join(_section(SKILL_MD, "Porting by hand").split())
+    assert "`--edits NAME`" in hand and "`archon-port edit-model --help`" in hand
+    example = re.search(r'`"edits": \[([^\]]*)\]`', hand)
+    assert example, "the hand port shows an `edits` call"
+    from skill.porting.applied_edits import GENERATED
+
+    assert f"(`{GENERATED} ... with edits: ...`)" in hand
+    passed = re.findall(r'"([a-z_]+)"', example[1])
+    assert passed and set(passed) <= {edit.name for edit in MODEL_EDITS}, passed
+
+
+def test_skill_md_says_what_an_absent_hand_edit_places_means_as_the_report_serialises_it():
+    """Agent20d's friction 8: SKILL.md said to read `hand_edit_places`, which ctrl's analysis left
+    out; the section says when the field is absent and where such a feature's marker goes, and the
+    report does leave an empty map out."""
+    from skill.analysis.report import ArchitectureReport
+    from skill.porting.edit_model import marker_place
+
+    field = ArchitectureReport.model_fields["hand_edit_places"]
+    assert field.exclude_if is not None and field.exclude_if({}) and not field.exclude_if({"x": object()})
+    hand = " ".join(_section(SKILL_MD, "Porting by hand").split())
+    assert "left out of the analysis result" in hand and "absent, not an empty map" in hand
+    assert "(`embedding` or `position`: the model's `forward`, above the embedding;" in hand
+    assert "`norm`: `TransformerBlock.forward`;" in hand and "no such word: `TransformerBlock.forward`)" in hand
+    assert marker_place("embeddings scaled").where("M") == "M.forward"
+    assert marker_place("embeddings scaled").anchor == "self.tok_embeddings(tokens)"
+    assert marker_place("position encoding = none").where("M") == "M.forward"
+    assert marker_place("sandwich norm of another kind").where("M") == "TransformerBlock.forward"
+    assert marker_place("something else").where("M") == "TransformerBlock.forward"
+
+
+def _collected(*args: str) -> list[str]:
+    """The test ids ``python -m pytest --collect-only`` selects with ``args``."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode in (0, 5), run.stdout + run.stderr  # 5: nothing collected
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+@pytest.mark.slow
+def test_the_docs_commands_for_one_family_s_replay_and_regeneration_select_what_they_say():
+    """Agent20d's friction 9 and 10: no document named the command replaying ONE family's session
+    (found through --collect-only), nor that `-m regenerate -k <family>` selects nothing for a hand
+    port; and the README named one committed hand port though there are several. The commands the
+    docs give select, for a committed hand port, its replay and no regeneration."""
+    from skill.codemod.workspace import Workspace
+    from skill.porting.provenance import HAND_WRITTEN
+    from skill.porting.regenerate import committed_regenerations
+    from tests.mcp.test_e2e import REPRESENTATIVE
+    from tests.skill.test_regenerate import REPRESENTATIVE as REGENERATED_BY_DEFAULT
+
+    replay = "python -m pytest tests/mcp/test_e2e.py -m replay -k <{}>"
+    regenerate = "python -m pytest tests/skill/test_regenerate.py -m regenerate -k <{}>"
+    skill_md, readme = " ".join(SKILL_MD.split()), " ".join(README.split())
+    assert replay.format("model_name") in skill_md and regenerate.format("model_name") in skill_md
+    assert replay.format("family") in readme and "-m regenerate -k <family>" in readme
+    assert "`REPRESENTATIVE`" in skill_md and "`REPRESENTATIVE`" in readme
+    assert "is the committed hand port" not in readme
+    assert f"`{HAND_WRITTEN}`" in readme
+    assert '"hand-edited (replayed instead)"' in readme
+
+    generated, hand_ports = committed_regenerations(Workspace(REPO))
+    # A hand port if one is committed (its regeneration selects nothing), else a generated family
+    # (its regeneration selects exactly it): either way the -k filter picks one family's test.
+    sessions = REPO / "tests" / "mcp" / "sessions"
+    pool = sorted(hand_ports) or sorted(r.model_name for r in generated if (sessions / f"{r.model_name}.jsonl").is_file())
+    family = next(name for name in pool if name not in REPRESENTATIVE and name not in REGENERATED_BY_DEFAULT)
+    assert _collected("tests/mcp/test_e2e.py", "-m", "replay", "-k", family) == [
+        f"tests/mcp/test_e2e.py::test_committed_sessions_replay[{family}]"
+    ]
+    regenerated = _collected("tests/skill/test_regenerate.py", "-m", "regenerate", "-k", family)
+    assert regenerated == ([] if hand_ports else [f"tests/skill/test_regenerate.py::test_every_committed_package_regenerates_byte_for_byte[{family}]"])
