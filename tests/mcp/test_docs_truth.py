@@ -316,10 +316,16 @@ def test_the_docs_commands_for_one_family_s_replay_and_regeneration_select_what_
     # A hand port if one is committed (its regeneration selects nothing), else a generated family
     # (its regeneration selects exactly it): either way the -k filter picks one family's test.
     sessions = REPO / "tests" / "mcp" / "sessions"
-    pool = sorted(hand_ports) or sorted(r.model_name for r in generated if (sessions / f"{r.model_name}.jsonl").is_file())
+    pool = sorted(hand_ports) or sorted(
+        r.model_name for r in generated if (sessions / f"{r.model_name}.jsonl").is_file()
+    )
     family = next(name for name in pool if name not in REPRESENTATIVE and name not in REGENERATED_BY_DEFAULT)
     assert _collected("tests/mcp/test_e2e.py", "-m", "replay", "-k", family) == [
         f"tests/mcp/test_e2e.py::test_committed_sessions_replay[{family}]"
     ]
     regenerated = _collected("tests/skill/test_regenerate.py", "-m", "regenerate", "-k", family)
-    assert regenerated == ([] if hand_ports else [f"tests/skill/test_regenerate.py::test_every_committed_package_regenerates_byte_for_byte[{family}]"])
+    assert regenerated == (
+        []
+        if hand_ports
+        else [f"tests/skill/test_regenerate.py::test_every_committed_package_regenerates_byte_for_byte[{family}]"]
+    )
