@@ -313,7 +313,8 @@ def check_ignored_keys(
     )
     reported = sorted(str(key) for kind in ("unexpected_keys", "missing_keys") for key in loaded[1].get(kind, []))
     rec.check(
-        f"from_pretrained ignores the {len(copies)} copies of {', '.join(templates)} on layers without it",
+        f"from_pretrained ignores {len(copies)} {'copy' if len(copies) == 1 else 'copies'} of {', '.join(templates)}"
+        " on layers without it",
         bool(copies) and not reported,
         f"reported: {reported[:5]}" if reported else ", ".join(sorted(copies)),
     )
