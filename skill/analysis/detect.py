@@ -28,8 +28,11 @@ from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
 from skill.analysis.places import (
     ATTENTION_OUTPUT,
+    BLOCK_NORMS_BUILT,
     FFN_DOWN,
+    FINAL_NORM_BUILT,
     MOE_BRANCH_ADD,
+    SINUSOIDAL_TABLE_BUILT,
     ContractInput,
     moe_output_norm_place,
     norm_place,
@@ -2674,10 +2677,12 @@ def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
         vaswani = probes.probe_sinusoidal_offset(ctx.model, ctx.anatomy, ctx.tiny, _vaswani_positions)
         if vaswani is not None:
             ctx.evidence.append(f"sinusoidal positions: position p reads row p + {vaswani} of {name} (probe)")
-            ctx.other.append(
+            feature = (
                 f"sinusoidal positions of another formula ([sin | cos] rows, frequencies 10000^(-2i/d), offset "
                 f"{vaswani}, probe of {name}): the sinusoidal_positions edit builds 10000^(-i/(d/2-1))"
             )
+            ctx.other.append(feature)
+            ctx.places[feature] = SINUSOIDAL_TABLE_BUILT
             return vaswani, None
         ctx.other.append(f"sinusoidal positions that are no [sin | cos] table rows (probe of {name})")
         return 0, None
@@ -2887,7 +2892,9 @@ def _name_constant_block_norm_eps(ctx: Context, eps_field: str) -> None:
         return
     held = ", ".join(f"{name} eps={value:g}" for name, value in sorted(constants.items()))
     ctx.evidence.append(f"norm epsilon: {held} is a constant of the modeling code (moving {eps_field} leaves it)")
-    ctx.other.append(f"norms whose epsilon is a constant, not {eps_field}: {held}")
+    feature = f"norms whose epsilon is a constant, not {eps_field}: {held}"
+    ctx.other.append(feature)
+    ctx.places[feature] = BLOCK_NORMS_BUILT if set(constants) & block else FINAL_NORM_BUILT
 
 
 def _norm_eps_field(config: PretrainedConfig) -> str | None:

@@ -197,3 +197,26 @@ def moe_output_norm_place(
     if not _same(inputs[pre_ffn[0]] + outputs[moe], outputs[layer]):
         return None
     return MOE_BRANCH_ADD
+
+
+# Where a norm's epsilon is given: the constructors that build the block norms and the final norm
+# (``eps=model_args.norm_eps`` in every reference). A constant epsilon of the modeling code is a
+# value set there, not a statement of the forward.
+BLOCK_NORMS_BUILT = HandEditPlace(
+    class_name="TransformerBlock",
+    function="__init__",
+    anchor="self.attention_norm",
+    statement="where the block norms are built (their eps)",
+)
+FINAL_NORM_BUILT = HandEditPlace(
+    class_name=None, function="__init__", anchor="self.norm", statement="where the final norm is built (its eps)"
+)
+# Where a sinusoidal table's rows are computed: the table module's ``build`` calls the package's
+# ``sinusoidal_positions`` (written by the sinusoidal_positions edit); a table of another formula
+# changes that function's frequencies.
+SINUSOIDAL_TABLE_BUILT = HandEditPlace(
+    class_name="SinusoidalPositions",
+    function="build",
+    anchor="sinusoidal_positions(",
+    statement="where the table is built (the frequencies of sinusoidal_positions)",
+)

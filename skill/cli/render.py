@@ -66,7 +66,9 @@ def _field(name: str, value: Any, indent: str) -> list[str]:
     items = list(value)
     if all(isinstance(item, BaseModel) for item in items) and len({type(item) for item in items}) == 1:
         return [f"{indent}{name}:", *_table(items, inner)]
-    texts = [_cell(item) for item in items]
+    # A list item is a line of its own when they do not fit on one: never cut (a skipped
+    # feature's name is the hand edit to make).
+    texts = [" ".join(_text(item).split()) for item in items]
     joined = ", ".join(texts)
     if len(joined) <= MAX_INLINE:
         return [f"{indent}{name}: {joined}"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -83,12 +85,15 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     hf_map = _from_hf_map(sources["model/state_dict_adapter.py"] or "")
     fused_map = _fused_map(sources["model/state_dict_adapter.py"] or "")
     keys: list[str] = []
+    concrete: list[str] = []
     try:
-        keys = generalised_keys(checkpoint_keys(source, request.trust_remote_code))
+        concrete = sorted(checkpoint_keys(source, request.trust_remote_code))
+        keys = generalised_keys(concrete)
     except Exception as e:  # an unknown family: report it as a failed check, not a crash
         checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
     if keys:
-        unmapped = [k for k in keys if k not in hf_map and k not in fused_map and k != "lm_head.weight"]
+        mapped = _template_matcher([*hf_map, *fused_map, "lm_head.weight"])
+        unmapped = generalised_keys(k for k in concrete if not mapped(k))
         checks.append(
             _check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys")
         )
@@ -129,6 +134,16 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
 
 def _check(name: str, passed: bool, detail: str = "") -> PackageCheck:
     return PackageCheck(name=name, passed=passed, detail=detail)
+
+
+def _template_matcher(templates: list[str]) -> Callable[[str], bool]:
+    """Whether a concrete checkpoint key is one of ``templates``, where ``{}`` stands for an index
+    and a literal number for itself (``transformer.h.{}.ffn.0.weight``: an ``nn.Sequential``
+    position kept literal by the map, which matches ``transformer.h.3.ffn.0.weight`` only)."""
+    if not templates:
+        return lambda key: False
+    pattern = re.compile("|".join(re.escape(t).replace(r"\{\}", r"\d+") for t in templates))
+    return lambda key: pattern.fullmatch(key) is not None
 
 
 def _from_hf_map(adapter_text: str) -> dict[str, str | None]:

@@ -69,6 +69,10 @@ def test_ctrl_block_norm_eps_is_a_constant_named_by_the_analysis() -> None:
         "transformer.h.{}.layernorm1 eps=1e-06, transformer.h.{}.layernorm2 eps=1e-06"
     )
     assert named == [expected]
+    # Its hand edit sets the eps where the block norms are built, not in the forward (the ctrl
+    # agent found the marker in TransformerBlock.forward while the eps is set in __init__).
+    place = report.hand_edit_places[expected.removeprefix("unsupported: ")]
+    assert (place.class_name, place.function, place.anchor) == ("TransformerBlock", "__init__", "self.attention_norm")
 
 
 def test_mla_latent_norms_are_not_named_as_block_norms() -> None:
@@ -94,6 +98,10 @@ def test_ctrl_sinusoidal_buffer_and_sqrt_dim_scale_are_reported() -> None:
     assert scalars.embedding_scale == pytest.approx(AutoConfig.for_model("ctrl").n_embd ** 0.5)
     formula = [line for line in report.unsupported if "sinusoidal" in line]
     assert len(formula) == 1 and "10000^(-2i/d)" in formula[0] and "offset 0" in formula[0]
+    # Its hand edit changes the table's frequencies: marked above the call that builds it (the
+    # ctrl agent found the marker in the model's forward, above the embedding).
+    place = report.hand_edit_places[formula[0].removeprefix("unsupported: ")]
+    assert (place.class_name, place.function, place.anchor) == ("SinusoidalPositions", "build", "sinusoidal_positions(")
     assert not [line for line in report.unsupported if "position encoding = none" in line]
     assert not [line for line in report.unsupported if "beyond a constant scale" in line]
 
@@ -154,3 +162,33 @@ def test_adapter_abstracts_only_the_layer_and_expert_index() -> None:
     assert index.sub(".{}", "transformer.h.11.ffn.2.weight") == "transformer.h.{}.ffn.2.weight"
     assert index.sub(".{}", "layers.11.feed_forward.w1.weight") == "layers.{}.feed_forward.w1.weight"
     assert index.sub(".{}", "layers.1.moe.experts.7.w1") == "layers.{}.moe.experts.{}.w1"
+
+
+@pytest.mark.slow
+def test_check_package_reads_a_literal_sequential_position_as_mapped(tmp_path: Path) -> None:
+    """The ctrl agent's check failed on 'unmapped HF keys transformer.h.{}.ffn.{}.weight' while the
+    map it was given holds ffn.0 and ffn.2 literally and stages 2-3 mapped every key: the check
+    generalised every index of the checkpoint keys. It matches each key against the map's
+    templates now, an index for ``{}`` and a literal position for itself."""
+    from skill.porting.check_package import CheckPackageRequest, check_package
+    from skill.porting.copy_reference import CopyReferenceRequest, copy_reference
+    from skill.porting.edit_adapter_map import EditAdapterMapRequest, edit_adapter_map
+    from tests.mcp.conftest import make_workspace
+
+    workspace = make_workspace(tmp_path / "ws")
+    copy_reference(
+        CopyReferenceRequest(workspace=workspace, model_name="ctrl", reference="qwen2", model_types=["ctrl"])
+    )
+    mapped = edit_adapter_map(EditAdapterMapRequest(workspace=workspace, model_name="ctrl", source="ctrl")).from_hf_map
+    assert mapped["transformer.h.{}.ffn.2.weight"] == "layers.{}.feed_forward.w2.weight"
+    checks = check_package(CheckPackageRequest(workspace=workspace, model_name="ctrl", source="ctrl")).checks
+    keys = next(check for check in checks if check.name == "hf_keys_mapped")
+    assert keys.passed, keys.detail
+
+    adapter = workspace / "archon_models" / "ctrl" / "model" / "state_dict_adapter.py"
+    adapter.write_text(
+        adapter.read_text().replace('"transformer.h.{}.ffn.2.weight"', '"transformer.h.{}.ffn.3.weight"')
+    )
+    checks = check_package(CheckPackageRequest(workspace=workspace, model_name="ctrl", source="ctrl")).checks
+    keys = next(check for check in checks if check.name == "hf_keys_mapped")
+    assert not keys.passed and "transformer.h.{}.ffn.{}.weight" in keys.detail
