@@ -16,6 +16,7 @@ from archon_models.codegen import spec as codegen_spec  # noqa: F401
 from archon_models.cohere import spec as cohere_spec  # noqa: F401
 from archon_models.cohere2 import spec as cohere2_spec  # noqa: F401
 from archon_models.cohere2_moe import spec as cohere2_moe_spec  # noqa: F401
+from archon_models.ctrl import spec as ctrl_spec  # noqa: F401
 from archon_models.cwm import spec as cwm_spec  # noqa: F401
 from archon_models.deepseek_v2 import spec as deepseek_v2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
