@@ -77,6 +77,10 @@ def format_report(report) -> str:
         lines.append("no deltas")
     lines.append("")
     lines += report.unsupported or ["every feature is covered by a reference or an edit"]
+    if report.hand_edit_places:
+        # SKILL.md's hand port reads where each skipped feature's code goes from this field.
+        lines += ["", "hand edit places (hand_edit_places):"]
+        lines += [f"  {feature}: {place.where('<Model>')}" for feature, place in report.hand_edit_places.items()]
     mapped = sum(1 for f in report.config_fields if f.archon_field != "unmapped")
     lines.append("")
     lines.append(

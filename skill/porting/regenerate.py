@@ -147,13 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     regenerations, hand_edited = committed_regenerations(workspace)
     if args.families:
         known = {r.model_name: r for r in regenerations}
+        hand = [f for f in args.families if f in hand_edited]
+        if hand:
+            parser.error(
+                f"{', '.join(hand)}: hand-edited in a recorded session, so not regenerated; replay the session instead: "
+                f"python -m pytest tests/mcp/test_e2e.py -m replay -k {hand[0]}"
+            )
         unknown = [f for f in args.families if f not in known]
         if unknown:
             parser.error(f"no generated package {unknown}; generated packages: {', '.join(sorted(known))}")
         regenerations = [known[f] for f in args.families]
     drifted = []
-    for regeneration in regenerations:
+    for number, regeneration in enumerate(regenerations, 1):
         drift = regenerate(workspace, regeneration)
+        logger.warning(
+            "[%d/%d] %s: %s", number, len(regenerations), regeneration.model_name, "differs" if drift.files else "same"
+        )
         if drift.files:
             drifted.append(drift.model_name)
             sys.stdout.write(unified_diff(workspace, drift))

@@ -192,3 +192,16 @@ def test_check_package_reads_a_literal_sequential_position_as_mapped(tmp_path: P
     checks = check_package(CheckPackageRequest(workspace=workspace, model_name="ctrl", source="ctrl")).checks
     keys = next(check for check in checks if check.name == "hf_keys_mapped")
     assert not keys.passed and "transformer.h.{}.ffn.{}.weight" in keys.detail
+
+
+def test_analyze_text_names_each_hand_edit_place() -> None:
+    """The second ctrl agent needed `analyze --json` for `hand_edit_places`, which SKILL.md's hand
+    port reads: the text output lists each place too."""
+    from skill.cli.analyze import format_report
+
+    report = report_for("ctrl")
+    text = format_report(report)
+    assert "hand edit places (hand_edit_places):" in text
+    for feature, place in report.hand_edit_places.items():
+        assert f"  {feature}: {place.where('<Model>')}" in text
+    assert "TransformerBlock.__init__, where the block norms are built" in text

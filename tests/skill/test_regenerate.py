@@ -85,3 +85,16 @@ def test_a_hand_edit_to_a_generated_package_is_reported(tmp_path: Path, capsys) 
     diff = capsys.readouterr().out
     assert "--- committed/archon_models/llama/model/model.py" in diff
     assert "-class RMSNorm(nn.Module):  # tuned\n+class RMSNorm(nn.Module):\n" in diff
+
+
+def test_naming_a_hand_port_says_to_replay_its_session(capsys) -> None:
+    """The ctrl agent got 'no generated package ['ctrl']' for a committed hand port: the drift check
+    names it as hand-edited and gives the replay command that proves it instead."""
+    _, hand_ports = committed_regenerations(Workspace(REPO))
+    assert "ctrl" in hand_ports
+    with pytest.raises(SystemExit) as exited:
+        main(["ctrl"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "ctrl: hand-edited in a recorded session" in error
+    assert "python -m pytest tests/mcp/test_e2e.py -m replay -k ctrl" in error
