@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         hand = [f for f in args.families if f in hand_edited]
         if hand:
             parser.error(
-                f"{', '.join(hand)}: hand-edited in a recorded session, so not regenerated; replay the session instead: "
-                f"python -m pytest tests/mcp/test_e2e.py -m replay -k {hand[0]}"
+                f"{', '.join(hand)}: hand-edited in a recorded session, so not regenerated; "
+                f"replay the session instead: python -m pytest tests/mcp/test_e2e.py -m replay -k {hand[0]}"
             )
         unknown = [f for f in args.families if f not in known]
         if unknown:
