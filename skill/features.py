@@ -398,7 +398,12 @@ class MoEFeatures(_Frozen):
         "",
         description="experts_multiple: the shared MLP is shared_experts times an expert's width (AReaL's "
         "num_shared_experts; one such MLP when no field counts them); own_field: "
-        "shared_expert_intermediate_size; empty when none or unmeasured",
+        "shared_expert_intermediate_size, or the field shared_expert_width_field names; empty when none or "
+        "unmeasured",
+    )
+    shared_expert_width_field: str | None = _optional_fact(
+        "the config field that sets the shared MLP's own width when it is not shared_expert_intermediate_size "
+        "(measured: moving it moves the width; MiniMax-M3's shared_intermediate_size)"
     )
     shared_expert_gate: bool = False
     moe_layers: list[int] = Field(default_factory=list, description="0-based layers with routed experts")
