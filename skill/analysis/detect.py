@@ -1817,7 +1817,7 @@ def _gated_mlp_computes(mlp: nn.Module, hidden: int, act: Callable[[torch.Tensor
             return any(
                 torch.allclose(downs[0].module(act(gate, up)), out, rtol=1e-4, atol=tolerance) for gate, up in pairs
             )
-    except (RuntimeError, TypeError, ValueError):
+    except Exception:  # a forward that wants more than hidden states raises several exception types
         return False
 
 
