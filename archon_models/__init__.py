@@ -60,6 +60,7 @@ from archon_models.llama import spec as llama_spec  # noqa: F401
 from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.minicpm3 import spec as minicpm3_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401
+from archon_models.minimax_m3_vl_text import spec as minimax_m3_vl_text_spec  # noqa: F401
 from archon_models.ministral import spec as ministral_spec  # noqa: F401
 from archon_models.ministral3 import spec as ministral3_spec  # noqa: F401
 from archon_models.mistral import spec as mistral_spec  # noqa: F401

@@ -398,7 +398,12 @@ class MoEFeatures(_Frozen):
         "",
         description="experts_multiple: the shared MLP is shared_experts times an expert's width (AReaL's "
         "num_shared_experts; one such MLP when no field counts them); own_field: "
-        "shared_expert_intermediate_size; empty when none or unmeasured",
+        "shared_expert_intermediate_size, or the field shared_expert_width_field names; empty when none or "
+        "unmeasured",
+    )
+    shared_expert_width_field: str | None = _optional_fact(
+        "the config field that sets the shared MLP's own width when it is not shared_expert_intermediate_size "
+        "(measured: moving it moves the width; MiniMax-M3's shared_intermediate_size)"
     )
     shared_expert_gate: bool = False
     moe_layers: list[int] = Field(default_factory=list, description="0-based layers with routed experts")
@@ -736,8 +741,9 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.OTHER: "other",
 }
 
-# Activations only routed experts compute (two inputs, gate and up): the MoE edits write
-# them (model_edits.clamped_swiglu_experts), the one activation table has no entry for them.
+# Activations only experts compute (two inputs, gate and up): the MoE edits write them for
+# the routed and the shared experts (model_edits.clamped_swiglu_experts), the one activation
+# table has no entry for them.
 EXPERT_ACTIVATIONS = frozenset({"clamped_swiglu"})
 
 # Target values a port can reach without hand-written code: what the reference code
@@ -829,8 +835,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.FFN_KIND: frozenset({FFNKind.GATED, FFNKind.PLAIN}),
     # Entries of the one activation table (skill/activations.py) the activation edit writes.
     # xielu (learned, module=True): proven by apertus, its scalars replicated over TP.
-    # clamped_swiglu: routed experts only (model_edits.clamped_swiglu_experts; engine_limits
-    # refuses it on a dense MLP, shared experts or experts without biases).
+    # clamped_swiglu: routed experts, biased or not, and shared experts
+    # (model_edits.clamped_swiglu_experts; engine_limits refuses it on a dense layer's MLP).
     Feature.ACTIVATION: frozenset(
         {"silu", "gelu_pytorch_tanh", "gelu", "quick_gelu", "relu", "relu2", "xielu", "clamped_swiglu"}
     ),

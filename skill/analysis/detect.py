@@ -1659,11 +1659,13 @@ def _parameter_name(model: nn.Module, module: nn.Module) -> str | None:
     return None
 
 
-def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str) -> bool:
+def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str, side: str = "out") -> bool:
     """Whether a config field sets the FFN width, measured: a tiny model built with the field
-    moved has every up projection as wide as the new value. A field whose value merely equals
-    the width (or whose name merely says "ffn") is no evidence; CTRL's ``dff`` is named by no
-    width word and sets the width all the same."""
+    moved has every up projection as wide as the new value (``side="in"``: every projection
+    given reads that many inputs, as a down projection reads the MLP's width whether its
+    gate and up are fused or not). A field whose value merely equals the width (or whose
+    name merely says "ffn") is no evidence; CTRL's ``dff`` is named by no width word and
+    sets the width all the same."""
     value = getattr(ctx.tiny, field_name)
     moved = value + 32
     names = [_parameter_name(ctx.model, p.module) for p in ups]
@@ -1682,7 +1684,7 @@ def _sets_ffn_width(ctx: Context, ups: list[mt.Projection], field_name: str) -> 
         if weight is None or weight.dim() != 2:
             return False
         out_axis = 1 if p.orientation == "in_out" else 0
-        if weight.shape[out_axis] != moved:
+        if weight.shape[out_axis if side == "out" else 1 - out_axis] != moved:
             return False
     return True
 
@@ -1779,7 +1781,75 @@ def ffn_features(ctx: Context) -> FFNFeatures:
             if place is not None:
                 ctx.places[feature] = place
     features = _plain_or_gated(ctx, mt.projections(mlp), activation, activation_field)
+    if features.kind is FFNKind.GATED:
+        features = _clamped_glu_measured(ctx, mlp, features)
     return features.model_copy(update={"sub_norm": sub_norm}) if sub_norm is not None else features
+
+
+def _gated_mlp_computes(mlp: nn.Module, hidden: int, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether a gated MLP computes ``down(act(gate, up))``, probed on its own weights: the
+    gate and up read from its projections (either half of a fused one first, or either of two
+    separate ones as the gate), with inputs scaled until the pre-activations reach +-20, so a
+    clamp shows. False when its projections are no gated MLP's or its forward takes no input."""
+    projs = mt.projections(mlp)
+    ups = [p for p in projs if p.in_features == hidden]
+    downs = [p for p in projs if p.out_features == hidden and p.in_features != hidden]
+    if len(downs) != 1:
+        return False
+    width = downs[0].in_features
+    generator = torch.Generator().manual_seed(0)
+    weight = mt.weight_2d(downs[0].module)
+    if weight is None:
+        return False
+    x = torch.randn(1, 8, hidden, generator=generator, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            pre = torch.cat([p.module(x) for p in ups], dim=-1)
+            x = x * (20.0 / pre.abs().max().clamp_min(1e-6))
+            outs = [p.module(x) for p in ups]
+            if len(outs) == 1 and outs[0].shape[-1] == 2 * width:
+                pairs = [(outs[0][..., :width], outs[0][..., width:]), (outs[0][..., width:], outs[0][..., :width])]
+            elif len(outs) == 2 and all(o.shape[-1] == width for o in outs):
+                pairs = [(outs[0], outs[1]), (outs[1], outs[0])]
+            else:
+                return False
+            out = mlp(x)
+            if not isinstance(out, torch.Tensor):
+                return False
+            tolerance = 1e-5 * max(1.0, float(out.abs().max()))
+            return any(
+                torch.allclose(downs[0].module(act(gate, up)), out, rtol=1e-4, atol=tolerance) for gate, up in pairs
+            )
+    except Exception:  # a forward that wants more than hidden states raises several exception types
+        return False
+
+
+def _clamped_glu_measured(ctx: Context, mlp: nn.Module, features: FFNFeatures) -> FFNFeatures:
+    """The gated MLP's activation as measured where the config's names another: an MLP that
+    does not compute ``down(act(gate) * up)`` for the config's activation but does compute
+    the clamped SwiGLU (gpt-oss's, inline in the MLP's forward: MiniMax-M3 declares
+    ``hidden_act="silu"`` as a mere fallback) with the constants its class reads from the
+    config (source scan), tried at their tiny values, is reported as ``clamped_swiglu``."""
+    entry = ACTIVATIONS.get(features.activation)
+    reference = entry.reference if entry is not None else None
+    hidden = ctx.tiny.hidden_size
+    if reference is not None and _gated_mlp_computes(mlp, hidden, lambda gate, up: reference(gate) * up):
+        return features
+    if ctx.source is None:
+        return features
+    constants = ctx.source.clamped_glu_fields(type(mlp).__name__)
+    alpha, limit = (ctx.tiny.to_dict().get(constants.get(k, "")) for k in ("alpha", "limit"))
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)):
+        return features
+    from skill.porting.snippets.experts import clamped_swiglu
+
+    if not _gated_mlp_computes(mlp, hidden, lambda gate, up: clamped_swiglu(gate, up, float(alpha), float(limit))):
+        return features
+    ctx.evidence.append(
+        f"activation: {type(mlp).__name__} computes the clamped SwiGLU (probed), not {features.activation!r}; "
+        + ", ".join(f"{k}={v}" for k, v in sorted(constants.items()))
+    )
+    return features.model_copy(update={"activation": "clamped_swiglu", "activation_fields": constants})
 
 
 def _plain_or_gated(
@@ -2179,20 +2249,21 @@ def _selection_bias_key(ctx: Context, num_experts: int) -> tuple[str, list[int]]
     return "", []
 
 
-def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | None, str]:
-    """The config field counting shared experts and how their MLP's width is set:
-    ``experts_multiple`` when it is that count times the routed experts' width (as
-    AReaL's ``num_shared_experts`` builds it), ``own_field`` when it is
-    ``shared_expert_intermediate_size``; measured on the tiny model's shared MLP."""
+def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | None, str, str | None]:
+    """The config field counting shared experts, how their MLP's width is set
+    (``experts_multiple`` when it is that count times the routed experts' width, as
+    AReaL's ``num_shared_experts`` builds it; ``own_field`` when a field of its own sets
+    it) and that field when it is not AReaL's ``shared_expert_intermediate_size``;
+    measured on the tiny model's shared MLP."""
     if ffn is None:
-        return None, ""
+        return None, "", None
     shared = next((c for n, c in ffn.named_children() if "shared" in n and "gate" not in n), None)
     if shared is None:
-        return None, ""
+        return None, "", None
     hidden = ctx.tiny.hidden_size
     widths = {p.out_features for p in mt.projections(shared) if p.in_features == hidden}
     if len(widths) != 1:
-        return None, ""
+        return None, "", None
     width = widths.pop()
     tiny = ctx.tiny.to_dict()
     count_field = next(
@@ -2211,13 +2282,34 @@ def _shared_expert_width(ctx: Context, ffn: nn.Module | None) -> tuple[str | Non
     # An expert's width: moe_intermediate_size, else intermediate_size (aria_text), as the port reads it.
     expert_width = tiny.get("moe_intermediate_size", tiny.get("intermediate_size"))
     if count_field is not None and isinstance(expert_width, int) and width == expert_width * tiny[count_field]:
-        return count_field, "experts_multiple"
+        return count_field, "experts_multiple", None
     if tiny.get("shared_expert_intermediate_size") == width:
-        return count_field, "own_field"
+        return count_field, "own_field", None
     if count_field is None and width == expert_width:
         # One shared MLP as wide as a routed expert, no field counting it (HunYuan-MoE's shared_mlp).
-        return None, "experts_multiple"
-    return count_field, ""
+        return None, "experts_multiple", None
+    own = _shared_width_field(ctx, shared)
+    return count_field, "own_field" if own is not None else "", own
+
+
+def _shared_width_field(ctx: Context, shared: nn.Module) -> str | None:
+    """The config field that sets the shared MLP's own width, measured: its down projection
+    reads as many inputs as the field's tiny value, and a tiny model built with the field
+    moved reads the moved value (MiniMax-M3's ``shared_intermediate_size``, its gate and up
+    fused in one projection twice that wide). ``None`` when no field moves it."""
+    hidden = ctx.tiny.hidden_size
+    downs = [p for p in mt.projections(shared) if p.out_features == hidden and p.in_features != hidden]
+    widths = {p.in_features for p in downs}
+    if len(widths) != 1:
+        return None
+    width = widths.pop()
+    for name, value in sorted(ctx.tiny.to_dict().items()):
+        if isinstance(value, bool) or value != width or not isinstance(ctx.get(name), int):
+            continue
+        if _sets_ffn_width(ctx, downs, name, side="in"):
+            ctx.evidence.append(f"shared experts' width: {name} (moving it moves their down projection's input)")
+            return name
+    return None
 
 
 def moe_block(ctx: Context) -> tuple[nn.Module | None, nn.Module | None]:
@@ -2324,7 +2416,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
     norm_ignored, renormalises_when_ignored = (
         _norm_topk_prob_ignored(ctx) if isinstance(ctx.get("norm_topk_prob"), bool) else (False, None)
     )
-    shared_field, shared_width = _shared_expert_width(ctx, ffn) if shared else (None, "")
+    shared_field, shared_width, shared_width_field = _shared_expert_width(ctx, ffn) if shared else (None, "", None)
     if not shared:
         # A count field at 0 (Cohere2-MoE's num_shared_experts): this config has none, one
         # setting it has; the port names the field so it can refuse such a config.
@@ -2395,6 +2487,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         shared_experts=shared,
         shared_experts_field=shared_field,
         shared_expert_width=shared_width,
+        shared_expert_width_field=shared_width_field,
         shared_expert_gate=shared_gate,
         moe_layers=moe_layers,
         n_layers=n_layers,
@@ -3559,6 +3652,22 @@ def _layer_key_template(ctx: Context, name: str | None, saved_modules: set[str])
     return f"{stack}{{}}.{location.module[len(saved_layer) :]}"
 
 
+def _fused_shared_gate_up(block: nn.Module | None) -> nn.Module | None:
+    """The MoE block's shared MLP's projection that stacks its gate and up rows: of its two
+    projections, the one twice as wide as the other (its down projection) reads, and whose
+    input width that one writes."""
+    if block is None or mt.experts_module(block) is None:
+        return None
+    shared = next((c for n, c in block.named_children() if "shared" in n and "gate" not in n), None)
+    projs = mt.projections(shared) if shared is not None else []
+    if len(projs) != 2:
+        return None
+    for up, down in (projs, projs[::-1]):
+        if up.out_features == 2 * down.in_features and down.out_features == up.in_features:
+            return up.module
+    return None
+
+
 def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str]]]:
     """HF module -> Archon module, found by structure, for the modules the checkpoint holds.
 
@@ -3633,6 +3742,11 @@ def checkpoint_modules(ctx: Context) -> tuple[dict[str, str], dict[str, list[str
             hf = template(proj.module)
             if hf is not None:
                 mapping[hf] = f"layers.{{}}.feed_forward.{part}"
+    shared = _fused_shared_gate_up(anatomy.ffn)
+    if shared is not None and template(shared) is not None:
+        # The shared experts' one projection holding the gate, then the up rows (MiniMax-M3's
+        # shared_experts.gate_up_proj), as a dense MLP's; their down projection is the MoE rules'.
+        fused[str(template(shared))] = [f"layers.{{}}.moe.shared_experts.{part}" for part in ("w1", "w3")]
     for norm, archon in ctx.contract_norms.items():
         hf = _layer_key_template(ctx, names.get(id(norm)), saved_modules)
         if hf is not None:

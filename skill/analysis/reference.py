@@ -250,17 +250,19 @@ def engine_limits(checklist: Checklist) -> list[str]:
             )
     ffn = checklist.ffn
     if ffn.activation == "clamped_swiglu":
-        # The clamped SwiGLU is an experts' activation: the edit subclasses the biased experts.
+        # The clamped SwiGLU is an experts' activation: the edit subclasses the routed experts
+        # (biased or not) and the shared experts' FeedForward, not a dense layer's MLP.
         if moe is None:
-            limits.append("clamped SwiGLU in a dense MLP (only routed experts get it)")
-        elif not moe.expert_bias:
-            limits.append("clamped SwiGLU experts without projection biases")
-        elif moe.shared_experts:
-            limits.append("clamped SwiGLU experts beside shared experts (shared experts run SiLU)")
+            limits.append("clamped SwiGLU in a dense MLP (only routed and shared experts get it)")
         elif moe.n_layers and len(moe.moe_layers) != moe.n_layers:
             limits.append("clamped SwiGLU experts beside dense layers (the dense MLP's activation is unmeasured)")
         if set(ffn.activation_fields) != {"alpha", "limit"}:
             limits.append("clamped SwiGLU whose alpha and limit no config field sets")
+    if moe is not None and moe.shared_expert_gate and moe.shared_expert_width_field is not None:
+        limits.append(
+            f"gated shared expert as wide as {moe.shared_expert_width_field} (the gated shared expert's edit"
+            " reads shared_expert_intermediate_size)"
+        )
     if moe is not None:
         if ffn.activation in ACTIVATIONS and ACTIVATIONS[ffn.activation].module:
             # A learned activation is a module with parameters: the grouped experts have none per expert.

@@ -134,12 +134,14 @@ class SourceFacts:
         code = "\n".join(self.class_code(name) for name in self.classes if "Experts" in name)
         return bool(re.search(r"\.clamp\(", code) and re.search(r"\bsigmoid\(", code))
 
-    def clamped_glu_fields(self) -> dict[str, str]:
-        """The config fields a clamped-GLU experts class reads for its constants:
+    def clamped_glu_fields(self, class_name: str | None = None) -> dict[str, str]:
+        """The config fields a clamped-GLU experts class (or the class ``class_name``, such as
+        a dense MLP computing the same gate inline) reads for its constants:
         ``{"limit": field}`` for the attribute its ``.clamp(`` calls take, ``{"alpha": field}``
         for the one that scales the ``sigmoid(`` argument (``self.x = config.field`` in
         ``__init__``); empty where the class sets neither from the config."""
-        code = "\n".join(self.class_code(name) for name in self.classes if "Experts" in name)
+        names = [class_name] if class_name is not None else [name for name in self.classes if "Experts" in name]
+        code = "\n".join(self.class_code(name) for name in names)
         assigned = dict(re.findall(r"self\.(\w+)\s*=\s*config\.(\w+)", code))
         fields: dict[str, str] = {}
         for attr, field_name in assigned.items():

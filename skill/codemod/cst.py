@@ -981,6 +981,17 @@ def append_statements(doc: Document, new_source: str) -> Document:
     return doc.with_body([*doc.module.body, *new_stmts])
 
 
+def append_to_function(doc: Document, class_name: str | None, func_name: str, new_source: str) -> Document:
+    """Append statements at the end of a function's body; a no-op when the first new
+    statement is already there."""
+    func = find_function(doc.module, class_name, func_name)
+    body = statements(func.body)
+    new_stmts = _parse_statements(new_source)
+    if not new_stmts or any(doc.key(s) == doc.key(new_stmts[0]) for s in body):
+        return doc
+    return doc.replaced(func, _with_block(func, [*body, *new_stmts]))
+
+
 def set_docstring(doc: Document, class_name: str | None, text: str) -> Document:
     """Set the docstring of the module (``class_name=None``) or of a top-level class."""
     module = doc.module

@@ -21,6 +21,7 @@ from skill.codemod import StagedTree
 from skill.codemod.cst import (
     CodemodError,
     Document,
+    append_to_function,
     class_field_names,
     remove_function,
     remove_method,
@@ -886,6 +887,14 @@ moe_args.use_shared_expert_gate = True
 """
 
 
+DENSE_LAYER_REFUSAL = """if self.moe_args is not None and not all(self.is_moe_layer(i) for i in range(self.n_layers)):
+    raise ValueError(
+        "a dense layer is not supported: {camel} in Archon ports its MoE layers only (the dense "
+        "MLP's clamped SwiGLU and its width are unmeasured); port that variant as its own family."
+    )
+"""
+
+
 # The from_hf_config keyword that opts a family with a score-correction bias into AReaL's
 # auxiliary-loss-free balancing of it (``MoEArgs.load_balance_coeff``: the step a trainer that
 # updates the bias takes; AReaL 1.0.4's engine takes none). Without it the bias stays as loaded.
@@ -1160,6 +1169,9 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         # Every layer routes to experts: the per-layer rule and its check go.
         doc = remove_method(doc, layout.args_class, "is_moe_layer")
         doc = _drop_sparse_step_check(doc, layout.args_class)
+    if profile.moe and not profile.all_layers_moe and profile.expert_activation_fields:
+        # The clamped SwiGLU is ported for the experts only: a dense layer's MLP is unmeasured.
+        doc = append_to_function(doc, layout.args_class, "__post_init__", DENSE_LAYER_REFUSAL.format(camel=camel))
     # The reference's MoE-detection helpers are dead once the family's MoE is fixed.
     doc = remove_function(doc, "_num_experts")
     doc = remove_statements(doc, lambda code: code.startswith("_REQUIRED_MOE_HF_FIELDS"))

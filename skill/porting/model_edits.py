@@ -1428,7 +1428,7 @@ def _all_layers_moe(text: Document, ctx: EditContext) -> Document:
         "if self.moe is not None:\n    self.moe.init_buffers(buffer_device)",
         "self.moe.init_buffers(buffer_device)",
     )
-    if ctx.profile.has_shared_experts and ctx.profile.activation not in ("silu", "clamped_swiglu"):
+    if ctx.profile.has_shared_experts and ctx.profile.activation != "silu":
         return text  # FeedForward stays: the shared experts' MLP with the family's activation
     text = remove_class(text, "FeedForward")
     text = remove_from_all(text, ["FeedForward"])
@@ -1674,31 +1674,75 @@ def _expert_activation(text: Document, ctx: EditContext) -> Document:
 
 
 def _clamped_swiglu_experts(text: Document, ctx: EditContext) -> Document:
-    """The biased experts activate by the clamped SwiGLU with the config's alpha and limit."""
+    """The routed experts activate by the clamped SwiGLU with the config's alpha and limit:
+    the biased experts' subclass, or without biases the activated experts' one; shared
+    experts too, as the package's ``FeedForward`` activating so, as wide as MoE built them."""
     fields = ctx.profile.expert_activation_fields
-    if "class BiasedGroupedExperts(" not in text:
-        raise ValueError("clamped SwiGLU experts subclass the biased experts: apply expert_bias first")
-    if "class ClampedSwiGLUExperts(" not in text:
-        text = insert_before_class(text, "TransformerBlock", snippet("experts", "clamped_swiglu"))
-        text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUExperts"))
-    text = replace_text(
-        text,
-        "# The routed experts' projections have biases.\n",
-        "# The routed experts' projections have biases; they activate by the clamped SwiGLU.\n",
-    )
-    return replace_statement_assigning(
-        text,
-        "TransformerBlock",
-        "__init__",
-        "self.moe.experts",
-        "self.moe.experts = ClampedSwiGLUExperts(\n"
-        "    model_args.dim,\n"
-        "    model_args.moe_inter_dim,\n"
-        "    model_args.moe_args.num_experts,\n"
-        f"    alpha=model_args.{fields['alpha']},\n"
-        f"    limit=model_args.{fields['limit']},\n"
-        "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
-        ")\n",
+    constants = f"    alpha=model_args.{fields['alpha']},\n    limit=model_args.{fields['limit']},\n"
+    if "class BiasedGroupedExperts(" in text:
+        if "class ClampedSwiGLUExperts(" not in text:
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "clamped_swiglu"))
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUExperts"))
+        text = replace_text(
+            text,
+            "# The routed experts' projections have biases.\n",
+            "# The routed experts' projections have biases; they activate by the clamped SwiGLU.\n",
+        )
+        text = replace_statement_assigning(
+            text,
+            "TransformerBlock",
+            "__init__",
+            "self.moe.experts",
+            "self.moe.experts = ClampedSwiGLUExperts(\n"
+            "    model_args.dim,\n"
+            "    model_args.moe_inter_dim,\n"
+            "    model_args.moe_args.num_experts,\n"
+            f"{constants}"
+            "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
+            ")\n",
+        )
+        routed = ""
+    else:
+        if "class ActivatedGroupedExperts(" not in text:
+            if "def _expert_sharded(" not in text:
+                text = insert_before_class(text, "TransformerBlock", snippet("experts", "_expert_sharded"))
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "ActivatedGroupedExperts"))
+        if "def clamped_swiglu(" not in text:
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "clamped_swiglu"))
+        if "class ClampedSwiGLUGroupedExperts(" not in text:
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUGroupedExperts"))
+        for line in EXPERTS_IMPORTS:
+            if line != "import math" and not line.startswith("from torch.distributed.tensor"):
+                text = ensure_import_line(text, line)
+        text = ensure_import_line(text, "from torch.distributed.tensor import DTensor, Shard")
+        routed = (
+            "# The routed experts activate by the clamped SwiGLU.\n"
+            "self.moe.experts = ClampedSwiGLUGroupedExperts(\n"
+            "    model_args.dim,\n"
+            "    model_args.moe_inter_dim,\n"
+            "    model_args.moe_args.num_experts,\n"
+            f"{constants}"
+            "    use_grouped_mm=model_args.moe_args.use_grouped_mm,\n"
+            ")\n"
+        )
+    shared = ""
+    if ctx.profile.has_shared_experts:
+        if "class ClampedSwiGLUFeedForward(" not in text:
+            text = insert_before_class(text, "TransformerBlock", snippet("experts", "ClampedSwiGLUFeedForward"))
+        shared = (
+            "# The shared experts too: the package's FeedForward activating by the clamped SwiGLU.\n"
+            "self.moe.shared_experts = ClampedSwiGLUFeedForward(\n"
+            "    model_args.dim,\n"
+            "    self.moe.shared_experts.w1.out_features,\n"
+            f"{constants}"
+            ")\n"
+        )
+    if not routed and not shared:
+        return text
+    if "self.moe.shared_experts = ClampedSwiGLUFeedForward(" in text or "= ClampedSwiGLUGroupedExperts(\n" in text:
+        return text
+    return replace_in_function(
+        text, "TransformerBlock", "__init__", MOE_CONSTRUCTION, MOE_CONSTRUCTION + "\n" + routed + shared
     )
 
 
@@ -2008,8 +2052,9 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
     ModelEdit(
         "activation",
         "feed-forward activation other than SiLU",
-        # With every layer MoE, FeedForward stays only as the shared experts' MLP.
-        lambda p: p.activation != "silu" and (not p.all_layers_moe or p.has_shared_experts),
+        # With every layer MoE, FeedForward stays only as the shared experts' MLP; the clamped
+        # SwiGLU (no table entry) is the experts' edit's, which subclasses FeedForward for them.
+        lambda p: p.activation not in ("silu", "clamped_swiglu") and (not p.all_layers_moe or p.has_shared_experts),
         _activation,
         needed=lambda text: "class FeedForward" in text,
     ),

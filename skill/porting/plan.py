@@ -223,7 +223,8 @@ class PortPlan(BaseModel):
     )
     shared_expert_width_field: str | None = Field(
         default=None,
-        description="config field of an ungated shared MLP's own width (AReaL's shared_expert_intermediate_size)",
+        description="config field of an ungated shared MLP's own width (AReaL's shared_expert_intermediate_size, "
+        "or the one the analysis measured)",
     )
     shared_experts_fixed: int | None = Field(
         default=None, description="shared MLPs, each an expert wide, when no config field counts them (HunYuan-MoE)"
@@ -535,7 +536,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         shared_experts_field=moe.shared_experts_field
         if moe is not None and moe.shared_expert_width == "experts_multiple"
         else None,
-        shared_expert_width_field="shared_expert_intermediate_size"
+        shared_expert_width_field=(moe.shared_expert_width_field or "shared_expert_intermediate_size")
         if moe is not None and moe.shared_expert_width == "own_field" and not moe.shared_expert_gate
         else None,
         shared_experts_fixed=moe.shared_experts

@@ -91,12 +91,8 @@ def test_gpt_oss_plan_selects_the_moe_edits() -> None:
     [
         (lambda c: c.model_copy(update={"moe": None}), "clamped SwiGLU in a dense MLP"),
         (
-            lambda c: c.model_copy(update={"moe": c.moe.model_copy(update={"expert_bias": False})}),
-            "clamped SwiGLU experts without projection biases",
-        ),
-        (
-            lambda c: c.model_copy(update={"moe": c.moe.model_copy(update={"shared_experts": 1})}),
-            "clamped SwiGLU experts beside shared experts",
+            lambda c: c.model_copy(update={"moe": c.moe.model_copy(update={"moe_layers": c.moe.moe_layers[1:]})}),
+            "clamped SwiGLU experts beside dense layers",
         ),
         (
             lambda c: c.model_copy(update={"ffn": c.ffn.model_copy(update={"activation_fields": {}})}),

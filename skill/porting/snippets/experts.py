@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from archon_models.moe import GroupedExperts
+from archon_models.moe import FeedForward, GroupedExperts
 from archon_models.moe.utils import indices_padding_wrapper
 
 
@@ -245,3 +245,31 @@ class ClampedSwiGLUExperts(BiasedGroupedExperts):
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+
+class ClampedSwiGLUGroupedExperts(ActivatedGroupedExperts):
+    """Routed experts without biases whose activation is the clamped SwiGLU
+    (:func:`clamped_swiglu`) with the config's ``alpha`` and ``limit``."""
+
+    def __init__(
+        self, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float, use_grouped_mm: bool = True
+    ):
+        super().__init__(dim, hidden_dim, num_experts, use_grouped_mm)
+        self.alpha = alpha
+        self.limit = limit
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+
+class ClampedSwiGLUFeedForward(FeedForward):
+    """The shared experts' MLP ``w2(clamped_swiglu(w1(x), w3(x)))`` with the config's
+    ``alpha`` and ``limit``; weights and their names are ``FeedForward``'s."""
+
+    def __init__(self, dim: int, hidden_dim: int, alpha: float, limit: float):
+        super().__init__(dim, hidden_dim)
+        self.alpha = alpha
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.alpha, self.limit))
