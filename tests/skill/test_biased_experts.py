@@ -217,6 +217,7 @@ def test_biased_experts_init_zeroes_the_biases() -> None:
 def test_biased_router_routes_as_gpt_oss(router_dtype) -> None:
     """gpt-oss: top-k of the biased logits, softmax over those k. AReaL's softmax router with
     route_norm (softmax over all, top-k, renormalised) picks and weights the same."""
+    torch.manual_seed(0)
     config = GptOssConfig(hidden_size=DIM, num_local_experts=E, num_experts_per_tok=TOP_K)
     hf = GptOssTopKRouter(config)
     torch.nn.init.normal_(hf.weight)
@@ -233,7 +234,8 @@ def test_biased_router_routes_as_gpt_oss(router_dtype) -> None:
     # Same experts per token (any order), same weight for each.
     order, hf_order = indices.argsort(dim=-1), hf_indices.argsort(dim=-1)
     assert torch.equal(indices.gather(1, order), hf_indices.gather(1, hf_order))
-    torch.testing.assert_close(scores.gather(1, order), hf_scores.gather(1, hf_order).to(scores.dtype))
+    # Judged at HF's fp32 precision: a float64 router is closer to the truth than HF by ~1e-7.
+    torch.testing.assert_close(scores.gather(1, order).float(), hf_scores.gather(1, hf_order).float())
     assert counts.sum() == 32 * TOP_K
     # Without the bias the routing differs.
     with torch.no_grad():
