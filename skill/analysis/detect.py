@@ -2646,7 +2646,14 @@ def position_features(ctx: Context) -> PositionFeatures:
         )
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
-    per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    layer_dicts = {k: v for k, v in rope.items() if isinstance(v, dict)}
+    per_layer = bool(rope) and (len(layer_dicts) == len(rope) or any(t in layer_dicts for t in PER_LAYER_ROPE_TYPES))
+    if per_layer and len(layer_dicts) < len(rope):
+        # A saved checkpoint's config may keep a flat key beside the layer types' dicts
+        # (Laguna-XS.2: original_max_position_embeddings); each layer type reads its own dict.
+        extras = ", ".join(sorted(set(rope) - set(layer_dicts)))
+        ctx.evidence.append(f"rope_parameters: {extras} beside the per-layer-type dicts, which each layer type reads")
+        rope = layer_dicts
     first = _per_layer_rope(ctx, rope) if per_layer else rope
     rope_type = str(first.get("rope_type", "default")) if first else "default"
     theta = first.get("rope_theta") if first else None

@@ -162,7 +162,8 @@ def ensure_test_file(
         remote_source,
         unset_pad=unset_pad,
         nullable=nullable_cases(profile, config),
-        layer_types=shown_layer_types(profile, config),
+        # The tests' tiny model starts from the folder's own code's config, or the class default.
+        layer_types=shown_layer_types(profile, config, config if remote_source else load_config(model_type)),
     )
     from skill.porting.provenance import header_lines, stamp
 

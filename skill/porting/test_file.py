@@ -260,23 +260,26 @@ def test_file_source(
     )
 
 
-def shown_layer_types(profile: PortPlan, config: Any) -> list[str] | None:
+def shown_layer_types(profile: PortPlan, config: Any, case_config: Any = None) -> list[str] | None:
     """Per-layer-type RoPE of a width per layer type whose config has a layer type in
     ``rope_parameters`` that none of its default layers takes (Laguna's default layers are
     all full attention, its sliding ones rotate another share of each head): layer types
     for the tiny model's layers that take every such type in turn, so the stages prove each
     type's width. ``None`` where the default layers show every type, or every type rotates
-    the same width (the tests of those families stay as they were)."""
+    the same width (the tests of those families stay as they were). ``case_config``: the
+    config the tests' tiny model starts from, where it is not ``config`` (a checkpoint folder
+    without its own code is tested on its class's default config)."""
     if not profile.layer_rotary_dims:
         return None
     from skill.tiny_model import tiny_config
 
+    case_config = config if case_config is None else case_config
     rope = getattr(config, "rope_parameters", None) or {}
     types = sorted(k for k, v in rope.items() if isinstance(v, dict))
-    kinds = list(getattr(config, "layer_types", None) or [])
+    kinds = list(getattr(case_config, "layer_types", None) or [])
     if not types or not kinds or set(types) <= set(kinds):
         return None
-    layers = int(tiny_config(config).num_hidden_layers)
+    layers = int(tiny_config(case_config).num_hidden_layers)
     if layers < len(types):
         return None
     return [types[i % len(types)] for i in range(layers)]

@@ -134,6 +134,35 @@ def test_full_layers_whole_sliding_layers_partial(tmp_path):
     assert (fields["rotary_dim"].default, fields["sliding_rotary_dim"].default) == (128, 32)
 
 
+def test_a_flat_key_beside_the_layer_types_dicts_keeps_rope_per_layer_type(tmp_path):
+    """A saved checkpoint's config (Laguna-XS.2's) keeps original_max_position_embeddings
+    beside the layer types' dicts, and scales the full-attention layers with YaRN. Read as
+    one flat RoPE it would port as unscaled default RoPE with one theta; it is per layer
+    type, YaRN on the full-attention layers, each type its width."""
+    rope = {
+        "full_attention": {
+            "rope_type": "yarn",
+            "rope_theta": 5e5,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 64.0,
+            "beta_slow": 1.0,
+            "attention_factor": 1.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0},
+        "original_max_position_embeddings": 4096,
+    }
+    config = LagunaConfig(rope_parameters=rope, layer_types=["full_attention"] + ["sliding_attention"] * 39)
+    report = analyze_hf_model(AnalyzeInput(source=str(_folder(tmp_path, config))))
+    assert report.unsupported == []
+    positions = report.checklist.positions
+    assert positions.per_layer_type_rope and positions.rope_type == "yarn"
+    assert positions.rope_layer_types == ["full_attention", "sliding_attention"]
+    assert positions.layer_rotary_factors == {"full_attention": 0.5, "sliding_attention": 1.0}
+    assert any("original_max_position_embeddings beside the per-layer-type dicts" in e for e in report.evidence)
+
+
 @pytest.mark.parametrize("reference,model_class", [("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model")])
 def test_each_layer_types_width_composes_on_either_reference(reference, model_class):
     """The edit is written on the module contract: on either reference, beside the other
