@@ -330,6 +330,10 @@ class AttentionFeatures(_Frozen):
         description="with a QK norm too: q and k clamped after it (OLMoE) or before it (probed); None when "
         "there is no such pair or the probe could not tell",
     )
+    heads_per_layer_field: str | None = _optional_fact(
+        "config list giving each layer its own query-head count (every entry the head count here), "
+        "probed: a layer whose entry moves gets projections of another width"
+    )
 
 
 class FFNFeatures(_Frozen):
@@ -465,6 +469,10 @@ class MoEFeatures(_Frozen):
         description="MoE config fields (experts, experts per token) whose config class accepts a per-layer "
         "list; the port reads one value and refuses a list",
     )
+    router_softcap_field: str | None = _optional_fact(
+        "config field soft-capping the router logits (tanh), off here (0 or None) and read by the forward "
+        "when set (probed): the port's router reads its logits uncapped and refuses a cap"
+    )
 
     @property
     def grouped_topk(self) -> bool:
@@ -486,6 +494,10 @@ class PositionFeatures(_Frozen):
     per_layer_type_rope: bool = Field(False, description="different RoPE parameters per layer type")
     rope_layer_types: list[str] = Field(
         default_factory=list, description="the layer types rope_parameters holds parameters for, when per layer type"
+    )
+    layer_rotary_factors: dict[str, float] | None = _optional_fact(
+        "per-layer-type RoPE where some layer type rotates only part of each head: each layer type's "
+        "rotated share of head_dim, probed on HF's rotary tables (one per layer type)"
     )
     table_key: str | None = Field(
         None, description="checkpoint key of a learned absolute-position table (transformer.wpe.weight)"
@@ -887,7 +899,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ROTARY_STYLE: frozenset({RotaryStyle.HALF, RotaryStyle.INTERLEAVED}),
     # model_edits.reversed_rotation: the RoPE cache holds -sin (the rotation by minus the angle).
     Feature.ROTARY_DIRECTION: frozenset({RotaryDirection.STANDARD, RotaryDirection.REVERSED}),
-    Feature.PARTIAL_ROTARY: frozenset({"true", "false"}),
+    # Partial rotary: one width (snippets/rope.py apply_rotary_emb, which rotates the cache's
+    # width), or one per layer type (model_edits.py per_layer_rope, edit_args.py sliding_rotary_dim).
+    Feature.PARTIAL_ROTARY: frozenset({"true", "false", "per_layer_type"}),
     # One RoPE cache per layer type (model_edits.py per_layer_rope, edit_args.py sliding_rope_*).
     Feature.PER_LAYER_ROPE: frozenset({"true", "false"}),
     # RoPE left out per layer as the config says (model_edits.py nope_layers).
@@ -952,6 +966,15 @@ class FeatureDelta(_Frozen):
 
 def _flag(value: bool) -> str:
     return "true" if value else "false"
+
+
+def _partial_rotary(pos: PositionFeatures) -> str:
+    """``"per_layer_type"`` when the layer types rotate different shares of each head,
+    ``"true"`` when every layer rotates the same part of it, ``"false"`` for whole heads."""
+    factors = set((pos.layer_rotary_factors or {}).values())
+    if len(factors) > 1:
+        return "per_layer_type"
+    return _flag(pos.partial_rotary_factor != 1.0 or any(f != 1.0 for f in factors))
 
 
 def _multiplier(value: float | None, source: object) -> str:
@@ -1084,7 +1107,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
                 Feature.ROPE_TYPE: pos.rope_type or "default",
                 Feature.ROTARY_STYLE: pos.rotary_style.value,
                 Feature.ROTARY_DIRECTION: pos.rotary_direction.value,
-                Feature.PARTIAL_ROTARY: _flag(pos.partial_rotary_factor != 1.0),
+                Feature.PARTIAL_ROTARY: _partial_rotary(pos),
                 Feature.PER_LAYER_ROPE: _flag(pos.per_layer_type_rope),
             }
         )

@@ -299,6 +299,16 @@ def _tiny_value(
     if expanded is not None and len(expanded) == n_layers and n_layers > 0:
         # A run-length per-layer list keeps its encoding: the prefix, as one run.
         return [[[expanded[i] for i in range(new_layers)], 1]]
+    if (
+        isinstance(value, list)
+        and len(value) == n_layers > 0
+        and "heads" in name
+        and isinstance(heads, int)
+        and all(_is_int(v) and v == heads for v in value)
+    ):
+        # One query-head count per layer, each the config's (Laguna's
+        # num_attention_heads_per_layer): the tiny head count on every tiny layer.
+        return [TINY_HEADS] * new_layers
     if isinstance(value, list) and len(value) == n_layers and n_layers > 0:
         # Per-layer lists: keep the prefix (and shrink widths inside it).
         prefix = [value[i % len(value)] for i in range(new_layers)]

@@ -1539,7 +1539,37 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         clip_qkv=clip_value,
         clip_qkv_field=clip_field,
         clip_qkv_after_qk_norm=clip_after_norm,
+        heads_per_layer_field=_heads_per_layer_field(ctx),
     )
+
+
+def _heads_per_layer_field(ctx: Context) -> str | None:
+    """A config list of one query-head count per layer (Laguna's
+    ``num_attention_heads_per_layer``) whose entries all equal the head count: probed by
+    doubling the first layer's entry in a tiny model, which widens that layer's parameters
+    when the model reads the list. The port gives every layer the one head count and
+    refuses a list that differs from it."""
+    heads = getattr(ctx.tiny, "num_attention_heads", None)
+    layers = getattr(ctx.tiny, "num_hidden_layers", None)
+    if not isinstance(heads, int) or not isinstance(layers, int) or layers < 1:
+        return None
+    base = {k: v.shape for k, v in ctx.model.state_dict().items()}
+    for name, value in sorted(ctx.tiny.to_dict().items()):
+        if not isinstance(value, list) or len(value) != layers:
+            continue
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v == heads for v in value):
+            continue
+        config = copy.deepcopy(ctx.tiny)
+        try:
+            setattr(config, name, [2 * heads, *value[1:]])
+            model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+        except Exception as exc:  # config validators and constructors raise several exception types
+            logger.debug("moving %s failed: %s", name, exc)
+            continue
+        if any(base.get(k) != v.shape for k, v in model.state_dict().items()):
+            ctx.evidence.append(f"{name}: one query-head count per layer (probe: its first entry widens layer 0)")
+            return name
+    return None
 
 
 # ------------------------------------------------------------------------ FFN
@@ -2511,7 +2541,46 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         selection_bias_placement=placement,
         renormalises_when_ignored=renormalises_when_ignored,
         per_layer_list_fields=_per_layer_list_fields(ctx.config, ctx.source),
+        router_softcap_field=_router_softcap_field(ctx),
     )
+
+
+# A cap small enough to bend a tiny router's logits (tanh(x / c) * c).
+_PROBE_ROUTER_CAP = 0.1
+
+
+def _router_softcap_field(ctx: Context) -> str | None:
+    """A config field soft-capping the router logits (Laguna's ``moe_router_logit_softcapping``)
+    that is off in this config (0 or None): probed by setting a small cap in the tiny model,
+    which moves the logits when the forward reads it. The port keeps the router's logits
+    uncapped and refuses a config that sets one. A cap already on is named in ``other``."""
+    tokens = probes.tokens_for(ctx.tiny, 6)
+    base: torch.Tensor | None = None
+    for name, value in sorted(ctx.config.to_dict().items()):
+        lowered = name.lower()
+        if "router" not in lowered or not ("softcap" in lowered or "soft_cap" in lowered):
+            continue
+        if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
+            continue
+        if value:
+            ctx.other.append(f"router logits soft-capped ({name}={value!r})")
+            return None
+        config = copy.deepcopy(ctx.tiny)
+        try:
+            base = probes.logits(ctx.model, tokens) if base is None else base
+            setattr(config, name, _PROBE_ROUTER_CAP)
+            moved = probes.logits(build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code), tokens)
+        except Exception as exc:  # config validators and forwards raise several exception types
+            logger.debug("capping the router with %s failed: %s", name, exc)
+            continue
+        if moved.shape == base.shape and torch.allclose(moved, base, atol=1e-6, rtol=1e-5):
+            continue
+        ctx.evidence.append(
+            f"{name}={value!r}: the router's logit soft-cap, off here (probe: a cap of {_PROBE_ROUTER_CAP} "
+            "moves the logits)"
+        )
+        return name
+    return None
 
 
 # The routing probes' variant: 8 experts in 2 groups of 4, one group kept, top-2.
@@ -2673,7 +2742,14 @@ def position_features(ctx: Context) -> PositionFeatures:
         )
     if kind is not PositionKind.ROPE:
         return PositionFeatures(kind=kind, rope_type=None, theta=None)
-    per_layer = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    layer_dicts = {k: v for k, v in rope.items() if isinstance(v, dict)}
+    per_layer = bool(rope) and (len(layer_dicts) == len(rope) or any(t in layer_dicts for t in PER_LAYER_ROPE_TYPES))
+    if per_layer and len(layer_dicts) < len(rope):
+        # A saved checkpoint's config may keep a flat key beside the layer types' dicts
+        # (Laguna-XS.2: original_max_position_embeddings); each layer type reads its own dict.
+        extras = ", ".join(sorted(set(rope) - set(layer_dicts)))
+        ctx.evidence.append(f"rope_parameters: {extras} beside the per-layer-type dicts, which each layer type reads")
+        rope = layer_dicts
     first = _per_layer_rope(ctx, rope) if per_layer else rope
     rope_type = str(first.get("rope_type", "default")) if first else "default"
     theta = first.get("rope_theta") if first else None
@@ -2697,6 +2773,7 @@ def position_features(ctx: Context) -> PositionFeatures:
     if not rotary:
         ctx.evidence.append("RoPE: the attention class applies the rotation itself (no rotary module)")
     factor = _partial_rotary(ctx, rotary[0] if rotary else None, first or {})
+    layer_factors = _layer_rotary_factors(ctx, rope) if per_layer else None
     return PositionFeatures(
         kind=kind,
         rope_type=rope_type,
@@ -2707,6 +2784,7 @@ def position_features(ctx: Context) -> PositionFeatures:
         partial_rotary_factor=factor,
         per_layer_type_rope=per_layer,
         rope_layer_types=sorted(rope) if per_layer else [],
+        layer_rotary_factors=layer_factors,
     )
 
 
@@ -2837,12 +2915,74 @@ def _per_layer_rope(ctx: Context, rope: dict[str, Any]) -> dict[str, Any]:
     scaled = {k: v for k, v in rope.items() if str(v.get("rope_type", "default")) != "default"}
     if len({str(v.get("rope_type")) for v in scaled.values()}) > 1:
         ctx.other.append("per-layer-type RoPE with a different scaling type on each layer type")
-    factors = {float(v.get("partial_rotary_factor", 1.0) or 1.0) for v in rope.values()}
-    if len(factors) > 1:
-        ctx.other.append("per-layer-type RoPE with a different partial rotary factor on each layer type")
     if scaled:
         return next(iter(scaled.values()))
     return rope.get("full_attention") or next(iter(rope.values()))
+
+
+def _layer_rotary_factors(ctx: Context, rope: dict[str, Any]) -> dict[str, float] | None:
+    """Per-layer-type RoPE: the share of each head that the layers of each type rotate,
+    where some type rotates only part of it (``None`` where every layer rotates whole
+    heads, so the other families' reports read as before).
+
+    Measured as :func:`_partial_rotary` measures one width, on the rotary tables of HF's
+    rotary module: one inverse-frequency table per layer type (``<type>_inv_freq``), one
+    frequency per rotated pair. A model builds tables only for the types its layers have
+    (Laguna's default layers are all full attention), so the probe builds a tiny model
+    whose layers take every type in turn. A type without a table to read keeps the
+    ``partial_rotary_factor`` its ``rope_parameters`` declare, and the evidence says so."""
+    types = sorted(rope)
+    declared = {t: float(rope[t].get("partial_rotary_factor", 1.0) or 1.0) for t in types}
+    tables = _layer_inv_freq_tables(ctx, types)
+    factors: dict[str, float] = {}
+    for layer_type in types:
+        table = tables.get(layer_type)
+        if table is None:
+            factors[layer_type] = declared[layer_type]
+            continue
+        factors[layer_type] = round(2 * table.numel() / ctx.tiny_head_dim(), 4)
+    if all(math.isclose(f, 1.0) for f in factors.values()):
+        return None
+    for layer_type, factor in factors.items():
+        how = (
+            f"{tables[layer_type].numel()} frequencies in the rotary table {layer_type}_inv_freq (probe)"
+            if layer_type in tables
+            else "as rope_parameters declare it (no rotary table of that type to read)"
+        )
+        ctx.evidence.append(f"partial rotary of the {layer_type} layers: {factor} of each head, {how}")
+        if layer_type in tables and not math.isclose(factor, declared[layer_type], rel_tol=1e-3):
+            ctx.evidence.append(
+                f"rope_parameters[{layer_type!r}] declare partial_rotary_factor {declared[layer_type]}: "
+                "not what the model rotates"
+            )
+    return factors
+
+
+def _layer_inv_freq_tables(ctx: Context, types: list[str]) -> dict[str, torch.Tensor]:
+    """The ``<type>_inv_freq`` buffers of the rotary module of a tiny model whose layers take
+    every one of ``types`` (the tiny model itself when its ``layer_types`` already do)."""
+    model: nn.Module | None = ctx.model
+    kinds = list(getattr(ctx.tiny, "layer_types", None) or [])
+    if kinds and not set(types) <= set(kinds):
+        model = None
+        if len(kinds) >= len(types):
+            config = copy.deepcopy(ctx.tiny)
+            try:
+                config.layer_types = [types[i % len(types)] for i in range(len(kinds))]
+                model = build_tiny_model(config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            except Exception as exc:  # config validators and constructors raise several exception types
+                logger.debug("the per-layer-type rotary probe failed: %s", exc)
+    if model is None:
+        return {}
+    tables: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if "Rotary" not in type(module).__name__ and not name.endswith("rotary_emb"):
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            layer_type = buffer_name.removesuffix("_inv_freq")
+            if buffer_name.endswith("_inv_freq") and layer_type in types:
+                tables.setdefault(layer_type, buffer)
+    return tables
 
 
 def _learned_table(ctx: Context, name: str, table: nn.Embedding) -> tuple[str | None, int, str | None]:

@@ -51,7 +51,11 @@ from skill.porting.mla_router import router_args
 from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.snippets import snippet, snippet_method
-from skill.porting.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
+from skill.porting.snippets.args import (
+    _layer_partial_rotary_factor,
+    _layer_rope_freq_scaling,
+    _layer_rope_parameters,
+)
 from skill.porting.snippets.moe_layers import RULES as MOE_LAYER_RULES
 from skill.tiny_model import tiny_config
 
@@ -209,7 +213,10 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
     ]
     if profile.rope_type != "default":
         fields += _rope_scaling_fields(profile, config)
-    if profile.partial_rotary and isinstance(getattr(config, "rotary_dim", None), int):
+    if profile.layer_rotary_dims:
+        # Each layer type rotates the share of a head its own rope_parameters give.
+        fields += _layer_rotary_dim_fields(config)
+    elif profile.partial_rotary and isinstance(getattr(config, "rotary_dim", None), int):
         # The config names the rotated width itself (GPT-J, CodeGen: rotary_dim).
         fields.append(
             ArgField("rotary_dim", "int", config.rotary_dim, "hf_config.rotary_dim", operator.attrgetter("rotary_dim"))
@@ -455,6 +462,26 @@ def _rope_theta_fields(profile: PortPlan, config: Any) -> list[ArgField]:
             functools.partial(_layer_theta, layer_type=kind),
         )
         for name, kind in (("rope_theta", "full_attention"), ("sliding_rope_theta", "sliding_attention"))
+    ]
+
+
+def _layer_rotary_dim(config: Any, layer_type: str) -> int:
+    return int(_head_dim(config) * _layer_partial_rotary_factor(config, layer_type))
+
+
+def _layer_rotary_dim_fields(config: Any) -> list[ArgField]:
+    """Per-layer-type RoPE over part of each head: ``rotary_dim``, the features the
+    full-attention layers rotate, and ``sliding_rotary_dim``, those the sliding-window
+    layers rotate, each from its layer type's ``partial_rotary_factor``."""
+    return [
+        ArgField(
+            name,
+            "int",
+            _layer_rotary_dim(config, kind),
+            f'int(head_dim * _layer_partial_rotary_factor(hf_config, "{kind}"))',
+            functools.partial(_layer_rotary_dim, layer_type=kind),
+        )
+        for name, kind in (("rotary_dim", "full_attention"), ("sliding_rotary_dim", "sliding_attention"))
     ]
 
 
@@ -757,6 +784,26 @@ def check_supported_source(
             "        raise ValueError(",
             f'            f"{path}={{{key}!r}} is not supported by {camel} in Archon, "',
             '            "which reproduces it unset (None)."',
+            "        )",
+        ]
+    if profile.heads_per_layer_field is not None:
+        field = profile.heads_per_layer_field
+        lines += [
+            f'    heads_per_layer = getattr(hf_config, "{field}", None) or []',
+            "    if any(heads != hf_config.num_attention_heads for heads in heads_per_layer):",
+            "        raise ValueError(",
+            f'            f"{field}={{heads_per_layer!r}} (a query-head count per layer) is not supported: "',
+            f'            "{camel} in Archon gives every layer num_attention_heads query heads."',
+            "        )",
+        ]
+    if profile.router_softcap_field is not None:
+        field = profile.router_softcap_field
+        lines += [
+            f'    router_cap = getattr(hf_config, "{field}", None)',
+            "    if router_cap:",
+            "        raise ValueError(",
+            f'            f"{field}={{router_cap!r}} is not supported: the router of {camel} in Archon "',
+            '            "reads its logits uncapped (0 or None)."',
             "        )",
         ]
     for field in profile.per_layer_list_fields:
@@ -1118,12 +1165,15 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
         ),
         before_class=layout.args_class,
     )
-    if profile.partial_rotary:
+    if profile.partial_rotary and not profile.layer_rotary_dims:
         helper = snippet("args", "_partial_rotary_factor")
         doc = upsert_function(doc, "_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.per_layer_rope:
         helper_source = snippet("args", "_layer_rope_parameters")
         doc = upsert_function(doc, "_layer_rope_parameters", helper_source, before_class=layout.args_class)
+    if profile.layer_rotary_dims:
+        helper = snippet("args", "_layer_partial_rotary_factor")
+        doc = upsert_function(doc, "_layer_partial_rotary_factor", helper, before_class=layout.args_class)
     if profile.rope_type != "default":
         helper = "_layer_rope_freq_scaling" if profile.per_layer_rope else "_rope_freq_scaling"
         doc = upsert_function(doc, helper, snippet("args", helper), before_class=layout.args_class)

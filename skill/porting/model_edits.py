@@ -1085,12 +1085,14 @@ LAYER_LOOP = """for layer in self.layers.values():
 
 def _per_layer_rope(text: Document, ctx: EditContext) -> Document:
     """Two RoPE caches, one per layer type: full-attention layers rotate with ``rope_theta``
-    (and ``rope_freq_scaling``), sliding-window layers with their own ``sliding_*`` ones;
-    each layer gets the cache of its ``layer_types`` entry."""
+    (and ``rope_freq_scaling``, over ``rotary_dim``), sliding-window layers with their own
+    ``sliding_*`` ones; each layer gets the cache of its ``layer_types`` entry. A cache is as
+    wide as the features it rotates (the partial-rotary ``apply_rotary_emb`` reads it)."""
     if "sliding_rope_cache" in text:
         return text
     plan = ctx.profile
     width = "args.rotary_dim" if plan.partial_rotary else "args.head_dim"
+    sliding_width = "args.sliding_rotary_dim" if plan.layer_rotary_dims else width
     full, sliding = ("", "")
     if plan.rope_type != "default":
         full, sliding = ", args.rope_freq_scaling", ", args.sliding_rope_freq_scaling"
@@ -1102,7 +1104,7 @@ def _per_layer_rope(text: Document, ctx: EditContext) -> Document:
     """The RoPE cache of one layer type: sliding-window layers have their own parameters."""
     args = self.model_args
     if layer_type == "sliding_attention":
-        return precompute_rope_cache({width}, args.max_seq_len, args.sliding_rope_theta{sliding})
+        return precompute_rope_cache({sliding_width}, args.max_seq_len, args.sliding_rope_theta{sliding})
     return precompute_rope_cache({width}, args.max_seq_len, args.rope_theta{full})
 ''',
     )
@@ -2235,7 +2237,9 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
     extras = []
     if profile.rope_type != "default":
         extras.append(f"{profile.rope_type}-scaled RoPE")
-    if profile.partial_rotary:
+    if profile.layer_rotary_dims:
+        extras.append("partial rotary embeddings of a width per layer type")
+    elif profile.partial_rotary:
         extras.append("partial rotary embeddings")
     if profile.rotary_interleaved:
         extras.append("RoPE over adjacent feature pairs (interleaved)")

@@ -207,6 +207,20 @@ class PortPlan(BaseModel):
     per_layer_rope: bool = Field(
         default=False, description="full- and sliding-attention layers rotate with their own RoPE parameters"
     )
+    router_softcap_field: str | None = Field(
+        default=None,
+        description="config field soft-capping the router logits, off in this config: the port refuses a cap",
+    )
+    heads_per_layer_field: str | None = Field(
+        default=None,
+        description="config list of one query-head count per layer, each the head count here: the port gives "
+        "every layer that count and refuses a list that differs",
+    )
+    layer_rotary_dims: bool = Field(
+        default=False,
+        description="per_layer_rope with partial rotary: full- and sliding-attention layers each rotate the "
+        "share of a head their own rope_parameters give (rotary_dim, sliding_rotary_dim)",
+    )
     nope_field: str | None = Field(default=None, description="config list field, 0 on the layers without RoPE")
     nope_layer_type: str | None = Field(default=None, description="the layer type whose layers apply no RoPE")
     qk_norm_after_rope: bool = Field(default=False, description="queries and keys normalised after RoPE")
@@ -521,10 +535,13 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         position_zero_row_field=pos.table_zero_row_field,
         logit_multiplier_field=logit_multiplier,
         rope_type=pos.rope_type or "default",
-        partial_rotary=pos.partial_rotary_factor != 1.0,
+        partial_rotary=pos.partial_rotary_factor != 1.0 or bool(pos.layer_rotary_factors),
+        layer_rotary_dims=pos.per_layer_type_rope and bool(pos.layer_rotary_factors),
         rotary_interleaved=pos.rotary_style is RotaryStyle.INTERLEAVED,
         rotary_reversed=pos.rotary_direction is RotaryDirection.REVERSED,
         per_layer_rope=pos.per_layer_type_rope,
+        heads_per_layer_field=att.heads_per_layer_field,
+        router_softcap_field=moe.router_softcap_field if moe is not None else None,
         nope_field=att.nope_layers_field,
         nope_layer_type=att.nope_layer_type,
         qk_norm_after_rope=att.qk_norm_placement is QKNormPlacement.AFTER_ROPE,

@@ -21,7 +21,7 @@ from skill.porting.hf_source import load_config
 from skill.porting.model_edits import describe
 from skill.porting.overrides import ConfigOverrides, ModelTypeName
 from skill.porting.plan import plan_for
-from skill.porting.test_file import add_override_case, carry_extra_cases, test_file_source
+from skill.porting.test_file import add_override_case, carry_extra_cases, shown_layer_types, test_file_source
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ def ensure_test_file(
     profile = plan_for(source or model_type, trust_remote_code)
     config = load_config(source or model_type, trust_remote_code)
     rope_parameters = None
-    if profile.rope_type != "default":
+    if profile.rope_type != "default" or profile.layer_rotary_dims:
+        # The checkpoint's scaling, or its layer types' rotated widths: what the tests prove.
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
     # The config leaves the row HF never trains unset: the tests set one (see test_file_source).
     unset_pad = profile.padding_idx_field is not None and getattr(config, profile.padding_idx_field, None) is None
@@ -161,6 +162,8 @@ def ensure_test_file(
         remote_source,
         unset_pad=unset_pad,
         nullable=nullable_cases(profile, config),
+        # The tests' tiny model starts from the folder's own code's config, or the class default.
+        layer_types=shown_layer_types(profile, config, config if remote_source else load_config(model_type)),
     )
     from skill.porting.provenance import header_lines, stamp
 

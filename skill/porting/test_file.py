@@ -102,9 +102,18 @@ def test_file_source(
     remote_source: str | None = None,
     unset_pad: bool = False,
     nullable: list[str] | None = None,
+    layer_types: list[str] | None = None,
 ) -> str:
+    """``layer_types``: the tiny model's layer types where the config's default hides a
+    type with RoPE parameters of its own (see :func:`shown_layer_types`)."""
     comments = []
     overrides: dict[str, Any] = {}
+    if layer_types:
+        overrides["layer_types"] = layer_types
+        comments.append(
+            "# Layers of every type with RoPE parameters of its own (the default's layers lack one), "
+            "so each is exercised."
+        )
     if profile.sliding_window:
         comments.append(
             "# The tiny sliding window (8 tokens) is shorter than the 13-token document, so the window is exercised."
@@ -143,7 +152,10 @@ def test_file_source(
         comments.append(f"# {profile.attn_scale.field} away from head_dim, so the scale it sets is exercised.")
     if rope_parameters:
         overrides["rope_parameters"] = rope_parameters
-        comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
+        if profile.rope_type != "default":
+            comments.append(f"# The checkpoint's {profile.rope_type} RoPE scaling, which the port is specialised to.")
+        else:
+            comments.append("# The checkpoint's RoPE parameters per layer type, each with the width its layers rotate.")
     if profile.query_position_scale is not None:
         # A short period, so the later positions of the 7- and 13-token documents get scaled queries.
         period = profile.query_position_scale.period_field
@@ -246,6 +258,31 @@ def test_file_source(
         cases=cases,
         case_comment="\n".join(comments),
     )
+
+
+def shown_layer_types(profile: PortPlan, config: Any, case_config: Any = None) -> list[str] | None:
+    """Per-layer-type RoPE of a width per layer type whose config has a layer type in
+    ``rope_parameters`` that none of its default layers takes (Laguna's default layers are
+    all full attention, its sliding ones rotate another share of each head): layer types
+    for the tiny model's layers that take every such type in turn, so the stages prove each
+    type's width. ``None`` where the default layers show every type, or every type rotates
+    the same width (the tests of those families stay as they were). ``case_config``: the
+    config the tests' tiny model starts from, where it is not ``config`` (a checkpoint folder
+    without its own code is tested on its class's default config)."""
+    if not profile.layer_rotary_dims:
+        return None
+    from skill.tiny_model import tiny_config
+
+    case_config = config if case_config is None else case_config
+    rope = getattr(config, "rope_parameters", None) or {}
+    types = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    kinds = list(getattr(case_config, "layer_types", None) or [])
+    if not types or not kinds or set(types) <= set(kinds):
+        return None
+    layers = int(tiny_config(case_config).num_hidden_layers)
+    if layers < len(types):
+        return None
+    return [types[i % len(types)] for i in range(layers)]
 
 
 # --- extra cases: config overrides that prove a feature a default hides ------------------

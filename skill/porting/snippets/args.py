@@ -31,6 +31,11 @@ def _layer_rope_parameters(hf_config: Any, layer_type: str) -> dict[str, Any]:
     return per_type if isinstance(per_type, dict) else rope_parameters
 
 
+def _layer_partial_rotary_factor(hf_config: Any, layer_type: str) -> float:
+    """The share of each head's features that the layers of one type rotate."""
+    return float(_layer_rope_parameters(hf_config, layer_type).get("partial_rotary_factor", 1.0))
+
+
 def _layer_rope_freq_scaling(hf_config: Any, layer_type: str) -> dict[str, float] | None:
     """The RoPE frequency-scaling parameters of one layer type, less its type and theta;
     ``None`` where that type is unscaled."""
