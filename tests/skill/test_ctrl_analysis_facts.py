@@ -10,6 +10,7 @@ d_model))`` with two ``LayerNorm(d_model, eps=1e-6)``; the final ``layernorm`` r
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,7 @@ def test_check_package_reads_a_literal_sequential_position_as_mapped(tmp_path: P
     from tests.mcp.conftest import make_workspace
 
     workspace = make_workspace(tmp_path / "ws")
+    shutil.rmtree(workspace / "archon_models" / "ctrl", ignore_errors=True)  # the committed hand port
     copy_reference(
         CopyReferenceRequest(workspace=workspace, model_name="ctrl", reference="qwen2", model_types=["ctrl"])
     )
