@@ -194,7 +194,7 @@ def _gradient_reaches(ctx: Any, attention_name: str, child: str) -> bool:
 def sparse_indexer(ctx: Any, attention: nn.Module, name: str, child: nn.Module) -> SparseIndexer | None:
     """The attention's child ``name`` measured as a sparse-attention indexer, or None."""
     hidden, q_lora, rope = (getattr(ctx.tiny, f, None) for f in ("hidden_size", "q_lora_rank", "qk_rope_head_dim"))
-    if not all(isinstance(v, int) for v in (hidden, q_lora, rope)):
+    if not (isinstance(hidden, int) and isinstance(q_lora, int) and isinstance(rope, int)):
         return None
     found = _parts(child, hidden, q_lora)
     if found is None:
