@@ -20,6 +20,7 @@ from archon_models.ctrl import spec as ctrl_spec  # noqa: F401
 from archon_models.cwm import spec as cwm_spec  # noqa: F401
 from archon_models.deepseek_v2 import spec as deepseek_v2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
+from archon_models.deepseek_v32 import spec as deepseek_v32_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.ernie4_5_moe import spec as ernie4_5_moe_spec  # noqa: F401
@@ -35,6 +36,7 @@ from archon_models.glm import spec as glm_spec  # noqa: F401
 from archon_models.glm4 import spec as glm4_spec  # noqa: F401
 from archon_models.glm4_moe import spec as glm4_moe_spec  # noqa: F401
 from archon_models.glm4_moe_lite import spec as glm4_moe_lite_spec  # noqa: F401
+from archon_models.glm_moe_dsa import spec as glm_moe_dsa_spec  # noqa: F401
 from archon_models.gpt2 import spec as gpt2_spec  # noqa: F401
 from archon_models.gpt_bigcode import spec as gpt_bigcode_spec  # noqa: F401
 from archon_models.gpt_neo import spec as gpt_neo_spec  # noqa: F401

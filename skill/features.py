@@ -227,6 +227,26 @@ class QueryPositionScale(_Frozen):
     period_field: str
 
 
+class SparseIndexer(_Frozen):
+    """A module inside MLA that picks, for each query, the keys it may attend to (DeepSeek
+    Sparse Attention's indexer): ``index_n_heads`` small heads of ``index_head_dim`` score
+    every causal key, ``sum_h w_h(x) * relu(q_h . k)``, and only the ``index_topk`` best keep
+    their attention score. Its queries come from MLA's query latent, its single key head from
+    the hidden state through a LayerNorm; the first ``qk_rope_head_dim`` of each are rotated.
+    Measured on the real module (shapes, and its selection against the closed form)."""
+
+    module: str = Field(description="the attention's child holding the indexer")
+    topk_field: str = Field(description="config field: keys kept per query")
+    n_heads_field: str = Field(description="config field: the indexer's head count")
+    head_dim_field: str = Field(description="config field: the indexer's head width")
+    rotary_interleaved: bool = Field(description="the indexer rotates interleaved pairs, not the two halves")
+    parts: dict[str, str] = Field(
+        description="the indexer's HF children by role: wq_b (queries from the query latent), wk (the key), "
+        "k_norm (the key's LayerNorm), weights_proj (the per-head weights)"
+    )
+    grad: bool = Field(False, description="HF's forward lets gradients reach the indexer's weights (measured)")
+
+
 class MLA(_Frozen):
     """Multi-head latent attention (DeepSeek-V2/V3 style low-rank Q and KV)."""
 
@@ -238,6 +258,9 @@ class MLA(_Frozen):
     latent_norm_eps_field: str | None = _optional_fact(
         "the block norms' epsilon field, when the q/kv latent norms take theirs from it "
         "(DeepSeek's hold 1e-6 whatever the config says)"
+    )
+    indexer: SparseIndexer | None = _optional_fact(
+        "the sparse-attention indexer whose top-k keys per query mask the attention (DeepSeek-V3.2)"
     )
 
 

@@ -47,6 +47,8 @@ TINY_EXPERT_INTERMEDIATE = 32
 TINY_EXPERTS = 4
 TINY_TOP_K = 2
 TINY_WINDOW = 8
+# A sparse-attention indexer's keys per query: fewer than the stage tests' documents hold.
+TINY_INDEX_TOPK = 4
 TINY_LORA_RANK = 16
 TINY_ROPE_HEAD_DIM = 8
 TINY_LAYERS = 2
@@ -283,6 +285,10 @@ def _tiny_value(
         return TINY_ROPE_HEAD_DIM
     if name in _NOPE_HEAD_DIM and isinstance(value, int):
         return TINY_HEAD_DIM - TINY_ROPE_HEAD_DIM
+    if name == "index_topk" and isinstance(value, int) and value > 0:
+        return min(value, TINY_INDEX_TOPK)
+    if name == "index_head_dim" and isinstance(value, int):
+        return TINY_HEAD_DIM
     if name in _WINDOWS and isinstance(value, int) and value > 0:
         return min(value, TINY_WINDOW)
     if name in _LEADING_LAYER_COUNTS and isinstance(value, int):

@@ -26,6 +26,7 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
+from skill.analysis.indexer import sparse_indexer
 from skill.analysis.places import (
     ATTENTION_OUTPUT,
     BLOCK_NORMS_BUILT,
@@ -66,6 +67,7 @@ from skill.features import (
     ScalarFeatures,
     SlidingWindow,
     SlidingWindowKind,
+    SparseIndexer,
     WeightOrientation,
 )
 from skill.porting.snippets.attention import alibi_slopes
@@ -1399,6 +1401,26 @@ def last_layer_output_bias(ctx: Context, roles: dict[str, mt.Projection]) -> str
     return key
 
 
+def _measured_indexer(ctx: Context, attention: nn.Module) -> SparseIndexer | None:
+    """MLA's one nested module measured as a sparse-attention indexer (skill.analysis.indexer),
+    its parts entered in the checkpoint's module map; a forward that lets gradients reach it
+    is named (the port computes it without, as HF's own forward does where measured)."""
+    name, child = next((n, c) for n, c in attention.named_children() if not mt.is_norm(c) and mt.weight_2d(c) is None)
+    indexer = sparse_indexer(ctx, attention, name, child)
+    if indexer is None:
+        return None
+    if indexer.grad:
+        ctx.other.append(f"sparse-attention indexer trained through the attention's loss: {name}")
+    attentions = _layer_attentions(ctx, ctx.layer_stack()[1]) or []
+    without = [str(i) for i, layer_attention in enumerate(attentions) if getattr(layer_attention, name, None) is None]
+    if without:
+        # Such a layer reuses another layer's selection (GLM-5's "shared" indexer layers).
+        ctx.other.append(f"layers without a sparse-attention indexer of their own: {', '.join(without)}")
+    for role, part in indexer.parts.items():
+        ctx.contract_norms[getattr(child, part)] = f"attention.indexer.{role}"
+    return indexer
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -1487,6 +1509,11 @@ def attention_features(ctx: Context) -> AttentionFeatures:
             for n, child in attention.named_children()
             if not mt.is_norm(child) and mt.weight_2d(child) is None and any(True for _ in child.parameters())
         ]
+        if mla is not None and len(nested) == 1:
+            indexer = _measured_indexer(ctx, attention)
+            if indexer is not None:
+                mla = mla.model_copy(update={"indexer": indexer})
+                nested = []
         if nested:
             ctx.other.append(f"attention submodule outside the vocabulary: {', '.join(nested)}")
     nope, nope_field, nope_type = _nope_with_rule(ctx)

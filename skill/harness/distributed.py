@@ -57,7 +57,7 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -424,13 +424,25 @@ def _canonical(name: str) -> str:
     return name
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+def _grads(model: nn.Module, gradless: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, by canonical name. A parameter that received none raises,
+    unless it is one of ``gradless``, those that received none in the one-process reference
+    (a module HF runs without gradient, such as a sparse-attention indexer: zeros, as stage 4
+    holds them against HF's). ``None``: this is that reference, where any may."""
     grads: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
+        key = _canonical(name)
         if param.grad is None:
-            raise RuntimeError(f"parameter {_canonical(name)} received no gradient")
-        grads[_canonical(name)] = _local(param.grad).detach().clone()
+            if gradless is not None and key not in gradless:
+                raise RuntimeError(f"parameter {key} received no gradient")
+            grads[key] = torch.zeros_like(_local(param.detach()))
+            continue
+        grads[key] = _local(param.grad).detach().clone()
     return grads
+
+
+def _gradless(model: nn.Module) -> frozenset[str]:
+    return frozenset(_canonical(name) for name, param in model.named_parameters() if param.grad is None)
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -452,6 +464,8 @@ class _Reference:
     # why in ``truth_missing``) when the model cannot run in float64.
     truth: _Reference | None = None
     truth_missing: str = ""
+    # The parameters that received no gradient in this run (zeros in ``grads``).
+    gradless: frozenset[str] = frozenset()
 
 
 def _reference(model: nn.Module, batches: Sequence[PackedInputs], mean: bool = True) -> _Reference:
@@ -491,6 +505,7 @@ def _one_process(model: nn.Module, batches: Sequence[PackedInputs], mean: bool) 
     losses = [next_token_loss(lg, b.tokens, b.doc_lens) for lg, b in zip(logits, batches, strict=True)]
     total = torch.stack(losses).sum()
     (total / len(losses) if mean else total).backward()
+    gradless = _gradless(ref)
     grads = _grads(ref)
     torch.optim.SGD(ref.parameters(), lr=SGD_LR).step()
     return _Reference(
@@ -498,6 +513,7 @@ def _one_process(model: nn.Module, batches: Sequence[PackedInputs], mean: bool) 
         losses=[loss.detach() for loss in losses],
         grads=grads,
         params_after_step=_params(ref),
+        gradless=gradless,
     )
 
 
@@ -526,7 +542,7 @@ def _check_tp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     loss.backward()
     rec.add(_judged("logits (tp=2)", logits.detach(), ref, lambda r: r.logits[0]))
     rec.add(_judged("loss (tp=2)", loss.detach(), ref, lambda r: r.losses[0]))
-    rec.add(_judged_dicts("gradients (tp=2)", _grads(model), ref, lambda r: r.grads))
+    rec.add(_judged_dicts("gradients (tp=2)", _grads(model, ref.gradless), ref, lambda r: r.grads))
 
     # The default loss_parallel=True leaves each rank its slice of the vocabulary.
     sharded = setup.spec.parallelize_fn(copy.deepcopy(setup.model), dims, **_parallelize_kwargs(loss_parallel=True))
@@ -572,17 +588,23 @@ def _check_tp_critic(rec: StageRecorder, setup: _Setup, dims: ArchonParallelDims
         1, batch.num_tokens, _model_args(critic).num_labels, generator=torch.Generator().manual_seed(1)
     )
 
-    def run(model: nn.Module) -> _Reference:
+    def run(model: nn.Module, gradless: Collection[str] | None = None) -> _Reference:
         values = _forward(model, batch)
         torch.nn.functional.mse_loss(values, targets.to(values.dtype)).backward()
-        return _Reference(logits=[values.detach()], losses=[], grads=_grads(model), params_after_step={})
+        return _Reference(
+            logits=[values.detach()],
+            losses=[],
+            grads=_grads(model, gradless),
+            params_after_step={},
+            gradless=_gradless(model),
+        )
 
     ref = run(copy.deepcopy(critic))
     if setup.reference("first").truth is not None:
         with float64_default():
             ref.truth = run(copy.deepcopy(critic).to(TRUTH_DTYPE))
     model = setup.spec.parallelize_fn(copy.deepcopy(critic), dims, **_parallelize_kwargs())
-    got = run(model)
+    got = run(model, ref.gradless)
     rec.add(_judged("logits (tp=2, critic values)", got.logits[0], ref, lambda r: r.logits[0]))
     rec.add(_judged_dicts("gradients (tp=2, critic)", got.grads, ref, lambda r: r.grads))
 
@@ -599,7 +621,7 @@ def _check_data_parallel(
     loss.backward()  # FSDP averages the gradients over the ranks
     rec.add(_judged(f"logits ({label})", logits.detach(), ref, lambda r: r.logits[rank]))
     rec.add(_judged(f"loss ({label})", loss.detach(), ref, lambda r: r.losses[rank]))
-    rec.add(_judged_dicts(f"gradients ({label})", _grads(model), ref, lambda r: r.grads))
+    rec.add(_judged_dicts(f"gradients ({label})", _grads(model, ref.gradless), ref, lambda r: r.grads))
     torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
     after = f"parameters after one SGD step ({label})"
     rec.add(_judged_dicts(after, _params(model), ref, lambda r: r.params_after_step))
@@ -672,7 +694,7 @@ def _check_pp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
         rec.add(_judged("logits (pp=2, last stage)", output.detach(), ref, lambda r: torch.cat(r.logits)))
         stacked = torch.stack(losses).detach()
         rec.add(_judged("losses (pp=2, last stage)", stacked, ref, lambda r: torch.stack(r.losses)))
-    owned = _grads(parts[0])
+    owned = _grads(parts[0], ref.gradless)
     stage = stages[0].stage_index
     if not owned:
         raise RuntimeError(f"pipeline stage {stage} owns no parameters")
@@ -699,7 +721,7 @@ def _check_cp(rec: StageRecorder, setup: _Setup, rank: int) -> None:
     loss.backward()
     rec.add(_judged("logits (cp=2, gathered)", logits.detach(), ref, lambda r: r.logits[0]))
     rec.add(_judged("loss (cp=2)", loss.detach(), ref, lambda r: r.losses[0]))
-    rec.add(_judged_dicts("gradients (cp=2)", _grads(model), ref, lambda r: r.grads))
+    rec.add(_judged_dicts("gradients (cp=2)", _grads(model, ref.gradless), ref, lambda r: r.grads))
 
 
 # The one-process reference each parallelism compares with.

@@ -1293,6 +1293,24 @@ def mla_scalar_fields(text: Document, args_class: str, profile: PortPlan, config
     return text
 
 
+def indexer_args(text: Document, args_class: str, profile: PortPlan) -> Document:
+    """The sparse-attention indexer's sizes on a copied deepseek_v3 args module, read from the
+    config fields the analysis measured (one dataclass field and one ``cls(...)`` keyword each)."""
+    indexer = profile.indexer
+    if indexer is None:
+        return text
+    fields = {
+        "index_topk": indexer.topk_field,
+        "index_n_heads": indexer.n_heads_field,
+        "index_head_dim": indexer.head_dim_field,
+    }
+    # The defaults are filled in from the config class's by the caller.
+    text = set_class_fields(text, args_class, dict.fromkeys(fields, "int = 0"))
+    for name, field in fields.items():
+        text = set_call_kwarg(text, "cls", name, f"hf_config.{field}")
+    return text
+
+
 def _drop_sparse_step_check(text: Document, args_class: str) -> Document:
     """Remove the reference's ``decoder_sparse_step`` check (the family has no such field)."""
     return replace_in_function(
@@ -1445,6 +1463,7 @@ def _reference_mapping_args(
         doc = dense_args(doc, layout.args_class)
     doc = router_args(doc, profile, layout.names.camel)
     doc = mla_scalar_fields(doc, layout.args_class, profile, config)
+    doc = indexer_args(doc, layout.args_class, profile)
     if profile.rotary_style_field is None:
         # The config has no switch of the rotation's pairing: the measured one is fixed.
         interleaved = "True" if profile.rotary_interleaved else "False"

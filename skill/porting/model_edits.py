@@ -365,6 +365,67 @@ def _latent_norm_eps(text: Document, ctx: EditContext) -> Document:
     return replace_name(text, "LATENT_NORM_EPS", "model_args.norm_eps")
 
 
+def _sparse_indexer(text: Document, ctx: EditContext) -> Document:
+    """DeepSeek Sparse Attention on MLA: the indexer (``snippets/indexer.py``) reads the query
+    latent and the hidden state, and the attention keeps each query's top-k keys (per document,
+    causal). Under Ulysses every rank gathers the indexer's per-token tensors over the whole
+    sequence, as the attention gathers its keys."""
+    indexer = ctx.profile.indexer
+    assert indexer is not None
+    if "self.indexer =" in text:
+        return text
+    rotary = {"apply_rotary_emb": "apply_interleaved_rotary_emb"} if indexer.rotary_interleaved else None
+    for name in ("Indexer", "sparse_index_mask", "IndexedAttention"):
+        text = insert_before_class(text, "Attention", snippet("indexer", name, names=rotary))
+    text = ensure_import_line(text, "from itertools import pairwise")
+    text = ensure_import_line(text, "from archon_models.ulysses import ulysses_gather_output")
+    text = insert_after_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.wo",
+        "# DeepSeek Sparse Attention: the indexer picks the keys each query attends to.\n"
+        "self.indexer = Indexer(model_args)\n",
+    )
+    text = replace_statement_assigning(
+        text,
+        "Attention",
+        "__init__",
+        "self.packed_attn",
+        "self.packed_attn = IndexedAttention(model_args.index_topk)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nself.indexer.init_weights(init_std)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        "q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))",
+        "# The indexer reads the query latent, which a family with an indexer always has.\n"
+        "q_latent = self.q_norm(self.wq_a(x))\n"
+        "q = self.wq_b(q_latent)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "forward",
+        "n_local_heads = q_nope.shape[2]",
+        "# The indexer's queries, key and head weights per token (no gradient), over the whole\n"
+        "# sequence: under Ulysses each rank holds a slice and gathers the rest.\n"
+        "index = self.indexer(x, q_latent, rope_cache, positions)\n"
+        "if self._sp_enabled:\n"
+        "    index = tuple(ulysses_gather_output(t, self._cp_group, seq_dim=1) for t in index)\n"
+        "\n"
+        "n_local_heads = q_nope.shape[2]\n",
+    )
+    return set_call_kwarg(text, "self.packed_attn", "index", "index", target="out")
+
+
 def _clip_qkv(text: Document, ctx: EditContext) -> Document:
     """The q/k/v projections clamped to ``[-clip_qkv, clip_qkv]`` as they come out of their
     linear layers (before any view, norm or RoPE), when the checkpoint sets the field; q and
@@ -1827,6 +1888,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         needed=lambda text: "LATENT_NORM_EPS" in text,
     ),
     ModelEdit(
+        "sparse_indexer",
+        "DeepSeek Sparse Attention: an indexer's top-k keys per query mask the MLA scores",
+        lambda p: p.indexer is not None,
+        _sparse_indexer,
+    ),
+    ModelEdit(
         "clip_qkv",
         "q/k/v projections clamped to [-clip_qkv, clip_qkv]",
         lambda p: p.clip_qkv_field is not None,
@@ -2151,6 +2218,7 @@ EDITS_BY_NAME = {edit.name: edit for edit in MODEL_EDITS}
 # and RoPE take none (skill.features.MLA_SUPPORTED_EDITS).
 MLA_MODEL_EDITS = (
     "latent_norm_eps",
+    "sparse_indexer",
     "moe_output_norm",
     "residual_multiplier",
     "dense_layers",
@@ -2209,6 +2277,8 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
         "no RoPE" if profile.positions == "rope" and "remove_rope" in edits else POSITION_NAMES[profile.positions]
     )
     attention = ["multi-head latent attention"] if profile.reference == "deepseek_v3" else ["GQA"]
+    if profile.indexer is not None:
+        attention.append("a sparse-attention indexer choosing each query's top-k keys")
     if profile.qkv_bias:
         attention.append("q/k/v bias" + (" and output bias" if profile.o_bias else ""))
     qk_title = NORM_TITLES[profile.qk_norm_variant] if profile.qk_norm_variant else "RMSNorm"

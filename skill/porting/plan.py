@@ -40,6 +40,7 @@ from skill.features import (
     RotaryStyle,
     RouterScoring,
     SlidingWindowKind,
+    SparseIndexer,
     is_empty,
 )
 
@@ -143,6 +144,11 @@ class PortPlan(BaseModel):
     )
     latent_norm_eps_from_config: bool = Field(
         default=False, description="MLA's latent norms take the block norms' epsilon (norm_eps), not 1e-6"
+    )
+    indexer: SparseIndexer | None = Field(
+        default=None,
+        description="MLA's sparse-attention indexer: its top-k keys per query mask the attention",
+        exclude_if=lambda value: value is None,
     )
     clip_qkv_field: str | None = Field(default=None, description="config field that clamps q/k/v, if any")
     query_position_scale: QueryPositionScale | None = Field(
@@ -500,6 +506,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         ffn_width_ratio_field=ffn.intermediate_ratio_field,
         norm_eps_field=norm.eps_field or "rms_norm_eps",
         norm_eps_fixed=norm.eps if norm.eps_field is None else None,
+        indexer=att.mla.indexer if att.mla is not None else None,
         latent_norm_eps_from_config=att.mla is not None
         and att.mla.latent_norm_eps_field is not None
         and att.mla.latent_norm_eps_field == norm.eps_field,

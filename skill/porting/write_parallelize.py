@@ -315,6 +315,16 @@ def _plan_moe_output_norm(text: Document) -> Document:
     )
 
 
+def _plan_indexer(text: Document) -> Document:
+    """The sparse-attention indexer replicated on every TP rank: its parts take the gathered
+    (replicated DTensor) hidden states and hand plain tensors on, so each rank picks the same
+    keys for its own heads. No gradient reaches them (HF's indexer runs without one)."""
+    parts = ("wq_b", "wk", "k_norm", "weights_proj")
+    return edit_dict_literal(
+        text, PLAN_TARGET, {f"attention.indexer.{part}": "ReplicateParallel()" for part in parts}, raw_values=True
+    )
+
+
 def _stage_modules_source(first: tuple[str, ...], last: tuple[str, ...]) -> str:
     return (
         "# Top-level modules besides AReaL's canonical ones (tok_embeddings, layers, norm, output/score):\n"
@@ -365,6 +375,9 @@ def apply_write_parallelize(
         written: list[str] = []
         if profile.moe_output_norm:
             text = _plan_moe_output_norm(text)
+        if profile.indexer is not None:
+            text = _plan_indexer(text)
+        if profile.moe_output_norm or profile.indexer is not None:
             write_if_changed(tree, layout.parallelize, text.code, written)
         return WriteParallelizeResult(layer_plan=sorted(read_dict_literal(text, PLAN_TARGET)), changed_files=written)
     if profile.qk_norm != "per_head" and "has_qk_norm" in text:

@@ -96,9 +96,10 @@ def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(worksp
     assert from_hf_map["model.layers.{}.self_attn.o_proj.weight"] == "layers.{}.attention.wo.weight"
 
 
-# deepseek_v32 ports from deepseek_v3, a reference whose map no edit derives; its sparse-attention
-# indexer is a feature no edit writes, whose weights no rule maps (axk1's MoE output norm was the
-# example of issue 20 until the moe_output_norm edit wrote it).
+# deepseek_v32 ports from deepseek_v3, a reference whose map no edit derives. With the analysis'
+# indexer probe finding nothing (the fixture below), its sparse-attention indexer is a feature no
+# edit writes, whose weights no rule maps: the example of a hand port on that reference (axk1's
+# MoE output norm was it until the moe_output_norm edit, the indexer until the sparse_indexer edit).
 SPARSE, INDEXER = "deepseek_v32", "model.layers.{}.self_attn.indexer."
 INDEXER_KEYS = {
     f"{INDEXER}{module}.{param}": f"layers.{{}}.attention.indexer.{module}.{param}"
@@ -112,13 +113,27 @@ INDEXER_KEYS = {
 }
 
 
+@pytest.fixture
+def unrecognised_indexer(monkeypatch: pytest.MonkeyPatch):
+    """The analysis with its sparse-attention indexer probe finding nothing."""
+    from skill.analysis import detect
+    from skill.porting import plan
+
+    monkeypatch.setattr(detect, "sparse_indexer", lambda *args, **kwargs: None)
+    plan._report.cache_clear()
+    yield
+    plan._report.cache_clear()
+
+
 def _fresh_sparse(workspace: Path) -> None:
     shutil.rmtree(workspace / "archon_models" / SPARSE, ignore_errors=True)  # port it afresh here
     arguments = {"model_name": SPARSE, "reference": "deepseek_v3", "model_types": [SPARSE]}
     assert not _call(workspace, "copy_reference", arguments).is_error
 
 
-def test_an_unmapped_key_of_a_reference_no_edit_derives_names_the_fix_and_the_section(workspace: Path):
+def test_an_unmapped_key_of_a_reference_no_edit_derives_names_the_fix_and_the_section(
+    workspace: Path, unrecognised_indexer: None
+):
     """The refusal names the key, the fix on both faces (``add``, ``--add HF_KEY=ARCHON_KEY``) and
     ends with the pointer to SKILL.md § Porting by hand, as the ground rules promise."""
     _fresh_sparse(workspace)
@@ -129,7 +144,9 @@ def test_an_unmapped_key_of_a_reference_no_edit_derives_names_the_fix_and_the_se
     assert error["message"].endswith(f"({HAND_PORT_POINTER})") and error["see"] is not None
 
 
-def test_the_documented_call_maps_a_hand_edited_weight_of_a_reference_no_edit_derives(workspace: Path):
+def test_the_documented_call_maps_a_hand_edited_weight_of_a_reference_no_edit_derives(
+    workspace: Path, unrecognised_indexer: None
+):
     """SKILL.md § Porting by hand, step 2: after the hand edit, call edit_adapter_map again with the
     same ``source`` and ``add``. For a deepseek_v3 family that call refused the added key as it did
     without it (only ``add`` without ``source`` passed)."""
@@ -144,7 +161,7 @@ def test_the_documented_call_maps_a_hand_edited_weight_of_a_reference_no_edit_de
     assert not again.is_error and again.structured_content["changed_files"] == []
 
 
-def test_edit_args_returns_the_features_every_other_step_reports(workspace: Path):
+def test_edit_args_returns_the_features_every_other_step_reports(workspace: Path, unrecognised_indexer: None):
     """With allow_unsupported, edit_args's skipped_features is the analysis's unsupported list, as
     edit_model's is: for a deepseek_v3 family it came back empty."""
     unsupported = _call(workspace, "analyze_hf_model", {"source": SPARSE}).structured_content["unsupported"]

@@ -28,7 +28,7 @@ from skill.porting.edit_adapter_map import (
     has_inner_index,
 )
 from skill.porting.plan import plan_for
-from skill.tiny_model import TINY_INTERMEDIATE, saved_checkpoint_keys, tiny_config
+from skill.tiny_model import TINY_INDEX_TOPK, TINY_INTERMEDIATE, saved_checkpoint_keys, tiny_config
 from tests.skill.test_analyze_families import report_for
 
 # ------------------------------------------------- 1. the FFN width field, by probe
@@ -51,7 +51,9 @@ def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
     # shrinks them; fields that set no projection width keep their value.
     assert tiny_config("ctrl").dff == TINY_INTERMEDIATE
     assert tiny_config("cpmant").dim_ff == TINY_INTERMEDIATE
-    assert tiny_config("deepseek_v32").index_topk == AutoConfig.for_model("deepseek_v32").index_topk
+    # A sparse-attention indexer's keys per query shrink below the stage tests' documents, so
+    # its selection is real there.
+    assert tiny_config("deepseek_v32").index_topk == TINY_INDEX_TOPK < AutoConfig.for_model("deepseek_v32").index_topk
     assert tiny_config("minicpm3").dim_model_base == AutoConfig.for_model("minicpm3").dim_model_base
     assert tiny_config("ctrl", dff=96).dff == 96
 
