@@ -240,9 +240,13 @@ def unrecognised_indexer(monkeypatch: pytest.MonkeyPatch):
     from skill.porting import plan
 
     monkeypatch.setattr(detect, "sparse_indexer", lambda *args, **kwargs: None)
+    # Both caches of a report: a report made here must not serve a later test in this worker
+    # (test_supported_families_have_no_such_module[deepseek_v32] read the refusal from it).
     plan._report.cache_clear()
+    report_for.cache_clear()
     yield
     plan._report.cache_clear()
+    report_for.cache_clear()
 
 
 @pytest.mark.parametrize(
