@@ -87,7 +87,7 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     keys: list[str] = []
     concrete: list[str] = []
     try:
-        concrete = sorted(checkpoint_keys(source, request.trust_remote_code))
+        concrete = list(checkpoint_keys(source, request.trust_remote_code))
         keys = generalised_keys(concrete)
     except Exception as e:  # an unknown family: report it as a failed check, not a crash
         checks.append(_check("checkpoint_keys", False, f"cannot build a tiny {source!r} checkpoint: {e}"))
@@ -139,9 +139,8 @@ def _check(name: str, passed: bool, detail: str = "") -> PackageCheck:
 def _template_matcher(templates: list[str]) -> Callable[[str], bool]:
     """Whether a concrete checkpoint key is one of ``templates``, where ``{}`` stands for an index
     and a literal number for itself (``transformer.h.{}.ffn.0.weight``: an ``nn.Sequential``
-    position kept literal by the map, which matches ``transformer.h.3.ffn.0.weight`` only)."""
-    if not templates:
-        return lambda key: False
+    position kept literal by the map, which matches ``transformer.h.3.ffn.0.weight`` only).
+    ``templates`` is never empty: the caller always passes ``lm_head.weight``."""
     pattern = re.compile("|".join(re.escape(t).replace(r"\{\}", r"\d+") for t in templates))
     return lambda key: pattern.fullmatch(key) is not None
 
