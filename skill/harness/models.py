@@ -79,6 +79,33 @@ def unhonoured_overrides(case: ModelCase) -> list[str]:
     return changed
 
 
+def installed_model_refused(case: ModelCase) -> str | None:
+    """Why the installed transformers' own model of ``case`` is not the one its generated
+    package was made from: what the analysis, run on that model, refuses (None when it refuses
+    nothing, for a hand-edited package, whose features the analysis refuses by design, and for a
+    remote-code case, which brings its own modeling code to every transformers).
+
+    A package ``add`` generated had nothing refused under the pinned transformers. transformers
+    5.3.0's GlmMoeDsa indexer sums unrectified scores over half-split RoPE where 5.23.0's, and
+    the published GLM-5 checkpoints (``indexer_rope_interleave: true``), rotate interleaved
+    pairs and rectify; the analysis measures that module against the indexer's closed form and
+    refuses it. A stage failing against such a model says nothing about the port.
+    """
+    import inspect
+
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+    from skill.porting.hand_written import is_hand_edited
+
+    if case.source is not None:
+        return None
+    model_file = inspect.getsourcefile(get_spec(case.model_type).model_class)
+    if model_file is None or is_hand_edited(Path(model_file).read_text()):
+        return None
+    unsupported = analyze_hf_model(AnalyzeInput(source=case.model_type)).unsupported
+    return "; ".join(item.removeprefix("unsupported: ") for item in unsupported) or None
+
+
 def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -> PreTrainedModel:
     """A seeded tiny HF causal LM (fp32, eager attention, eval) whose weights are all distinct."""
     config = hf_config if hf_config is not None else build_hf_config(case)

@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 import archon_models  # importing the package registers every model spec
 from skill.harness import ModelCase, StageFailure, StageResult
-from skill.harness.models import unhonoured_overrides, unknown_model_type
+from skill.harness.models import installed_model_refused, unhonoured_overrides, unknown_model_type
 
 _PROPERTY = "archon_stage_result"
 
@@ -114,6 +114,13 @@ def prove(record_property: Callable[[str, Any], None]) -> Callable[..., StageRes
         if broken is not None:
             # transformers' own model cannot run the case: nothing about the port.
             pytest.skip(f"transformers {_version()}'s own model raises on this case: {broken}")
+        refused = None if result.passed else installed_model_refused(case)
+        if refused is not None:
+            # transformers' own model is another model than the package's: nothing about the port.
+            pytest.skip(
+                f"transformers {_version()}'s own {case.model_type} is not the model this package was generated "
+                f"from; the analysis of it refuses: {refused}"
+            )
         record_property(_PROPERTY, result.model_dump_json())
         if not result.passed:
             raise StageFailure(result)

@@ -106,3 +106,32 @@ def test_the_mask_matters_and_no_gradient_reaches_the_indexer(
     with torch.no_grad():
         unmasked = _logits(pair, tokens)
     assert (unmasked - hf_logits.detach()).abs().max() > 1e-3
+
+
+class _Unrectified:
+    """``torch.nn.functional`` with an identity ``relu``: an indexer summing raw scores, as
+    transformers 5.3.0's GlmMoeDsaIndexer does."""
+
+    def __getattr__(self, name: str) -> object:
+        return (lambda x: x) if name == "relu" else getattr(torch.nn.functional, name)
+
+
+def test_a_stage_failure_against_another_indexer_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage tests skip, with the analysis's reason, a failure against an installed HF model
+    the generated package was not made from; a generated package's own failure stands."""
+    modeling = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    from skill.harness.models import installed_model_refused
+
+    case = ModelCase(model_type="glm_moe_dsa")
+    assert installed_model_refused(case) is None  # the pinned model: a failure would be the port's
+    monkeypatch.setattr(modeling, "F", _Unrectified())
+    refused = installed_model_refused(case)
+    assert refused is not None and "indexer (GlmMoeDsaIndexer)" in refused
+
+
+def test_a_hand_port_failure_is_never_excused() -> None:
+    """ctrl's analysis refuses what its recorded session wrote by hand: not a reason to skip."""
+    from skill.harness.models import installed_model_refused
+
+    assert analyze_hf_model(AnalyzeInput(source="ctrl")).unsupported
+    assert installed_model_refused(ModelCase(model_type="ctrl")) is None
