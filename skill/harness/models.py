@@ -80,10 +80,11 @@ def unhonoured_overrides(case: ModelCase) -> list[str]:
 
 
 def installed_model_refused(case: ModelCase) -> str | None:
-    """Why the installed transformers' own model of ``case`` is not the one its generated
-    package was made from: what the analysis, run on that model, refuses (None when it refuses
-    nothing, for a hand-edited package, whose features the analysis refuses by design, and for a
-    remote-code case, which brings its own modeling code to every transformers).
+    """A stage failure's skip reason when the installed transformers' own model of ``case`` is
+    not the one its generated package was made from, naming what the analysis, run on that
+    model, refuses. None when it refuses nothing, for a hand-edited package (whose features the
+    analysis refuses by design) and for a remote-code case (which brings its own modeling code
+    to every transformers).
 
     A package ``add`` generated had nothing refused under the pinned transformers. transformers
     5.3.0's GlmMoeDsa indexer sums unrectified scores over half-split RoPE where 5.23.0's, and
@@ -102,8 +103,16 @@ def installed_model_refused(case: ModelCase) -> str | None:
     model_file = inspect.getsourcefile(get_spec(case.model_type).model_class)
     if model_file is None or is_hand_edited(Path(model_file).read_text()):
         return None
+    import transformers
+
     unsupported = analyze_hf_model(AnalyzeInput(source=case.model_type)).unsupported
-    return "; ".join(item.removeprefix("unsupported: ") for item in unsupported) or None
+    if not unsupported:
+        return None
+    refused = "; ".join(item.removeprefix("unsupported: ") for item in unsupported)
+    return (
+        f"transformers {transformers.__version__}'s own {case.model_type} is not the model this package was "
+        f"generated from; the analysis of it refuses: {refused}"
+    )
 
 
 def build_hf_model(case: ModelCase, hf_config: PretrainedConfig | None = None) -> PreTrainedModel:

@@ -9,7 +9,7 @@ import pytest
 from skill.areal.checks import TP_REFUSED
 from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
-from skill.harness.models import build_hf_config, unknown_model_type
+from skill.harness.models import build_hf_config, installed_model_refused, unknown_model_type
 from tests.archon.conftest import DEFAULT_RUN_FAMILIES
 from tests.areal.conftest import _PROPERTY, AREAL_TREE_GROUP, committed_packages
 from tests.conftest import ONE_PROCESS_OPTION
@@ -62,6 +62,10 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
         ),
     )
     failures = [c for c in result.checks if not c.passed]
+    refused = installed_model_refused(ModelCase(model_type=model_type)) if failures else None
+    if refused is not None:
+        # Compared against another model than the package's (the checker's transformers is this one).
+        pytest.skip(refused)
     assert result.package.startswith("areal.experimental.models.archon."), result.package
     assert not failures, "\n".join(f"{c.name}: {c.detail}" for c in failures)
     # The checks that must be there: both attention types, the roundtrip, the critic, TP and FSDP
