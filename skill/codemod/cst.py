@@ -32,6 +32,7 @@ __all__ = [
     "has_class",
     "has_method",
     "has_statement",
+    "insert_after_construction",
     "insert_after_statement_assigning",
     "insert_at_loop_head",
     "insert_before_class",
@@ -1187,6 +1188,50 @@ def insert_after_statement_assigning(
             body[i + 1 : i + 1] = new_stmts
             return doc.replaced(func, _with_block(func, body))
     raise CodemodError(f"no statement assigning {target} in {func_name!r}")
+
+
+def _builds_target(stmt: cst.CSTNode, target: str) -> bool:
+    """Whether ``stmt`` is a simple statement line assigning ``target`` a value other than ``None``."""
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        value = small.value if isinstance(small, cst.Assign | cst.AnnAssign) else None
+        if value is None or (isinstance(value, cst.Name) and value.value == "None"):
+            continue
+        if _assigns_target(cst.SimpleStatementLine(body=[small]), target):
+            return True
+    return False
+
+
+def insert_after_construction(
+    doc: Document, class_name: str | None, func_name: str, target: str, new_source: str
+) -> Document:
+    """Insert statements right after the statement of a function that builds ``target`` (assigns
+    it anything but ``None``), in that statement's own block at whatever depth: after
+    ``self.moe = MoE(...)`` inside ``if self.moe_enabled:``, not after the ``self.moe = None``
+    placeholder above it. A no-op when the first new statement is already in the function."""
+    func = find_function(doc.module, class_name, func_name)
+    new_stmts = _parse_statements(new_source)
+    if doc.key(new_stmts[0]) in _all_stmt_keys(doc, func):
+        return doc
+    done = False
+
+    def insert(block: cst.IndentedBlock) -> cst.IndentedBlock:
+        nonlocal done
+        if done:
+            return block
+        body = list(block.body)
+        for i, stmt in enumerate(body):
+            if _builds_target(stmt, target):
+                body[i + 1 : i + 1] = new_stmts
+                done = True
+                return block.with_changes(body=body)
+        return block
+
+    new_func = _blocks_rebuilt(func, insert)
+    if not done:
+        raise CodemodError(f"no statement building {target} in {func_name!r}")
+    return doc.replaced(func, new_func)
 
 
 def _loop_over(func: cst.FunctionDef, iterable: str) -> cst.For:

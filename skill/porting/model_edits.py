@@ -39,6 +39,7 @@ from skill.codemod.cst import (
     class_code,
     ensure_import_line,
     has_method,
+    insert_after_construction,
     insert_after_statement_assigning,
     insert_before_class,
     keep_else_branch,
@@ -1818,7 +1819,7 @@ def _router_bias(text: Document, ctx: EditContext) -> Document:
     if "self.moe.router.gate = " not in text:
         # On the router the block ends up with: after one an earlier edit put in (sparse mixer).
         anchor = "self.moe.router" if "self.moe.router = " in text else "self.moe"
-        text = insert_after_statement_assigning(
+        text = insert_after_construction(
             text,
             "TransformerBlock",
             "__init__",

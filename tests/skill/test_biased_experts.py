@@ -254,6 +254,12 @@ def _edited(plan, order: tuple[str, ...]) -> str:
 MOE_EDITS = ("expert_bias", "clamped_swiglu_experts", "router_bias")
 
 
+def _indent_of(text: str, statement: str) -> int:
+    """The indentation of the line holding ``statement``."""
+    line = next(line for line in text.splitlines() if statement in line)
+    return len(line) - len(line.lstrip())
+
+
 @pytest.mark.parametrize("all_layers", [True, False])
 def test_moe_edits_compose_in_any_order_and_compile(all_layers: bool) -> None:
     plan = plan_for("gpt_oss").model_copy(update={"all_layers_moe": all_layers})
@@ -264,6 +270,11 @@ def test_moe_edits_compose_in_any_order_and_compile(all_layers: bool) -> None:
     compile(text, "model.py", "exec")
     assert "self.moe.experts = ClampedSwiGLUExperts(" in text and "alpha=model_args.swiglu_alpha" in text
     assert "self.moe.router.gate = BiasedRouterGate(" in text
+    # Right after the MoE is built, in its block: with leading dense layers that is inside
+    # ``if self.moe_enabled:``, below the ``self.moe = None`` placeholder (fuzzer seed 152).
+    block = text.split("class TransformerBlock", 1)[1]
+    assert _indent_of(block, "self.moe.router.gate = BiasedRouterGate(") == _indent_of(block, "self.moe = MoE(")
+    assert block.index("self.moe = MoE(") < block.index("self.moe.router.gate = BiasedRouterGate(")
     assert text.count("class BiasedGroupedExperts(") == 1
     zero = "nn.init.zeros_(self.moe.router.gate.bias)"
     assert (f"if self.moe is not None:\n            {zero}" in text) is not all_layers and zero in text

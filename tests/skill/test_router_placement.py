@@ -141,6 +141,13 @@ def test_logit_selection_bias_composes_with_the_other_router_edits(all_layers: b
     block = text.split("class TransformerBlock", 1)[1]
     # The biased gate goes on the router the block ends up with.
     assert block.index("self.moe.router = LogitBiasRouter(") < block.index("self.moe.router.gate = BiasedRouterGate(")
+    # In the router's own block (inside ``if self.moe_enabled:`` with leading dense layers).
+    indents = {
+        len(line) - len(line.lstrip())
+        for line in block.splitlines()
+        if "self.moe.router = LogitBiasRouter(" in line or "self.moe.router.gate = BiasedRouterGate(" in line
+    }
+    assert len(indents) == 1
     assert text.count("class LogitBiasRouter(") == 1
     assert _edited(plan, base + edits + edits) == text
     # Two routers do not compose: the sparse mixer and the logit-bias router refuse each other.
