@@ -94,6 +94,8 @@ def installed_model_refused(case: ModelCase) -> str | None:
     """
     import inspect
 
+    import transformers
+
     from skill.analysis.analyze import analyze_hf_model
     from skill.analysis.report import AnalyzeInput
     from skill.porting.hand_written import is_hand_edited
@@ -103,8 +105,6 @@ def installed_model_refused(case: ModelCase) -> str | None:
     model_file = inspect.getsourcefile(get_spec(case.model_type).model_class)
     if model_file is None or is_hand_edited(Path(model_file).read_text()):
         return None
-    import transformers
-
     unsupported = analyze_hf_model(AnalyzeInput(source=case.model_type)).unsupported
     if not unsupported:
         return None
