@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NormKind = Literal[
     "rms",
@@ -169,6 +169,19 @@ class FamilySpec(_Frozen):
     pad_token_id: int | None = None
     target_logit: float = Field(20.0, description="largest |logit| the folder's weights are calibrated to")
 
+    @model_validator(mode="after")
+    def _rotates_whole_pairs(self) -> FamilySpec:
+        # transformers rotates int(head_dim * partial_rotary_factor) features in pairs: an odd
+        # width leaves one feature without a partner, a config no real family ships.
+        if self.rope is not None and self.mla is None:
+            width = self.attention.head_dim * self.rope.partial_factor
+            if width != int(width) or int(width) % 2:
+                raise ValueError(
+                    f"partial_rotary_factor {self.rope.partial_factor:g} of a {self.attention.head_dim}-wide "
+                    f"head rotates {width:g} features, not a whole number of pairs"
+                )
+        return self
+
     @property
     def camel(self) -> str:
         return self.name[0].upper() + self.name[1:]
@@ -305,6 +318,17 @@ def sample_norm(rng: random.Random) -> NormSpec:
         eps=rng.choice([1e-5, 1e-6]),
         shared_parallel_norm=placement == "parallel" and rng.random() < 0.4,
     )
+
+
+def _whole_pairs(factor: float, head_dim: int) -> float:
+    """``factor``, or the next larger of the sampler's factors whose rotated width is a whole
+    number of pairs for ``head_dim`` (a 12-wide head rotates half, not a quarter). Draws
+    nothing from the generator, so the families of the other seeds stay as they were."""
+    for candidate in sorted({factor, 0.5, 1.0}):
+        width = head_dim * candidate
+        if candidate >= factor and width == int(width) and int(width) % 2 == 0:
+            return candidate
+    raise AssertionError("a whole head always rotates whole pairs")
 
 
 def sample_rope(rng: random.Random) -> RopeSpec:
@@ -480,6 +504,8 @@ def sample_family(seed: int) -> FamilySpec:
     positions = "rope" if mla is not None else _pick(rng, {"rope": 16, "alibi": 1, "learned": 1})
     rope = sample_rope(rng) if positions == "rope" else None
     attention = sample_attention(rng, hidden, n_layers, norm, positions == "rope")
+    if rope is not None:
+        rope = rope.model_copy(update={"partial_factor": _whole_pairs(rope.partial_factor, attention.head_dim)})
     ffn = sample_ffn(rng, moe)
     moe_spec = sample_moe(rng, n_layers) if moe else None
     scalars = sample_scalars(rng)
@@ -576,4 +602,4 @@ def plain_family(name: str, **updates: object) -> FamilySpec:
         ffn=FFNSpec(kind="gated", activation="silu"),
         target_logit=20.0,
     )
-    return spec.model_copy(update=updates)
+    return FamilySpec(**{**dict(spec), **updates})  # validated, unlike model_copy

@@ -25,7 +25,7 @@ import pytest
 
 from skill.porting.port_model import PortModelRequest, port_model
 from tests.fuzz import FamilyCheckError, check_family, sample_family, write_family
-from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, QKNormSpec, plain_family
+from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, QKNormSpec, RopeSpec, plain_family
 from tests.skill.test_port_rope import _workspace
 
 # Seeds of the suite's subset: each ends ported or refused by name (bench/results/fuzz_families.txt
@@ -51,6 +51,22 @@ def _first_seed(predicate) -> FamilySpec:  # type: ignore[no-untyped-def]
 def test_sampling_is_deterministic():
     assert sample_family(123) == sample_family(123)
     assert sample_family(123) != sample_family(124)
+
+
+def test_partial_rotary_rotates_whole_pairs():
+    """A factor that leaves one feature without a partner is no family's config: the spec
+    refuses it, and the sampler (which drew 0.25 of a 12-wide head for seed 290) moves to
+    the next factor that rotates whole pairs, leaving every other seed's family as it was."""
+    narrow = AttentionSpec(n_heads=8, n_kv_heads=8, head_dim=12, explicit_head_dim=False)
+    with pytest.raises(ValueError, match="rotates 3 features, not a whole number of pairs"):
+        plain_family("fzodd", hidden_size=96, attention=narrow, rope=RopeSpec(partial_factor=0.25))
+    assert plain_family("fzeven", hidden_size=96, attention=narrow, rope=RopeSpec(partial_factor=0.5))
+    seed_290 = sample_family(290)
+    assert (seed_290.attention.head_dim, seed_290.rope.partial_factor) == (12, 0.5)
+    for seed in range(3000):  # a spec that breaks the rule raises here
+        spec = sample_family(seed)
+        if spec.rope is not None and spec.mla is None and spec.rope.partial_factor != 1.0:
+            assert int(spec.attention.head_dim * spec.rope.partial_factor) % 2 == 0
 
 
 def test_sampled_seeds_cover_the_vocabulary():
