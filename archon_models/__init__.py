@@ -21,6 +21,7 @@ from archon_models.cwm import spec as cwm_spec  # noqa: F401
 from archon_models.deepseek_v2 import spec as deepseek_v2_spec  # noqa: F401
 from archon_models.deepseek_v3 import spec as deepseek_v3_spec  # noqa: F401
 from archon_models.deepseek_v32 import spec as deepseek_v32_spec  # noqa: F401
+from archon_models.diffllama import spec as diffllama_spec  # noqa: F401
 from archon_models.dots1 import spec as dots1_spec  # noqa: F401
 from archon_models.ernie4_5 import spec as ernie4_5_spec  # noqa: F401
 from archon_models.ernie4_5_moe import spec as ernie4_5_moe_spec  # noqa: F401

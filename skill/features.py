@@ -264,6 +264,24 @@ class MLA(_Frozen):
     )
 
 
+class DifferentialAttention(_Frozen):
+    """Differential attention (the Differential Transformer; HF's DiffLlama), measured
+    (skill/analysis/differential.py): query heads ``i`` and ``i + H/2`` attend over the values
+    of a pair of KV heads side by side and their outputs are subtracted, scaled by
+    ``lambda = exp(a . b) - exp(c . d) + lambda_init(layer)``, then normalised per pair."""
+
+    lambda_vectors: list[str] = Field(
+        description="the attention's four head_dim vectors as (a, b, c, d) of lambda's formula (lambda_q1, "
+        "lambda_k1, lambda_q2, lambda_k2)"
+    )
+    lambda_keys: list[str] = Field(
+        default_factory=list, description="their checkpoint keys inside a layer, in the same order"
+    )
+    norm: str = Field(description="the attention's weightless RMS norm over each pair's 2 * head_dim outputs")
+    norm_eps: float = Field(description="that norm's epsilon (measured)")
+    lambda_init: str = Field(description="lambda_init's schedule over the 0-based layer index (measured)")
+
+
 class AttentionFeatures(_Frozen):
     @property
     def per_head_qk_norm(self) -> bool:
@@ -324,6 +342,9 @@ class AttentionFeatures(_Frozen):
         "the checkpoint key inside a layer ({} the layer) of a bias the last layer's output projection has and no "
         "other layer's does (GPT-NeoX-Japanese's attention.dense_bias); measured: folded into the projection's "
         "output, the logits stay the same"
+    )
+    differential: DifferentialAttention | None = _optional_fact(
+        "differential attention: head pairs' outputs subtracted with a learned lambda (DiffLlama)"
     )
     sub_norm: NormKind | None = _optional_fact(
         "a norm over every head's output (n_heads * head_dim) that the output projection reads (BitNet's "
@@ -669,6 +690,7 @@ class Feature(StrEnum):
     ATTN_SINKS = "attn_sinks"
     ATTN_OUTPUT_GATE = "attn_output_gate"
     ATTN_SUB_NORM = "attn_sub_norm"
+    DIFFERENTIAL_ATTENTION = "differential_attention"
     O_BIAS_LAYERS = "o_bias_layers"
     QKV_CLIP = "qkv_clip"
     QUERY_POSITION_SCALE = "query_position_scale"
@@ -731,6 +753,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
     Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
+    Feature.DIFFERENTIAL_ATTENTION: "differential attention",
     Feature.O_BIAS_LAYERS: "layers whose output projection has a bias",
     Feature.QKV_CLIP: "q/k/v clipping",
     Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
@@ -881,6 +904,8 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     # model_edits.attention_sub_norm / ffn_sub_norm: the block norms' class over the width the
     # projection reads (engine_limits refuses one of another kind than the block norms').
     Feature.ATTN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
+    # model_edits.differential_attention: head pairs over paired values, lambda, the pair norm.
+    Feature.DIFFERENTIAL_ATTENTION: frozenset({"true"}),
     Feature.FFN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     Feature.NORM_KIND: frozenset(
         {
@@ -1119,6 +1144,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
     # Only a family with the norm has the feature: the others' reports read as before.
     if att.sub_norm is not None:
         values[Feature.ATTN_SUB_NORM] = att.sub_norm.value
+    if att.differential is not None:
+        values[Feature.DIFFERENTIAL_ATTENTION] = "true"
     if att.o_bias_last_layer_key is not None:
         values[Feature.O_BIAS_LAYERS] = "last"
     if ffn.sub_norm is not None:

@@ -26,6 +26,7 @@ from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.analysis.config_fields import mapped_field
+from skill.analysis.differential import measure_differential
 from skill.analysis.indexer import sparse_indexer
 from skill.analysis.places import (
     ATTENTION_OUTPUT,
@@ -45,6 +46,7 @@ from skill.features import (
     MLA,
     AttentionFeatures,
     ConfigScalar,
+    DifferentialAttention,
     ExpertLayout,
     FFNFeatures,
     FFNKind,
@@ -1421,6 +1423,53 @@ def _measured_indexer(ctx: Context, attention: nn.Module) -> SparseIndexer | Non
     return indexer
 
 
+def _differential(ctx: Context, roles: dict[str, mt.Projection]) -> DifferentialAttention | None:
+    """Differential attention measured on every layer of the full-depth stack
+    (skill/analysis/differential.py), with its four vectors' checkpoint keys inside a layer;
+    a differential attention of another form is named in ``other``."""
+    attention = ctx.anatomy.attention
+    if attention is None or "v" not in roles or "o" not in roles:
+        return None
+    model, layers, _ = ctx.layer_stack()
+    attentions = _layer_attentions(ctx, layers)
+    if not attentions:
+        return None
+    deep = model is not ctx.model
+    v_name = next((n for n, c in attention.named_children() if c is roles["v"].module), None)
+    o_name = next((n for n, c in attention.named_children() if c is roles["o"].module), None)
+    if v_name is None or o_name is None:
+        return None
+    config = ctx.tiny if not deep else model.config
+    found, why_not = measure_differential(
+        model,
+        attentions,
+        getattr(attentions[0], v_name),
+        getattr(attentions[0], o_name),
+        config,
+        ctx.tiny_kv_heads(),
+        ctx.tiny_head_dim(),
+    )
+    if why_not is not None:
+        ctx.other.append(why_not)
+    if found is None:
+        return None
+    names = {id(module): name for name, module in ctx.model.named_modules()}
+    layer0 = f"{ctx.anatomy.layers_path}.0."
+    attention_name = names[id(attention)]
+    keys = []
+    for vector in found.lambda_vectors:
+        location = ctx.saved_location(f"{attention_name}.{vector}")
+        key = location.key if location is not None else f"{attention_name}.{vector}"
+        prefix = ctx.layer_prefix if location is not None else layer0
+        keys.append(key[len(prefix) :] if key.startswith(prefix) else key)
+    ctx.evidence.append(
+        f"differential attention: lambda = exp({found.lambda_vectors[0]} . {found.lambda_vectors[1]}) - "
+        f"exp({found.lambda_vectors[2]} . {found.lambda_vectors[3]}) + {found.lambda_init}, "
+        f"pairs normalised by {found.norm} (eps {found.norm_eps:g}) (measured on every layer)"
+    )
+    return found.model_copy(update={"lambda_keys": keys})
+
+
 def attention_features(ctx: Context) -> AttentionFeatures:
     roles = _attention_projections(ctx)
     attention = ctx.anatomy.attention
@@ -1468,8 +1517,12 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         )
     sinks = attention is not None and any("sink" in n for n, _ in attention.named_parameters())
     sub_norm: NormKind | None = None
+    differential = _differential(ctx, roles) if mla is None else None
+    explained = set(differential.lambda_vectors) if differential is not None else set()
     unexplained = [
-        n for n, _ in (attention.named_parameters(recurse=False) if attention is not None else []) if "sink" not in n
+        n
+        for n, _ in (attention.named_parameters(recurse=False) if attention is not None else [])
+        if "sink" not in n and n not in explained
     ]
     if unexplained:
         ctx.other.append(
@@ -1486,6 +1539,8 @@ def attention_features(ctx: Context) -> AttentionFeatures:
     if attention is not None:
         q_norm, k_norm = mt.qk_norms(attention)
         named = {pair[0] for pair in (q_norm, k_norm) if pair is not None}
+        if differential is not None:
+            named.add(differential.norm)
         inner = [
             n
             for n, child in attention.named_children()
@@ -1558,6 +1613,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         output_gate_key=gate.key if gate else None,
         output_gate_bias=gate.bias if gate else False,
         sub_norm=sub_norm,
+        differential=differential,
         o_bias_last_layer_key=last_layer_output_bias(ctx, roles) if not o_bias else None,
         nope_layers=nope,
         nope_layers_field=nope_field,

@@ -167,6 +167,31 @@ def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     return reference, deltas_from(reference, checklist)
 
 
+def _differential_limits(checklist: Checklist) -> list[str]:
+    """What differential attention does not compose with: the port orders wq/wk/wv's heads so
+    that each head pair and its two KV heads sit side by side (a tensor-parallel rank holds
+    whole pairs), so whatever else is laid out per head or over all heads' rows is refused."""
+    att = checklist.attention
+    assert att.differential is not None
+    beside = {
+        "a fused q/k/v projection": att.fused_qkv,
+        "Conv1D-stored projections": bool(checklist.transposed_weights),
+        "attention sinks": att.sinks,
+        "ALiBi": checklist.positions.kind is PositionKind.ALIBI,
+        "a gated attention output": att.output_gate,
+        "a norm before the output projection": att.sub_norm is not None,
+        "a full-width QK norm": att.qk_norm is not QKNormKind.NONE and att.qk_norm_full_width,
+    }
+    limits = [f"differential attention with {what}" for what, present in beside.items() if present]
+    block_eps = checklist.norm.eps
+    if block_eps is None or abs(att.differential.norm_eps - block_eps) > 1e-3 * block_eps:
+        limits.append(
+            f"differential attention whose pair norm's epsilon ({att.differential.norm_eps:g}) is not the "
+            f"block norms' ({'unmeasured' if block_eps is None else f'{block_eps:g}'})"
+        )
+    return limits
+
+
 def engine_limits(checklist: Checklist) -> list[str]:
     """Values the vocabulary marks supported whose port still needs a fact the engine lacks:
     a factor no config field explains (the port reads every factor from the config), a
@@ -204,6 +229,8 @@ def engine_limits(checklist: Checklist) -> list[str]:
     if checklist.positions.kind is PositionKind.ALIBI and att.sinks:
         # (A sliding window and a soft-cap compose: WindowedAlibiAttention, SoftCappedAlibiAttention.)
         limits.append("ALiBi together with attention sinks (no kernel has both)")
+    if att.differential is not None:
+        limits.extend(_differential_limits(checklist))
     if att.qk_norm_placement is QKNormPlacement.AFTER_ROPE and att.qk_norm_full_width:
         # The full-width norm reads wq's output before the heads split; only a per-head one,
         # of any kind, moves after RoPE.

@@ -528,6 +528,13 @@ def replace_class(doc: Document, class_name: str, new_source: str) -> Document:
 
 def insert_before_class(doc: Document, anchor: str, new_source: str) -> Document:
     """Insert top-level statements before class ``anchor`` unless a class they define exists."""
+    find_class(doc.module, anchor)
+    return insert_before_definition(doc, anchor, new_source)
+
+
+def insert_before_definition(doc: Document, anchor: str, new_source: str) -> Document:
+    """Insert top-level statements before the module-level class or function ``anchor``,
+    leaving out each class or function the module already defines."""
     module = doc.module
     new_module = _parse_module(new_source)
     existing = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
@@ -537,7 +544,10 @@ def insert_before_class(doc: Document, anchor: str, new_source: str) -> Document
     if not new_stmts:
         return doc
     body = list(module.body)
-    index = body.index(find_class(module, anchor))
+    found = [s for s in body if isinstance(s, (cst.ClassDef, cst.FunctionDef)) and s.name.value == anchor]
+    if not found:
+        raise CodemodError(f"no top-level class or function {anchor!r}")
+    index = body.index(found[0])
     spaced = [
         s.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
         if isinstance(s, (cst.ClassDef, cst.FunctionDef))

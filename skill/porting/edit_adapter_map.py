@@ -587,6 +587,11 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         if checklist.attention.o_bias_last_layer_key is not None:
             # The last layer's output-projection bias, held by its attention module itself.
             buffers[checklist.attention.o_bias_last_layer_key] = "attention.wo.bias"
+        differential = checklist.attention.differential
+        if differential is not None:
+            # Differential attention's four lambda vectors, held by the attention's DifferentialLambda.
+            for key, part in zip(differential.lambda_keys, DIFFERENTIAL_LAMBDA_PARTS, strict=True):
+                buffers[key] = f"attention.diff_lambda.{part}"
         derive_args: dict[str, Any] = {
             "hf_keys": list(shapes),
             "dense_layers": dense_layers,
@@ -629,6 +634,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             axes = len(moe.score_correction_shape) - 1
             text = apply_unit_axes_adapter(text, layout, {prefix + plan.score_correction_key: axes})
         text = apply_ignored_keys_adapter(text, layout, report.checkpoint.ignored_unexpected)
+        if differential is not None:
+            text = apply_paired_heads_adapter(text, layout, paired_head_keys(module_map, shapes))
         # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
         wanted = {k: v for k, v in current.items() if v is None}
         wanted.update(derived)
@@ -1282,6 +1289,79 @@ def apply_unit_axes_adapter(text: Document, layout: PackageLayout, keys: dict[st
             f"keys stored with unit axes {sorted(keys)} need the reference adapter's conversion methods: {e}"
         ) from e
     for helper in ("_drop_unit_axes", "_add_unit_axes"):
+        text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
+    return text
+
+
+# --- differential attention: each head pair side by side -----------------------------------------
+
+# DifferentialLambda's parameters, in the order of the analysis' lambda_keys (a, b, c, d).
+DIFFERENTIAL_LAMBDA_PARTS = ("q1", "k1", "q2", "k2")
+PAIRED_HEADS = "paired_heads_hf_keys"
+_PAIRED_ROLES = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv"}
+
+
+def paired_head_keys(module_map: dict[str, str], shapes: dict[str, Any]) -> dict[str, str]:
+    """The checkpoint keys (templates) of the q/k/v projections' weights and biases -> ``q`` or
+    ``kv``: the rows the differential-attention adapter reorders."""
+    keys: dict[str, str] = {}
+    for hf, archon in module_map.items():
+        role = _PAIRED_ROLES.get(archon.removeprefix("layers.{}."))
+        if role is None:
+            continue
+        for param in ("weight", "bias"):
+            if f"{hf}.{param}".replace("{}", "0") in shapes:
+                keys[f"{hf}.{param}"] = role
+    return keys
+
+
+_FROM_HF_PAIRED = """
+# Differential attention: each head pair (heads i and i + H/2) and its two KV heads side by side.
+hf_state_dict = {key: self._paired_heads(key, value) for key, value in hf_state_dict.items()}
+"""
+
+_PAIRED_HEADS = """
+def _paired_heads(self, hf_key: str, value: Any, *, to_hf: bool = False) -> Any:
+    \"\"\"A q/k/v projection's rows in the checkpoint's head order -> each head pair's side by
+    side (``to_hf``: back); any other tensor unchanged.\"\"\"
+    role = self.paired_heads_hf_keys.get(_abstract(hf_key)[0])
+    if role is None:
+        return value
+    args = self.model_args
+    block = args.head_dim * (args.n_heads // args.n_kv_heads if role == "q" else 1)
+    return _unpair_halves(value, block) if to_hf else _pair_halves(value, block)
+"""
+
+
+def apply_paired_heads_adapter(text: Document, layout: PackageLayout, keys: dict[str, str]) -> Document:
+    """Teach a copied adapter differential attention's head order: the q/k/v projections'
+    rows (``{key template: q | kv}``) hold each head pair (heads ``i`` and ``i + H/2``) and its
+    two KV heads side by side, so that a tensor-parallel rank holds whole pairs. ``from_hf``
+    reorders them before anything else, ``convert_single_to_hf`` (and so ``to_hf``) back."""
+    if not keys or PAIRED_HEADS in text:
+        return text
+    cls = layout.adapter_class
+    literal = (
+        "# Checkpoint keys whose rows are attention heads stored pair by pair here -> q or kv heads.\n"
+        f"{PAIRED_HEADS}: ClassVar[dict[str, str]] = {{\n"
+        + "".join(f'    "{key}": "{role}",\n' for key, role in sorted(keys.items()))
+        + "}\n"
+    )
+    anchor = next((name for name in (UNIT_AXES, TRANSPOSED, FUSED_MAP) if name in text), "from_hf_map")
+    text = insert_class_statement_after(text, cls, anchor, literal)
+    try:
+        text = insert_after_statement_assigning(text, cls, "from_hf", "state_dict", _FROM_HF_PAIRED.strip() + "\n")
+        text = replace_in_function(
+            text,
+            cls,
+            "convert_single_to_hf",
+            "return [(self._hf_key(name), tensor)]",
+            "hf_key = self._hf_key(name)\nreturn [(hf_key, self._paired_heads(hf_key, tensor, to_hf=True))]\n",
+        )
+    except CodemodError as e:
+        raise CodemodError(f"differential attention's head order needs the reference adapter's conversion: {e}") from e
+    text = upsert_method(text, cls, "_paired_heads", _PAIRED_HEADS.strip() + "\n", after="_hf_key")
+    for helper in ("_pair_halves", "_unpair_halves"):
         text = upsert_function(text, helper, snippet("adapter", helper), before_class=cls)
     return text
 

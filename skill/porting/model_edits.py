@@ -36,6 +36,7 @@ from skill.codemod.cst import (
     CodemodError,
     Document,
     add_parameter,
+    append_to_function,
     class_code,
     ensure_import_line,
     has_method,
@@ -318,6 +319,37 @@ def _attention_sub_norm(text: Document, ctx: EditContext) -> Document:
         "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nself.sub_norm.reset_parameters()\n",
     )
     return replace_call(text, "Attention", "forward", "self.wo", "self.wo(self.sub_norm({}))")
+
+
+def _differential_attention(text: Document, ctx: EditContext) -> Document:
+    """Differential attention (snippets/differential.py): the block's kernel, whichever the
+    other edits chose, wrapped so that it runs over each KV head of a pair and each head pair's
+    outputs are subtracted with ``lambda`` (``self.diff_lambda``, HF's four lambda vectors) and
+    normalised; ``lambda_init`` follows the layer, so ``Attention`` takes ``layer_id``."""
+    if "DifferentialAttention(" in class_code(text, "Attention"):
+        return text
+    for name in ("differential_lambda_init", "DifferentialLambda", "DifferentialAttention"):
+        text = insert_before_class(text, "Attention", snippet("differential", name))
+    text = ensure_import_line(text, "import math")
+    text = add_parameter(text, "Attention", "__init__", "layer_id: int = 0")
+    text = set_call_kwarg(text, "Attention", "layer_id", "layer_id", target="self.attention")
+    text = append_to_function(
+        text,
+        "Attention",
+        "__init__",
+        "# Differential attention: each head pair's outputs subtracted with a learned lambda, over the\n"
+        "# kernel run once per KV head of the pair (the adapter keeps a pair's heads side by side).\n"
+        "self.diff_lambda = DifferentialLambda(self.head_dim)\n"
+        "self.packed_attn = DifferentialAttention(self.packed_attn, layer_id, self.head_dim, model_args.norm_eps)\n",
+    )
+    text = replace_in_function(
+        text,
+        "Attention",
+        "init_weights",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)",
+        "nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)\nself.diff_lambda.reset_parameters()\n",
+    )
+    return set_call_kwarg(text, "self.packed_attn", "lambda_diff", "self.diff_lambda()", target="out")
 
 
 def _alibi_attention(text: Document, ctx: EditContext) -> Document:
@@ -1953,6 +1985,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "ALiBi: a fixed per-head linear bias on the scores by in-document distance",
         lambda p: p.positions == "alibi",
         _alibi_attention,
+    ),
+    ModelEdit(
+        "differential_attention",
+        "differential attention: head pairs over paired values, subtracted with a learned lambda",
+        lambda p: p.differential_attention,
+        _differential_attention,
     ),
     ModelEdit(
         "attention_scale",

@@ -182,6 +182,11 @@ class PortPlan(BaseModel):
     ffn_sub_norm: bool = Field(
         default=False, description="a norm of the block norms' class over hidden_dim on w2's input"
     )
+    differential_attention: bool = Field(
+        default=False,
+        description="differential attention: head pairs over paired values, subtracted with a learned lambda",
+        exclude_if=lambda value: not value,  # the other families' plans read as before
+    )
     moe_output_norm: bool = Field(
         default=False, description="a norm of the block norms' class on the MoE's output before the residual add"
     )
@@ -524,6 +529,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         o_bias_last_layer=att.o_bias_last_layer_key is not None,
         attn_sub_norm=att.sub_norm is not None,
         ffn_sub_norm=ffn.sub_norm is not None,
+        differential_attention=att.differential is not None,
         moe_output_norm=moe is not None and moe.output_norm is not None,
         output_gate_bias=att.output_gate_bias,
         final_softcap=sc.final_logit_softcap is not None,

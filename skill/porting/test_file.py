@@ -139,6 +139,15 @@ def test_file_source(
             f"# {2 * profile.qkv_blocks} heads in the fused q/k/v tensor's {profile.qkv_blocks} blocks, "
             "two per block, so the block layout is exercised."
         )
+    if profile.differential_attention and profile.kv_heads_field is not None:
+        # A head pair reads two KV heads, and a TP (or Ulysses) rank holds whole pairs: with two
+        # ranks each holds one pair of KV heads and its four query heads.
+        overrides["num_attention_heads"] = 8
+        overrides[profile.kv_heads_field] = 4
+        comments[0] = (
+            "# Four KV heads for eight query heads: grouped-query attention, and two differential pairs\n"
+            "# of KV heads, so each of two TP or Ulysses ranks holds whole pairs."
+        )
     if profile.attn_softcap or profile.final_softcap:
         # Published caps (50, 30) are far above a tiny model's scores and logits, where tanh is
         # the identity; small caps put both in tanh's curved range.

@@ -16,9 +16,11 @@ from skill.codemod.contract import append_to_if_block
 from skill.codemod.cst import (
     Document,
     append_statements,
+    class_code,
     edit_dict_literal,
     ensure_import_line,
     insert_before_class,
+    insert_before_definition,
     read_all,
     read_dict_literal,
     replace_in_function,
@@ -315,6 +317,31 @@ def _plan_moe_output_norm(text: Document) -> Document:
     )
 
 
+# The package's replicated style, as the qwen3 reference writes it (its MoE gates use it).
+REPLICATE_STYLE_SOURCE = "archon_models/qwen3/infra/parallelize.py"
+REPLICATE_STYLE_IMPORTS = (
+    "from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module",
+    "from torch.distributed.tensor.parallel.style import ParallelStyle",
+    "from torch.distributed.device_mesh import DeviceMesh",
+)
+
+
+def _plan_differential_lambda(text: Document, tree: StagedTree, layout: PackageLayout) -> Document:
+    """Differential attention's lambda replicated on every TP rank, its gradient declared
+    partial: each rank's heads contribute their share of it, and the backward sums them."""
+    if "class ReplicateParallel(" not in text:
+        reference = Document(require_file(tree, REPLICATE_STYLE_SOURCE, "the qwen3 reference package is missing."))
+        text = insert_before_definition(text, layout.parallelize_fn, class_code(reference, "ReplicateParallel"))
+        for line in REPLICATE_STYLE_IMPORTS:
+            text = ensure_import_line(text, line)
+    return edit_dict_literal(
+        text,
+        PLAN_TARGET,
+        {"attention.diff_lambda": "ReplicateParallel(local_output_grad_placements=(Partial(),))"},
+        raw_values=True,
+    )
+
+
 def _plan_indexer(text: Document) -> Document:
     """The sparse-attention indexer replicated on every TP rank: its parts take the gathered
     (replicated DTensor) hidden states and hand plain tensors on, so each rank picks the same
@@ -472,6 +499,8 @@ def apply_write_parallelize(
         text = edit_dict_literal(
             text, PLAN_TARGET, {"feed_forward.sub_norm": gathered, "feed_forward.w2": row_wise}, raw_values=True
         )
+    if profile.differential_attention:
+        text = _plan_differential_lambda(text, tree, layout)
     if profile.moe_output_norm:
         text = _plan_moe_output_norm(text)
     if profile.block == "sandwich":

@@ -74,14 +74,15 @@ def test_the_cli_prints_the_pointer_on_the_same_errors(capsys, error: Exception,
 
 
 def test_a_hand_edited_weight_is_mapped_with_add_while_the_map_is_derived(workspace: Path):
-    """DiffLlama's differential-attention ``lambda_*`` vectors match no rule: the derivation names
-    them, says to map them with ``add`` and points to the section; with ``add`` in the same call
-    the map is derived around them. (gpt_neox_japanese's last-layer ``dense_bias`` was the example
-    until the last_layer_o_bias edit mapped it.)"""
-    name = "diffllama"
+    """Doge's attention parameter ``A`` and its layers' residual scales match no rule: the
+    derivation names them, says to map them with ``add`` and points to the section; with ``add``
+    in the same call the map is derived around them. (gpt_neox_japanese's last-layer
+    ``dense_bias``, then DiffLlama's ``lambda_*`` vectors were the example until edits mapped them.)"""
+    name = "doge"
     keys = {
-        f"model.layers.{{}}.self_attn.{lam}": f"layers.{{}}.attention.{lam}"
-        for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        "model.layers.{}.self_attn.A": "layers.{}.attention.A",
+        "model.layers.{}.input_residual": "layers.{}.input_residual",
+        "model.layers.{}.post_attention_residual": "layers.{}.post_attention_residual",
     }
     copied = _call(workspace, "copy_reference", {"model_name": name, "reference": "qwen2", "model_types": [name]})
     assert not copied.is_error

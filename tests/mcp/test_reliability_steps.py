@@ -46,10 +46,10 @@ def test_a_step_on_a_package_that_does_not_exist_writes_nothing(workspace: Path,
 
 def test_cli_stage_on_a_missing_package_is_one_line_and_writes_no_test_file(workspace: Path, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
-    assert cli_main(["stage", "diffllama", "1"]) == 2
+    assert cli_main(["stage", "doge", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "archon_models/diffllama/ does not exist" in err
-    assert not (workspace / "tests" / "archon" / "test_diffllama.py").exists()
+    assert err.count("\n") == 1 and "archon_models/doge/ does not exist" in err
+    assert not (workspace / "tests" / "archon" / "test_doge.py").exists()
 
 
 @pytest.mark.parametrize("reference", ["qwen2", "qwen3", "deepseek_v3"])

@@ -273,8 +273,19 @@ FACTS: dict[str, dict[str, Any]] = {
         "attention.output_gate_key": "self_attn.g_proj",
         "moe.router_scoring": "sigmoid",
     },
-    # DiffLlama: differential attention's lambda_q1/k1/q2/k2 are outside the vocabulary.
-    "diffllama": {"reference": "qwen2"},
+    # DiffLlama: differential attention, measured on every layer (skill/analysis/differential.py).
+    "diffllama": {
+        "reference": "qwen2",
+        "attention.differential.lambda_vectors": ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"],
+        "attention.differential.lambda_keys": [
+            "self_attn.lambda_q1",
+            "self_attn.lambda_k1",
+            "self_attn.lambda_q2",
+            "self_attn.lambda_k2",
+        ],
+        "attention.differential.norm": "groupnorm",
+        "attention.differential.lambda_init": "0.8 - 0.6 * exp(-0.3 * layer)",
+    },
 }
 
 
@@ -297,9 +308,9 @@ def test_every_section_kind_is_covered_by_the_facts() -> None:
 
 
 def test_out_of_vocabulary_parts_are_named_unsupported() -> None:
-    report = report_for("diffllama")
-    assert any("lambda_q1" in item for item in report.checklist.other)
-    assert any(line.startswith("unsupported: ") and "lambda_q1" in line for line in report.unsupported)
+    report = report_for("doge")
+    assert any("A (DogeAttention)" in item for item in report.checklist.other)
+    assert any(line.startswith("unsupported: ") and "A (DogeAttention)" in line for line in report.unsupported)
 
 
 def test_deltas_follow_feature_order_and_flag_support() -> None:

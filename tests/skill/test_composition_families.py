@@ -23,6 +23,8 @@ from those files through the adapter).
 |          |           | rotary + YaRN-scaled RoPE + q/k/v bias                                    |
 | embrms   | qwen2     | an RMSNorm module on the embeddings + untied LM head: stage 5 runs PP=2 with the |
 |          |           | norm kept on the first pipeline stage (the package's own pipelining_fn)           |
+| diffmoe  | qwen3     | differential attention (written with doubled values, its own names) + GQA +      |
+|          |           | per-head QK RMSNorm + sliding window on every other layer + MoE                  |
 """
 
 from __future__ import annotations
@@ -134,6 +136,20 @@ FAMILIES: dict[str, dict] = {
         },
         # Issue 20: AReaL's pipeline split set the norm to None on every stage.
         "stage5_checks": ["gradients (pp=2, stage 0)", "gradients (pp=2, stage 1)", "logits (pp=2, last stage)"],
+    },
+    "diffmoe": {
+        "reference": "qwen3",
+        "edits": {"differential_attention", "eager_attention", "all_layers_moe"},
+        "files": {
+            "model/model.py": [
+                "DifferentialAttention(self.packed_attn, layer_id, self.head_dim, model_args.norm_eps)",
+                "lambda_diff=self.diff_lambda()",
+            ],
+            "model/state_dict_adapter.py": ['"model.layers.{}.self_attn.mix_qa": "layers.{}.attention.diff_lambda.q1"'],
+            "infra/parallelize.py": [
+                '"attention.diff_lambda": ReplicateParallel(local_output_grad_placements=(Partial(),))'
+            ],
+        },
     },
     "headgate": {
         "reference": "qwen2",

@@ -166,10 +166,10 @@ def test_only_block_contract_edits_target_the_mla_reference(workspace):
 
 def test_port_model_refuses_an_unsupported_feature_before_writing(workspace):
     before = _snapshot(workspace)
-    # diffllama's differential attention (lambda_q1, ...) is outside every edit.
-    result = port_model(PortModelRequest(source="diffllama", stages=[], workspace=workspace))
+    # Doge's attention parameter A (its dynamic mask's scale) is outside every edit.
+    result = port_model(PortModelRequest(source="doge", stages=[], workspace=workspace))
     assert not result.passed
-    assert "lambda_q1" in result.error and "Nothing was written" in result.error
+    assert "A (DogeAttention)" in result.error and "Nothing was written" in result.error
     assert _snapshot(workspace) == before
 
 

@@ -67,3 +67,17 @@ def _drop_unit_axes(value: torch.Tensor, axes: int) -> torch.Tensor:
 def _add_unit_axes(value: torch.Tensor, axes: int) -> torch.Tensor:
     """The inverse of :func:`_drop_unit_axes`: Archon's ``[E]`` -> the checkpoint's ``[1, E]``."""
     return value.reshape((1,) * axes + tuple(value.shape)) if axes else value
+
+
+def _pair_halves(value: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows in blocks of ``block`` (a head, or the query heads of one KV head), the first half
+    of the blocks then the second (differential attention's head pairs ``i`` and ``i + n/2``)
+    -> each pair's two blocks side by side. Weights and biases alike."""
+    rest = value.shape[1:]
+    return value.reshape(2, -1, block, *rest).transpose(0, 1).reshape(value.shape)
+
+
+def _unpair_halves(value: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverse of :func:`_pair_halves`: pairs side by side -> the first halves, then the second."""
+    rest = value.shape[1:]
+    return value.reshape(-1, 2, block, *rest).transpose(0, 1).reshape(value.shape)
