@@ -28,6 +28,26 @@ REPEAT_KV = """
 """
 
 
+DIFFERENTIAL_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+# Differential attention written with the value doubled (the paper's form; transformers' DiffLlama
+# runs the attention twice instead): every head attends over its first-half head's value and
+# that head's second-half twin's, side by side.
+DOUBLED_VALUES = """
+half = self.num_heads // 2
+value_states = torch.cat([value_states[:, :half], value_states[:, half:]], dim=-1).repeat(1, 2, 1, 1)
+"""
+
+# Heads i and i + H/2 subtracted with lambda, each pair normalised over its 2 * head_dim outputs.
+DIFFERENTIAL_COMBINE = """
+first, second = attn_output[:, :half], attn_output[:, half:]
+lambda_full = (
+    torch.exp((self.lambda_q1 * self.lambda_k1).sum()) - torch.exp((self.lambda_q2 * self.lambda_k2).sum())
+) + self.lambda_init
+attn_output = (1 - self.lambda_init) * self.pair_norm(first - lambda_full * second)
+"""
+
+
 def qk_norm_names(naming: NamingScheme) -> tuple[str, str]:
     return (
         ("q_layernorm", "k_layernorm") if naming.attention in ("attention", "self_attention") else ("q_norm", "k_norm")
@@ -142,6 +162,13 @@ def attention_piece(spec: FamilySpec, naming: NamingScheme) -> Piece:
         fields.append(ConfigField("attn_logit_softcapping", att.softcap))
     if att.sinks:
         init_extra.append("self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))")
+    if att.differential:
+        init_extra += [
+            "# Differential attention: lambda = exp(q1 . k1) - exp(q2 . k2) + lambda_init(layer).",
+            "self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)",
+            *(f"self.{name} = nn.Parameter(torch.zeros(self.head_dim))" for name in DIFFERENTIAL_VECTORS),
+            f"self.pair_norm = nn.RMSNorm(2 * self.head_dim, eps={eps}, elementwise_affine=False)",
+        ]
     use_rope = _use_rope(spec)
     if use_rope:
         init_extra.append(use_rope)
@@ -233,12 +260,14 @@ def attention_piece(spec: FamilySpec, naming: NamingScheme) -> Piece:
         qk_after,
         "key_states = repeat_kv(key_states, self.num_key_value_groups)",
         "value_states = repeat_kv(value_states, self.num_key_value_groups)",
+        block(DOUBLED_VALUES) if att.differential else "",
         "attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling",
         softcap,
         alibi,
         "if attention_mask is not None:\n    attn_weights = attn_weights + attention_mask",
         softmax,
         "attn_output = torch.matmul(attn_weights, value_states)",
+        block(DIFFERENTIAL_COMBINE) if att.differential else "",
         "attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, -1)",
         f"return self.{naming.o}(attn_output)",
     )
@@ -251,4 +280,9 @@ def attention_piece(spec: FamilySpec, naming: NamingScheme) -> Piece:
         + indent(forward_body, 2)
     )
     inits = [("PREFIXAttention", "init.normal_(module.sinks, mean=0.0, std=std)")] if att.sinks else []
-    return Piece(code=code, imports={"import torch.nn.functional as F"}, fields=fields, inits=inits)
+    if att.differential:
+        inits += [
+            ("PREFIXAttention", f"init.normal_(module.{name}, mean=0.0, std=0.1)") for name in DIFFERENTIAL_VECTORS
+        ]
+    imports = {"import torch.nn.functional as F"} | ({"import math"} if att.differential else set())
+    return Piece(code=code, imports=imports, fields=fields, inits=inits)

@@ -192,7 +192,7 @@ def norm_kind_of(module: nn.Module) -> NormKind | None:
         return "layer_norm" if module.bias is not None else "layer_norm_no_bias"
     if "ZeroCenteredRMSNorm" in name:
         return "rms_one_plus_w"
-    if "WeightlessRMSNorm" in name:
+    if "WeightlessRMSNorm" in name or (isinstance(module, nn.RMSNorm) and module.weight is None):
         return "rms_weightless"
     if "RMSNorm" in name:
         return "rms"
@@ -230,6 +230,8 @@ def check_norms(model: PreTrainedModel, spec: FamilySpec) -> None:
             expected: NormKind = "rms"
         elif last.startswith(("q_", "k_")) and qk is not None:
             expected = qk.kind
+        elif last == "pair_norm":
+            expected = "rms_weightless"  # differential attention's, whatever the block norms are
         else:
             expected = spec.norm.kind
         if kind != expected:
@@ -242,7 +244,11 @@ def check_norms(model: PreTrainedModel, spec: FamilySpec) -> None:
 
 def _norm_width(module: nn.Module) -> int:
     weight = getattr(module, "weight", None)
-    return int(weight.numel()) if weight is not None else int(module.hidden_size)
+    if weight is not None:
+        return int(weight.numel())
+    if isinstance(module, nn.RMSNorm):
+        return int(module.normalized_shape[0])
+    return int(module.hidden_size)
 
 
 # -------------------------------------------------------------------------------- RoPE
@@ -396,7 +402,7 @@ def reference_attention(
     h, kv, d = att.n_heads, att.n_kv_heads, att.head_dim
     q, k, v = _qkv(spec, naming, attn, x)
     qk = att.qk_norm
-    norms = [m for n, m in attn.named_children() if norm_kind_of(m) is not None]
+    norms = [m for n, m in attn.named_children() if norm_kind_of(m) is not None and n != "pair_norm"]
     if qk is not None and qk.width == "full_width":
         q, k = norms[0](q), norms[1](k)
     q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
@@ -437,8 +443,26 @@ def reference_attention(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = (probs @ v).transpose(1, 2).reshape(b, s, -1)
-    return getattr(attn, naming.o)(out)
+    out = differential_closed_form(spec, attn, probs, v, layer) if att.differential else probs @ v
+    return getattr(attn, naming.o)(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def differential_closed_form(
+    spec: FamilySpec, attn: nn.Module, probs: torch.Tensor, v: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """Differential attention by its definition, pair by pair: heads ``i`` and ``i + H/2``
+    both read ``[v_i | v_{i + H/2}]``; the pair's output is ``(1 - l0) * rmsnorm(first - lambda *
+    second)`` with ``lambda = exp(q1 . k1) - exp(q2 . k2) + l0``, ``l0 = 0.8 - 0.6 exp(-0.3 layer)``."""
+    half = spec.attention.n_heads // 2
+    init = 0.8 - 0.6 * math.exp(-0.3 * layer)
+    lam = torch.exp((attn.lambda_q1 * attn.lambda_k1).sum()) - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
+    pairs = []
+    for i in range(half):
+        values = torch.cat([v[:, i], v[:, i + half]], dim=-1)
+        diff = probs[:, i] @ values - (lam + init) * (probs[:, i + half] @ values)
+        normed = diff * torch.rsqrt(diff.pow(2).mean(-1, keepdim=True) + attn.pair_norm.eps)
+        pairs.append((1 - init) * normed)
+    return torch.stack(pairs, dim=1)
 
 
 def check_attention(model: PreTrainedModel, spec: FamilySpec, naming: NamingScheme) -> None:

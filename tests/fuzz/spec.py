@@ -88,6 +88,9 @@ class AttentionSpec(_Frozen):
     scale: Literal["default", "query_pre_attn_scalar", "attention_multiplier"] = "default"
     scale_value: float = 0.0
     clip_qkv: float | None = None
+    # Differential attention (DiffLlama): heads i and i + H/2 attend over the values of a pair
+    # of KV heads side by side, subtracted with a learned lambda and normalised per pair.
+    differential: bool = False
 
 
 class MLASpec(_Frozen):
@@ -240,6 +243,8 @@ class FamilySpec(_Frozen):
                 parts.append(att.scale)
             if att.clip_qkv is not None:
                 parts.append("clip_qkv")
+            if att.differential:
+                parts.append("differential")
             out["attention"] = ",".join(parts)
         ffn = self.ffn
         out["ffn"] = (
@@ -404,6 +409,22 @@ def sample_attention(rng: random.Random, hidden: int, n_layers: int, norm: NormS
     )
 
 
+def _draws_differential(seed: int, attention: AttentionSpec, positions: str) -> bool:
+    """Whether the seed's family has differential attention: drawn from a generator of its own
+    (the families of the seeds that do not draw it stay as they were), and only where the
+    engine composes it: separate q/k/v projections, no sinks, no ALiBi, no full-width QK norm,
+    and head pairs over pairs of KV heads."""
+    composes = (
+        attention.fused_qkv == "none"
+        and not attention.sinks
+        and positions != "alibi"
+        and (attention.qk_norm is None or attention.qk_norm.width == "per_head")
+        and attention.n_heads % 2 == 0
+        and attention.n_kv_heads % 2 == 0
+    )
+    return composes and random.Random(f"differential-{seed}").random() < 0.15
+
+
 def sample_ffn(rng: random.Random, moe: bool) -> FFNSpec:
     kind = "gated" if moe else _pick(rng, {"gated": 3, "plain": 2})
     if kind == "gated":
@@ -504,6 +525,8 @@ def sample_family(seed: int) -> FamilySpec:
     positions = "rope" if mla is not None else _pick(rng, {"rope": 16, "alibi": 1, "learned": 1})
     rope = sample_rope(rng) if positions == "rope" else None
     attention = sample_attention(rng, hidden, n_layers, norm, positions == "rope")
+    if mla is None and _draws_differential(seed, attention, positions):
+        attention = attention.model_copy(update={"differential": True})
     if rope is not None:
         rope = rope.model_copy(update={"partial_factor": _whole_pairs(rope.partial_factor, attention.head_dim)})
     ffn = sample_ffn(rng, moe)

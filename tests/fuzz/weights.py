@@ -121,6 +121,9 @@ def set_realistic_weights(model: PreTrainedModel, spec: FamilySpec) -> float:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith("sinks"):
                 param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.rsplit(".", 1)[-1].startswith("lambda_"):
+                # Differential attention's vectors: lambda's two exponentials well apart from 1.
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # Non-negative, as the router's scores are: a negative choice score would lose to

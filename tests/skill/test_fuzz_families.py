@@ -31,7 +31,9 @@ from tests.skill.test_port_rope import _workspace
 # Seeds of the suite's subset: each ends ported or refused by name (bench/results/fuzz_families.txt
 # has the whole table). Stages 1-4 and 6: stage 5 (TP/FSDP/EP on gloo processes) costs more than
 # the rest together and proves the TP plan, which the catalogue's stage tests cover.
-PORT_SEEDS = (7, 21)
+# Seed 5 draws differential attention (beside a parallel LayerNorm block, a per-head LayerNorm QK
+# norm, layers without RoPE and a query_pre_attn_scalar scale).
+PORT_SEEDS = (5, 7, 21)
 PORT_STAGES = [1, 2, 3, 4, 6]
 # The seeds the sampler is judged on: the bench's first 300.
 SAMPLED = range(300)
@@ -100,6 +102,7 @@ def test_sampled_seeds_cover_the_vocabulary():
         seen["scale"].add(att.scale)
         seen["qkv bias"].add(att.qkv_bias)
         seen["o bias"].add(att.o_bias)
+        seen["differential"].add(att.differential)
         if att.qk_norm is not None:
             seen["qk width"].add(att.qk_norm.width)
             seen["qk kind"].add(att.qk_norm.kind)
@@ -144,6 +147,7 @@ def test_sampled_seeds_cover_the_vocabulary():
         "scale": {"default", "query_pre_attn_scalar", "attention_multiplier"},
         "qkv bias": {True, False},
         "o bias": {True, False},
+        "differential": {True, False},
         "qk width": {"per_head", "full_width"},
         "qk kind": {"rms", "rms_one_plus_w", "rms_weightless", "layer_norm", "layer_norm_no_bias"},
         "qk after rope": {True, False},
