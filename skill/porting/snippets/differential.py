@@ -51,7 +51,9 @@ class DifferentialLambda(nn.Module):
 
 class DifferentialAttention(nn.Module):
     """Differential attention around any attention kernel (the kernel runs twice, once over
-    each KV head of a pair: no kernel needs a value twice as wide as the keys).
+    each KV head of a pair: no kernel needs a value twice as wide as the keys). A fused kernel
+    that takes values twice as wide as the keys (one softmax for both KV heads of a pair) would
+    compute each head's scores and softmax once instead of twice.
 
     ``q`` ``[B, H, T, D]`` and ``k``/``v`` ``[B, KV, T, D]`` with the heads in the adapter's
     order (each pair's two KV heads side by side, their query heads after them) ->
