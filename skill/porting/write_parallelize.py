@@ -326,6 +326,17 @@ REPLICATE_STYLE_IMPORTS = (
 )
 
 
+# Where the reference splits the heads -> the differential check that follows it.
+DIFFERENTIAL_CHECKS = {
+    "validate_tp_constraints(model.model_args, tp_mesh.size())": (
+        "validate_differential_pairs(model.model_args, tp_mesh.size())"
+    ),
+    "validate_cp_constraints(model.model_args, cp_size, tp_size)": (
+        "validate_differential_pairs(model.model_args, cp_size * tp_size)"
+    ),
+}
+
+
 def _plan_differential_lambda(text: Document, tree: StagedTree, layout: PackageLayout) -> Document:
     """Differential attention's lambda replicated on every TP rank, its gradient declared
     partial: each rank's heads contribute their share of it, and the backward sums them."""
@@ -334,6 +345,13 @@ def _plan_differential_lambda(text: Document, tree: StagedTree, layout: PackageL
         text = insert_before_definition(text, layout.parallelize_fn, class_code(reference, "ReplicateParallel"))
         for line in REPLICATE_STYLE_IMPORTS:
             text = ensure_import_line(text, line)
+    if "def validate_differential_pairs(" not in text:
+        # Whole head pairs on every TP and Ulysses rank, checked where the heads are split.
+        pairs = snippet("differential", "validate_differential_pairs")
+        text = insert_before_definition(text, layout.parallelize_fn, pairs)
+        for old, new in DIFFERENTIAL_CHECKS.items():
+            function = _tp_function(text) if "tp_mesh" in old else "apply_cp"
+            text = replace_in_function(text, None, function, old, f"{old}\n{new}")
     return edit_dict_literal(
         text,
         PLAN_TARGET,

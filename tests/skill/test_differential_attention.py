@@ -150,3 +150,18 @@ def test_the_adapter_puts_each_head_pair_and_its_kv_heads_side_by_side(heads: in
     assert paired_q == [s * half + j * n_rep + t for j in range(kv_half) for s in range(2) for t in range(n_rep)]
     assert torch.equal(_unpair_halves(_pair_halves(q, n_rep * head_dim), n_rep * head_dim), q)
     assert torch.equal(_unpair_halves(_pair_halves(kv, head_dim), head_dim), kv)
+
+
+@pytest.mark.parametrize(("kv_heads", "ranks", "splits"), [(4, 2, True), (8, 4, True), (4, 4, False), (6, 2, False)])
+def test_the_package_refuses_a_split_that_breaks_a_head_pair(kv_heads: int, ranks: int, splits: bool):
+    """A TP (times Ulysses) degree that leaves a rank part of a pair is refused where the heads
+    are split, in one sentence naming the fix, before any step runs."""
+    from archon_models.diffllama.infra.parallelize import validate_differential_pairs
+    from archon_models.diffllama.model.args import DiffllamaModelArgs
+
+    args = DiffllamaModelArgs(n_heads=2 * kv_heads, n_kv_heads=kv_heads)
+    if splits:
+        validate_differential_pairs(args, ranks)
+        return
+    with pytest.raises(ValueError, match=r"cannot be split over \d ranks .* divides n_kv_heads / 2"):
+        validate_differential_pairs(args, ranks)

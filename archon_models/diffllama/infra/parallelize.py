@@ -93,6 +93,18 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
+def validate_differential_pairs(model_args: Any, ranks: int) -> None:
+    """Refuse, before any step runs, a split of the heads over ``ranks`` (tensor-parallel, times
+    Ulysses) that leaves a rank part of a head pair: each rank needs whole pairs of KV heads."""
+    pairs = model_args.n_kv_heads // 2
+    if pairs % ranks:
+        raise ValueError(
+            f"differential attention needs whole head pairs on every rank: its {pairs} pairs of KV heads "
+            f"(n_kv_heads={model_args.n_kv_heads}) cannot be split over {ranks} ranks (tensor x Ulysses "
+            "parallel); choose a degree that divides n_kv_heads / 2."
+        )
+
+
 def parallelize_diffllama(
     model: nn.Module,
     parallel_dims: ArchonParallelDims,
@@ -177,6 +189,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) 
     reduce-scatter back after the row-wise output projection.
     """
     validate_tp_constraints(model.model_args, tp_mesh.size())
+    validate_differential_pairs(model.model_args, tp_mesh.size())
 
     root_plan: dict[str, Any] = {}
     if model.tok_embeddings is not None:
@@ -230,6 +243,7 @@ def apply_cp(model: nn.Module, cp_group: ProcessGroup, tp_size: int = 1) -> None
     """
     cp_size = dist.get_world_size(cp_group)
     validate_cp_constraints(model.model_args, cp_size, tp_size)
+    validate_differential_pairs(model.model_args, cp_size * tp_size)
     for block in model.layers.values():
         block.attention.set_cp_group(cp_group)
     logger.info("Applied Ulysses context parallelism (cp=%d) to Diffllama", cp_size)

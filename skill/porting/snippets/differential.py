@@ -1,6 +1,6 @@
 """Differential attention (the Differential Transformer, arXiv 2410.05258; transformers'
-DiffLlama) for a family's ``model.py``: the ``differential_attention`` edit copies these in
-before ``Attention``.
+DiffLlama) for a family's ``model.py`` (the ``differential_attention`` edit copies these in
+before ``Attention``) and its ``infra/parallelize.py`` (``validate_differential_pairs``).
 
 Query heads ``i`` and ``i + H/2`` of the checkpoint form a pair: both attend (each with its own
 softmax) over the values of two KV heads side by side, and the pair's output is the first
@@ -13,6 +13,7 @@ everything here is local to it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,3 +84,15 @@ class DifferentialAttention(nn.Module):
         lam = (lambda_diff + self.lambda_init).to(out.dtype)
         out = out[:, :, 0] - lam * out[:, :, 1]
         return ((1 - self.lambda_init) * self.norm(out)).flatten(1, 2)
+
+
+def validate_differential_pairs(model_args: Any, ranks: int) -> None:
+    """Refuse, before any step runs, a split of the heads over ``ranks`` (tensor-parallel, times
+    Ulysses) that leaves a rank part of a head pair: each rank needs whole pairs of KV heads."""
+    pairs = model_args.n_kv_heads // 2
+    if pairs % ranks:
+        raise ValueError(
+            f"differential attention needs whole head pairs on every rank: its {pairs} pairs of KV heads "
+            f"(n_kv_heads={model_args.n_kv_heads}) cannot be split over {ranks} ranks (tensor x Ulysses "
+            "parallel); choose a degree that divides n_kv_heads / 2."
+        )
