@@ -46,16 +46,18 @@ def lambda_init(layer: int) -> float:
 
 def differential_parts(attention: nn.Module, head_dim: int) -> tuple[list[str], str] | None:
     """The attention's four ``head_dim`` vectors (in their module order) and its one weightless
-    norm, or None when it has not exactly those (it is then no differential attention)."""
+    norm besides its QK norms (which may be weightless too), or None when it has not exactly
+    those (it is then no differential attention)."""
     vectors = [
         name
         for name, param in attention.named_parameters(recurse=False)
         if param.ndim == 1 and param.numel() == head_dim
     ]
+    qk = {pair[0] for pair in mt.qk_norms(attention) if pair is not None}
     norms = [
         name
         for name, child in attention.named_children()
-        if mt.is_norm(child) and next(child.parameters(), None) is None
+        if mt.is_norm(child) and name not in qk and next(child.parameters(), None) is None
     ]
     if len(vectors) != 4 or len(norms) != 1:
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skill.analysis.differential import LAMBDA_INIT, lambda_init, measure_differential
+from skill.analysis.differential import LAMBDA_INIT, differential_parts, lambda_init, measure_differential
 from skill.analysis.reference import engine_limits
 from skill.porting.plan import report_for
 from skill.porting.snippets.adapter import _pair_halves, _unpair_halves
@@ -165,3 +165,21 @@ def test_the_package_refuses_a_split_that_breaks_a_head_pair(kv_heads: int, rank
         return
     with pytest.raises(ValueError, match=r"cannot be split over \d ranks .* divides n_kv_heads / 2"):
         validate_differential_pairs(args, ranks)
+
+
+def test_the_pair_norm_is_told_apart_from_weightless_qk_norms():
+    """Fuzzer seed 16: a per-head QK norm without weights beside the weightless pair norm made
+    three weightless norms, and the attention was refused as parameters outside the vocabulary."""
+    from torch import nn
+
+    class WeightlessRMSNorm(nn.Module):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    attention = nn.Module()
+    attention.q_proj, attention.v_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    attention.q_norm, attention.k_norm = WeightlessRMSNorm(), WeightlessRMSNorm()
+    attention.pair_norm = nn.RMSNorm(8, elementwise_affine=False)
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        attention.register_parameter(name, nn.Parameter(torch.zeros(4)))
+    assert differential_parts(attention, 4) == (["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"], "pair_norm")
