@@ -2331,6 +2331,8 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
         attention.append("soft-capped attention scores")
     if profile.attn_sinks:
         attention.append("attention sinks")
+    if profile.differential_attention:
+        attention.append("differential attention (head pairs subtracted with a learned lambda)")
     norm = NORM_TITLES[profile.norm]
     mlp = (
         (
