@@ -22,7 +22,6 @@ the result from the output projection's input, so no RoPE, mask or scale is assu
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,14 +33,13 @@ from torch.overrides import TorchFunctionMode
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.features import DifferentialAttention, NormKind
+from skill.porting.snippets.differential import differential_lambda_init
 
 PROBE_LENGTH = 8
-# The one lambda_init schedule the port writes: the Differential Transformer's (DiffLlama's).
+# The one lambda_init schedule the port writes (the Differential Transformer's, DiffLlama's): the
+# probe measures HF against the very function the generated package runs.
 LAMBDA_INIT = "0.8 - 0.6 * exp(-0.3 * layer)"
-
-
-def lambda_init(layer: int) -> float:
-    return 0.8 - 0.6 * math.exp(-0.3 * layer)
+lambda_init = differential_lambda_init
 
 
 def differential_parts(attention: nn.Module, head_dim: int) -> tuple[list[str], str] | None:

@@ -44,6 +44,7 @@ from skill.porting.dense_mla import dense_adapter, is_moe_entry
 from skill.porting.hf_source import checkpoint_keys, generalise_key, load_config
 from skill.porting.mla_router import is_correction_bias_entry, no_correction_bias_adapter
 from skill.porting.snippets import snippet
+from skill.porting.snippets.differential import DifferentialLambda
 from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)
@@ -1296,7 +1297,7 @@ def apply_unit_axes_adapter(text: Document, layout: PackageLayout, keys: dict[st
 # --- differential attention: each head pair side by side -----------------------------------------
 
 # DifferentialLambda's parameters, in the order of the analysis' lambda_keys (a, b, c, d).
-DIFFERENTIAL_LAMBDA_PARTS = ("q1", "k1", "q2", "k2")
+DIFFERENTIAL_LAMBDA_PARTS = tuple(name for name, _ in DifferentialLambda(1).named_parameters())
 PAIRED_HEADS = "paired_heads_hf_keys"
 _PAIRED_ROLES = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv"}
 
