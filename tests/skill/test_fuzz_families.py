@@ -29,8 +29,9 @@ from tests.fuzz.spec import NORM_KINDS, AttentionSpec, FamilySpec, QKNormSpec, R
 from tests.skill.test_port_rope import _workspace
 
 # Seeds of the suite's subset: each ends ported or refused by name (bench/results/fuzz_families.txt
-# has the whole table). Stages 1-4 and 6: stage 5 (TP/FSDP/EP on gloo processes) costs more than
-# the rest together and proves the TP plan, which the catalogue's stage tests cover.
+# has the whole table, fuzz_families_differential.txt the seeds that draw differential attention).
+# Stages 1-4 and 6: stage 5 (TP/FSDP/EP on gloo processes) costs more than the rest together and
+# proves the TP plan, which the catalogue's stage tests cover.
 # Seed 5 draws differential attention (beside a parallel LayerNorm block, a per-head LayerNorm QK
 # norm, layers without RoPE and a query_pre_attn_scalar scale).
 PORT_SEEDS = (5, 7, 21)
