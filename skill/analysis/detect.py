@@ -1427,47 +1427,26 @@ def _differential(ctx: Context, roles: dict[str, mt.Projection]) -> Differential
     """Differential attention measured on every layer of the full-depth stack
     (skill/analysis/differential.py), with its four vectors' checkpoint keys inside a layer;
     a differential attention of another form is named in ``other``."""
-    attention = ctx.anatomy.attention
-    if attention is None or "v" not in roles or "o" not in roles:
+    name = ctx.anatomy.attention_name
+    if name is None or "v" not in roles or "o" not in roles:
         return None
     model, layers, _ = ctx.layer_stack()
     attentions = _layer_attentions(ctx, layers)
     if not attentions:
         return None
-    deep = model is not ctx.model
-    v_name = next((n for n, c in attention.named_children() if c is roles["v"].module), None)
-    o_name = next((n for n, c in attention.named_children() if c is roles["o"].module), None)
-    if v_name is None or o_name is None:
-        return None
-    config = ctx.tiny if not deep else model.config
     found, why_not = measure_differential(
-        model,
-        attentions,
-        getattr(attentions[0], v_name),
-        getattr(attentions[0], o_name),
-        config,
-        ctx.tiny_kv_heads(),
-        ctx.tiny_head_dim(),
+        model, attentions, roles["v"].name, roles["o"].name, ctx.tiny_kv_heads(), ctx.tiny_head_dim()
     )
     if why_not is not None:
         ctx.other.append(why_not)
     if found is None:
         return None
-    names = {id(module): name for name, module in ctx.model.named_modules()}
-    layer0 = f"{ctx.anatomy.layers_path}.0."
-    attention_name = names[id(attention)]
-    keys = []
-    for vector in found.lambda_vectors:
-        location = ctx.saved_location(f"{attention_name}.{vector}")
-        key = location.key if location is not None else f"{attention_name}.{vector}"
-        prefix = ctx.layer_prefix if location is not None else layer0
-        keys.append(key[len(prefix) :] if key.startswith(prefix) else key)
     ctx.evidence.append(
         f"differential attention: lambda = exp({found.lambda_vectors[0]} . {found.lambda_vectors[1]}) - "
         f"exp({found.lambda_vectors[2]} . {found.lambda_vectors[3]}) + {found.lambda_init}, "
         f"pairs normalised by {found.norm} (eps {found.norm_eps:g}) (measured on every layer)"
     )
-    return found.model_copy(update={"lambda_keys": keys})
+    return found.model_copy(update={"lambda_keys": [f"{name}.{vector}" for vector in found.lambda_vectors]})
 
 
 def attention_features(ctx: Context) -> AttentionFeatures:

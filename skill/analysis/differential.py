@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from skill.analysis import modules as mt
 from skill.analysis import probes
@@ -62,30 +61,6 @@ def differential_parts(attention: nn.Module, head_dim: int) -> tuple[list[str], 
     return vectors, norms[0]
 
 
-class _SquareSoftmaxes(TorchFunctionMode):
-    """Records the first square softmax over the last dim computed inside each attention
-    module (hooks set ``layer``): that layer's attention weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer: int | None = None
-        self.weights: dict[int, torch.Tensor] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        softmax = func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
-        if (
-            softmax
-            and self.layer is not None
-            and self.layer not in self.weights
-            and isinstance(out, torch.Tensor)
-            and out.ndim == 4
-            and out.shape[-1] == out.shape[-2]
-        ):
-            self.weights[self.layer] = out.detach().double()
-        return out
-
-
 @contextmanager
 def _random_vectors(attentions: list[nn.Module], names: list[str]) -> Iterator[None]:
     """Each layer's four vectors set to distinct random values (restored afterwards), so the
@@ -107,29 +82,33 @@ def _random_vectors(attentions: list[nn.Module], names: list[str]) -> Iterator[N
 
 
 def _capture(
-    model: nn.Module, attentions: list[nn.Module], v_name: str, o_name: str, config: Any
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
-    """(attention weights, value projection outputs, output projection inputs) per layer."""
-    mode = _SquareSoftmaxes()
+    model: nn.Module, attentions: list[nn.Module], v_name: str, o_name: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+    """(attention weights, value projection outputs, output projection inputs) per layer, in
+    float64, each the first of its kind inside the layer's attention: the weights are recorded
+    by the score-scale probe's recorder (``probes.SoftmaxWeights``), active while the module runs."""
+    mode = probes.SoftmaxWeights()
+    first_softmax: list[int] = []  # per layer entered: its first entry in mode.weights
     values: dict[int, torch.Tensor] = {}
     inputs: dict[int, torch.Tensor] = {}
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        first_softmax.append(len(mode.weights))
+        mode.active = True
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        mode.active = False
+
+    def value(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            values.setdefault(len(first_softmax) - 1, output.detach().double())
+
+    def projected(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            inputs.setdefault(len(first_softmax) - 1, args[0].detach().double())
+
     handles = []
-    for index, attention in enumerate(attentions):
-
-        def enter(module: nn.Module, args: tuple, index: int = index) -> None:
-            mode.layer = index
-
-        def leave(module: nn.Module, args: tuple, output: Any) -> None:
-            mode.layer = None
-
-        def value(module: nn.Module, args: tuple, output: Any, index: int = index) -> None:
-            if isinstance(output, torch.Tensor):
-                values.setdefault(index, output.detach().double())
-
-        def projected(module: nn.Module, args: tuple, index: int = index) -> None:
-            if args and isinstance(args[0], torch.Tensor):
-                inputs.setdefault(index, args[0].detach().double())
-
+    for attention in attentions:
         handles += [
             attention.register_forward_pre_hook(enter),
             attention.register_forward_hook(leave),
@@ -138,15 +117,23 @@ def _capture(
         ]
     try:
         with mode, torch.no_grad():
-            model(input_ids=probes.tokens_for(config, PROBE_LENGTH), use_cache=False)
+            model(input_ids=probes.tokens_for(model.config, PROBE_LENGTH), use_cache=False)
     except (TypeError, ValueError, RuntimeError):
         return None
     finally:
         for handle in handles:
             handle.remove()
-    if not (len(mode.weights) == len(values) == len(inputs) == len(attentions)):
+    n = len(attentions)
+    ends = [*first_softmax[1:], len(mode.weights)]
+    if len(first_softmax) != n or any(s >= e for s, e in zip(first_softmax, ends, strict=True)):
+        return None  # a layer ran no square softmax (or an attention ran more than once)
+    if len(values) != n or len(inputs) != n:
         return None
-    return mode.weights, values, inputs
+    return (
+        [mode.weights[i].double() for i in first_softmax],
+        [values[i] for i in range(n)],
+        [inputs[i] for i in range(n)],
+    )
 
 
 def closed_form(
@@ -182,13 +169,13 @@ _PAIRINGS = [(p[0], p[1], p[2], p[3]) for p in itertools.permutations(range(4)) 
 def measure_differential(
     model: nn.Module,
     attentions: list[nn.Module],
-    v_proj: nn.Module,
-    o_proj: nn.Module,
-    config: Any,
+    v_name: str,
+    o_name: str,
     n_kv_heads: int,
     head_dim: int,
 ) -> tuple[DifferentialAttention | None, str | None]:
-    """``(the measured attention, None)``, or ``(None, why not)`` in words for the report."""
+    """``(the measured attention, None)``, or ``(None, why not)`` in words for the report;
+    ``v_name``/``o_name``: the value and output projections' names inside an attention."""
     parts = differential_parts(attentions[0], head_dim)
     if parts is None:
         return None, None
@@ -200,10 +187,8 @@ def measure_differential(
     eps = probes.probe_norm_eps(norm, 2 * head_dim, kind) if kind is NormKind.RMS_WEIGHTLESS else None
     if eps is None:
         return None, f"differential attention whose pair norm is {kind.value}, not a weightless RMS norm"
-    v_name = next(n for n, c in attentions[0].named_children() if c is v_proj)
-    o_name = next(n for n, c in attentions[0].named_children() if c is o_proj)
     with _random_vectors(attentions, names):
-        captured = _capture(model, attentions, v_name, o_name, config)
+        captured = _capture(model, attentions, v_name, o_name)
         vectors = [[getattr(a, n).detach().clone() for n in names] for a in attentions]
     if captured is None:
         return None, "differential attention whose weights, values or output no probe reads"

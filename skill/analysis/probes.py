@@ -557,7 +557,7 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
     return None
 
 
-class _SoftmaxWeights(TorchFunctionMode):
+class SoftmaxWeights(TorchFunctionMode):
     """Records the output of every softmax over the last dim while ``active`` (set by hooks on
     one attention module): its attention weights, for a model that returns none."""
 
@@ -590,7 +590,7 @@ def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: to
     attentions = getattr(out, "attentions", None)
     if attentions and isinstance(attentions[0], torch.Tensor):
         return attentions[0]
-    mode = _SoftmaxWeights()
+    mode = SoftmaxWeights()
 
     def enter(module: nn.Module, args: tuple) -> None:
         mode.active = True

@@ -31,38 +31,37 @@ def _diffllama(layers: int = 3):  # type: ignore[no-untyped-def]
         num_hidden_layers=layers,
     )
     model = build_tiny_model(config)
-    return model, config, [layer.self_attn for layer in model.model.layers]
+    return model, [layer.self_attn for layer in model.model.layers]
 
 
-def _measure(model, config, attentions, kv_heads: int = KV_HEADS):  # type: ignore[no-untyped-def]
-    first = attentions[0]
-    return measure_differential(model, attentions, first.v_proj, first.o_proj, config, kv_heads, HEAD_DIM)
+def _measure(model, attentions, kv_heads: int = KV_HEADS):  # type: ignore[no-untyped-def]
+    return measure_differential(model, attentions, "v_proj", "o_proj", kv_heads, HEAD_DIM)
 
 
 def test_the_probe_reads_diffllama_on_every_layer():
-    model, config, attentions = _diffllama()
-    found, why_not = _measure(model, config, attentions)
+    model, attentions = _diffllama()
+    found, why_not = _measure(model, attentions)
     assert why_not is None
     assert found is not None
     assert found.lambda_vectors == ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
     assert found.norm == "groupnorm"
-    assert found.norm_eps == pytest.approx(config.rms_norm_eps, rel=1e-2)
+    assert found.norm_eps == pytest.approx(model.config.rms_norm_eps, rel=1e-2)
     assert found.lambda_init == LAMBDA_INIT
     assert [lambda_init(i) for i in range(3)] == [a.lambda_init for a in attentions]
 
 
 def test_the_probe_leaves_the_model_as_it_was():
-    model, config, attentions = _diffllama()
+    model, attentions = _diffllama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _measure(model, config, attentions)
+    _measure(model, attentions)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_another_lambda_init_schedule_is_refused_by_name():
-    model, config, attentions = _diffllama()
+    model, attentions = _diffllama()
     attentions[2].lambda_init = 0.5  # not 0.8 - 0.6 * exp(-0.6)
-    found, why_not = _measure(model, config, attentions)
+    found, why_not = _measure(model, attentions)
     assert found is None
     assert why_not == f"differential attention whose lambda_init schedule is not {LAMBDA_INIT} (layer 2)"
 
@@ -70,7 +69,7 @@ def test_another_lambda_init_schedule_is_refused_by_name():
 def test_a_combination_that_is_not_the_closed_form_is_refused_by_name():
     """A lambda that does not move the output (the second pair's product ignored) matches no
     pairing of the four vectors."""
-    model, config, attentions = _diffllama(layers=2)
+    model, attentions = _diffllama(layers=2)
     original = type(attentions[0]).forward
 
     def without_second(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -85,21 +84,21 @@ def test_a_combination_that_is_not_the_closed_form_is_refused_by_name():
 
     for attention in attentions:
         attention.forward = without_second.__get__(attention)
-    found, why_not = _measure(model, config, attentions)
+    found, why_not = _measure(model, attentions)
     assert found is None
     assert why_not == "differential attention that is not (softmax_1 - lambda softmax_2) V over head pairs"
 
 
 def test_an_odd_kv_head_count_is_refused_by_name():
-    model, config, attentions = _diffllama(layers=1)
-    found, why_not = _measure(model, config, attentions, kv_heads=3)
+    model, attentions = _diffllama(layers=1)
+    found, why_not = _measure(model, attentions, kv_heads=3)
     assert found is None and why_not == "differential attention over an odd number of KV heads (3)"
 
 
 def test_a_family_without_it_measures_none():
     model = build_tiny_model(tiny_config("llama"))
     attention = model.model.layers[0].self_attn
-    found, why_not = measure_differential(model, [attention], attention.v_proj, attention.o_proj, model.config, 4, 16)
+    found, why_not = measure_differential(model, [attention], "v_proj", "o_proj", 4, 16)
     assert (found, why_not) == (None, None)
 
 
