@@ -36,8 +36,8 @@ DEFAULT_RUN_FAMILIES = frozenset(
 )
 EVERY_FAMILY_MARKER = "every_family"
 EVERY_FAMILY_HELP = (
-    "stage 5 and the AReaL tier of the committed families, and the composition families' ports, beyond the "
-    "default run's representative few (.ci/run runs them)"
+    "stage 5 and the AReaL tier of the committed families, and the composition and fuzzer-found families' ports, "
+    "beyond the default run's representative few (.ci/run runs them)"
 )
 
 

@@ -129,7 +129,7 @@ def test_the_readme_says_what_ci_run_runs():
         "python -m skill.areal.environment .venv-areal": ".venv-areal/",
         "-m regenerate": "drift check",
         "-m replay": "session replays",
-        "-m every_family": "stage 5 and the AReaL tier of every other family and the other composition families",
+        "-m every_family": "the AReaL tier of every other family and the other composition and fuzzer-found",
         "python -m pytest -n 2": "runs this",
         ".venv-tf53": "oldest- and newest-transformers runs",
         ".venv-tf-newest": "oldest- and newest-transformers runs",

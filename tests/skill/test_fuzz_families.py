@@ -281,8 +281,14 @@ def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
 
 @pytest.mark.fuzz
 @pytest.mark.slow
+# One combination runs by default; the others with .ci/run's every_family (each is a full port).
 @pytest.mark.parametrize(
-    ("block", "qk"), [("rms", "layer_norm"), ("layer_norm", "layer_norm_weightless"), ("layer_norm", "rms")]
+    ("block", "qk"),
+    [
+        pytest.param("rms", "layer_norm", marks=pytest.mark.every_family),
+        pytest.param("layer_norm", "layer_norm_weightless", marks=pytest.mark.every_family),
+        ("layer_norm", "rms"),
+    ],
 )
 def test_full_width_qk_norm_of_its_own_kind_ports_under_tensor_parallelism(tmp_path, block, qk):
     """A full-width QK norm of another kind than the block norms (or a LayerNorm kind, whose
@@ -396,12 +402,12 @@ def test_alibi_slopes_are_read_from_a_model_that_returns_no_attention_weights(tm
 
 @pytest.mark.fuzz
 @pytest.mark.slow
-# The per-layer window with and without a cap run by default; the others with .ci/run's every_family.
+# The per-layer window with a cap runs by default; the others with .ci/run's every_family.
 @pytest.mark.parametrize(
     ("window", "softcap"),
     [
         pytest.param("all", None, marks=pytest.mark.every_family),
-        ("some", None),
+        pytest.param("some", None, marks=pytest.mark.every_family),
         pytest.param("none", 20.0, marks=pytest.mark.every_family),
         ("some", 30.0),
     ],
@@ -460,6 +466,7 @@ def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):
     assert report.checklist.attention.clip_qkv_field == "clip_qkv"
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 def test_a_fused_gate_up_under_a_plain_mlp_name_is_split(tmp_path):
     """Before: a gated MLP whose one up projection holds gate and up rows under GPT-2's
     name ``c_fc`` was mapped whole to w1 by the name table, and stage 2 raised "Archon key
@@ -542,6 +549,7 @@ def test_fused_qkv_rows_are_read_under_a_qkv_clip(tmp_path, fused: str, clip: fl
 
 @pytest.mark.fuzz
 @pytest.mark.slow
+@pytest.mark.every_family  # a full port; .ci/run runs it
 def test_attention_sinks_with_soft_capped_scores_port(tmp_path):
     """Before: a family with both learned sinks and soft-capped scores was refused, "attention
     sinks together with soft-capped scores (no kernel has both)" (seeds 156, 248). The
@@ -571,6 +579,7 @@ def test_attention_sinks_with_soft_capped_scores_port(tmp_path):
 
 @pytest.mark.fuzz
 @pytest.mark.slow
+@pytest.mark.every_family  # a full port; .ci/run runs it
 def test_mla_latent_norms_at_the_config_epsilon_port(tmp_path):
     """Before: the deepseek_v3 reference builds q_a/kv_a latent norms at a fixed 1e-6 (as
     DeepSeek's modeling code does); a family passing ``rms_norm_eps`` (1e-5 here) to them

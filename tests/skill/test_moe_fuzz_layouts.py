@@ -82,12 +82,14 @@ def _ported(tmp_path: Path, spec: FamilySpec, stages: list[int]) -> None:
     assert [r.stage for r in result.stage_results] == stages
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
 def test_in_out_fused_experts_port(tmp_path):
     _ported(tmp_path, _fused_experts("fzinout", "fused_in_out", "interleaved"), [*STAGES, 6])
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
 def test_moe_family_with_fused_qkv_ports(tmp_path):
@@ -114,6 +116,7 @@ def test_grouped_fused_qkv_and_fused_experts_compose(tmp_path):
     _ported(tmp_path, spec, [*STAGES, 6])
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -144,6 +147,7 @@ def test_moe_experts_activated_by_gelu_port(tmp_path, moe):
     _ported(tmp_path, spec, STAGES)
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
 def test_mla_moe_without_shared_experts_ports(tmp_path):
