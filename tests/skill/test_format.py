@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def test_wraps_docstring_lines_renaming_made_too_long():
     assert format_python(out, "archon_models/granitemoeshared/spec.py") == out
     lint = subprocess.run(
         [
-            "python",
+            sys.executable,
             "-m",
             "ruff",
             "check",
