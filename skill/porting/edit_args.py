@@ -1196,16 +1196,6 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
             single_kv_head=profile.single_kv_head,
         ),
     )
-    if profile.sliding_window or profile.attn_softcap or profile.attn_sinks:
-        # The package's own attention kernel serves every attn_type AReaL's engine passes.
-        doc = replace_in_function(
-            doc,
-            layout.args_class,
-            "__post_init__",
-            'if self.attn_type not in ("varlen", "sdpa"):\n'
-            "    raise ValueError(f\"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.\")",
-            "",
-        )
     if profile.moe and not profile.all_layers_moe and profile.moe_layer_rule != "sparse_step":
         # The family's own per-layer rule replaces the reference's decoder_sparse_step rule.
         doc = replace_function(

@@ -189,3 +189,23 @@ def test_adapter_rejects_a_missing_key_naming_it(saved, key):
         key, "layers.1.attention.wo.weight"
     )
     assert key in str(excinfo.value) or archon_name in str(excinfo.value)
+
+
+def _packages() -> list[str]:
+    """One registered model_type per package (a spec serving several types is tested once)."""
+    seen: dict[int, str] = {}
+    for model_type, spec in sorted(model_spec._MODEL_SPECS.items()):
+        seen.setdefault(id(spec), model_type)
+    return sorted(seen.values())
+
+
+@pytest.mark.parametrize("model_type", _packages())
+def test_every_package_refuses_an_attn_type_it_does_not_run(model_type: str):
+    """AReaL passes ``attn_type`` ("tree" under tree training, or a typo from a config): every
+    package takes the two it runs and refuses any other at once, whichever kernel it carries
+    (the packages with a kernel of their own once stored any value and never read it)."""
+    args_class = archon_models.get_model_spec(model_type).model_args_class
+    for served in ("varlen", "sdpa"):
+        assert args_class(attn_type=served).attn_type == served
+    with pytest.raises(ValueError, match="attn_type must be 'varlen' or 'sdpa', got 'tree'"):
+        args_class(attn_type="tree")

@@ -139,6 +139,8 @@ class FlintModelArgs(BaseModelArgs):
     nope_layers: tuple[int, ...] = (0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48)
 
     def __post_init__(self) -> None:
+        if self.attn_type not in ("varlen", "sdpa"):
+            raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
         if self.moe_args is not None and self.decoder_sparse_step < 1:

@@ -92,6 +92,8 @@ class GranitemoeSwaModelArgs(BaseModelArgs):
     logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.attn_type not in ("varlen", "sdpa"):
+            raise ValueError(f"attn_type must be 'varlen' or 'sdpa', got {self.attn_type!r}.")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
 
