@@ -194,8 +194,8 @@ def test_adapter_rejects_a_missing_key_naming_it(saved, key):
 def _packages() -> list[str]:
     """One registered model_type per package (a spec serving several types is tested once)."""
     seen: dict[int, str] = {}
-    for model_type, spec in sorted(model_spec._MODEL_SPECS.items()):
-        seen.setdefault(id(spec), model_type)
+    for model_type in sorted(archon_models.get_supported_model_types()):
+        seen.setdefault(id(archon_models.get_model_spec(model_type)), model_type)
     return sorted(seen.values())
 
 
