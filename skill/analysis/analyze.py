@@ -13,7 +13,7 @@ import time
 
 from skill.analysis.config_fields import config_fields
 from skill.analysis.detect import checkpoint_modules, expert_count
-from skill.analysis.ignored_keys import ignored_checkpoint_keys
+from skill.analysis.ignored_keys import ignore_patterns, ignored_checkpoint_keys
 from skill.analysis.inputs import AnalysisError, check_decoder_only, resolve_source, variant_types
 from skill.analysis.measure import Analysis, analyse, layer_prefix, one_thread
 from skill.analysis.reference import nearest_reference, unsupported_names
@@ -75,6 +75,7 @@ def _checkpoint(analysis: Analysis) -> CheckpointKeys:
         tiny_sizes=sizes,
         from_files=from_files,
         ignored_unexpected=ignored_checkpoint_keys(ctx.model, ctx.saved_location),
+        load_ignore_patterns=ignore_patterns(ctx.model),
     )
 
 

@@ -75,6 +75,15 @@ class CheckpointKeys(BaseModel):
         "parameter for them (the family's _keys_to_ignore_on_load_unexpected, after its conversion mapping): "
         "held by some layers only, so a released checkpoint's copies on the other layers are dropped",
     )
+    load_ignore_patterns: list[str] = Field(
+        default_factory=list,
+        # Left out of the serialised report while empty: the reports of families without one read as before.
+        exclude_if=is_empty,
+        description="the family's _keys_to_ignore_on_load_unexpected (regular expressions, the model instance's, "
+        "its submodels' included): a checkpoint key that matches one and that the model has no parameter for is "
+        "dropped by transformers' load without a word (legacy buffers such as GPT-NeoX's attention.bias, "
+        "multi-token-prediction modules)",
+    )
 
 
 class ArchitectureReport(BaseModel):

@@ -12,7 +12,13 @@ from pydantic import BaseModel, Field
 from skill.codemod import StagedTree, Workspace
 from skill.codemod.cst import CodemodError, Document, read_dict_literal
 from skill.porting.common import HAND_EDIT_MARKER, PackageLayout, PackageRequest
-from skill.porting.edit_adapter_map import FUSED_EXPERTS_MAP, FUSED_MAP, MAP_TARGETS, RUNTIME_BUFFERS
+from skill.porting.edit_adapter_map import (
+    FUSED_EXPERTS_MAP,
+    FUSED_MAP,
+    MAP_TARGETS,
+    RUNTIME_BUFFERS,
+    rotary_buffer_keys,
+)
 from skill.porting.hf_source import checkpoint_keys, generalised_keys, load_config
 from skill.porting.register_spec import ARCHON_INIT, import_line_for, spec_model_types
 from skill.porting.tp_plan import PlanTraceError, trace_tp_plan
@@ -60,6 +66,18 @@ class CheckPackageResult(BaseModel):
         return [c for c in self.checks if not c.passed]
 
 
+def _runtime_buffers(source: str, trust_remote_code: bool) -> list[str]:
+    """Where the family's released checkpoints may hold a layer's rotary table (the analysis'
+    layout); the llama layout's name for a source the analysis cannot read."""
+    from skill.porting.plan import report_for
+
+    try:
+        report = report_for(source, trust_remote_code)
+    except Exception:  # an unknown family: the other checks report it
+        return list(RUNTIME_BUFFERS)
+    return rotary_buffer_keys(report)
+
+
 def check_package(request: CheckPackageRequest) -> CheckPackageResult:
     """Check archon_models/<model_name>/ for the porting guide's common mistakes: missing
     files, HF keys with no mapping, from_hf_config reading attributes the config lacks,
@@ -97,9 +115,14 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
         checks.append(
             _check("hf_keys_mapped", not unmapped, f"unmapped HF keys {unmapped}" if unmapped else f"{len(keys)} keys")
         )
-    drops = [k for k in RUNTIME_BUFFERS if hf_map.get(k, "missing") is not None]
+    buffers = _runtime_buffers(source, request.trust_remote_code)
+    drops = [k for k in buffers if hf_map.get(k, "missing") is not None]
     checks.append(
-        _check("runtime_buffers_dropped", not drops, f"no None entry for {drops}" if drops else "inv_freq dropped")
+        _check(
+            "runtime_buffers_dropped",
+            not drops,
+            f"no None entry for {drops}" if drops else ("inv_freq dropped" if buffers else "no rotary table"),
+        )
     )
     checks.append(_check_config_attrs(sources["model/args.py"] or "", source, request.trust_remote_code))
     has_experts = any(".experts.{}." in k for k in keys)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -30,7 +30,8 @@ from skill.codemod.cst import (
     upsert_method,
 )
 from skill.errors import HAND_PORT_POINTER
-from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, WeightOrientation
+from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, PositionKind, WeightOrientation
+from skill.porting.adapter_ignore_patterns import apply_ignore_patterns_adapter
 from skill.porting.common import (
     PackageLayout,
     PackageRequest,
@@ -46,6 +47,9 @@ from skill.porting.mla_router import is_correction_bias_entry, no_correction_bia
 from skill.porting.snippets import snippet
 from skill.porting.snippets.differential import DifferentialLambda
 from skill.tiny_model import tiny_config
+
+if TYPE_CHECKING:
+    from skill.analysis.report import ArchitectureReport
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +135,14 @@ TOP_MODULES: dict[str, str] = {
 }
 # The Archon parameter of a learned absolute-position table (the report names its key).
 POSITION_TABLE = "pos_embeddings.weight"
-# Keys a checkpoint may hold that are recomputed at run time.
+# Keys a checkpoint may hold that are recomputed at run time: a layer's rotary table, which
+# transformers' attention modules held (and saved) before the table moved to the model
+# (modeling_utils still ignores ``rotary_emb.inv_freq`` on load). The llama layout's name; a
+# family's own is :func:`rotary_buffer_keys`.
 RUNTIME_BUFFERS: dict[str, None] = {
     "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
 }
+ATTENTION_PROJECTIONS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
 LAYER_PREFIX = "model.layers.{}."
 # Tensor names a checkpoint module holds: weights and biases, and a learned activation's
 # parameters and constants (xIELU's alpha_p, alpha_n, beta, eps).
@@ -290,6 +298,22 @@ NORM_ROLE_NAMES = {
 }
 
 
+def rotary_buffer_keys(report: ArchitectureReport) -> list[str]:
+    """The checkpoint keys (``{}`` for the layer) where older transformers versions saved a
+    layer's rotary table: ``rotary_emb.inv_freq`` under each attention module of the analysis'
+    module map (GPT-NeoX's ``gpt_neox.layers.{}.attention``, Llama's ``model.layers.{}.self_attn``);
+    none for a family without rotary positions."""
+    if report.checklist.positions.kind is not PositionKind.ROPE:
+        return []
+    prefix = _layer_template(report.checkpoint.layer_prefix)
+    attention = {
+        hf.rsplit(".", 1)[0]
+        for hf, archon in report.checkpoint.module_map.items()
+        if hf.startswith(prefix) and archon.removeprefix("layers.{}.") in ATTENTION_PROJECTIONS
+    }
+    return sorted(f"{module}.rotary_emb.inv_freq" for module in attention)
+
+
 def derive_from_hf_map(
     hf_keys: list[str],
     dense_layers: bool = True,
@@ -303,8 +327,12 @@ def derive_from_hf_map(
     module_map: dict[str, str] | None = None,
     explicit: dict[str, str | None] | None = None,
     literal_inner: bool = False,
+    runtime_buffers: list[str] | None = None,
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
+
+    ``runtime_buffers``: keys a released checkpoint may hold that are recomputed at run time,
+    dropped (:func:`rotary_buffer_keys`); the llama layout's ``RUNTIME_BUFFERS`` when not given.
 
     ``literal_inner`` keeps the numbers that are no layer or expert index literal
     (``transformer.h.{}.ffn.0.weight``), for a checkpoint whose ``nn.Sequential`` positions
@@ -373,7 +401,7 @@ def derive_from_hf_map(
     for key in keys:
         if key in fused:
             continue
-        if key in RUNTIME_BUFFERS:
+        if key in RUNTIME_BUFFERS or key in (runtime_buffers or ()):
             mapping[key] = None
             continue
         if key == position_table_key:
@@ -407,7 +435,8 @@ def derive_from_hf_map(
     if any(".experts.{}." in k for k in keys) and dense_layers:
         for module in DENSE_MLP:
             mapping.setdefault(f"{layer_prefix}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
-    mapping.update({k: v for k, v in RUNTIME_BUFFERS.items() if k not in mapping})
+    buffers = RUNTIME_BUFFERS if runtime_buffers is None else dict.fromkeys(runtime_buffers)
+    mapping.update({k: None for k in buffers if k not in mapping})
     # A tied checkpoint has no lm_head; the adapter fills it from the embedding, so the
     # entry stays for to_hf of untied fine-tunes and for the tying fill-in.
     head = next((hf for hf, archon in structural_top.items() if archon == "output"), "lm_head")
@@ -553,6 +582,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         mla_plan = plan_for(request.source, request.trust_remote_code)
         ignored = report_for(request.source, request.trust_remote_code).checkpoint.ignored_unexpected
         text = apply_ignored_keys_adapter(text, layout, ignored)
+        patterns = report_for(request.source, request.trust_remote_code).checkpoint.load_ignore_patterns
+        text = apply_ignore_patterns_adapter(text, layout, patterns)
         if not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)
@@ -605,6 +636,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             "top_modules": report.checkpoint.top_modules,
             "module_map": module_map,
             "explicit": {**current, **request.add},
+            "runtime_buffers": rotary_buffer_keys(report),
         }
         try:
             derived = derive_from_hf_map(**derive_args)
@@ -637,8 +669,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         text = apply_ignored_keys_adapter(text, layout, report.checkpoint.ignored_unexpected)
         if differential is not None:
             text = apply_paired_heads_adapter(text, layout, paired_head_keys(module_map, shapes))
-        # Keep explicit drops (runtime buffers); everything else comes from the checkpoint.
-        wanted = {k: v for k, v in current.items() if v is None}
+        text = apply_ignore_patterns_adapter(text, layout, report.checkpoint.load_ignore_patterns)
+        # Keep explicit drops but the reference's rotary table (the family's own is derived);
+        # everything else comes from the checkpoint.
+        wanted = {k: v for k, v in current.items() if v is None and k not in RUNTIME_BUFFERS}
         wanted.update(derived)
     wanted.update(request.add)
     for key in remove:

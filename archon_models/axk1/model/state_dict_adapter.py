@@ -106,6 +106,12 @@ class Axk1StateDictAdapter(BaseStateDictAdapter):
         "score.weight": "score.weight",
         "model.layers.{}.post_mlp_layernorm.weight": "layers.{}.moe_output_norm.weight",
     }
+    # transformers' load drops a checkpoint key that one of these finds and the model has no
+    # parameter for (the family's _keys_to_ignore_on_load_unexpected): legacy buffers, unbuilt modules.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (
+        "inv_freq",
+        r"mlp\.post_mlp_layernorm",
+    )
     # Checkpoint keys transformers' load ignores where the model lacks them (its ignore patterns).
     ignored_unexpected_hf_keys: ClassVar[frozenset[str]] = frozenset(
         {
@@ -139,6 +145,8 @@ class Axk1StateDictAdapter(BaseStateDictAdapter):
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
         if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too (the family's _keys_to_ignore_on_load_unexpected)
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
                 f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."

@@ -51,7 +51,6 @@ class BiogptStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "score.weight": "score.weight",
         "biogpt.embed_positions.weight": "pos_embeddings.weight",
         "biogpt.embed_tokens.weight": "tok_embeddings.weight",

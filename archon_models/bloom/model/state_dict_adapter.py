@@ -75,7 +75,6 @@ class BloomStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "transformer.h.{}.input_layernorm.bias": "layers.{}.attention_norm.bias",

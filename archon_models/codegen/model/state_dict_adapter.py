@@ -79,11 +79,11 @@ class CodegenStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "lm_head.bias": "output.bias",
         "transformer.h.{}.attn.out_proj.weight": "layers.{}.attention.wo.weight",
+        "transformer.h.{}.attn.rotary_emb.inv_freq": None,
         "transformer.h.{}.ln_1.bias": "layers.{}.attention_norm.bias",
         "transformer.h.{}.ln_1.weight": "layers.{}.attention_norm.weight",
         "transformer.h.{}.mlp.fc_in.bias": "layers.{}.feed_forward.w1.bias",

@@ -55,7 +55,6 @@ class CtrlStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "lm_head.bias": "output.bias",

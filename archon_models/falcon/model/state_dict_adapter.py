@@ -51,7 +51,6 @@ class FalconStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "transformer.h.{}.input_layernorm.bias": "layers.{}.attention_norm.bias",
@@ -59,6 +58,7 @@ class FalconStateDictAdapter(BaseStateDictAdapter):
         "transformer.h.{}.mlp.dense_4h_to_h.weight": "layers.{}.feed_forward.w2.weight",
         "transformer.h.{}.mlp.dense_h_to_4h.weight": "layers.{}.feed_forward.w1.weight",
         "transformer.h.{}.self_attention.dense.weight": "layers.{}.attention.wo.weight",
+        "transformer.h.{}.self_attention.rotary_emb.inv_freq": None,
         "transformer.ln_f.bias": "norm.bias",
         "transformer.ln_f.weight": "norm.weight",
         "transformer.word_embeddings.weight": "tok_embeddings.weight",

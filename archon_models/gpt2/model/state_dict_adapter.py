@@ -51,7 +51,6 @@ class Gpt2StateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "transformer.h.{}.attn.c_proj.bias": "layers.{}.attention.wo.bias",
@@ -69,6 +68,12 @@ class Gpt2StateDictAdapter(BaseStateDictAdapter):
         "transformer.wpe.weight": "pos_embeddings.weight",
         "transformer.wte.weight": "tok_embeddings.weight",
     }
+    # transformers' load drops a checkpoint key that one of these finds and the model has no
+    # parameter for (the family's _keys_to_ignore_on_load_unexpected): legacy buffers, unbuilt modules.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (
+        "attn.bias",
+        "crossattention.bias",
+    )
     # Checkpoint keys that stack several Archon parameters along dim 0, in this order.
     fused_from_hf_map: ClassVar[dict[str, list[str]]] = {
         "transformer.h.{}.attn.c_attn.bias": [
@@ -114,6 +119,8 @@ class Gpt2StateDictAdapter(BaseStateDictAdapter):
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
         if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too (the family's _keys_to_ignore_on_load_unexpected)
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
                 f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."

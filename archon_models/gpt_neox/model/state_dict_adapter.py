@@ -75,7 +75,6 @@ class GptNeoxStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "score.weight": "score.weight",
         "embed_out.weight": "output.weight",
         "gpt_neox.embed_in.weight": "tok_embeddings.weight",
@@ -83,6 +82,7 @@ class GptNeoxStateDictAdapter(BaseStateDictAdapter):
         "gpt_neox.final_layer_norm.weight": "norm.weight",
         "gpt_neox.layers.{}.attention.dense.bias": "layers.{}.attention.wo.bias",
         "gpt_neox.layers.{}.attention.dense.weight": "layers.{}.attention.wo.weight",
+        "gpt_neox.layers.{}.attention.rotary_emb.inv_freq": None,
         "gpt_neox.layers.{}.input_layernorm.bias": "layers.{}.attention_norm.bias",
         "gpt_neox.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
         "gpt_neox.layers.{}.mlp.dense_4h_to_h.bias": "layers.{}.feed_forward.w2.bias",
@@ -92,6 +92,12 @@ class GptNeoxStateDictAdapter(BaseStateDictAdapter):
         "gpt_neox.layers.{}.post_attention_layernorm.bias": "layers.{}.ffn_norm.bias",
         "gpt_neox.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     }
+    # transformers' load drops a checkpoint key that one of these finds and the model has no
+    # parameter for (the family's _keys_to_ignore_on_load_unexpected): legacy buffers, unbuilt modules.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (
+        "attention.bias",
+        "attention.masked_bias",
+    )
     # Checkpoint keys that stack several Archon parameters along dim 0, in this order.
     fused_from_hf_map: ClassVar[dict[str, list[str]]] = {
         "gpt_neox.layers.{}.attention.query_key_value.bias": [
@@ -128,6 +134,8 @@ class GptNeoxStateDictAdapter(BaseStateDictAdapter):
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
         if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too (the family's _keys_to_ignore_on_load_unexpected)
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
                 f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."

@@ -75,7 +75,6 @@ class GptNeoxJapaneseStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "score.weight": "score.weight",
         "embed_out.weight": "output.weight",
         "gpt_neox_japanese.embed_in.weight": "tok_embeddings.weight",
@@ -83,6 +82,7 @@ class GptNeoxJapaneseStateDictAdapter(BaseStateDictAdapter):
         "gpt_neox_japanese.final_layer_norm.weight": "norm.weight",
         "gpt_neox_japanese.layers.{}.attention.dense.weight": "layers.{}.attention.wo.weight",
         "gpt_neox_japanese.layers.{}.attention.dense_bias": "layers.{}.attention.wo.bias",
+        "gpt_neox_japanese.layers.{}.attention.rotary_emb.inv_freq": None,
         "gpt_neox_japanese.layers.{}.input_layernorm.bias": "layers.{}.attention_norm.bias",
         "gpt_neox_japanese.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
         "gpt_neox_japanese.layers.{}.mlp.dense_4h_to_h.weight": "layers.{}.feed_forward.w2.weight",

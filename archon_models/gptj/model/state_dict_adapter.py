@@ -51,13 +51,13 @@ class GptjStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "lm_head.bias": "output.bias",
         "transformer.h.{}.attn.k_proj.weight": "layers.{}.attention.wk.weight",
         "transformer.h.{}.attn.out_proj.weight": "layers.{}.attention.wo.weight",
         "transformer.h.{}.attn.q_proj.weight": "layers.{}.attention.wq.weight",
+        "transformer.h.{}.attn.rotary_emb.inv_freq": None,
         "transformer.h.{}.attn.v_proj.weight": "layers.{}.attention.wv.weight",
         "transformer.h.{}.ln_1.bias": "layers.{}.attention_norm.bias",
         "transformer.h.{}.ln_1.weight": "layers.{}.attention_norm.weight",

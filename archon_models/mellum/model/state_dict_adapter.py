@@ -83,6 +83,9 @@ class MellumStateDictAdapter(BaseStateDictAdapter):
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
     }
+    # transformers' load drops a checkpoint key that one of these finds and the model has no
+    # parameter for (the family's _keys_to_ignore_on_load_unexpected): legacy buffers, unbuilt modules.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (r"^mtp\.",)
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):
         super().__init__(model_config, hf_assets_path)
@@ -110,6 +113,8 @@ class MellumStateDictAdapter(BaseStateDictAdapter):
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
         if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too (the family's _keys_to_ignore_on_load_unexpected)
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
                 f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."

@@ -88,6 +88,9 @@ class MinimaxM3VlTextStateDictAdapter(BaseStateDictAdapter):
         "model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.moe.expert_bias",
         "model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.moe.shared_experts.w2.weight",
     }
+    # transformers' load drops a checkpoint key that one of these finds and the model has no
+    # parameter for (the family's _keys_to_ignore_on_load_unexpected): legacy buffers, unbuilt modules.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (r"(^|\.)mtp\..*",)
     # Checkpoint keys that stack several Archon parameters along dim 0, in this order.
     fused_from_hf_map: ClassVar[dict[str, list[str]]] = {
         "model.layers.{}.mlp.shared_experts.gate_up_proj.weight": [
@@ -141,6 +144,8 @@ class MinimaxM3VlTextStateDictAdapter(BaseStateDictAdapter):
     def _archon_key(self, hf_key: str) -> str | None:
         template, indices = _abstract(hf_key)
         if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too (the family's _keys_to_ignore_on_load_unexpected)
             raise KeyError(
                 f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
                 f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."

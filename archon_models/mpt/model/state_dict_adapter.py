@@ -51,7 +51,6 @@ class MptStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "transformer.blocks.{}.attn.out_proj.weight": "layers.{}.attention.wo.weight",

@@ -52,7 +52,6 @@ class OpenaiGptStateDictAdapter(BaseStateDictAdapter):
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "transformer.h.{}.attn.c_proj.bias": "layers.{}.attention.wo.bias",

@@ -58,7 +58,6 @@ class XglmStateDictAdapter(BaseStateDictAdapter):
         "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
         "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
         "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
-        "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
         "lm_head.weight": "output.weight",
         "score.weight": "score.weight",
         "model.layer_norm.bias": "norm.bias",
