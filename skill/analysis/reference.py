@@ -301,8 +301,9 @@ def engine_limits(checklist: Checklist) -> list[str]:
         elif moe.expert_bias and (len(moe.expert_bias_key_templates) != 2 or not all(moe.expert_bias_key_templates)):
             limits.append("expert projection biases the analyser cannot place on the in- and down projection")
         template = moe.expert_key_template
-        if template and not any(f".{{}}.{block}." in template for block in ("mlp", "block_sparse_moe")):
-            limits.append(f"MoE experts stored under another module than mlp or block_sparse_moe ({template})")
+        if checklist.attention.mla is not None and template and ".{}.mlp.experts." not in template:
+            # The MLA reference's adapter is not derived from the checkpoint: it reads DeepSeek's names.
+            limits.append(f"MoE experts of an MLA family stored under another module than mlp ({template})")
     return limits
 
 

@@ -314,6 +314,33 @@ def rotary_buffer_keys(report: ArchitectureReport) -> list[str]:
     return sorted(f"{module}.rotary_emb.inv_freq" for module in attention)
 
 
+def moe_block_name(moe: MoEFeatures | None, layer_prefix: str) -> str:
+    """The layer's module holding the routed experts, from the analysis' expert key
+    (``model.layers.{}.feed_forward.experts.gate_up_proj`` -> ``feed_forward``); ``mlp``
+    without experts."""
+    template = moe.expert_key_template if moe is not None else ""
+    inner = template[len(layer_prefix) :] if template.startswith(layer_prefix) else ""
+    return inner.split(".experts.", 1)[0] if ".experts." in inner else "mlp"
+
+
+def _moe_rules(moe_block: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The MoE block's rules (router, shared experts) and per-expert modules, named under
+    ``moe_block`` as the tables name them under ``mlp``."""
+    if moe_block == "mlp":
+        return {}, EXPERT_MODULES
+    renamed = {
+        f"{moe_block}.{name[len('mlp.') :]}": target
+        for name, target in LAYER_MODULES.items()
+        if name.startswith("mlp.") and target.startswith("moe.")
+    }
+    experts = {
+        f"{moe_block}.{name[len('mlp.') :]}": target
+        for name, target in EXPERT_MODULES.items()
+        if name.startswith("mlp.")
+    }
+    return renamed, {**EXPERT_MODULES, **experts}
+
+
 def derive_from_hf_map(
     hf_keys: list[str],
     dense_layers: bool = True,
@@ -328,8 +355,13 @@ def derive_from_hf_map(
     explicit: dict[str, str | None] | None = None,
     literal_inner: bool = False,
     runtime_buffers: list[str] | None = None,
+    moe_block: str = "mlp",
 ) -> dict[str, str | None]:
     """HF key (``{}`` for indices) -> Archon key for every key of a checkpoint.
+
+    ``moe_block``: the layer's module holding the routed experts (:func:`moe_block_name`); its
+    router, experts and shared experts are named as they would be in ``mlp`` (Llama 4's
+    ``feed_forward.router``, ``feed_forward.shared_expert.gate_proj``).
 
     ``runtime_buffers``: keys a released checkpoint may hold that are recomputed at run time,
     dropped (:func:`rotary_buffer_keys`); the llama layout's ``RUNTIME_BUFFERS`` when not given.
@@ -376,7 +408,8 @@ def derive_from_hf_map(
     # The name table covers modules the structural map does not find; where both name a
     # module, the structure wins (a gated MLP named c_gate/c_fc/c_proj: c_fc is the up
     # projection, w3, though GPT-2's plain c_fc is w1).
-    layer_rules = {**LAYER_MODULES, **structural_layer, **norms}
+    moe_rules, expert_modules = _moe_rules(moe_block)
+    layer_rules = {**LAYER_MODULES, **moe_rules, **structural_layer, **norms}
     if "mlp.up_proj" in layer_modules and "mlp.gate_proj" not in layer_modules:
         # A two-layer MLP (up, act, down): its up projection is Archon's w1.
         layer_rules["mlp.up_proj"] = "feed_forward.w1"
@@ -419,8 +452,8 @@ def derive_from_hf_map(
             unmapped.append(key)
             continue
         module, param = match.group("module"), match.group("param")
-        if inner is not None and module in EXPERT_MODULES:
-            mapping[key] = f"layers.{{}}.{EXPERT_MODULES[module]}"
+        if inner is not None and module in expert_modules:
+            mapping[key] = f"layers.{{}}.{expert_modules[module]}"
             continue
         target = layer_rules.get(module) if inner is not None else top_rules.get(module)
         if target is None:
@@ -637,6 +670,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             "module_map": module_map,
             "explicit": {**current, **request.add},
             "runtime_buffers": rotary_buffer_keys(report),
+            "moe_block": moe_block_name(checklist.moe, prefix),
         }
         try:
             derived = derive_from_hf_map(**derive_args)

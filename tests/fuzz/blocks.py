@@ -21,7 +21,7 @@ from tests.fuzz.spec import FamilySpec
 def ffn_attr(spec: FamilySpec, naming: NamingScheme) -> str | None:
     """The layer attribute holding the feed-forward or MoE block (None: OPT's inline fc1/fc2)."""
     if spec.moe is not None:
-        return spec.moe.block_name if spec.moe.layers == "all" else "mlp"
+        return spec.moe.block_name if spec.moe.layers == "all" or spec.moe.block_name == "feed_forward" else "mlp"
     return naming.ffn
 
 

@@ -196,11 +196,14 @@ SCHEMES: dict[Naming, NamingScheme] = {
 
 # The feed-forward names of the catalogue's MoE families: routed experts, shared experts and
 # the dense layers beside them are Llama-named MLPs in ``mlp`` (Qwen-MoE, DeepSeek, OLMoE),
-# or Mixtral's ``w1``/``w3``/``w2`` experts in ``block_sparse_moe``. No family of the
+# or Mixtral's ``w1``/``w3``/``w2`` experts in ``block_sparse_moe``, or Llama 4's in
+# ``feed_forward`` (its dense layers' MLP too). No family of the
 # catalogue names its experts after GPT-2's or GPT-NeoX's dense MLP.
 _MOE_FFN = {
     "mlp": {"ffn": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
     "block_sparse_moe": {"ffn": "mlp", "gate": "w1", "up": "w3", "down": "w2"},
+    # Llama 4's: the MoE block and the dense layers' MLP are both the layer's feed_forward.
+    "feed_forward": {"ffn": "feed_forward", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
 }
 # OPT keeps fc1/fc2 in the layer for its plain MLP; a gated MLP of such a family is a module
 # of its own, named as Llama's.

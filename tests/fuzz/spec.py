@@ -135,7 +135,7 @@ class MoESpec(_Frozen):
     gate_up_order: Literal["concatenated", "interleaved", "concatenated_up_first", "interleaved_up_first"] = (
         "concatenated"
     )
-    block_name: Literal["mlp", "block_sparse_moe"] = "mlp"
+    block_name: Literal["mlp", "block_sparse_moe", "feed_forward"] = "mlp"
 
 
 class ScalarSpec(_Frozen):
@@ -448,12 +448,15 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
     if rng.random() < 0.25:
         n_group = rng.choice([g for g in (2, 4) if n_experts // g >= 2])
         topk_group = rng.randrange(1, n_group)
-    block_name = _pick(rng, {"mlp": 4, "block_sparse_moe": 1})
-    n_shared = _pick(rng, {0: 2, 1: 2, 2: 0.5}) if block_name == "mlp" else 0
+    # Llama 4's feed_forward takes a share of mlp's weight and draws as mlp does after it: the
+    # families of seeds drawn before it existed keep every value but that name.
+    block_name = _pick(rng, {"mlp": 3, "feed_forward": 1, "block_sparse_moe": 1})
+    llama_named = block_name != "block_sparse_moe"
+    n_shared = _pick(rng, {0: 2, 1: 2, 2: 0.5}) if llama_named else 0
     style = _pick(rng, {"deepseek": 1, "qwen": 1}) if n_shared else "deepseek"
     if style == "qwen":
         n_shared = 1
-    layers = _pick(rng, {"all": 3, "leading_dense": 1.5, "sparse_step": 0.7}) if block_name == "mlp" else "all"
+    layers = _pick(rng, {"all": 3, "leading_dense": 1.5, "sparse_step": 0.7}) if llama_named else "all"
     inter = rng.choice([32, 48, 64])
     return MoESpec(
         n_experts=n_experts,
@@ -463,7 +466,7 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
         norm_topk_prob=rng.random() < 0.75,
         n_group=n_group,
         topk_group=topk_group,
-        correction_bias=block_name == "mlp" and rng.random() < (0.6 if scoring == "sigmoid" else 0.1),
+        correction_bias=llama_named and rng.random() < (0.6 if scoring == "sigmoid" else 0.1),
         routed_scaling_factor=rng.choice([1.5, 2.5]) if rng.random() < 0.3 else None,
         router_bias=rng.random() < 0.1,
         n_shared_experts=n_shared,
@@ -475,7 +478,7 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
         sparse_step=2 if layers == "sparse_step" else 1,
         # Mixtral's block_sparse_moe holds one module per expert.
         layout=_pick(rng, {"per_expert": 3, "fused_out_in": 1.5, "fused_in_out": 1})
-        if block_name == "mlp"
+        if llama_named
         else "per_expert",
         gate_up_order=_pick(rng, {"concatenated": 3, "interleaved": 1}),
         block_name=block_name,

@@ -82,6 +82,33 @@ def _ported(tmp_path: Path, spec: FamilySpec, stages: list[int]) -> None:
     assert [r.stage for r in result.stage_results] == stages
 
 
+@pytest.mark.fuzz
+@pytest.mark.slow
+def test_moe_block_named_feed_forward_ports(tmp_path):
+    """Llama 4's names: the router, routed and shared experts in the layer's feed_forward, and
+    the dense layers' MLP there too. Before: refused, "MoE experts stored under another module
+    than mlp or block_sparse_moe"; the adapter now names the block as the analysis measured it."""
+    spec = plain_family(
+        "fzmoeff",
+        moe=MoESpec(
+            n_experts=4,
+            top_k=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            shared_style="qwen",
+            shared_intermediate_size=64,
+            layers="sparse_step",
+            sparse_step=2,
+            block_name="feed_forward",
+        ),
+    )
+    report = report_for(str(_family(tmp_path, spec)), True)
+    assert report.checklist.moe is not None
+    assert ".{}.feed_forward.experts." in report.checklist.moe.expert_key_template
+    assert report.unsupported == []
+    _ported(tmp_path / "port", spec, STAGES)
+
+
 @pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
