@@ -477,9 +477,7 @@ def sample_moe(rng: random.Random, n_layers: int) -> MoESpec:
         first_k_dense=1 if layers == "leading_dense" else 0,
         sparse_step=2 if layers == "sparse_step" else 1,
         # Mixtral's block_sparse_moe holds one module per expert.
-        layout=_pick(rng, {"per_expert": 3, "fused_out_in": 1.5, "fused_in_out": 1})
-        if llama_named
-        else "per_expert",
+        layout=_pick(rng, {"per_expert": 3, "fused_out_in": 1.5, "fused_in_out": 1}) if llama_named else "per_expert",
         gate_up_order=_pick(rng, {"concatenated": 3, "interleaved": 1}),
         block_name=block_name,
     )
