@@ -218,6 +218,19 @@ class SlidingWindow(_Frozen):
     )
 
 
+class ChunkedAttention(_Frozen):
+    """Attention inside fixed chunks of each document (Llama 4's local layers): a token sees
+    the earlier tokens of its own ``size``-token chunk, chunks counted from the document's
+    first token. Measured on the attention weights of a tiny model with a layer of each kind."""
+
+    size_field: str = Field(description="config field: the chunk length in tokens (attention_chunk_size)")
+    chunked_kind: str | None = Field(
+        None,
+        description="the layer_types value of the chunked layers (the others see their whole document); "
+        "None: every layer",
+    )
+
+
 class QueryPositionScale(_Frozen):
     """Queries scaled by their absolute position, RoPE unchanged (Ministral3's long-context
     temperature): ``q * (1 + beta * log(1 + floor(p / period)))``, the form verified on HF's
@@ -349,6 +362,13 @@ class AttentionFeatures(_Frozen):
     sub_norm: NormKind | None = _optional_fact(
         "a norm over every head's output (n_heads * head_dim) that the output projection reads (BitNet's "
         "attn_sub_norm), its kind; measured: the projection's input is the norm's output, with the block norms' eps"
+    )
+    qk_norm_rope_layers_only: bool | None = _optional_fact(
+        "the (weightless) QK norm is held only by the layers that apply RoPE: exactly the NoPE layers lack it "
+        "(Llama 4), measured on the full-depth stack"
+    )
+    chunked: ChunkedAttention | None = _optional_fact(
+        "attention inside fixed chunks of each document (Llama 4's attention_chunk_size), measured"
     )
     nope_layers: list[int] = Field(
         default_factory=list, description="0-based layers (of the full-depth stack when measurable) that apply no RoPE"
@@ -691,6 +711,7 @@ class Feature(StrEnum):
     ATTN_OUTPUT_GATE = "attn_output_gate"
     ATTN_SUB_NORM = "attn_sub_norm"
     DIFFERENTIAL_ATTENTION = "differential_attention"
+    CHUNKED_ATTENTION = "chunked_attention"
     O_BIAS_LAYERS = "o_bias_layers"
     QKV_CLIP = "qkv_clip"
     QUERY_POSITION_SCALE = "query_position_scale"
@@ -754,6 +775,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
     Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
     Feature.DIFFERENTIAL_ATTENTION: "differential attention",
+    Feature.CHUNKED_ATTENTION: "chunked local attention",
     Feature.O_BIAS_LAYERS: "layers whose output projection has a bias",
     Feature.QKV_CLIP: "q/k/v clipping",
     Feature.QUERY_POSITION_SCALE: "query scaled by absolute position",
@@ -906,6 +928,9 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.ATTN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     # model_edits.differential_attention: head pairs over paired values, lambda, the pair norm.
     Feature.DIFFERENTIAL_ATTENTION: frozenset({"true"}),
+    # model_edits.chunked_attention: the chunks become the kernel's documents, on every layer
+    # or on the layers of one layer_types kind.
+    Feature.CHUNKED_ATTENTION: frozenset({"all_layers", "per_layer_kind"}),
     Feature.FFN_SUB_NORM: frozenset(kind for kind in NormKind if kind is not NormKind.OTHER),
     Feature.NORM_KIND: frozenset(
         {
@@ -1146,6 +1171,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         values[Feature.ATTN_SUB_NORM] = att.sub_norm.value
     if att.differential is not None:
         values[Feature.DIFFERENTIAL_ATTENTION] = "true"
+    if att.chunked is not None:
+        values[Feature.CHUNKED_ATTENTION] = "all_layers" if att.chunked.chunked_kind is None else "per_layer_kind"
     if att.o_bias_last_layer_key is not None:
         values[Feature.O_BIAS_LAYERS] = "last"
     if ffn.sub_norm is not None:

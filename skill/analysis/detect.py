@@ -25,6 +25,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from skill.activations import ACTIVATIONS, match_activation
 from skill.analysis import modules as mt
 from skill.analysis import probes
+from skill.analysis.chunked import measure_chunked_attention
 from skill.analysis.config_fields import mapped_field
 from skill.analysis.differential import measure_differential
 from skill.analysis.indexer import sparse_indexer
@@ -1558,8 +1559,19 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         # Separate in memory, one tensor on disk: its rows are the projections' rows, stacked.
         ctx.evidence.append(f"q/k/v saved as one tensor {stacked[0]} (rows: {', '.join(stacked[1])}; by value)")
         qkv_layout = FusedQKVLayout.STACKED if stacked[1] == ["q", "k", "v"] else FusedQKVLayout.OTHER
-    if ctx.get("attention_chunk_size"):
-        ctx.other.append(f"chunked local attention (attention_chunk_size={ctx.get('attention_chunk_size')})")
+    if ctx.get("attn_temperature_tuning") and isinstance(ctx.get("floor_scale"), int):
+        # Llama 4 scales the queries of its NoPE layers by their index in the sequence (not by
+        # position_ids, which the absolute-position probe moves), from floor_scale tokens on:
+        # the tiny model's sequences never reach it, so nothing here measures it.
+        ctx.other.append(
+            "queries scaled by their sequence index on layers without RoPE (attn_temperature_tuning, from "
+            f"floor_scale={ctx.get('floor_scale')} tokens on; not measured)"
+        )
+    chunked, chunked_evidence = measure_chunked_attention(ctx.tiny, ctx.model, ctx.trust_remote_code)
+    if chunked is not None and chunked_evidence:
+        ctx.evidence.append(chunked_evidence)
+    elif chunked_evidence:
+        ctx.other.append(f"chunked local attention: {chunked_evidence}")
     return AttentionFeatures(
         q_bias=bool(q_bias),
         k_bias=bool(k_bias),
@@ -1593,6 +1605,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         output_gate_bias=gate.bias if gate else False,
         sub_norm=sub_norm,
         differential=differential,
+        chunked=chunked,
         o_bias_last_layer_key=last_layer_output_bias(ctx, roles) if not o_bias else None,
         nope_layers=nope,
         nope_layers_field=nope_field,
@@ -3715,13 +3728,14 @@ def _layers_text(indices: list[int], total: int) -> str:
     return f"layer{'s' if len(indices) > 1 else ''} {shown} of {total}"
 
 
-def per_layer_differences(ctx: Context) -> list[str]:
+def per_layer_differences(ctx: Context, exempt: Set[str] = frozenset()) -> list[str]:
     """Parts of a layer that differ from layer 0's (from the first MoE layer's, for experts).
 
     The checklist describes layer 0; a bias, norm, QK norm, projection width or module
     kind that another layer has differently would be ported wrong, so each one is named
     ("per-layer difference: ...") and the family refused until an edit covers it. Read on
-    the full-depth stack (tiny widths) where it builds, else on the tiny stack.
+    the full-depth stack (tiny widths) where it builds, else on the tiny stack. Modules at the
+    ``exempt`` paths (a difference an edit covers, measured elsewhere) are not compared.
     """
     _, layers, full = ctx.layer_stack()
     parts = [_layer_parts(ctx, layer) for layer in layers]
@@ -3734,7 +3748,7 @@ def per_layer_differences(ctx: Context) -> list[str]:
             ("FFN ", ffn, parts[ref_index][0], ref_index),
         ):
             for path in sorted(set(mine) | set(theirs)):
-                if mine.get(path) == theirs.get(path):
+                if mine.get(path) == theirs.get(path) or any(path == e or path.startswith(f"{e}.") for e in exempt):
                     continue
                 here, there = mine.get(path, "absent"), theirs.get(path, "absent")
                 what = f"{kind}{path or 'layer'}: {here} (layer {ref}: {there})"

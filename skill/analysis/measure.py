@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from skill.analysis import detect, probes
 from skill.analysis import modules as mt
 from skill.analysis.inputs import AnalysisError, ResolvedSource, check_decoder_only, resolve_source
+from skill.analysis.rope_layer_qk_norm import qk_norm_on_rope_layers
 from skill.analysis.source_scan import scan_model_source
 from skill.features import Checklist
 from skill.tiny_model import (
@@ -181,7 +182,10 @@ def _inspect(
     positions = detect.position_features(ctx)
     norm = detect.norm_features(ctx)
     scalars = detect.scalar_features(ctx)
-    ctx.other.extend(detect.per_layer_differences(ctx))
+    rope_layer_qk_norms = qk_norm_on_rope_layers(ctx, attention)
+    if rope_layer_qk_norms:
+        attention = attention.model_copy(update={"qk_norm_rope_layers_only": True})
+    ctx.other.extend(detect.per_layer_differences(ctx, exempt=rope_layer_qk_norms))
     ctx.other.extend(detect.layer_stack_structure(ctx))
     ctx.other.extend(detect.head_transform(ctx, scalars))
     pinned = detect.nested_forward_fields(ctx)

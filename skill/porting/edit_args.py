@@ -274,7 +274,13 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 operator.attrgetter(window),
             )
         )
-    if profile.sliding_layer_types or profile.per_layer_rope or profile.nope_layer_type:
+    chunked = profile.chunked_attention
+    if chunked is not None:
+        # The chunk length of chunked local attention (on every layer, or on those of one kind).
+        size = chunked.size_field
+        fields.append(ArgField(size, "int", int(getattr(config, size)), f"hf_config.{size}", operator.attrgetter(size)))
+    chunked_by_kind = chunked is not None and chunked.chunked_kind is not None
+    if profile.sliding_layer_types or profile.per_layer_rope or profile.nope_layer_type or chunked_by_kind:
         # Each layer's kind: layer_types, or the field that marks the windowed layers (GPT-Neo's
         # attention_layers; the analysis refuses it beside RoPE or NoPE chosen by layer_types).
         kinds = profile.layer_kinds_field if profile.sliding_layer_types else "layer_types"

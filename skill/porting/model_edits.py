@@ -1128,6 +1128,25 @@ def _qk_norm_after_rope(text: Document, ctx: EditContext) -> Document:
     )
 
 
+QK_NORM_STATEMENTS = ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))")
+
+
+def _qk_norm_on_rope_layers(text: Document, ctx: EditContext) -> Document:
+    """The per-head QK norm applied on the layers that apply RoPE only (Llama 4; the norm is
+    weightless, so every layer may hold it). A NoPE layer's q and k are taken local as the norm
+    would have left them under tensor parallelism."""
+    if "if self.use_rope:\n    xq = maybe_to_local(self.q_norm(xq))" in text.code:
+        return text
+    guarded = (
+        "# The layers without RoPE normalise neither queries nor keys.\n"
+        "if self.use_rope:\n    " + "\n    ".join(QK_NORM_STATEMENTS) + "\n"
+    )
+    if not ctx.profile.qk_norm_after_rope:  # before RoPE, nothing has taken them local yet
+        guarded += "else:\n    xq, xk = maybe_to_local(xq), maybe_to_local(xk)\n"
+    text = replace_in_function(text, "Attention", "forward", QK_NORM_STATEMENTS[1], "")
+    return replace_in_function(text, "Attention", "forward", QK_NORM_STATEMENTS[0], guarded)
+
+
 def _query_position_scale(text: Document, ctx: EditContext) -> Document:
     """Queries scaled by their position after RoPE (``query_position_scale``), with the
     constants the config sets (``query_scale_beta``, ``query_scale_period``)."""
@@ -1150,6 +1169,43 @@ def _query_position_scale(text: Document, ctx: EditContext) -> Document:
         ROPE_CALL,
         f"{ROPE_CALL}\n"
         "xq = xq * query_position_scale(positions, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n",
+    )
+
+
+# The first statement of every reference's Attention.forward: the chunks are cut right after it.
+FORWARD_SHAPES = "bs, seqlen, _ = x.shape"
+
+
+def _chunked_attention(text: Document, ctx: EditContext) -> Document:
+    """Chunked local attention: each document cut into chunks of ``attention_chunk_size`` (the
+    config's field) tokens before the kernel runs, so that every chunk is a document to it; on
+    every layer, or on those whose ``layer_types`` entry is the measured kind."""
+    chunked = ctx.profile.chunked_attention
+    assert chunked is not None
+    if "self.attention_chunk_size =" in text:
+        return text
+    text = insert_before_class(text, "Attention", snippet("attention", "chunk_documents"))
+    size = f"model_args.{chunked.size_field}"
+    if chunked.chunked_kind is None:
+        chunk, comment = size, "Every layer attends inside chunks of its document (chunked local attention)."
+    else:
+        text = add_parameter(text, "Attention", "__init__", "attention_chunk_size: int | None = None")
+        text = set_call_kwarg(
+            text,
+            "Attention",
+            "attention_chunk_size",
+            f'{size} if model_args.layer_types[layer_id] == "{chunked.chunked_kind}" else None',
+            target="self.attention",
+        )
+        chunk, comment = "attention_chunk_size", "Attention inside chunks of each document on this layer, if set."
+    text = insert_after_statement_assigning(
+        text, "Attention", "__init__", "self.scaling", f"# {comment}\nself.attention_chunk_size = {chunk}\n"
+    )
+    cut = "cu_seqlens, max_seqlen = chunk_documents(cu_seqlens, max_seqlen, self.attention_chunk_size)\n"
+    if chunked.chunked_kind is not None:
+        cut = "if self.attention_chunk_size is not None:\n    " + cut
+    return insert_after_statement_assigning(
+        text, "Attention", "forward", FORWARD_SHAPES.split(" =")[0], "# Each chunk is a document to the kernel.\n" + cut
     )
 
 
@@ -2011,6 +2067,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         _qk_norm_after_rope,
     ),
     ModelEdit(
+        "chunked_attention",
+        "attention inside fixed chunks of each document (on some layers, by their kind)",
+        lambda p: p.chunked_attention is not None,
+        _chunked_attention,
+    ),
+    ModelEdit(
         "query_position_scale",
         "queries scaled by their absolute position after RoPE",
         lambda p: p.query_position_scale is not None,
@@ -2021,6 +2083,12 @@ MODEL_EDITS: tuple[ModelEdit, ...] = (
         "RoPE left out on the layers the config names",
         lambda p: p.nope_field is not None or p.nope_layer_type is not None,
         _nope_layers,
+    ),
+    ModelEdit(
+        "qk_norm_on_rope_layers",
+        "the per-head QK norm on the layers that apply RoPE only",
+        lambda p: p.qk_norm_rope_layers_only,
+        _qk_norm_on_rope_layers,
     ),
     ModelEdit(
         "rope_cache",
@@ -2333,6 +2401,9 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
         attention.append("attention sinks")
     if profile.differential_attention:
         attention.append("differential attention (head pairs subtracted with a learned lambda)")
+    if profile.chunked_attention is not None:
+        kind = profile.chunked_attention.chunked_kind
+        attention.append("chunked local attention" + (" on some layers" if kind else ""))
     norm = NORM_TITLES[profile.norm]
     mlp = (
         (
@@ -2419,6 +2490,13 @@ def _attention_features(profile: PortPlan) -> str:
         )
     elif profile.sliding_window:
         sentences.append("Each token attends to the last ``sliding_window`` tokens of its own document.")
+    if profile.chunked_attention is not None:
+        chunked = profile.chunked_attention
+        where = f"On layers marked ``{chunked.chunked_kind}`` each" if chunked.chunked_kind else "Each"
+        sentences.append(
+            f"{where} token attends only to the earlier tokens of its ``{chunked.size_field}``-token chunk of "
+            "its document."
+        )
     if profile.attn_softcap:
         sentences.append("Scores are soft-capped before the softmax.")
     if profile.attn_sinks:

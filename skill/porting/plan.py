@@ -26,6 +26,7 @@ from skill.analysis.reference import reference_for
 from skill.analysis.report import AnalyzeInput, ArchitectureReport
 from skill.errors import UnsupportedFeatureError
 from skill.features import (
+    ChunkedAttention,
     ConfigScalar,
     FFNKind,
     FusedQKVLayout,
@@ -167,6 +168,17 @@ class PortPlan(BaseModel):
         default="sliding_attention", description="sliding_layer_types: the layer kind that sees the window"
     )
     attn_softcap: bool
+    qk_norm_rope_layers_only: bool = Field(
+        default=False,
+        description="the (weightless) per-head QK norm runs on the layers that apply RoPE only",
+        exclude_if=lambda value: not value,
+    )
+    chunked_attention: ChunkedAttention | None = Field(
+        default=None,
+        description="attention inside fixed chunks of each document: the chunk's config field, and the layer_types "
+        "kind of the chunked layers (None: every layer)",
+        exclude_if=lambda value: value is None,
+    )
     attn_sinks: bool = Field(default=False, description="a learned sink logit per head joins each softmax row")
     output_gate: str | None = Field(
         default=None,
@@ -524,6 +536,8 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         layer_kinds_field=att.sliding_window.layer_kinds_field or "layer_types",
         windowed_kind=att.sliding_window.windowed_kind or "sliding_attention",
         attn_softcap=att.logit_softcap is not None,
+        chunked_attention=att.chunked,
+        qk_norm_rope_layers_only=bool(att.qk_norm_rope_layers_only),
         attn_sinks=att.sinks,
         output_gate=att.output_gate_kind.value if att.output_gate and att.output_gate_kind else None,
         o_bias_last_layer=att.o_bias_last_layer_key is not None,

@@ -146,11 +146,18 @@ def attention_piece(spec: FamilySpec, naming: NamingScheme) -> Piece:
             q_width = k_width = "self.head_dim"
         else:
             q_width, k_width = "self.num_heads * self.head_dim", "self.num_key_value_heads * self.head_dim"
-        init_extra += [
+        norms = [
             f"self.{q_name} = {norm_ctor(qk.kind, q_width, eps)}",
             f"self.{k_name} = {norm_ctor(qk.kind, k_width, eps)}",
         ]
         normed = f"query_states = self.{q_name}(query_states)\nkey_states = self.{k_name}(key_states)"
+        if qk.rope_layers_only:
+            # Llama 4: only the layers that rotate build and apply the QK norm.
+            rope_rule = _use_rope(spec)
+            assert rope_rule is not None, "a QK norm on the RoPE layers only needs NoPE layers"
+            norms = [rope_rule, "if self.use_rope:", *(indent(line, 1) for line in norms)]
+            normed = "if self.use_rope:\n" + indent(normed, 1)
+        init_extra += norms
         if qk.width == "full_width":
             qk_full = normed
         elif qk.after_rope and spec.positions == "rope":
@@ -170,7 +177,7 @@ def attention_piece(spec: FamilySpec, naming: NamingScheme) -> Piece:
             f"self.pair_norm = nn.RMSNorm(2 * self.head_dim, eps={eps}, elementwise_affine=False)",
         ]
     use_rope = _use_rope(spec)
-    if use_rope:
+    if use_rope and use_rope not in init_extra:
         init_extra.append(use_rope)
     if att.nope == "per_layer_field":
         fields.append(ConfigField("no_rope_layers", list(att.rope_layers)))

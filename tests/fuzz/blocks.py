@@ -31,6 +31,10 @@ def _attention_type(spec: FamilySpec) -> str:
         return "self.attention_type = config.layer_types[layer_idx]"
     if att.window == "all":
         return 'self.attention_type = "sliding_attention"'
+    if att.chunk == "some":
+        return "self.attention_type = config.layer_types[layer_idx]"
+    if att.chunk == "all":
+        return 'self.attention_type = "chunked_attention"'
     return 'self.attention_type = "full_attention"'
 
 

@@ -14,7 +14,7 @@ is ported its own model is checked, from the files in its folder:
   layout, QK norm and its placement, RoPE or NoPE, scale, soft-cap, ALiBi, window, sinks);
 - the block of layer 0 wires its norms, branches and ``residual_multiplier`` as the
   placement says; a MoE block routes and combines as the spec says;
-- sliding windows mask what the window excludes; ALiBi slopes are ``2 ** (-8 i / n)``;
+- sliding windows mask what the window excludes, chunks what the chunk excludes; ALiBi slopes are ``2 ** (-8 i / n)``;
 - the head is tied exactly when the spec says; logits are transformed (divided,
   multiplied, soft-capped) as the config says; the embedding is scaled as it says.
 
@@ -344,6 +344,14 @@ def check_window_mask(model: PreTrainedModel, spec: FamilySpec) -> None:
         raise FamilyCheckError("sliding-window mask lets through other keys than the window's")
 
 
+def check_chunk_mask(model: PreTrainedModel, spec: FamilySpec) -> None:
+    chunk = spec.attention.chunk_size
+    mask = _modeling_module(model).causal_mask(None, 1, 3 * chunk + 2, torch.float32, "cpu", chunk=chunk)
+    i, j = torch.meshgrid(torch.arange(3 * chunk + 2), torch.arange(3 * chunk + 2), indexing="ij")
+    if not torch.equal(mask[0, 0] == 0, (j <= i) & (i // chunk == j // chunk)):
+        raise FamilyCheckError("chunked mask lets through other keys than the chunk's")
+
+
 def check_window_reach(model: PreTrainedModel, spec: FamilySpec) -> None:
     """Every layer windowed: token 0 reaches no further than n_layers * (window - 1) positions."""
     w, layers = spec.attention.window_size, spec.n_layers
@@ -406,15 +414,16 @@ def reference_attention(
     if qk is not None and qk.width == "full_width":
         q, k = norms[0](q), norms[1](k)
     q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
-    per_head = qk is not None and qk.width == "per_head"
-    after = per_head and qk.after_rope and spec.positions == "rope"
-    if per_head and not after:
-        q, k = norms[0](q), norms[1](k)
     uses_rope = spec.positions == "rope"
     if att.nope == "per_layer_field":
         uses_rope = bool(att.rope_layers[layer])
     elif att.nope == "layer_type":
         uses_rope = att.layer_types[layer] == "sliding_attention"
+    # Llama 4's QK norm is on the layers that apply RoPE only.
+    per_head = qk is not None and qk.width == "per_head" and (uses_rope or not qk.rope_layers_only)
+    after = per_head and qk is not None and qk.after_rope and spec.positions == "rope"
+    if per_head and not after:
+        q, k = norms[0](q), norms[1](k)
     if uses_rope and rope is not None:
         q, k = rope(q), rope(k)
     if after:
@@ -437,6 +446,8 @@ def reference_attention(
     windowed = att.window == "all" or (att.window == "some" and att.layer_types[layer] == "sliding_attention")
     if windowed:
         allowed = allowed & (i[:, None] - i[None, :] < att.window_size)
+    if att.chunk == "all" or (att.chunk == "some" and att.layer_types[layer] == "chunked_attention"):
+        allowed = allowed & (i[:, None] // att.chunk_size == i[None, :] // att.chunk_size)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if att.sinks:
         sink = attn.sinks.view(1, h, 1, 1).expand(b, h, s, 1)
@@ -489,6 +500,8 @@ def _masks(model: PreTrainedModel, spec: FamilySpec, seq: int) -> dict[str, torc
     masks = {"full_attention": causal(None, 1, seq, torch.float32, "cpu")}
     if spec.attention.window != "none":
         masks["sliding_attention"] = causal(None, 1, seq, torch.float32, "cpu", spec.attention.window_size)
+    if spec.attention.chunk != "none":
+        masks["chunked_attention"] = causal(None, 1, seq, torch.float32, "cpu", chunk=spec.attention.chunk_size)
     return masks
 
 
@@ -657,6 +670,8 @@ def check_family(spec: FamilySpec, folder: str | Path) -> list[str]:
         checks.append(("window mask", lambda: check_window_mask(model, spec)))
         if spec.attention.window == "all":
             checks.append(("window reach", lambda: check_window_reach(model, spec)))
+    if spec.attention.chunk != "none":
+        checks.append(("chunk mask", lambda: check_chunk_mask(model, spec)))
     if spec.positions == "alibi":
         checks.append(
             (

@@ -2,7 +2,8 @@
 
 The embedding (optionally scaled by ``sqrt(hidden_size)`` as Gemma does, or by
 ``embedding_multiplier`` as Granite does; learned absolute positions added as GPT-2
-does), the masks each attention type needs (causal; causal within ``sliding_window``),
+does), the masks each attention type needs (causal; causal within ``sliding_window``; causal
+inside chunks of ``attention_chunk_size``),
 the rotary embedding, the layers, the final norm; then the LM head, whose logits may be
 divided by ``logits_scaling`` (Granite), multiplied by ``logit_scale`` (Cohere) and
 soft-capped by ``final_logit_softcapping`` (Gemma 2). The head is tied to the embedding
@@ -18,13 +19,15 @@ from tests.fuzz.source import ConfigField, Piece, block, indent, lines
 from tests.fuzz.spec import FamilySpec
 
 CAUSAL_MASK = '''
-    def causal_mask(attention_mask, batch, seq_len, dtype, device, sliding_window=None):
+    def causal_mask(attention_mask, batch, seq_len, dtype, device, sliding_window=None, chunk=None):
         """Additive ``[batch, 1, q, k]`` mask: causal, within ``sliding_window`` tokens when given,
-        plus padding from a 2D ``attention_mask``."""
+        inside chunks of ``chunk`` tokens when given, plus padding from a 2D ``attention_mask``."""
         positions = torch.arange(seq_len, device=device)
         allowed = positions[None, :] <= positions[:, None]
         if sliding_window is not None:
             allowed = allowed & (positions[:, None] - positions[None, :] < sliding_window)
+        if chunk is not None:
+            allowed = allowed & (positions[:, None] // chunk == positions[None, :] // chunk)
         allowed = allowed[None, None].expand(batch, 1, seq_len, seq_len)
         if attention_mask is not None:
             allowed = allowed & attention_mask[:, None, None, :].bool()
@@ -112,6 +115,16 @@ def _stack(spec: FamilySpec, naming: NamingScheme, cls: str) -> tuple[str, list[
         )
         fields.append(ConfigField("sliding_window", spec.attention.window_size))
         if spec.attention.window == "some":
+            fields.append(ConfigField("layer_types", list(spec.attention.layer_types)))
+    if spec.attention.chunk != "none":
+        masks.append(
+            'masks["chunked_attention"] = causal_mask(\n'
+            "    attention_mask, bsz, seq_len, hidden_states.dtype, hidden_states.device,\n"
+            "    chunk=self.config.attention_chunk_size,\n"
+            ")"
+        )
+        fields.append(ConfigField("attention_chunk_size", spec.attention.chunk_size))
+        if spec.attention.chunk == "some":
             fields.append(ConfigField("layer_types", list(spec.attention.layer_types)))
     forward = lines(
         "if (input_ids is None) == (inputs_embeds is None):",

@@ -58,6 +58,7 @@ class QKNormSpec(_Frozen):
     width: Literal["per_head", "full_width"]
     kind: NormKind
     after_rope: bool = False
+    rope_layers_only: bool = Field(False, description="held and applied by the layers that apply RoPE only (Llama 4)")
 
 
 class RopeSpec(_Frozen):
@@ -80,7 +81,11 @@ class AttentionSpec(_Frozen):
     qk_norm: QKNormSpec | None = None
     window: Literal["none", "all", "some"] = "none"
     window_size: int = 8
-    layer_types: list[str] = Field(default_factory=list, description="per layer, when window == 'some'")
+    layer_types: list[str] = Field(default_factory=list, description="per layer, when window or chunk is 'some'")
+    chunk: Literal["none", "all", "some"] = Field(
+        "none", description="chunked local attention (Llama 4's attention_chunk_size), never beside a window"
+    )
+    chunk_size: int = 8
     softcap: float | None = None
     sinks: bool = False
     nope: Literal["none", "per_layer_field", "layer_type"] = "none"
@@ -233,6 +238,8 @@ class FamilySpec(_Frozen):
                 parts.append(f"qk_norm:{qk.width}:{qk.kind}:" + ("after_rope" if qk.after_rope else "before_rope"))
             if att.window != "none":
                 parts.append(f"window_{att.window}{att.window_size}")
+            if att.chunk != "none":
+                parts.append(f"chunk_{att.chunk}{att.chunk_size}")
             if att.softcap is not None:
                 parts.append("softcap")
             if att.sinks:
@@ -370,10 +377,16 @@ def sample_heads(rng: random.Random, hidden: int) -> tuple[int, int, int, bool]:
 
 def sample_attention(rng: random.Random, hidden: int, n_layers: int, norm: NormSpec, rope: bool) -> AttentionSpec:
     heads, kv, head_dim, explicit = sample_heads(rng, hidden)
-    window = _pick(rng, {"none": 6, "all": 1.5, "some": 2})
+    # Chunked attention takes a share of "none"'s weight, listed before "all" and "some": the
+    # families of seeds drawn before it existed keep every value but that one.
+    drawn = _pick(rng, {"none": 5.2, "chunk_all": 0.4, "chunk_some": 0.4, "all": 1.5, "some": 2})
+    window = drawn if drawn in ("all", "some") else "none"
+    chunk = drawn.removeprefix("chunk_") if drawn.startswith("chunk_") else "none"
     layer_types: list[str] = []
     if window == "some":
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    elif chunk == "some":
+        layer_types = ["chunked_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
     nope = "none"
     rope_layers: list[int] = []
     if rope and rng.random() < 0.2:
@@ -397,7 +410,9 @@ def sample_attention(rng: random.Random, hidden: int, n_layers: int, norm: NormS
         fused_qkv=_pick(rng, {"none": 6, "stacked": 1.5, "grouped": 1.5}),
         qk_norm=sample_qk_norm(rng, norm),
         window=window,
-        window_size=rng.choice([4, 6, 8, 12]),
+        window_size=(size := rng.choice([4, 6, 8, 12])),
+        chunk=chunk,
+        chunk_size=size,
         layer_types=layer_types,
         softcap=rng.choice([20.0, 30.0, 50.0]) if rng.random() < 0.15 else None,
         sinks=rng.random() < 0.12,

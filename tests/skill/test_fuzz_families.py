@@ -97,6 +97,7 @@ def test_sampled_seeds_cover_the_vocabulary():
         seen["explicit head_dim"].add(att.explicit_head_dim)
         seen["fused qkv"].add(att.fused_qkv)
         seen["window"].add(att.window)
+        seen["chunk"].add(att.chunk)
         seen["softcap"].add(att.softcap is not None)
         seen["sinks"].add(att.sinks)
         seen["nope"].add(att.nope)
@@ -118,6 +119,7 @@ def test_sampled_seeds_cover_the_vocabulary():
             seen["correction bias"].add(moe.correction_bias)
             seen["shared"].add((moe.n_shared_experts > 0, moe.shared_style, moe.shared_gate))
             seen["moe layers"].add(moe.layers)
+            seen["moe block"].add(moe.block_name)
             seen["expert layout"].add(moe.layout)
             seen["gate/up order"].add(moe.gate_up_order)
             seen["routed scaling"].add(moe.routed_scaling_factor is not None)
@@ -142,6 +144,7 @@ def test_sampled_seeds_cover_the_vocabulary():
         "explicit head_dim": {True, False},
         "fused qkv": {"none", "stacked", "grouped"},
         "window": {"none", "all", "some"},
+        "chunk": {"none", "all", "some"},
         "softcap": {True, False},
         "sinks": {True, False},
         "nope": {"none", "per_layer_field", "layer_type"},
@@ -159,6 +162,7 @@ def test_sampled_seeds_cover_the_vocabulary():
         "groups": {True, False},
         "correction bias": {True, False},
         "moe layers": {"all", "leading_dense", "sparse_step"},
+        "moe block": {"mlp", "block_sparse_moe", "feed_forward"},
         "expert layout": {"per_expert", "fused_out_in", "fused_in_out"},
         "gate/up order": {"concatenated", "interleaved"},
         "routed scaling": {True, False},
@@ -447,6 +451,37 @@ def test_alibi_with_a_sliding_window_or_a_soft_cap_ports(tmp_path, window: str, 
     )
     assert f"self.packed_attn = {kernel}" in model_py
     assert "SlidingWindowAttention" not in model_py and "EagerAttention" not in model_py
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+def test_chunked_attention_on_the_layers_of_one_kind_ports(tmp_path):
+    """Llama 4's chunked local attention (attention_chunk_size), on the layers layer_types marks
+    chunked_attention, beside NoPE layers. Before: refused, "chunked local attention
+    (attention_chunk_size=...)". The analysis reads the mask from each layer's attention weights;
+    the chunked_attention edit cuts every document into chunks for the kernel on those layers
+    (seed 7 of the default run chunks every layer). The documents of the stage cases (7, 13, 4)
+    cross chunk boundaries; without the cut, stage 4 is off by 1.6 (measured)."""
+    attention = AttentionSpec(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        explicit_head_dim=False,
+        chunk="some",
+        chunk_size=4,
+        layer_types=["chunked_attention", "full_attention"],
+        nope="per_layer_field",
+        rope_layers=[1, 0],
+    )
+    spec = plain_family("fzchunked", attention=attention)
+    folder = write_family(spec, tmp_path / spec.name)
+    check_family(spec, folder)
+    root = _workspace(tmp_path)
+    result = port_model(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[2, 3, 4], workspace=root))
+    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    assert result.passed, f"{result.failed_step}: {result.error} {result.unsupported}\n{failing}"
+    model_py = (root / "archon_models" / spec.name / "model" / "model.py").read_text()
+    assert 'if model_args.layer_types[layer_id] == "chunked_attention"' in model_py
 
 
 def test_a_clip_qkv_no_tiny_activation_reaches_is_measured(tmp_path):

@@ -654,6 +654,23 @@ def query_position_scale(positions: torch.Tensor, beta: float, period: int) -> t
     return scale[..., None, None]
 
 
+def chunk_documents(cu_seqlens: torch.Tensor, max_seqlen: int, chunk: int) -> tuple[torch.Tensor, int]:
+    """Packed documents cut into chunks of ``chunk`` tokens counted from each document's first
+    token: the boundaries and the longest chunk, for the attention kernel to treat each chunk
+    as a document of its own.
+
+    Chunked local attention (Llama 4's ``attention_chunk_size``): a token attends to the earlier
+    tokens of its chunk only, as HF's chunked mask allows in each sequence. Causal attention over
+    these documents is exactly that, whatever the kernel (flash, flex, one call per document),
+    and a window or a score bias of the kernel still applies inside each chunk. Tokens past
+    ``cu_seqlens[-1]`` (padding) stay as they are.
+    """
+    index = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    document_start = torch.repeat_interleave(cu_seqlens[:-1], torch.diff(cu_seqlens))
+    starts = index[(index - document_start) % chunk == 0]
+    return torch.cat([starts, cu_seqlens[-1:]]).to(cu_seqlens.dtype), min(max_seqlen, chunk)
+
+
 def split_query_gate(projected: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The queries and the output gate of a query projection whose rows hold, head after
     head, the head's query and then its gate (``[..., heads * 2 * head_dim]``; the heads a
