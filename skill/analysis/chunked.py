@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import cast
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from skill.analysis import modules as mt
 from skill.analysis import probes
@@ -34,7 +36,7 @@ def chunk_mask(length: int, chunk: int) -> torch.Tensor:
     return (index[None, :] <= index[:, None]) & (index[None, :] // chunk == index[:, None] // chunk)
 
 
-def _chunk_fields(config: object) -> list[tuple[str, int]]:
+def _chunk_fields(config: PretrainedConfig) -> list[tuple[str, int]]:
     return sorted(
         (name, value)
         for name, value in vars(config).items()
@@ -46,7 +48,7 @@ def _chunk_fields(config: object) -> list[tuple[str, int]]:
     )
 
 
-def _with_every_kind(config: object) -> object:
+def _with_every_kind(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` with a layer of each of its ``layer_types`` kinds in the tiny stack."""
     kinds = list(getattr(config, "layer_types", None) or ())
     n_layers = int(getattr(config, "num_hidden_layers", len(kinds)))
@@ -58,7 +60,7 @@ def _with_every_kind(config: object) -> object:
     return moved
 
 
-def _layer_weights(model: nn.Module, config: object, tokens: torch.Tensor) -> list[torch.Tensor] | None:
+def _layer_weights(model: nn.Module, config: PretrainedConfig, tokens: torch.Tensor) -> list[torch.Tensor] | None:
     """Each layer's ``[batch, heads, q, k]`` attention weights: what the model returns with
     ``output_attentions``, else the first square softmax computed inside each layer's attention."""
     try:
@@ -68,7 +70,7 @@ def _layer_weights(model: nn.Module, config: object, tokens: torch.Tensor) -> li
     attentions = getattr(out, "attentions", None)
     if attentions and all(isinstance(a, torch.Tensor) for a in attentions):
         return list(attentions)
-    anatomy = mt.anatomy(model, int(config.num_hidden_layers))
+    anatomy = mt.anatomy(cast(PreTrainedModel, model), int(config.num_hidden_layers))
     if anatomy.attention_name is None:
         return None
     mode = probes.SoftmaxWeights()
@@ -98,7 +100,7 @@ def _layer_weights(model: nn.Module, config: object, tokens: torch.Tensor) -> li
     return [weights[0] for weights in per_layer]
 
 
-def _visible_keys(model: nn.Module, config: object, length: int) -> list[torch.Tensor] | None:
+def _visible_keys(model: nn.Module, config: PretrainedConfig, length: int) -> list[torch.Tensor] | None:
     """Each layer's ``[length, length]`` pattern of non-zero attention weights (any head)."""
     weights = _layer_weights(model, config, probes.tokens_for(config, length))
     if weights is None or not all(w.shape[-1] == length and w.shape[-2] == length for w in weights):
@@ -107,7 +109,7 @@ def _visible_keys(model: nn.Module, config: object, length: int) -> list[torch.T
 
 
 def measure_chunked_attention(
-    tiny: object, model: nn.Module, trust_remote_code: bool
+    tiny: PretrainedConfig, model: nn.Module, trust_remote_code: bool
 ) -> tuple[ChunkedAttention | None, str | None]:
     """The chunked attention of the tiny model ``model`` of config ``tiny`` and the evidence,
     or ``None`` and, when a chunk field is set that no measured pattern explains, why."""
