@@ -637,8 +637,10 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         transposed = set(checklist.transposed_weights)
         module_map = report.checkpoint.module_map
         fused = fused_from_report(report.checkpoint.fused_modules, shapes, prefix)
+        moe_block = moe_block_name(checklist.moe, prefix)
         known = (
             set(LAYER_MODULES)
+            | set(_moe_rules(moe_block)[0])
             | {hf[len(prefix) : -len(".weight")] for hf in fused}
             | {hf[len(prefix) :] for hf in module_map if hf.startswith(prefix)}
         )
@@ -670,7 +672,7 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             "module_map": module_map,
             "explicit": {**current, **request.add},
             "runtime_buffers": rotary_buffer_keys(report),
-            "moe_block": moe_block_name(checklist.moe, prefix),
+            "moe_block": moe_block,
         }
         try:
             derived = derive_from_hf_map(**derive_args)
