@@ -233,11 +233,26 @@ class ChunkedAttention(_Frozen):
 
 class QueryPositionScale(_Frozen):
     """Queries scaled by their absolute position, RoPE unchanged (Ministral3's long-context
-    temperature): ``q * (1 + beta * log(1 + floor(p / period)))``, the form verified on HF's
-    forward. Fields are config paths: ``rope_parameters.llama_4_scaling_beta``."""
+    temperature): ``q * (1 + beta * log(1 + floor((p + offset) / period)))``, the form verified
+    on HF's forward, on every layer or on the layers without RoPE (Llama 4's attention
+    temperature). Fields are config paths: ``rope_parameters.llama_4_scaling_beta``."""
 
     beta_field: str
     period_field: str
+    offset: int = Field(
+        0,
+        exclude_if=lambda value: value == 0,
+        description="added to the position before the floor (Llama 4's temperature: (p + 1) / period)",
+    )
+    nope_layers_only: bool = Field(
+        False,
+        exclude_if=lambda value: not value,
+        description="only the layers without RoPE scale their queries (Llama 4's attention temperature)",
+    )
+    switch_field: str | None = _optional_fact(
+        "boolean config field that turns the scale on (Llama 4's attn_temperature_tuning), measured: flipped, the "
+        "scale is gone; the port pins it"
+    )
 
 
 class SparseIndexer(_Frozen):
@@ -532,6 +547,10 @@ class MoEFeatures(_Frozen):
         default_factory=list,
         description="MoE config fields (experts, experts per token) whose config class accepts a per-layer "
         "list; the port reads one value and refuses a list",
+    )
+    score_before_experts: bool | None = _optional_fact(
+        "the routing weights scale what the experts read, not what they return (Llama 4: sum_e E_e(w_e * x); "
+        "AReaL's MoEArgs.score_before_experts); measured on the rows the experts read"
     )
     router_softcap_field: str | None = _optional_fact(
         "config field soft-capping the router logits (tanh), off here (0 or None) and read by the forward "

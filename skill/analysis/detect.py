@@ -28,6 +28,7 @@ from skill.analysis import probes
 from skill.analysis.chunked import measure_chunked_attention
 from skill.analysis.config_fields import mapped_field
 from skill.analysis.differential import measure_differential
+from skill.analysis.expert_input import scores_before_experts
 from skill.analysis.indexer import sparse_indexer
 from skill.analysis.places import (
     ATTENTION_OUTPUT,
@@ -1266,6 +1267,106 @@ def query_position_scale(ctx: Context) -> QueryPositionScale | None:
     return None
 
 
+# Llama 4's attention temperature, measured with its period shrunk to a few tokens.
+_TEMPERATURE_LENGTH = 12
+_TEMPERATURE_PERIOD = 3
+
+
+def _scaled_query_logits(
+    model: nn.Module, tokens: torch.Tensor, queries: list[nn.Module], factor: torch.Tensor
+) -> torch.Tensor | None:
+    """``model``'s logits with the output of each of ``queries`` multiplied by ``factor`` (one per token)."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return output * factor.to(output.dtype).view(1, -1, *([1] * (output.dim() - 2)))
+
+    handles = [q.register_forward_hook(hook) for q in queries]
+    try:
+        return probes.logits(model, tokens)
+    except Exception as exc:  # a remote-code forward raises several exception types
+        logger.debug("the temperature probe's forward failed: %s", exc)
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def nope_query_temperature(ctx: Context, nope_layers: list[int]) -> QueryPositionScale | None:
+    """Queries of the layers without RoPE scaled by their position in the sequence (Llama 4's
+    ``1 + beta * log(1 + floor((p + 1) / period))``), and the config fields setting it.
+
+    The period is far beyond any tiny sequence, so the tiny model never shows the scale: each
+    integer config value past the probe's length is shrunk to a few tokens in turn; one whose
+    shrinking moves the logits is the period when the model with it equals the tiny model (the
+    period at its own value) whose NoPE layers' query projections are multiplied by that form,
+    for one other config value as ``beta`` and an offset of 0 or 1. The boolean field whose
+    flip removes the scale is its switch. None: no such scale (or one this form does not fit)."""
+    tiny = ctx.tiny
+    layers = [i for i in nope_layers if i < int(tiny.num_hidden_layers)]
+    if not layers:
+        return None
+    tokens = probes.tokens_for(tiny, _TEMPERATURE_LENGTH)
+    base = probes.logits(ctx.model, tokens)
+    positions = torch.arange(_TEMPERATURE_LENGTH, dtype=torch.float64)
+    paths = _numeric_paths(tiny)
+    for period_path, period in paths.items():
+        if not isinstance(period, int) or isinstance(period, bool) or period <= 4 * _TEMPERATURE_LENGTH:
+            continue
+        shrunk_config = _with_config_path(tiny, period_path, _TEMPERATURE_PERIOD)
+        try:
+            shrunk = build_tiny_model(shrunk_config, seed=0, trust_remote_code=ctx.trust_remote_code)
+            moved = probes.logits(shrunk, tokens)
+        except Exception as exc:  # config validators raise several exception types
+            logger.debug("shrinking %s failed: %s", period_path, exc)
+            continue
+        if moved.shape != base.shape or torch.allclose(moved, base, atol=1e-6, rtol=1e-5):
+            continue
+        queries = _query_projections(ctx, ctx.model)
+        if len(queries) != int(tiny.num_hidden_layers):
+            return None
+        nope_queries = [queries[i] for i in layers]
+        for beta_path, beta in paths.items():
+            if beta_path == period_path or isinstance(beta, int):
+                continue
+            for offset in (0, 1):
+                factor = 1 + float(beta) * torch.log1p(torch.floor((positions + offset) / _TEMPERATURE_PERIOD))
+                scaled = _scaled_query_logits(ctx.model, tokens, nope_queries, factor)
+                if scaled is None or not torch.allclose(scaled, moved, atol=1e-5, rtol=1e-4):
+                    continue
+                switch = _scale_switch(ctx, shrunk_config, tokens, base)
+                ctx.evidence.append(
+                    f"queries of the layers without RoPE scaled by 1 + {beta_path} * log(1 + floor((p + {offset}) / "
+                    f"{period_path})) (probe, {period_path} shrunk to {_TEMPERATURE_PERIOD})"
+                    + (f", switched on by {switch}" if switch else "")
+                )
+                return QueryPositionScale(
+                    beta_field=beta_path,
+                    period_field=period_path,
+                    offset=offset,
+                    nope_layers_only=True,
+                    switch_field=switch,
+                )
+    return None
+
+
+def _scale_switch(ctx: Context, shrunk: PretrainedConfig, tokens: torch.Tensor, base: torch.Tensor) -> str | None:
+    """The boolean config field that, flipped on the model with the shrunk period, gives the
+    unscaled model's logits back."""
+    for name, value in sorted(vars(shrunk).items()):
+        if not isinstance(value, bool) or not value:
+            continue
+        flipped = copy.deepcopy(shrunk)
+        setattr(flipped, name, False)
+        try:
+            logits = probes.logits(build_tiny_model(flipped, seed=0, trust_remote_code=ctx.trust_remote_code), tokens)
+        except Exception as exc:  # config validators raise several exception types
+            logger.debug("flipping %s failed: %s", name, exc)
+            continue
+        if logits.shape == base.shape and torch.allclose(logits, base, atol=1e-6, rtol=1e-5):
+            return name
+    return None
+
+
 # The epsilon of the deepseek_v3 reference's latent norms (its model.py's LATENT_NORM_EPS).
 REFERENCE_LATENT_NORM_EPS = 1e-6
 
@@ -1559,13 +1660,15 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         # Separate in memory, one tensor on disk: its rows are the projections' rows, stacked.
         ctx.evidence.append(f"q/k/v saved as one tensor {stacked[0]} (rows: {', '.join(stacked[1])}; by value)")
         qkv_layout = FusedQKVLayout.STACKED if stacked[1] == ["q", "k", "v"] else FusedQKVLayout.OTHER
-    if ctx.get("attn_temperature_tuning") and isinstance(ctx.get("floor_scale"), int):
-        # Llama 4 scales the queries of its NoPE layers by their index in the sequence (not by
-        # position_ids, which the absolute-position probe moves), from floor_scale tokens on:
-        # the tiny model's sequences never reach it, so nothing here measures it.
+    position_scale = query_position_scale(ctx) if probes.rotary_modules(ctx.model) else None
+    if position_scale is None and nope:
+        position_scale = nope_query_temperature(ctx, nope)
+    if position_scale is None and ctx.get("attn_temperature_tuning") and isinstance(ctx.get("floor_scale"), int):
+        # Llama 4's attention temperature that the probe above could not fit (it reads the queries
+        # of the NoPE layers past floor_scale tokens, which tiny sequences never reach).
         ctx.other.append(
             "queries scaled by their sequence index on layers without RoPE (attn_temperature_tuning, from "
-            f"floor_scale={ctx.get('floor_scale')} tokens on; not measured)"
+            f"floor_scale={ctx.get('floor_scale')} tokens on) in a form no probe matched"
         )
     chunked, chunked_evidence = measure_chunked_attention(ctx.tiny, ctx.model, ctx.trust_remote_code)
     if chunked is not None and chunked_evidence:
@@ -1610,7 +1713,7 @@ def attention_features(ctx: Context) -> AttentionFeatures:
         nope_layers=nope,
         nope_layers_field=nope_field,
         nope_layer_type=nope_type,
-        query_position_scale=query_position_scale(ctx) if probes.rotary_modules(ctx.model) else None,
+        query_position_scale=position_scale,
         clip_qkv=clip_value,
         clip_qkv_field=clip_field,
         clip_qkv_after_qk_norm=clip_after_norm,
@@ -2617,6 +2720,7 @@ def moe_features(ctx: Context) -> MoEFeatures | None:
         renormalises_when_ignored=renormalises_when_ignored,
         per_layer_list_fields=_per_layer_list_fields(ctx.config, ctx.source),
         router_softcap_field=_router_softcap_field(ctx),
+        score_before_experts=True if scores_before_experts(ctx.model, ctx.tiny, ffn) else None,
     )
 
 

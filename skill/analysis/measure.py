@@ -190,6 +190,10 @@ def _inspect(
     ctx.other.extend(detect.head_transform(ctx, scalars))
     pinned = detect.nested_forward_fields(ctx)
     switches = detect.forward_switches(ctx)
+    scale = attention.query_position_scale
+    if scale is not None and scale.switch_field is not None:
+        # The switch of a query scale the tiny model's positions never reach: pinned like the others.
+        switches[scale.switch_field] = True
     nullable = detect.nullable_fields(ctx)
     checklist = Checklist(
         attention=attention,

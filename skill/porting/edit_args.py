@@ -336,6 +336,8 @@ def arg_fields(profile: PortPlan, config: Any) -> list[ArgField]:
                 moe_args.score_func = getattr(c, profile.router_scoring_field)
             elif profile.router_scoring == "sigmoid":
                 moe_args.score_func = "sigmoid"
+            if profile.score_before_experts:
+                moe_args.score_before_experts = True
             if profile.routed_scaling_field is not None:
                 moe_args.route_scale = float(getattr(c, profile.routed_scaling_field))
             if profile.expert_group_fields is not None:
@@ -976,6 +978,11 @@ def router_setup(plan: PortPlan) -> str:
         lines += [
             "# The router scores each expert with its own sigmoid; no config field says so.",
             'moe_args.score_func = "sigmoid"',
+        ]
+    if plan.score_before_experts:
+        lines += [
+            "# The routing weights scale what the experts read, not what they return.",
+            "moe_args.score_before_experts = True",
         ]
     if plan.routed_scaling_field is not None:
         lines += [

@@ -1162,14 +1162,14 @@ def _query_position_scale(text: Document, ctx: EditContext) -> Document:
         "self.query_scale_beta = model_args.query_scale_beta\n"
         "self.query_scale_period = model_args.query_scale_period\n",
     )
-    return replace_in_function(
-        text,
-        "Attention",
-        "forward",
-        ROPE_CALL,
-        f"{ROPE_CALL}\n"
-        "xq = xq * query_position_scale(positions, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n",
-    )
+    scale = ctx.profile.query_position_scale
+    assert scale is not None
+    where = f"positions + {scale.offset}" if scale.offset else "positions"
+    scaled = f"xq = xq * query_position_scale({where}, self.query_scale_beta, self.query_scale_period).to(xq.dtype)\n"
+    if scale.nope_layers_only:
+        # Llama 4's attention temperature: the layers without RoPE sharpen their queries.
+        scaled = "if not self.use_rope:\n    " + scaled
+    return replace_in_function(text, "Attention", "forward", ROPE_CALL, f"{ROPE_CALL}\n{scaled}")
 
 
 # The first statement of every reference's Attention.forward: the chunks are cut right after it.

@@ -274,6 +274,11 @@ class PortPlan(BaseModel):
         default="all", description="the config rule naming the MoE layers (the analysis' moe_layer_rule)"
     )
     moe_layer_fields: list[str] = Field(default_factory=list, description="config fields that rule reads")
+    score_before_experts: bool = Field(
+        default=False,
+        description="the routing weights scale the experts' input, not their output (MoEArgs.score_before_experts)",
+        exclude_if=lambda value: not value,
+    )
     routed_scaling_field: str | None = Field(
         default=None, description="config field of the factor on the routed experts' weights (route_scale)"
     )
@@ -569,6 +574,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         per_layer_rope=pos.per_layer_type_rope,
         heads_per_layer_field=att.heads_per_layer_field,
         router_softcap_field=moe.router_softcap_field if moe is not None else None,
+        score_before_experts=moe is not None and bool(moe.score_before_experts),
         nope_field=att.nope_layers_field,
         nope_layer_type=att.nope_layer_type,
         qk_norm_after_rope=att.qk_norm_placement is QKNormPlacement.AFTER_ROPE,
