@@ -15,20 +15,6 @@ from tests.fuzz.spec import AttentionSpec, QKNormSpec, plain_family
 from tests.skill.test_port_rope import _workspace
 
 
-def test_llama4_names_what_is_left_after_its_qk_norm_and_chunks():
-    from skill.porting.plan import report_for
-
-    report = report_for("llama4_text")
-    # What no probe reaches yet stays refused by name: the NoPE layers' query temperature.
-    temperature = (
-        "unsupported: queries scaled by their sequence index on layers without RoPE (attn_temperature_tuning, "
-        "from floor_scale=8192 tokens on; not measured)"
-    )
-    assert report.unsupported == [temperature]
-    # Families whose QK norm is on every layer have no such fact (their reports read as before).
-    assert report_for("qwen3").checklist.attention.qk_norm_rope_layers_only is None
-
-
 @pytest.mark.fuzz
 @pytest.mark.slow
 @pytest.mark.parametrize(
