@@ -73,7 +73,7 @@ def _layer_weights(model: nn.Module, config: PretrainedConfig, tokens: torch.Ten
     anatomy = mt.anatomy(cast(PreTrainedModel, model), int(config.num_hidden_layers))
     if anatomy.attention_name is None:
         return None
-    mode = probes.SoftmaxWeights()
+    mode = probes.SoftmaxWeights(sink_columns=1)  # a sink logit's column is no key
     per_layer: list[list[torch.Tensor]] = []
 
     def enter(module: nn.Module, args: tuple) -> None:

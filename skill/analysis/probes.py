@@ -559,11 +559,15 @@ def probe_position_offset(model: nn.Module, table: nn.Embedding, config: Any, le
 
 class SoftmaxWeights(TorchFunctionMode):
     """Records the output of every softmax over the last dim while ``active`` (set by hooks on
-    one attention module): its attention weights, for a model that returns none."""
+    one attention module): its attention weights, for a model that returns none.
 
-    def __init__(self) -> None:
+    ``sink_columns``: a softmax over that many more columns than rows is recorded too, without
+    its last columns (gpt-oss's sink logit joins each row as the last column)."""
+
+    def __init__(self, sink_columns: int = 0) -> None:
         super().__init__()
         self.active = False
+        self.sink_columns = sink_columns
         self.weights: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -574,9 +578,9 @@ class SoftmaxWeights(TorchFunctionMode):
             and softmax
             and isinstance(out, torch.Tensor)
             and out.ndim == 4
-            and out.shape[-1] == out.shape[-2]
+            and 0 <= out.shape[-1] - out.shape[-2] <= self.sink_columns
         ):
-            self.weights.append(out.detach())
+            self.weights.append(out.detach()[..., : out.shape[-2]])
         return out
 
 

@@ -466,8 +466,13 @@ def derive_from_hf_map(
     if unmapped:
         raise unmapped_keys_error(unmapped, _why_unmapped(unmapped, module_map, layer_prefix))
     if any(".experts.{}." in k for k in keys) and dense_layers:
+        held = set(mapping.values())
         for module in DENSE_MLP:
-            mapping.setdefault(f"{layer_prefix}{module}.weight", f"layers.{{}}.{LAYER_MODULES[module]}.weight")
+            # Llama's names for dense layers the tiny checkpoint may lack; not where the checkpoint
+            # names the dense MLP itself (Llama 4's feed_forward.gate_proj beside its MoE block).
+            target = f"layers.{{}}.{LAYER_MODULES[module]}.weight"
+            if target not in held:
+                mapping.setdefault(f"{layer_prefix}{module}.weight", target)
     buffers = RUNTIME_BUFFERS if runtime_buffers is None else dict.fromkeys(runtime_buffers)
     mapping.update({k: None for k in buffers if k not in mapping})
     # A tied checkpoint has no lm_head; the adapter fills it from the embedding, so the
