@@ -61,6 +61,7 @@ from archon_models.jais2 import spec as jais2_spec  # noqa: F401
 from archon_models.kolibri1 import spec as kolibri1_spec  # noqa: F401
 from archon_models.laguna import spec as laguna_spec  # noqa: F401
 from archon_models.llama import spec as llama_spec  # noqa: F401
+from archon_models.llama4_text import spec as llama4_text_spec  # noqa: F401
 from archon_models.mellum import spec as mellum_spec  # noqa: F401
 from archon_models.minicpm3 import spec as minicpm3_spec  # noqa: F401
 from archon_models.minimax_m2 import spec as minimax_m2_spec  # noqa: F401

@@ -300,14 +300,6 @@ def engine_limits(checklist: Checklist) -> list[str]:
             limits.append("expert projection biases on ungated experts")
         elif moe.expert_bias and (len(moe.expert_bias_key_templates) != 2 or not all(moe.expert_bias_key_templates)):
             limits.append("expert projection biases the analyser cannot place on the in- and down projection")
-        if moe.score_before_experts:
-            # Measured on llama4_text's port (tests/skill/test_llama4_text.py): stages 1-4 and 6
-            # pass; stage 5 fails the gradients of tp=2, tp=2 (critic) and ep=2 x tp=2 (etp=2), 99
-            # of 107 tensors off by up to 8e-2, while the logits match. AReaL's MoE computes it alike.
-            limits.append(
-                "routing weights on the experts' input (MoEArgs.score_before_experts): the gradients under "
-                "tensor-parallel experts are wrong (stage 5)"
-            )
         template = moe.expert_key_template
         if checklist.attention.mla is not None and template and ".{}.mlp.experts." not in template:
             # The MLA reference's adapter is not derived from the checkpoint: it reads DeepSeek's names.

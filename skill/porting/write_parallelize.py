@@ -309,6 +309,23 @@ MOE_OUTPUT_NORM_PLAN = """if _is_moe_block(block):
     layer_plan["moe_output_norm"] = SequenceParallel(use_local_output=True)"""
 
 
+ROUTER_PARTIAL = '"moe.router.gate": partial_grad,'
+ROUTER_SCORES_BEFORE_EXPERTS = """# The routing weights scale the experts' input: tensor-parallel experts hand back that
+# input's gradient summed over the TP ranks, so the router's is whole on every rank; only
+# a reorderer's token slices (EP with etp=1) leave it partial.
+"moe.router.gate": ReplicateParallel(
+    local_output_grad_placements=(Partial() if ep_mesh is not None and etp == 1 else Replicate(),)
+),"""
+
+
+def _plan_router_scores_before_experts(text: Document) -> Document:
+    """The router's gradient placement for ``score_before_experts`` (measured on Llama 4: declared
+    partial, every gradient under tensor-parallel experts came out tp times too large)."""
+    if ROUTER_PARTIAL not in text:
+        return text
+    return replace_text(text, ROUTER_PARTIAL, textwrap.indent(ROUTER_SCORES_BEFORE_EXPERTS, " " * 16).strip())
+
+
 def _plan_moe_output_norm(text: Document) -> Document:
     if 'layer_plan["moe_output_norm"]' in text:
         return text
@@ -521,6 +538,8 @@ def apply_write_parallelize(
         text = _plan_differential_lambda(text, tree, layout)
     if profile.moe_output_norm:
         text = _plan_moe_output_norm(text)
+    if profile.score_before_experts:
+        text = _plan_router_scores_before_experts(text)
     if profile.block == "sandwich":
         # Norms on the sub-layer outputs run on the sequence shard the row-wise projections
         # reduce-scatter to; local outputs, because they are added to the local residual.
