@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -262,10 +263,9 @@ def test_self_check_catches_a_wrong_model(tmp_path, mutation):
 # ------------------------------------------------------------------------------ porting
 
 
-@pytest.mark.fuzz
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", PORT_SEEDS)
-def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
+def _port_seed(tmp_path: Path, seed: int) -> tuple[FamilySpec, Any, str]:
+    """Seed ``seed``'s family written, self-checked and ported (stages ``PORT_STAGES``): the spec,
+    the port's result and its failing steps in one line."""
     spec = sample_family(seed)
     folder = write_family(spec, tmp_path / spec.name)
     check_family(spec, folder)
@@ -273,11 +273,18 @@ def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
     result = port_model(
         PortModelRequest(source=str(folder), trust_remote_code=True, stages=PORT_STAGES, workspace=root)
     )
+    return spec, result, "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+
+
+@pytest.mark.fuzz
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", PORT_SEEDS)
+def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
+    spec, result, failing = _port_seed(tmp_path, seed)
     if result.passed:
         assert [r.stage for r in result.stage_results] == PORT_STAGES
         assert all(r.passed for r in result.stage_results)
         return
-    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
     assert result.failed_step == "analyze" and result.unsupported, (
         f"seed {seed} ({spec.feature_line()}) failed at {result.failed_step}: {result.error}\n{failing}"
     )
@@ -290,14 +297,7 @@ def test_seed_is_ported_or_refused_by_name(tmp_path: Path, seed: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", REGRESSION_SEEDS)
 def test_a_seed_the_bench_found_failing_ports(tmp_path: Path, seed: int):
-    spec = sample_family(seed)
-    folder = write_family(spec, tmp_path / spec.name)
-    check_family(spec, folder)
-    root = _workspace(tmp_path)
-    result = port_model(
-        PortModelRequest(source=str(folder), trust_remote_code=True, stages=PORT_STAGES, workspace=root)
-    )
-    failing = "; ".join(f"{s.step}: {s.detail[:300]}" for s in result.steps if not s.ok)
+    _, result, failing = _port_seed(tmp_path, seed)
     assert result.passed, f"seed {seed}: {result.failed_step}: {result.error} {result.unsupported}\n{failing}"
 
 

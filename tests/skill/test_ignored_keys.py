@@ -39,11 +39,15 @@ def _edited_adapter(reference: str, transposed: list[str]) -> type:
     text = apply_transposed_adapter(text, layout, transposed)
     edited = apply_ignored_keys_adapter(text, layout, [IGNORED]).code
     assert apply_ignored_keys_adapter(Document(edited), layout, [IGNORED]).code == edited  # idempotent
-    name = f"_ignored_keys_adapter_{reference}"
+    return compiled_adapter(edited, layout, f"_ignored_keys_adapter_{reference}")
+
+
+def compiled_adapter(code: str, layout: PackageLayout, name: str) -> type:
+    """The adapter class of an edited adapter module's ``code``, run as module ``name``."""
     module = types.ModuleType(name)
     sys.modules[name] = module
     try:
-        exec(compile(edited, "<adapter>", "exec"), module.__dict__)
+        exec(compile(code, "<adapter>", "exec"), module.__dict__)
     finally:
         sys.modules.pop(name, None)
     return getattr(module, layout.adapter_class)

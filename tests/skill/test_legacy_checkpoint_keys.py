@@ -7,8 +7,6 @@ and the rotary table's drop entry sits where the family's attention module saved
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from skill.harness import ModelCase
 from skill.harness.models import build_archon_model, build_hf_config, build_hf_model, save_hf_checkpoint
 from skill.porting.adapter_ignore_patterns import apply_ignore_patterns_adapter
 from skill.porting.common import PackageLayout
+from tests.skill.test_ignored_keys import compiled_adapter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,14 +48,7 @@ def _edited_adapter(reference: str, patterns: list[str]) -> type:
     text = Document((REPO / f"archon_models/{reference}/model/state_dict_adapter.py").read_text())
     edited = apply_ignore_patterns_adapter(text, layout, patterns).code
     assert apply_ignore_patterns_adapter(Document(edited), layout, patterns).code == edited  # idempotent
-    name = f"_ignore_patterns_adapter_{reference}"
-    module = types.ModuleType(name)
-    sys.modules[name] = module
-    try:
-        exec(compile(edited, "<adapter>", "exec"), module.__dict__)
-    finally:
-        sys.modules.pop(name, None)
-    return getattr(module, layout.adapter_class)
+    return compiled_adapter(edited, layout, f"_ignore_patterns_adapter_{reference}")
 
 
 @pytest.mark.parametrize(
