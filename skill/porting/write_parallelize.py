@@ -310,6 +310,7 @@ MOE_OUTPUT_NORM_PLAN = """if _is_moe_block(block):
 
 
 ROUTER_PARTIAL = '"moe.router.gate": partial_grad,'
+PARTIAL_GRAD = "partial_grad = ReplicateParallel(local_output_grad_placements=(Partial(),))"
 ROUTER_SCORES_BEFORE_EXPERTS = """# The routing weights scale the experts' input: tensor-parallel experts hand back that
 # input's gradient summed over the TP ranks, so the router's is whole on every rank; only
 # a reorderer's token slices (EP with etp=1) leave it partial.
@@ -323,7 +324,10 @@ def _plan_router_scores_before_experts(text: Document) -> Document:
     partial, every gradient under tensor-parallel experts came out tp times too large)."""
     if ROUTER_PARTIAL not in text:
         return text
-    return replace_text(text, ROUTER_PARTIAL, textwrap.indent(ROUTER_SCORES_BEFORE_EXPERTS, " " * 16).strip())
+    text = replace_text(text, ROUTER_PARTIAL, textwrap.indent(ROUTER_SCORES_BEFORE_EXPERTS, " " * 16).strip())
+    if text.code.count("partial_grad") == 1:  # the router was its only user
+        text = replace_in_function(text, None, "apply_moe_ep_tp", PARTIAL_GRAD, "")
+    return text
 
 
 def _plan_moe_output_norm(text: Document) -> Document:

@@ -300,7 +300,6 @@ def apply_moe_ep_tp(
         moe = block.moe
 
         if tp_mesh is not None:
-            partial_grad = ReplicateParallel(local_output_grad_placements=(Partial(),))
             moe_plan: dict[str, Any] = {
                 "moe": PrepareModuleInputOutput(
                     input_layouts=(Shard(1),),
