@@ -60,49 +60,14 @@ def _with_every_kind(config: PretrainedConfig) -> PretrainedConfig:
     return moved
 
 
-def _layer_weights(model: nn.Module, config: PretrainedConfig, tokens: torch.Tensor) -> list[torch.Tensor] | None:
-    """Each layer's ``[batch, heads, q, k]`` attention weights: what the model returns with
-    ``output_attentions``, else the first square softmax computed inside each layer's attention."""
-    try:
-        out = model(input_ids=tokens, use_cache=False, output_attentions=True)
-    except (TypeError, ValueError, RuntimeError):
-        out = None
-    attentions = getattr(out, "attentions", None)
-    if attentions and all(isinstance(a, torch.Tensor) for a in attentions):
-        return list(attentions)
+def _visible_keys(model: nn.Module, config: PretrainedConfig, length: int) -> list[torch.Tensor] | None:
+    """Each layer's ``[length, length]`` pattern of non-zero attention weights (any head)."""
     anatomy = mt.anatomy(cast(PreTrainedModel, model), int(config.num_hidden_layers))
     if anatomy.attention_name is None:
         return None
-    mode = probes.SoftmaxWeights(sink_columns=1)  # a sink logit's column is no key
-    per_layer: list[list[torch.Tensor]] = []
-
-    def enter(module: nn.Module, args: tuple) -> None:
-        mode.weights = []
-        mode.active = True
-
-    def leave(module: nn.Module, args: tuple, output: object) -> None:
-        mode.active = False
-        per_layer.append(mode.weights[:1])
-
-    modules = [layer.get_submodule(anatomy.attention_name) for layer in anatomy.layers]
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    try:
-        with mode:
-            model(input_ids=tokens, use_cache=False)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        logger.debug("the chunk probe's forward failed: %s", exc)
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    if len(per_layer) != len(modules) or not all(per_layer):
-        return None
-    return [weights[0] for weights in per_layer]
-
-
-def _visible_keys(model: nn.Module, config: PretrainedConfig, length: int) -> list[torch.Tensor] | None:
-    """Each layer's ``[length, length]`` pattern of non-zero attention weights (any head)."""
-    weights = _layer_weights(model, config, probes.tokens_for(config, length))
+    attentions = [layer.get_submodule(anatomy.attention_name) for layer in anatomy.layers]
+    # A sink logit's column (gpt-oss) is no key.
+    weights = probes.attention_weights(model, attentions, probes.tokens_for(config, length), sink_columns=1)
     if weights is None or not all(w.shape[-1] == length and w.shape[-2] == length for w in weights):
         return None
     return [(w[0] > 0).any(dim=0) for w in weights]

@@ -1329,7 +1329,7 @@ def nope_query_temperature(ctx: Context, nope_layers: list[int]) -> QueryPositio
             if beta_path == period_path or isinstance(beta, int):
                 continue
             for offset in (0, 1):
-                factor = 1 + float(beta) * torch.log1p(torch.floor((positions + offset) / _TEMPERATURE_PERIOD))
+                factor = _log_floor_scale(float(beta), _TEMPERATURE_PERIOD)(positions + offset)
                 scaled = _scaled_query_logits(ctx.model, tokens, nope_queries, factor)
                 if scaled is None or not torch.allclose(scaled, moved, atol=1e-5, rtol=1e-4):
                     continue

@@ -26,11 +26,6 @@ logger = logging.getLogger(__name__)
 _TOKENS = 9
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    value = args[0] if args else kwargs.get("hidden_states")
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _read_rows(model: nn.Module, config: Any, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the block's input rows, the rows its routed experts read), both ``[n, hidden]``."""
     found = mt.experts_module(block)
@@ -42,12 +37,12 @@ def _read_rows(model: nn.Module, config: Any, block: nn.Module) -> tuple[torch.T
     expert_rows: list[torch.Tensor] = []
 
     def on_block(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = _first_tensor(args, kwargs)
+        x = probes.input_tensor(args, kwargs)
         if x is not None and not block_rows:
             block_rows.append(x.detach().reshape(-1, x.shape[-1]))
 
     def on_expert(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = _first_tensor(args, kwargs)
+        x = probes.input_tensor(args, kwargs)
         if x is not None and x.dim() >= 2:
             expert_rows.append(x.detach().reshape(-1, x.shape[-1]))
 

@@ -584,34 +584,50 @@ class SoftmaxWeights(TorchFunctionMode):
         return out
 
 
-def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
-    """``[batch, heads, q, k]`` weights of ``attention``: what the model returns with
-    ``output_attentions``, else the first square softmax computed inside the module."""
+def attention_weights(
+    model: nn.Module, attentions: list[nn.Module], tokens: torch.Tensor, sink_columns: int = 0
+) -> list[torch.Tensor] | None:
+    """``[batch, heads, q, k]`` weights of each of ``attentions`` (the attention modules of the
+    stack's first layers, in order): what the model returns with ``output_attentions``, else the
+    first softmax computed inside each module (``sink_columns``: as :class:`SoftmaxWeights`)."""
     try:
         out = model(input_ids=tokens, use_cache=False, output_attentions=True)
     except (TypeError, ValueError, RuntimeError):
         out = None
-    attentions = getattr(out, "attentions", None)
-    if attentions and isinstance(attentions[0], torch.Tensor):
-        return attentions[0]
-    mode = SoftmaxWeights()
+    returned = getattr(out, "attentions", None)
+    head = list(returned[: len(attentions)]) if returned else []
+    if len(head) == len(attentions) and all(isinstance(a, torch.Tensor) for a in head):
+        return head
+    mode = SoftmaxWeights(sink_columns)
+    per_module: list[list[torch.Tensor]] = []
 
     def enter(module: nn.Module, args: tuple) -> None:
+        mode.weights = []
         mode.active = True
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         mode.active = False
+        per_module.append(mode.weights[:1])
 
-    handles = [attention.register_forward_pre_hook(enter), attention.register_forward_hook(leave)]
+    handles = [h for m in attentions for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
         with mode:
             model(input_ids=tokens, use_cache=False)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError) as exc:
+        logger.debug("the attention-weights forward failed: %s", exc)
         return None
     finally:
         for handle in handles:
             handle.remove()
-    return mode.weights[0] if mode.weights else None
+    if len(per_module) != len(attentions) or not all(per_module):
+        return None
+    return [weights[0] for weights in per_module]
+
+
+def _layer0_attention_weights(model: nn.Module, attention: nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
+    """``[batch, heads, q, k]`` weights of layer 0's ``attention`` (:func:`attention_weights`)."""
+    weights = attention_weights(model, [attention], tokens)
+    return weights[0] if weights else None
 
 
 def probe_score_scale(
@@ -887,7 +903,7 @@ def probe_value_rows(
     captured: dict[str, torch.Tensor] = {}
 
     def unit_input(module: nn.Module, args: tuple, kwargs: dict):
-        first = _first_tensor(args, kwargs)
+        first = input_tensor(args, kwargs)
         if first is None:
             return None
         unit = torch.zeros_like(first)
@@ -965,7 +981,7 @@ def probe_query_rows(
     captured: dict[str, torch.Tensor] = {}
 
     def unit_inputs(module: nn.Module, args: tuple, kwargs: dict):
-        first = _first_tensor(args, kwargs)
+        first = input_tensor(args, kwargs)
         if first is None or first.shape[-1] < 2 or first.shape[-2] < 2:
             return None
         unit = torch.zeros_like(first)
@@ -1119,7 +1135,7 @@ def probe_topk_weights_sum_to_one(model: nn.Module, anatomy: LayerAnatomy, confi
 # --------------------------------------------------------------- rotary per layer
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def input_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The hidden states a module receives: its first positional tensor, else ``hidden_states``."""
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
@@ -1213,12 +1229,12 @@ def probe_rotary_layers(model: nn.Module, attentions: list[nn.Module], config: A
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if index in inputs:
                 return None
-            first = _first_tensor(args, kwargs)
+            first = input_tensor(args, kwargs)
             if first is not None:
                 args, kwargs = _unit_rms_hidden(args, kwargs, first)
             saved = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
             saved.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
-            hidden = _first_tensor(args, kwargs)
+            hidden = input_tensor(args, kwargs)
             if hidden is not None:
                 saved["__hidden__"] = hidden
             inputs[index] = saved
@@ -1542,7 +1558,7 @@ def probe_clip_after_qk_norm(model: nn.Module, q_norm: nn.Module, config: Any, l
     seen: list[float] = []
 
     def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = _first_tensor(args, kwargs)
+        x = input_tensor(args, kwargs)
         if x is not None:
             seen.append(float(x.detach().abs().max()))
 
@@ -1727,7 +1743,7 @@ def probe_selection_bias_placement(
     seen: dict[str, torch.Tensor] = {}
 
     def on_router(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = _first_tensor(args, kwargs)
+        first = input_tensor(args, kwargs)
         if first is not None:
             seen.setdefault("x", first.detach().reshape(-1, first.shape[-1])[0].float())
 

@@ -383,6 +383,7 @@ def derive_from_hf_map(
     fused = fused or {}
     explicit = explicit or {}
     module_map = module_map or {}
+    buffers = RUNTIME_BUFFERS if runtime_buffers is None else dict.fromkeys(runtime_buffers)
     generalise = layer_generaliser(layer_prefix, literal_inner)
     keys = sorted({generalise(k) for k in hf_keys})
     layer_modules = {
@@ -418,9 +419,7 @@ def derive_from_hf_map(
     # module: the parent of the projections the structural map found (GPT-2's attn, Falcon's
     # self_attention).
     attention_modules = {
-        hf.rsplit(".", 1)[0]
-        for hf, archon in structural_layer.items()
-        if "." in hf and archon in ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+        hf.rsplit(".", 1)[0] for hf, archon in structural_layer.items() if "." in hf and archon in ATTENTION_PROJECTIONS
     }
     attention_parameters = {
         f"{module}.{hf.rsplit('.', 1)[1]}": target
@@ -434,7 +433,7 @@ def derive_from_hf_map(
     for key in keys:
         if key in fused:
             continue
-        if key in RUNTIME_BUFFERS or key in (runtime_buffers or ()):
+        if key in buffers:
             mapping[key] = None
             continue
         if key == position_table_key:
@@ -473,7 +472,6 @@ def derive_from_hf_map(
             target = f"layers.{{}}.{LAYER_MODULES[module]}.weight"
             if target not in held:
                 mapping.setdefault(f"{layer_prefix}{module}.weight", target)
-    buffers = RUNTIME_BUFFERS if runtime_buffers is None else dict.fromkeys(runtime_buffers)
     mapping.update({k: None for k in buffers if k not in mapping})
     # A tied checkpoint has no lm_head; the adapter fills it from the embedding, so the
     # entry stays for to_hf of untied fine-tunes and for the tying fill-in.
@@ -618,10 +616,9 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
                 unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
             )
         mla_plan = plan_for(request.source, request.trust_remote_code)
-        ignored = report_for(request.source, request.trust_remote_code).checkpoint.ignored_unexpected
-        text = apply_ignored_keys_adapter(text, layout, ignored)
-        patterns = report_for(request.source, request.trust_remote_code).checkpoint.load_ignore_patterns
-        text = apply_ignore_patterns_adapter(text, layout, patterns)
+        mla_checkpoint = report_for(request.source, request.trust_remote_code).checkpoint
+        text = apply_ignored_keys_adapter(text, layout, mla_checkpoint.ignored_unexpected)
+        text = apply_ignore_patterns_adapter(text, layout, mla_checkpoint.load_ignore_patterns)
         if not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)

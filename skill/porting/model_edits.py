@@ -681,6 +681,10 @@ PER_HEAD_QK_NORM = re.compile(r"self\.q_norm = [\w.]+\(self\.head_dim\b")
 FULL_WIDTH_QK_NORM = re.compile(r"self\.q_norm = [\w.]+\(self\.n_heads \* self\.head_dim\b")
 
 
+# The forward's per-head QK norm, as the per_head_qk_norm edit and the qwen3 reference write it.
+QK_NORM_STATEMENTS = ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))")
+
+
 def _remove_qk_norm(text: Document, ctx: EditContext) -> Document:
     """Drop the reference's per-head QK norm (qwen3) from a family that has none."""
     if "self.q_norm" not in text:
@@ -692,7 +696,7 @@ def _remove_qk_norm(text: Document, ctx: EditContext) -> Document:
         text = replace_in_function(text, "Attention", "__init__", statement, "")
     for statement in ("self.q_norm.reset_parameters()", "self.k_norm.reset_parameters()"):
         text = replace_in_function(text, "Attention", "init_weights", statement, "")
-    for statement in ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))"):
+    for statement in QK_NORM_STATEMENTS:
         text = replace_in_function(text, "Attention", "forward", statement, "")
     return remove_function(text, "maybe_to_local")
 
@@ -1113,7 +1117,7 @@ def _qk_norm_after_rope(text: Document, ctx: EditContext) -> Document:
     local before the rotation, and the norms (sequence-parallel over the heads) follow it."""
     if "xq = maybe_to_local(self.q_norm(xq))" not in text or "xq, xk = maybe_to_local(xq), maybe_to_local(xk)" in text:
         return text  # no per-head QK norm to move, or moved already
-    for statement in ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))"):
+    for statement in QK_NORM_STATEMENTS:
         text = replace_in_function(text, "Attention", "forward", statement, "")
     return replace_in_function(
         text,
@@ -1128,19 +1132,16 @@ def _qk_norm_after_rope(text: Document, ctx: EditContext) -> Document:
     )
 
 
-QK_NORM_STATEMENTS = ("xq = maybe_to_local(self.q_norm(xq))", "xk = maybe_to_local(self.k_norm(xk))")
+QK_NORM_ON_ROPE_LAYERS = "# The layers without RoPE normalise neither queries nor keys."
 
 
 def _qk_norm_on_rope_layers(text: Document, ctx: EditContext) -> Document:
     """The per-head QK norm applied on the layers that apply RoPE only (Llama 4; the norm is
     weightless, so every layer may hold it). A NoPE layer's q and k are taken local as the norm
     would have left them under tensor parallelism."""
-    if "if self.use_rope:\n    xq = maybe_to_local(self.q_norm(xq))" in text.code:
+    if QK_NORM_ON_ROPE_LAYERS in text:
         return text
-    guarded = (
-        "# The layers without RoPE normalise neither queries nor keys.\n"
-        "if self.use_rope:\n    " + "\n    ".join(QK_NORM_STATEMENTS) + "\n"
-    )
+    guarded = f"{QK_NORM_ON_ROPE_LAYERS}\nif self.use_rope:\n    " + "\n    ".join(QK_NORM_STATEMENTS) + "\n"
     if not ctx.profile.qk_norm_after_rope:  # before RoPE, nothing has taken them local yet
         guarded += "else:\n    xq, xk = maybe_to_local(xq), maybe_to_local(xk)\n"
     text = replace_in_function(text, "Attention", "forward", QK_NORM_STATEMENTS[1], "")
@@ -1172,8 +1173,9 @@ def _query_position_scale(text: Document, ctx: EditContext) -> Document:
     return replace_in_function(text, "Attention", "forward", ROPE_CALL, f"{ROPE_CALL}\n{scaled}")
 
 
-# The first statement of every reference's Attention.forward: the chunks are cut right after it.
-FORWARD_SHAPES = "bs, seqlen, _ = x.shape"
+# What the first statement of every reference's Attention.forward assigns (``bs, seqlen, _ =
+# x.shape``): the chunks are cut right after it.
+FORWARD_SHAPES = "bs, seqlen, _"
 
 
 def _chunked_attention(text: Document, ctx: EditContext) -> Document:
@@ -1205,7 +1207,7 @@ def _chunked_attention(text: Document, ctx: EditContext) -> Document:
     if chunked.chunked_kind is not None:
         cut = "if self.attention_chunk_size is not None:\n    " + cut
     return insert_after_statement_assigning(
-        text, "Attention", "forward", FORWARD_SHAPES.split(" =")[0], "# Each chunk is a document to the kernel.\n" + cut
+        text, "Attention", "forward", FORWARD_SHAPES, "# Each chunk is a document to the kernel.\n" + cut
     )
 
 
