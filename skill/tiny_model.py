@@ -289,6 +289,14 @@ def _tiny_value(
         return min(value, TINY_INDEX_TOPK)
     if name == "index_head_dim" and isinstance(value, int):
         return TINY_HEAD_DIM
+    if name.endswith("_head_dim") and isinstance(value, int) and value > TINY_HEAD_DIM:
+        # Other per-head widths (a linear-attention layer's key and value heads).
+        return TINY_HEAD_DIM
+    if name.startswith("linear_num_") and name.endswith("_heads") and isinstance(value, int) and value > 0:
+        # A linear-attention layer's head counts keep their ratio (Qwen3.5's 16 key heads
+        # serve 32 value heads): the largest becomes TINY_HEADS.
+        largest = max(v for k, v in original.items() if k.startswith("linear_num_") and k.endswith("_heads"))
+        return max(1, TINY_HEADS * value // largest)
     if name in _WINDOWS and isinstance(value, int) and value > 0:
         return min(value, TINY_WINDOW)
     if name in _LEADING_LAYER_COUNTS and isinstance(value, int):

@@ -1,7 +1,8 @@
 """The nearest hand-written reference and the ordered feature deltas from it.
 
 The references (``qwen2``; ``qwen3`` with its ``qwen3_moe`` variant; ``deepseek_v3`` for
-multi-head latent attention) are analysed by the same rules as any family, so their
+multi-head latent attention; ``qwen3_5`` for Gated DeltaNet layers beside full attention) are
+analysed by the same rules as any family, so their
 feature values are measured, not typed in. Which reference a family starts from is one
 structural rule (:func:`reference_for`) that the porting engine shares. From ``qwen2`` or
 ``qwen3`` a delta is supported when one of those two already has the target value or an
@@ -42,6 +43,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "qwen2": ("qwen2",),
     "qwen3": ("qwen3", "qwen3_moe"),
     "deepseek_v3": ("deepseek_v3",),
+    "qwen3_5": ("qwen3_5_text",),
 }
 # The references the engine's edits are written against (their attention and MoE contract).
 EDITABLE_REFERENCES = ("qwen2", "qwen3")

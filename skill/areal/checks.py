@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 # The check recorded instead of TP when AReaL's validate_tp_constraints refuses tp=2.
 TP_REFUSED = "AReaL helpers: tp=2 refused by AReaL's own validate_tp_constraints"
+# ... and when the package declares it has no TP plan (``unsupported_parallelisms``, which its
+# parallelize refuses: a hybrid's linear-attention layers).
+TP_NOT_PLANNED = "AReaL helpers: tp=2 not run, the package has no TP plan"
 
 ATTN_TYPES = ("sdpa", "varlen")
 WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod")
@@ -182,11 +185,16 @@ def _check_distributed(rec: StageRecorder, spec: Any, model: Any, case: ModelCas
 
     # TP where AReaL's own constraints allow it (one KV head cannot be split over two ranks).
     chosen: tuple[str, ...] = ("tp", "fsdp")
+    not_planned = getattr(model, "unsupported_parallelisms", {}).get("tp")
     try:
         validate_tp_constraints(model.model_args, distributed.WORLD_SIZE)
     except ValueError as exc:
         chosen = ("fsdp",)
         rec.check(TP_REFUSED, True, str(exc))
+    else:
+        if not_planned is not None:
+            chosen = ("fsdp",)
+            rec.check(TP_NOT_PLANNED, True, not_planned)
     setup = distributed._Setup(
         spec=spec,
         model=model,

@@ -129,8 +129,11 @@ def check_single_conversion(
 def check_expert_split(
     rec: StageRecorder, adapter: BaseStateDictAdapter, archon_state: dict[str, torch.Tensor]
 ) -> None:
-    """Archon's 3D expert tensors become one 2D checkpoint tensor per expert, in order."""
-    stacked = {k: v for k, v in archon_state.items() if v.ndim == 3}
+    """Archon's 3D expert tensors become one 2D checkpoint tensor per expert, in order.
+
+    Expert tensors are the 3D tensors of an ``experts`` module (the MoE contract's
+    ``moe.experts``); other 3D parameters (a depthwise convolution's weight) are whole tensors."""
+    stacked = {k: v for k, v in archon_state.items() if v.ndim == 3 and "experts" in k.split(".")}
     if not stacked:
         rec.check("MoE 3D <-> 2D", True, "no 3D expert tensors (dense model)")
         return

@@ -366,6 +366,8 @@ def applicable_parallelisms(model: nn.Module, spec: ModelSpec | None = None) -> 
     """Each parallelism, with ``None`` if it applies to ``model`` (registered as ``spec``)
     or the reason it does not."""
     reasons: dict[str, str | None] = dict.fromkeys(PARALLELISMS)
+    # What the package itself declares it has no plan for (its parallelize refuses it).
+    declared: dict[str, str] = getattr(model, "unsupported_parallelisms", {})
     if not _has_moe(model):
         reasons["ep"] = "the model has no MoE layer"
         reasons["ep_tp"] = "the model has no MoE layer"
@@ -392,6 +394,10 @@ def applicable_parallelisms(model: nn.Module, spec: ModelSpec | None = None) -> 
         validate_cp_constraints(_model_args(model), WORLD_SIZE, 1)
     except ValueError as exc:
         reasons["cp"] = f"heads cannot be split over {WORLD_SIZE} ranks: {exc}"
+    for parallelism, reason in declared.items():
+        reasons[parallelism] = reason
+        if parallelism == "tp" and reasons["ep_tp"] is None:
+            reasons["ep_tp"] = f"TP=2 does not apply: {reason}"
     return reasons
 
 

@@ -27,12 +27,25 @@ _PROPERTY = "archon_stage_result"
 
 # The families the default run proves in full: one per reference and per structure a TP/FSDP/
 # EP/PP/CP plan or AReaL's engine treats differently (dense without and with QK norm, q/k/v
-# bias, MoE with shared experts and with a sigmoid router, MLA, sinks, ALiBi, a parallel block,
-# fused q/k/v, soft-capped windowed attention). Stage 5 and the AReaL tier of every other family
-# carry the ``every_family`` marker, which the default run leaves out and .ci/run runs as its
-# own step.
+# bias, a hybrid of linear and full attention, MoE with shared experts and with a sigmoid
+# router, MLA, sinks, ALiBi, a parallel block, fused q/k/v, soft-capped windowed attention).
+# Stage 5 and the AReaL tier of every other family carry the ``every_family`` marker, which the
+# default run leaves out and .ci/run runs as its own step.
 DEFAULT_RUN_FAMILIES = frozenset(
-    {"llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "bloom", "gptj", "phi3", "gemma2"}
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_5",
+        "mixtral",
+        "qwen2_moe",
+        "deepseek_v3",
+        "gpt_oss",
+        "bloom",
+        "gptj",
+        "phi3",
+        "gemma2",
+    }
 )
 EVERY_FAMILY_MARKER = "every_family"
 EVERY_FAMILY_HELP = (

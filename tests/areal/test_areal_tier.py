@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from skill.areal.checks import TP_REFUSED
+from skill.areal.checks import TP_NOT_PLANNED, TP_REFUSED
 from skill.areal.export import AReaLChecker
 from skill.harness.case import ModelCase
 from skill.harness.models import build_hf_config, installed_model_refused, unknown_model_type
@@ -69,12 +69,13 @@ def test_package_inside_areal(model_type: str, areal_checker: AReaLChecker, reco
     assert result.package.startswith("areal.experimental.models.archon."), result.package
     assert not failures, "\n".join(f"{c.name}: {c.detail}" for c in failures)
     # The checks that must be there: both attention types, the roundtrip, the critic, TP and FSDP
-    # (TP unless AReaL's own validate_tp_constraints refuses the model, e.g. one KV head).
+    # (TP unless AReaL's own validate_tp_constraints refuses the model, e.g. one KV head, or the
+    # package has no TP plan, e.g. a hybrid's linear-attention layers).
     # Built by AReaL's own engine code: every checkpoint tensor in the model after its load, the
     # router's score-correction bias kept (and fixed through a training step unless opted into
     # balancing), a tied head still tied after materialisation and after a training step.
     names = " | ".join(c.name for c in result.checks)
-    tp = () if TP_REFUSED in names or one_process else ("(tp=2)",)
+    tp = () if TP_REFUSED in names or TP_NOT_PLANNED in names or one_process else ("(tp=2)",)
     fsdp = () if one_process else ("(fsdp=2)",)
     bias = (
         ("score-correction bias: the checkpoint's", "bias fixed through a training step", "opted into balancing")

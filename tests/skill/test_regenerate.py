@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from skill.analysis.reference import REFERENCES
 from skill.codemod import Workspace
 from skill.porting.regenerate import (
     Regeneration,
@@ -27,14 +28,15 @@ from skill.porting.regenerate import (
 REPO = Path(__file__).resolve().parents[2]
 WORKSPACE = Workspace(REPO)
 REGENERATIONS, HAND_EDITED = committed_regenerations(WORKSPACE)
-# One package per reference (qwen2, qwen3, deepseek_v3) and per kind of edit-heavy family.
+# One package per reference the engine copies (qwen2, qwen3, deepseek_v3) and per kind of
+# edit-heavy family.
 REPRESENTATIVE = ("llama", "gpt_oss", "minicpm3", "gemma2")
 
 
 def test_every_generated_package_names_the_add_that_writes_it() -> None:
     names = {r.model_name for r in REGENERATIONS}
     packages = {p.parents[1].name for p in (REPO / "archon_models").glob("*/model/model.py")}
-    assert names | set(HAND_EDITED) | {"qwen2", "qwen3", "deepseek_v3"} == packages
+    assert names | set(HAND_EDITED) | set(REFERENCES) == packages
     assert set(REPRESENTATIVE) <= names
 
 

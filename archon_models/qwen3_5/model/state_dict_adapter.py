@@ -1,0 +1,95 @@
+"""Qwen3.5 (text) state dicts: Archon names <-> HuggingFace checkpoint names.
+
+The conversion is qwen2's (every key renamed, no tensor changed, an unknown key refused by
+name, completeness checked against the model these args build) with Qwen3.5's names: the
+gated attention of the full-attention layers, the Gated DeltaNet of the linear-attention
+layers. A layer has one of the two, so each layer's keys are checked against the model,
+not the map.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+
+from archon_models.base import BaseStateDictAdapter
+from archon_models.qwen2.model.state_dict_adapter import Qwen2StateDictAdapter, _abstract
+from archon_models.qwen3_5.model.args import Qwen3_5ModelArgs
+from archon_models.qwen3_5.model.model import Qwen3_5Model
+
+__all__ = ["Qwen3_5StateDictAdapter"]
+
+
+class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
+    """Renames Qwen3.5 (text) weights between Archon and HF checkpoints.
+
+    ``model_config`` is a transformers ``Qwen3_5TextConfig`` or a :class:`Qwen3_5ModelArgs`.
+    Released checkpoints also hold multi-token-prediction blocks (``mtp.*``) that HF's
+    ``Qwen3_5ForCausalLM`` does not build and its load drops
+    (``_keys_to_ignore_on_load_unexpected``); they are dropped here too.
+    """
+
+    from_hf_map: ClassVar[dict[str, str | None]] = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        # Full-attention layers.
+        "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+        "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
+        "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+        "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
+        "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+        "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
+        "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+        "model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
+        "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+        "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+        # Linear-attention (Gated DeltaNet) layers.
+        "model.layers.{}.linear_attn.in_proj_qkv.weight": "layers.{}.linear_attn.in_proj_qkv.weight",
+        "model.layers.{}.linear_attn.in_proj_z.weight": "layers.{}.linear_attn.in_proj_z.weight",
+        "model.layers.{}.linear_attn.in_proj_b.weight": "layers.{}.linear_attn.in_proj_b.weight",
+        "model.layers.{}.linear_attn.in_proj_a.weight": "layers.{}.linear_attn.in_proj_a.weight",
+        "model.layers.{}.linear_attn.conv1d.weight": "layers.{}.linear_attn.conv1d.weight",
+        "model.layers.{}.linear_attn.dt_bias": "layers.{}.linear_attn.dt_bias",
+        "model.layers.{}.linear_attn.A_log": "layers.{}.linear_attn.A_log",
+        "model.layers.{}.linear_attn.norm.weight": "layers.{}.linear_attn.norm.weight",
+        "model.layers.{}.linear_attn.out_proj.weight": "layers.{}.linear_attn.out_proj.weight",
+        # Every layer.
+        "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+        "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+        "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+        "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+        "score.weight": "score.weight",
+    }
+    # transformers drops keys these patterns find (Qwen3_5PreTrainedModel's
+    # _keys_to_ignore_on_load_unexpected); so does from_hf, for keys no map entry covers.
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (r"^mtp.*",)
+
+    def __init__(self, model_config: Any, hf_assets_path: str | None = None):
+        # qwen2's constructor would build qwen2's args: set up what it sets, with Qwen3.5's.
+        BaseStateDictAdapter.__init__(self, model_config, hf_assets_path)
+        self.from_hf_map = dict(type(self).from_hf_map)
+        self.to_hf_map = {archon: hf for hf, archon in self.from_hf_map.items() if archon is not None}
+        if isinstance(model_config, Qwen3_5ModelArgs):
+            self.model_args = model_config
+        else:
+            self.model_args = Qwen3_5ModelArgs.from_hf_config(model_config)
+        self.enable_weight_tying = self.model_args.enable_weight_tying
+        self._expected_keys = None
+
+    def _archon_key(self, hf_key: str) -> str | None:
+        template, _ = _abstract(hf_key)
+        if template not in self.from_hf_map and any(re.search(p, hf_key) for p in self.ignored_hf_key_patterns):
+            return None  # transformers' load drops it too
+        return super()._archon_key(hf_key)
+
+    def _expected_archon_keys(self) -> frozenset[str]:
+        """The state-dict keys of the model these args build (on the meta device: no memory)."""
+        if self._expected_keys is None:
+            with torch.device("meta"):
+                model = Qwen3_5Model(self.model_args)
+            self._expected_keys = frozenset(model.state_dict())
+        return self._expected_keys
