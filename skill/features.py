@@ -16,7 +16,7 @@ no edit supports those.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -229,6 +229,21 @@ class ChunkedAttention(_Frozen):
         description="the layer_types value of the chunked layers (the others see their whole document); "
         "None: every layer",
     )
+
+
+class LinearAttentionLayers(_Frozen):
+    """Layers whose token mixer is a Gated DeltaNet instead of softmax attention (Qwen3.5's
+    hybrid stack). Measured on a tiny model: which layers hold the mixer, the per-layer config
+    field that says so, and the mixer's output against the qwen3_5 reference's ``GatedDeltaNet``
+    loaded with its weights; the other features are measured on the family with every layer
+    set to the attention kind."""
+
+    kind: Literal["gated_deltanet"] = Field(description="the linear-attention mixer the layers compute")
+    kind_field: str = Field(description="the per-layer config field naming each layer's mixer (layer_types)")
+    linear_kind: str = Field(description="its value on the linear-attention layers")
+    attention_kind: str = Field(description="its value on the softmax-attention layers")
+    mixer_name: str = Field(description="the mixer's module name in an HF layer (linear_attn)")
+    layers: list[int] = Field(description="the linear-attention layers of the analysed config")
 
 
 class QueryPositionScale(_Frozen):
@@ -688,6 +703,9 @@ class Checklist(_Frozen):
         "the family's value: a port reproduces that value and refuses a config that flips it (probed)",
     )
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
+    linear_attention: LinearAttentionLayers | None = _optional_fact(
+        "layers mixing tokens by a Gated DeltaNet, beside softmax-attention ones (a hybrid); None: attention only"
+    )
 
 
 class HandEditPlace(_Frozen):
@@ -773,6 +791,7 @@ class Feature(StrEnum):
     LM_HEAD_BIAS = "lm_head_bias"
     EMBEDDING_PROJECTION = "embedding_projection"
     PROJECTION_ORIENTATION = "projection_orientation"
+    LINEAR_ATTENTION = "linear_attention"
     OTHER = "other"
 
 
@@ -792,6 +811,7 @@ FEATURE_TITLES: dict[Feature, str] = {
     Feature.MLA: "multi-head latent attention",
     Feature.ATTN_SINKS: "attention sinks",
     Feature.ATTN_OUTPUT_GATE: "gated attention output",
+    Feature.LINEAR_ATTENTION: "linear-attention layers (Gated DeltaNet) beside attention",
     Feature.ATTN_SUB_NORM: "norm on the attention output before its projection",
     Feature.DIFFERENTIAL_ATTENTION: "differential attention",
     Feature.CHUNKED_ATTENTION: "chunked local attention",
@@ -1196,6 +1216,8 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
         values[Feature.O_BIAS_LAYERS] = "last"
     if ffn.sub_norm is not None:
         values[Feature.FFN_SUB_NORM] = ffn.sub_norm.value
+    if checklist.linear_attention is not None:
+        values[Feature.LINEAR_ATTENTION] = checklist.linear_attention.kind
     if pos.kind is PositionKind.ROPE:
         # RoPE details only mean something for a rotary family.
         values.update(

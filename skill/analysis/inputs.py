@@ -146,12 +146,12 @@ def _text_sub_config_name(config: PretrainedConfig) -> str | None:
     return None
 
 
-def check_decoder_only(config: PretrainedConfig) -> None:
+def check_decoder_only(config: PretrainedConfig, mixers_measured: bool = False) -> None:
     """Refuse encoders, encoder-decoders and multimodal configs, naming what to do instead.
 
-    Hybrid, state-space and recurrent models are refused later, from the module tree
-    (see ``modules.find_non_attention_mixers``), because their configs say it in too
-    many ways.
+    A config that shows non-attention token mixers (:func:`non_attention_config_fields`) is
+    refused here too, unless ``mixers_measured``: the analysis then decides from the module
+    tree (:mod:`skill.analysis.linear_attention` measures the mixers of a hybrid).
     """
     model_type = config.model_type
     if getattr(config, "is_encoder_decoder", False):
@@ -180,11 +180,8 @@ def check_decoder_only(config: PretrainedConfig) -> None:
             "representative, so port this family by hand from its modeling source"
         )
     mixers = non_attention_config_fields(config)
-    if mixers:
-        raise AnalysisError(
-            f"{model_type!r} is a hybrid, state-space or recurrent model (config: {', '.join(mixers[:4])}); Archon "
-            "ports softmax-attention decoders. Pick an attention-only family"
-        )
+    if mixers and not mixers_measured:
+        raise hybrid_refusal(model_type, f"config: {', '.join(mixers[:4])}")
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise AnalysisError(
             f"{model_type!r} is an encoder (transformers maps it to a masked-LM head; its causal-LM head is the "
@@ -195,6 +192,15 @@ def check_decoder_only(config: PretrainedConfig) -> None:
             f"{model_type!r} has no causal-LM class in the installed transformers, so it is not a decoder-only LM; "
             "pick a family listed by `archon-port analyze --list`"
         )
+
+
+def hybrid_refusal(model_type: str, what: str) -> AnalysisError:
+    """The one line refusing a token mixer the references do not compute."""
+    return AnalysisError(
+        f"{model_type!r} is a hybrid, state-space or recurrent model ({what}); Archon ports softmax-attention "
+        "decoders, and hybrids whose other layers are the qwen3_5 reference's Gated DeltaNet. Pick an "
+        "attention-only family"
+    )
 
 
 _SSM_FIELD_WORDS = (

@@ -14,7 +14,7 @@ import functools
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -22,7 +22,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from skill.analysis import detect, probes
 from skill.analysis import modules as mt
-from skill.analysis.inputs import AnalysisError, ResolvedSource, check_decoder_only, resolve_source
+from skill.analysis.inputs import (
+    AnalysisError,
+    ResolvedSource,
+    check_decoder_only,
+    hybrid_refusal,
+    non_attention_config_fields,
+    resolve_source,
+)
+from skill.analysis.linear_attention import HybridRefused, HybridStack, measure_hybrid, mixer_layers
 from skill.analysis.rope_layer_qk_norm import qk_norm_on_rope_layers
 from skill.analysis.source_scan import scan_model_source
 from skill.features import Checklist
@@ -97,13 +105,18 @@ def _deep_model(
         return None
 
 
-def analyse(resolved: ResolvedSource, trust_remote_code: bool) -> Analysis:
+def analyse(resolved: ResolvedSource, trust_remote_code: bool, attention_twin: bool = False) -> Analysis:
+    """The family's checklist. ``attention_twin``: ``resolved`` is a hybrid's attention-only twin
+    (:mod:`skill.analysis.linear_attention`), whose config still holds its mixers' fields."""
     config = resolved.config
-    check_decoder_only(config)
+    check_decoder_only(config, mixers_measured=True)
+    evidence = [] if attention_twin else non_attention_config_fields(config)
     try:
         tiny = tiny_config(config)
         model = build_tiny_model(tiny, seed=0, trust_remote_code=trust_remote_code)
     except TinyModelError as exc:
+        if evidence:
+            raise hybrid_refusal(config.model_type, f"config: {', '.join(evidence[:4])}") from exc
         if not _builds_at_full_size(config, trust_remote_code):
             raise AnalysisError(
                 f"transformers cannot instantiate {config.model_type!r} from this config even at full size "
@@ -113,6 +126,12 @@ def analyse(resolved: ResolvedSource, trust_remote_code: bool) -> Analysis:
             f"{config.model_type!r}: a tiny instance cannot be built ({exc}); "
             "check the config's sizes, or report the family to the archon-port maintainers"
         ) from exc
+    if evidence or not attention_twin:
+        hybrid = _hybrid_stack(config, tiny, model, evidence)
+        if hybrid is not None:
+            twin = analyse(replace(resolved, config=hybrid.attention_only), trust_remote_code, attention_twin=True)
+            checklist = twin.checklist.model_copy(update={"linear_attention": hybrid.layers})
+            return Analysis(resolved, checklist, twin.context)
     try:
         return _inspect(config, tiny, model, resolved, trust_remote_code)
     except AnalysisError:
@@ -122,6 +141,29 @@ def analyse(resolved: ResolvedSource, trust_remote_code: bool) -> Analysis:
             f"{config.model_type!r}: probing the tiny instance failed ({type(exc).__name__}: {exc}); "
             "the family needs a hand analysis, or a tiny_config override that fits its constraints"
         ) from exc
+
+
+def _hybrid_stack(
+    config: PretrainedConfig, tiny: PretrainedConfig, model: PreTrainedModel, evidence: list[str]
+) -> HybridStack | None:
+    """The measured linear-attention layers of a hybrid; ``None`` for an attention-only stack.
+
+    Refuses, naming it, a non-attention mixer the qwen3_5 reference does not compute, and a
+    config that shows such mixers (``evidence``) where the module tree holds none."""
+    try:
+        _, layers = mt.find_layers(model, tiny.num_hidden_layers)
+    except LookupError:
+        return None  # _inspect names it
+    mixed = mixer_layers(layers)
+    if not mixed:
+        if evidence:
+            raise hybrid_refusal(config.model_type, f"config: {', '.join(evidence[:4])}")
+        return None
+    classes = ", ".join(sorted({type(module).__name__ for _, module in mixed.values()}))
+    try:
+        return measure_hybrid(config, tiny, layers, mixed)
+    except HybridRefused as exc:
+        raise hybrid_refusal(config.model_type, f"{classes}: {exc}") from exc
 
 
 def _builds_at_full_size(config: PretrainedConfig, trust_remote_code: bool) -> bool:
@@ -149,11 +191,7 @@ def _inspect(
         ) from exc
     mixers = mt.non_attention_mixers(anatomy.layers)
     if mixers or anatomy.attention is None:
-        what = ", ".join(mixers) if mixers else "no attention module in layer 0"
-        raise AnalysisError(
-            f"{config.model_type!r} is a hybrid, state-space or recurrent model ({what}); Archon ports "
-            "softmax-attention decoders. Pick an attention-only family"
-        )
+        raise hybrid_refusal(config.model_type, ", ".join(mixers) if mixers else "no attention module in layer 0")
     if not probes.probe_is_causal(model, tiny):
         raise AnalysisError(
             f"{config.model_type!r} attends to later tokens with this config (bidirectional, an encoder); Archon "

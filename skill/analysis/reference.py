@@ -54,6 +54,8 @@ REFERENCE_EDITS: dict[str, dict[Feature, frozenset[str]]] = {"deepseek_v3": MLA_
 # values measured on these variants are values the reference produces without an edit
 # (each variant is a case of the reference's stage tests, tests/archon/test_<reference>.py).
 REFERENCE_VARIANTS: dict[str, tuple[tuple[tuple[str, object], ...], ...]] = {
+    # A head_dim other than hidden_size / num_attention_heads (Qwen3.5-MoE's 256 on 2048 / 16).
+    "qwen3_5": ((("head_dim", 32),),),
     "deepseek_v3": (
         # One expert group (no group limit), no renormalisation, MoE from layer 0, half-rotation
         # RoPE, tied embeddings.
@@ -147,15 +149,19 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
     return deltas
 
 
-def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False) -> str:
+def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False, hybrid: bool = False) -> str:
     """The one rule for which reference a family starts from (the analyser and the engine).
 
-    Multi-head latent attention (``Feature.MLA``) starts from deepseek_v3, whose attention
-    is the only one with query/KV latents and a shared RoPE key. Otherwise qwen3 carries
-    MoE (and per-head QK norm); every dense family starts from qwen2, whose copy gets a
-    per-head or full-width QK norm by an edit: a dense family copied from qwen3 would keep
-    its MoE machinery. ``per_head_qk_norm`` no longer decides it.
+    Linear-attention layers beside attention (``Feature.LINEAR_ATTENTION``, a hybrid) start
+    from qwen3_5, the only reference with a Gated DeltaNet. Multi-head latent attention
+    (``Feature.MLA``) starts from deepseek_v3, whose attention is the only one with query/KV
+    latents and a shared RoPE key. Otherwise qwen3 carries MoE (and per-head QK norm); every
+    dense family starts from qwen2, whose copy gets a per-head or full-width QK norm by an
+    edit: a dense family copied from qwen3 would keep its MoE machinery. ``per_head_qk_norm``
+    no longer decides it.
     """
+    if hybrid:
+        return "qwen3_5"
     if mla:
         return "deepseek_v3"
     return "qwen3" if moe else "qwen2"
@@ -164,7 +170,10 @@ def reference_for(per_head_qk_norm: bool, moe: bool, mla: bool = False) -> str:
 def nearest_reference(checklist: Checklist) -> tuple[str, list[FeatureDelta]]:
     """The reference the engine copies for this family, and the deltas from it."""
     reference = reference_for(
-        checklist.attention.per_head_qk_norm, checklist.moe is not None, mla=checklist.attention.mla is not None
+        checklist.attention.per_head_qk_norm,
+        checklist.moe is not None,
+        mla=checklist.attention.mla is not None,
+        hybrid=checklist.linear_attention is not None,
     )
     return reference, deltas_from(reference, checklist)
 

@@ -33,9 +33,12 @@ OUTPUT_KEY = "output.weight"
 EMBEDDING_KEY = "tok_embeddings.weight"
 
 
-def _archon_side(hf_config: PretrainedConfig, seed: int) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor], bool]:
-    """The adapter, a state dict of distinct values, and whether the port ties its head."""
-    archon = build_archon_model(hf_config)
+def _archon_side(
+    hf_config: PretrainedConfig, seed: int, hf_assets_path: Path
+) -> tuple[BaseStateDictAdapter, dict[str, torch.Tensor], bool]:
+    """The adapter (built on the checkpoint's folder, as AReaL's engine builds it), a state dict
+    of distinct values, and whether the port ties its head."""
+    archon = build_archon_model(hf_config, hf_assets_path=hf_assets_path)
     state = distinct_state_dict(archon.model, seed)
     tied = bool(getattr(archon.args, "enable_weight_tying", False))
     if tied and OUTPUT_KEY in state:
@@ -202,7 +205,8 @@ def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
         rec.check("tied embeddings", True, f"{type(hf_config).__name__} cannot tie embeddings")
         return
     hf_model = build_hf_model(tied_case, hf_config)
-    adapter, archon_state, ties = _archon_side(hf_config, case.seed)
+    hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, directory))
+    adapter, archon_state, ties = _archon_side(hf_config, case.seed, directory)
     # Imported here: the analysis needs libcst, which a GPU machine running the harness lacks.
     from skill.analysis.probes import probe_head_is_embedding
 
@@ -212,10 +216,8 @@ def check_tying(rec: StageRecorder, case: ModelCase, directory: Path) -> None:
             not ties,
             "the port ties the output projection to the embedding" if ties else "",
         )
-        hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, directory))
         check_roundtrips(rec, adapter, archon_state, hf_state, label="tie_word_embeddings=True: ")
         return
-    hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, directory))
     hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state, label="tied: ")
     output_keys = {k for k, _ in adapter.convert_single_to_hf(OUTPUT_KEY, archon_state[OUTPUT_KEY])}
     written = sorted(output_keys & set(hf_from_archon))
@@ -340,7 +342,7 @@ def run_adapter_stage(case: ModelCase, workdir: str | Path | None = None, raise_
             hf_config = build_hf_config(case)
             hf_model = build_hf_model(case, hf_config)
             hf_state = read_hf_checkpoint(save_hf_checkpoint(hf_model, Path(tmp) / "hf"))
-            adapter, archon_state, tied = _archon_side(hf_config, case.seed)
+            adapter, archon_state, tied = _archon_side(hf_config, case.seed, Path(tmp) / "hf")
             hf_from_archon = check_roundtrips(rec, adapter, archon_state, hf_state)
             check_single_conversion(rec, adapter, archon_state, hf_from_archon, tied=tied)
             check_expert_split(rec, adapter, archon_state)

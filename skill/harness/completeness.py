@@ -148,7 +148,8 @@ def run_completeness_stage(
         hf_config = build_hf_config(case)
         with tempfile.TemporaryDirectory(prefix="archon-stage3-", dir=workdir) as tmp:
             disk = read_safetensors_shapes(save_hf_checkpoint(build_hf_model(case, hf_config), tmp))
-        archon = build_archon_model(hf_config, device="meta")
+            # The adapter on the checkpoint's folder, as AReaL's engine builds it (hf_assets_path).
+            archon = build_archon_model(hf_config, device="meta", hf_assets_path=tmp)
         on_meta = all(p.device.type == "meta" for p in archon.model.parameters())
         rec.check(
             "the model builds on the meta device",

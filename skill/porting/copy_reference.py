@@ -31,8 +31,9 @@ def refuse_reference(model_name: str) -> None:
 class CopyReferenceRequest(PackageRequest):
     reference: str = Field(
         description=(
-            "reference package to copy: 'qwen2' (dense, a QK norm included: an edit adds it), 'qwen3' (MoE) "
-            "or 'deepseek_v3' (MLA); the analysis names it as `reference`"
+            "reference package to copy: 'qwen2' (dense, a QK norm included: an edit adds it), 'qwen3' (MoE), "
+            "'deepseek_v3' (MLA) or 'qwen3_5' (Gated DeltaNet layers beside attention, a hybrid); the analysis "
+            "names it as `reference`"
         )
     )
     model_types: list[str] = Field(

@@ -100,7 +100,7 @@ class PortPlan(BaseModel):
     trust_remote_code: bool = False
     model_type: str
     config_class: str
-    reference: Literal["qwen2", "qwen3", "deepseek_v3"]
+    reference: Literal["qwen2", "qwen3", "deepseek_v3", "qwen3_5"]
     unsupported: list[str] = Field(description="the report's unsupported features, verbatim")
     hand_edit_places: dict[str, HandEditPlace] = Field(
         default_factory=dict,
@@ -503,7 +503,12 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
         config_class=report.config_class,
-        reference=reference_for(att.per_head_qk_norm, moe is not None, mla=att.mla is not None),
+        reference=reference_for(
+            att.per_head_qk_norm,
+            moe is not None,
+            mla=att.mla is not None,
+            hybrid=report.checklist.linear_attention is not None,
+        ),
         unsupported=list(report.unsupported),
         hand_edit_places=dict(report.hand_edit_places),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,

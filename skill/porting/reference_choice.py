@@ -9,6 +9,7 @@ _WHY = {
     "deepseek_v3": "it has multi-head latent attention, which only deepseek_v3 carries.",
     "qwen3": "it has MoE, which only qwen3 carries.",
     "qwen2": "it is dense; qwen3's MoE code would stay behind.",
+    "qwen3_5": "it has Gated DeltaNet layers beside attention, which only qwen3_5 carries.",
 }
 
 
@@ -19,6 +20,8 @@ def choose_reference(profile: PortPlan) -> str:
 
 def copied_reference(args_text: str) -> str:
     """Which reference an ``args.py`` was copied from, by the fields only that reference has."""
+    if "linear_num_value_heads" in args_text:
+        return "qwen3_5"
     if "kv_lora_rank" in args_text:
         return "deepseek_v3"
     return "qwen3" if "moe_args" in args_text else "qwen2"

@@ -98,6 +98,8 @@ def test_the_reference_rule_is_the_code_s():
     rule = rule[rule.index("`<reference>` is the reference the analysis selected") :].split("\n\n")[0]
     assert "`deepseek_v3` for multi-head latent attention" in rule and "`qwen3` for MoE" in rule
     assert "per-head QK norm or MoE" not in rule
+    assert "`qwen3_5` for Gated DeltaNet layers beside attention" in rule
+    assert reference_for(per_head_qk_norm=True, moe=False, hybrid=True) == "qwen3_5"
     assert reference_for(per_head_qk_norm=False, moe=False, mla=True) == "deepseek_v3"
     assert reference_for(per_head_qk_norm=True, moe=True) == "qwen3"
     assert reference_for(per_head_qk_norm=False, moe=True) == "qwen3"
@@ -110,6 +112,7 @@ def test_copy_reference_s_own_description_states_the_same_rule():
     described = CopyReferenceRequest.model_fields["reference"].description or ""
     assert "'qwen3' (MoE)" in described and "QK norm" not in described.split("'qwen3'")[1]
     assert "'qwen2' (dense" in described and "'deepseek_v3' (MLA)" in described
+    assert "'qwen3_5' (Gated DeltaNet layers beside attention" in described
 
 
 def test_skill_md_says_where_a_session_is_committed():

@@ -10,9 +10,11 @@ not the map.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors import safe_open
 
 from archon_models.base import BaseStateDictAdapter
 from archon_models.qwen2.model.state_dict_adapter import Qwen2StateDictAdapter, _abstract
@@ -22,13 +24,29 @@ from archon_models.qwen3_5.model.model import Qwen3_5Model
 __all__ = ["Qwen3_5StateDictAdapter"]
 
 
+def _checkpoint_keys(hf_assets_path: str | None, index: dict[str, int] | None) -> list[str]:
+    """The checkpoint's tensor names: its safetensors index, else its single file's header."""
+    if index:
+        return list(index)
+    if hf_assets_path is None:
+        return []
+    keys: list[str] = []
+    for path in sorted(Path(hf_assets_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
 class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
     """Renames Qwen3.5 (text) weights between Archon and HF checkpoints.
 
     ``model_config`` is a transformers ``Qwen3_5TextConfig`` or a :class:`Qwen3_5ModelArgs`.
-    Released checkpoints also hold multi-token-prediction blocks (``mtp.*``) that HF's
-    ``Qwen3_5ForCausalLM`` does not build and its load drops
-    (``_keys_to_ignore_on_load_unexpected``); they are dropped here too.
+    Released checkpoints are multimodal: the text model's keys sit under
+    ``model.language_model.`` (as transformers 5.3's ``save_pretrained`` writes them too) beside
+    the vision tower (``model.visual.*``) and multi-token-prediction blocks (``mtp.*``), which
+    HF's ``Qwen3_5ForCausalLM`` does not build and its load drops
+    (``_keys_to_ignore_on_load_unexpected``); they are dropped here too. Either namespace
+    loads; ``to_hf`` writes the one the checkpoint uses (its index, or what ``from_hf`` read).
     """
 
     from_hf_map: ClassVar[dict[str, str | None]] = {
@@ -66,7 +84,10 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
     }
     # transformers drops keys these patterns find (Qwen3_5PreTrainedModel's
     # _keys_to_ignore_on_load_unexpected); so does from_hf, for keys no map entry covers.
-    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (r"^mtp.*",)
+    ignored_hf_key_patterns: ClassVar[tuple[str, ...]] = (r"^mtp.*", r"^model.visual.*")
+    # Where the text model's keys live in released (multimodal) Qwen3.5 checkpoints, and in what
+    # transformers 5.3's save_pretrained writes; the map's names are the text-only ones.
+    composite_prefix: ClassVar[str] = "model.language_model."
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):
         # qwen2's constructor would build qwen2's args: set up what it sets, with Qwen3.5's.
@@ -79,12 +100,41 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
             self.model_args = Qwen3_5ModelArgs.from_hf_config(model_config)
         self.enable_weight_tying = self.model_args.enable_weight_tying
         self._expected_keys = None
+        # Written back in the namespace the checkpoint uses (its keys say, or from_hf saw): AReaL's
+        # engine loads a checkpoint by the keys to_hf writes.
+        keys = _checkpoint_keys(hf_assets_path, self.fqn_to_index_mapping)
+        self.composite_namespace = any(key.startswith(self.composite_prefix) for key in keys)
+
+    def _text_key(self, hf_key: str) -> str:
+        if hf_key.startswith(self.composite_prefix):
+            return "model." + hf_key.removeprefix(self.composite_prefix)
+        return hf_key
 
     def _archon_key(self, hf_key: str) -> str | None:
-        template, _ = _abstract(hf_key)
-        if template not in self.from_hf_map and any(re.search(p, hf_key) for p in self.ignored_hf_key_patterns):
-            return None  # transformers' load drops it too
-        return super()._archon_key(hf_key)
+        template, indices = _abstract(self._text_key(hf_key))
+        if template not in self.from_hf_map:
+            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
+                return None  # transformers' load drops it too
+            raise KeyError(
+                f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
+                f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."
+            )
+        target = self.from_hf_map[template]
+        return None if target is None else target.format(*indices)
+
+    def _maybe_composite_hf_key(self, hf_key: str) -> str:
+        """A text-only HF key in the checkpoint's namespace (AReaL's hook, read by its engine)."""
+        if self.composite_namespace and hf_key.startswith("model."):
+            return self.composite_prefix + hf_key.removeprefix("model.")
+        return hf_key
+
+    def _hf_key(self, archon_key: str) -> str:
+        return self._maybe_composite_hf_key(super()._hf_key(archon_key))
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        if any(key.startswith(self.composite_prefix) for key in hf_state_dict):
+            self.composite_namespace = True
+        return super().from_hf(hf_state_dict)
 
     def _expected_archon_keys(self) -> frozenset[str]:
         """The state-dict keys of the model these args build (on the meta device: no memory)."""
