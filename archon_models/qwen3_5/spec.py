@@ -1,4 +1,5 @@
-"""Registers Qwen3.5's text model (``qwen3_5_text``) with the Archon model registry."""
+"""Registers Qwen3.5's text models (dense ``qwen3_5_text``, MoE ``qwen3_5_moe_text``) with the Archon
+model registry."""
 
 from archon_models.model_spec import ModelSpec, register_model_spec
 from archon_models.pipeline_parallel import pipeline_llm
@@ -13,7 +14,7 @@ QWEN3_5_SPEC = ModelSpec(
     model_args_class=Qwen3_5ModelArgs,
     state_dict_adapter_class=Qwen3_5StateDictAdapter,
     parallelize_fn=parallelize_qwen3_5,
-    supported_model_types=frozenset({"qwen3_5_text"}),
+    supported_model_types=frozenset({"qwen3_5_text", "qwen3_5_moe_text"}),
     pipelining_fn=pipeline_llm,
 )
 

@@ -43,7 +43,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "qwen2": ("qwen2",),
     "qwen3": ("qwen3", "qwen3_moe"),
     "deepseek_v3": ("deepseek_v3",),
-    "qwen3_5": ("qwen3_5_text",),
+    "qwen3_5": ("qwen3_5_text", "qwen3_5_moe_text"),
 }
 # The references the engine's edits are written against (their attention and MoE contract).
 EDITABLE_REFERENCES = ("qwen2", "qwen3")

@@ -125,6 +125,11 @@ REPRESENTATIVES: tuple[Representative, ...] = (
     ),
     Representative(family="gptj", covers="parallel attention + MLP block (one norm), interleaved partial RoPE"),
     Representative(family="phi3", covers="fused q/k/v and gate/up checkpoint tensors", config_overrides=_GQA),
+    Representative(
+        family="qwen3_5_text",
+        covers="Gated DeltaNet beside gated full attention: fla's chunk_gated_delta_rule and causal_conv1d_fn "
+        "on CUDA when installed, the PyTorch path otherwise",
+    ),
 )
 
 

@@ -1,4 +1,5 @@
-"""Stage tests of the qwen3_5 reference: a hybrid of Gated DeltaNet and gated full attention.
+"""Stage tests of the qwen3_5 reference: a hybrid of Gated DeltaNet and gated full attention,
+dense and MoE.
 
 Everything model-specific comes from the registry and the transformers config class;
 the cases only say which tiny variant to prove.
@@ -25,6 +26,8 @@ from skill.harness.distributed import run_stage5
 # chunks is compared with HF too.
 CASES = [
     ModelCase(model_type="qwen3_5_text"),
+    # The MoE variant: routed experts (top-k renormalised) beside a gated shared expert.
+    ModelCase(model_type="qwen3_5_moe_text"),
     ModelCase(
         model_type="qwen3_5_text",
         config_overrides={

@@ -7,7 +7,8 @@ a table next to the training-step measurements.
 
 Each family is one kernel or block structure (``REPRESENTATIVES``): varlen (llama), flex
 soft-cap and window (gemma2), sinks (gpt_oss), ALiBi (bloom), MoE (mixtral), MLA
-(deepseek_v3), parallel block (gptj), fused q/k/v (phi3), QK norm (qwen3). Every case runs
+(deepseek_v3), parallel block (gptj), fused q/k/v (phi3), QK norm (qwen3), Gated DeltaNet beside
+attention (qwen3_5_text: fla's and causal-conv1d's kernels when installed). Every case runs
 on several documents of different lengths packed in one row with ``cu_seqlens``.
 """
 

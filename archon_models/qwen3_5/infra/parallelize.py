@@ -1,5 +1,6 @@
-"""How a Qwen3.5 (text) model is laid out over devices: FSDP, activation checkpointing and
-torch.compile, as AReaL's Qwen3.5 does.
+"""How a Qwen3.5 (text, dense or MoE) model is laid out over devices: FSDP, activation
+checkpointing and torch.compile (an MoE block piecewise around its experts, as qwen3's), as
+AReaL's Qwen3.5 does.
 
 The Gated DeltaNet layers have no tensor- or context-parallel plan: their fused ``in_proj_qkv``
 stacks queries, keys and values of every head along one dimension, which a row split would
@@ -17,7 +18,13 @@ import torch
 from torch import nn
 
 from archon_models.activation_checkpoint import apply_ac
-from archon_models.qwen3.infra.parallelize import _fsdp_mesh, _get_op_sac_save_list, _tie_weights, apply_fsdp
+from archon_models.qwen3.infra.parallelize import (
+    _apply_compile,
+    _fsdp_mesh,
+    _get_op_sac_save_list,
+    _tie_weights,
+    apply_fsdp,
+)
 
 if TYPE_CHECKING:
     from archon_models.activation_checkpoint import ActivationCheckpointConfig
@@ -55,9 +62,7 @@ def parallelize_qwen3_5(
         apply_ac(model, ac_config, model_compile_enabled=enable_compile, op_sac_save_list=_get_op_sac_save_list())
 
     if enable_compile:
-        for name, block in list(model.layers.items()):
-            model.layers[name] = torch.compile(block, backend="inductor", fullgraph=False)
-        logger.info("Compiled %d Qwen3.5 transformer blocks", len(model.layers))
+        _apply_compile(model)
 
     _tie_weights(model)
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:

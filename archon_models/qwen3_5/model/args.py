@@ -1,4 +1,5 @@
-"""Qwen3.5 (text) hyper-parameters and their mapping from ``Qwen3_5TextConfig``.
+"""Qwen3.5 (text, dense and MoE) hyper-parameters and their mapping from ``Qwen3_5TextConfig`` /
+``Qwen3_5MoeTextConfig``.
 
 Qwen3.5 is a hybrid: ``layer_types`` says, per layer, whether its token mixer is gated
 full attention (``"full_attention"``) or a Gated DeltaNet (``"linear_attention"``).
@@ -10,7 +11,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from archon_models.base import BaseModelArgs
+from archon_models.moe import MoEArgs
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,6 @@ _REQUIRED_HF_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
     "vocab_size",
-    "intermediate_size",
     "rms_norm_eps",
     "layer_types",
     "linear_conv_kernel_dim",
@@ -62,6 +65,10 @@ def _check_supported(hf_config: Any) -> None:
         logger.warning("attention_dropout=%s is ignored: Archon models apply no dropout.", hf_config.attention_dropout)
 
 
+_REQUIRED_DENSE_HF_FIELDS = ("intermediate_size",)
+_REQUIRED_MOE_HF_FIELDS = ("moe_intermediate_size", "num_experts_per_tok", "shared_expert_intermediate_size")
+
+
 def _eos_id(hf_config: Any, default: int) -> int:
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, (list, tuple)):
@@ -80,6 +87,11 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     ``linear_num_key_heads`` query/key heads of ``linear_key_head_dim`` and
     ``linear_num_value_heads`` value heads of ``linear_value_head_dim``, after a causal
     depthwise convolution of ``linear_conv_kernel_dim`` taps.
+
+    MoE (``qwen3_5_moe_text``, when the config has experts): every layer's MLP is a MoE of
+    ``moe_inter_dim``-wide experts whose top-k softmax weights are always renormalised, beside
+    one shared expert scaled by ``sigmoid(shared_expert_gate(x))``. HF's router auxiliary loss
+    is a training objective, not part of the forward pass, and is not computed here.
 
     ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
     ``nn.Embedding(padding_idx=...)`` gives no gradient; so does ``tok_embeddings`` here.
@@ -104,6 +116,9 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     is_critic: bool = False
     num_labels: int = 1
 
+    moe_inter_dim: int = 512
+    moe_args: MoEArgs | None = None
+
     layer_types: list[str] = field(default_factory=list)
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
@@ -122,6 +137,10 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}.")
 
     @property
+    def moe_enabled(self) -> bool:
+        return self.moe_args is not None
+
+    @property
     def rotary_dim(self) -> int:
         """How many leading features of each head RoPE rotates (HF: ``int(head_dim * factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -130,17 +149,32 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> Qwen3_5ModelArgs:
         """Map a ``Qwen3_5TextConfig``.
 
-        Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``) and ``num_labels``
-        (outputs of a critic's ``score`` head, default 1). Any other keyword is ignored, as
-        AReaL's own ``from_hf_config`` ignores it.
+        Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
+        (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of the
+        router GEMM; reaches ``MoEArgs.router_dtype``). Any other keyword is ignored, as AReaL's
+        own ``from_hf_config`` ignores it.
         """
-        missing = [name for name in _REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
+        moe = bool(getattr(hf_config, "num_experts", None))
+        required = _REQUIRED_HF_FIELDS + (_REQUIRED_MOE_HF_FIELDS if moe else _REQUIRED_DENSE_HF_FIELDS)
+        missing = [name for name in required if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(
                 f"{type(hf_config).__name__} lacks required field(s) {missing}; a Qwen3.5 text config "
-                f"must set all of {list(_REQUIRED_HF_FIELDS)}."
+                f"must set all of {list(required)}."
             )
         _check_supported(hf_config)
+        moe_args = None
+        if moe:
+            moe_args = MoEArgs.from_hf_config(hf_config)
+            # Qwen3.5-MoE's router renormalises its top-k weights whatever the config says, and
+            # one shared expert, gated by sigmoid(shared_expert_gate(x)), runs beside the routed
+            # ones; AReaL's MoEArgs.from_hf_config reads none of it, so the package sets it.
+            moe_args.route_norm = True
+            moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
+            moe_args.use_shared_expert_gate = True
+            router_dtype: torch.dtype | None = kwargs.get("router_dtype")
+            if router_dtype is not None:
+                moe_args.router_dtype = router_dtype
         rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
         n_heads = hf_config.num_attention_heads
         return cls(
@@ -151,7 +185,9 @@ class Qwen3_5ModelArgs(BaseModelArgs):
             n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
             vocab_size=hf_config.vocab_size,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads,
-            hidden_dim=hf_config.intermediate_size,
+            hidden_dim=getattr(hf_config, "intermediate_size", None) or cls.hidden_dim,
+            moe_inter_dim=getattr(hf_config, "moe_intermediate_size", None) or cls.moe_inter_dim,
+            moe_args=moe_args,
             norm_eps=hf_config.rms_norm_eps,
             rope_theta=cls._get_rope_theta(hf_config, cls.rope_theta),
             partial_rotary_factor=float(rope_parameters.get("partial_rotary_factor", 1.0)),

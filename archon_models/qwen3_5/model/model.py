@@ -11,6 +11,7 @@ from torch import nn
 
 from archon_models.attention import SDPAWrapper, VarlenAttentionWrapper
 from archon_models.base import BaseArchonModel
+from archon_models.moe import MoE
 from archon_models.qwen3_5.model.args import Qwen3_5ModelArgs
 from archon_models.qwen3_5.model.gated_delta import causal_conv_silu, gated_delta_rule
 from archon_models.qwen3_5.model.rope import apply_rotary_emb, precompute_rope_cache, repeat_kv
@@ -222,7 +223,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer is ``attention`` on a
     ``"full_attention"`` layer and ``linear_attn`` on a ``"linear_attention"`` one (the
-    other is ``None``), as in AReaL's Qwen3.5."""
+    other is ``None``), as in AReaL's Qwen3.5. The MLP is ``moe`` when ``moe_enabled``, else
+    ``feed_forward`` (the other is ``None``)."""
 
     def __init__(self, layer_id: int, model_args: Qwen3_5ModelArgs):
         super().__init__()
@@ -235,8 +237,13 @@ class TransformerBlock(nn.Module):
             self.linear_attn = GatedDeltaNet(model_args)
         self.attention_norm = Qwen3_5RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.ffn_norm = Qwen3_5RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.moe_enabled = False
-        self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)
+        self.moe_enabled = model_args.moe_args is not None
+        self.moe: MoE | None = None
+        self.feed_forward: FeedForward | None = None
+        if model_args.moe_args is not None:
+            self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)
+        else:
+            self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)
         # Depth-scaled init keeps the residual stream's variance bounded in deep stacks.
         depth = layer_id + 1 if model_args.depth_init else model_args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
@@ -255,7 +262,8 @@ class TransformerBlock(nn.Module):
         else:
             assert self.linear_attn is not None
             x = x + self.linear_attn(h, cu_seqlens)
-        return x + self.feed_forward(self.ffn_norm(x))
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        return x + mlp(self.ffn_norm(x))
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
@@ -263,10 +271,12 @@ class TransformerBlock(nn.Module):
         mixer = self.attention if self.attention is not None else self.linear_attn
         assert mixer is not None
         mixer.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        mlp.init_weights(self.weight_init_std)
 
     def init_buffers(self, buffer_device: torch.device | str) -> None:
-        """No block buffers: the RoPE cache is the model's."""
+        if self.moe is not None:
+            self.moe.init_buffers(buffer_device)
 
 
 class Qwen3_5Model(BaseArchonModel):
@@ -283,6 +293,8 @@ class Qwen3_5Model(BaseArchonModel):
     unsupported_parallelisms: ClassVar[dict[str, str]] = {
         "tp": "the Gated DeltaNet layers have no tensor-parallel plan (AReaL's Qwen3.5 applies none either)",
         "cp": "the Gated DeltaNet layers have no context-parallel plan (AReaL's Qwen3.5 applies none either)",
+        "ep": "parallelize_qwen3_5 applies no expert parallelism (AReaL's Qwen3.5 applies none either)",
+        "ep_tp": "parallelize_qwen3_5 applies no expert or tensor parallelism (AReaL's Qwen3.5 applies neither)",
     }
 
     def __init__(self, model_args: Qwen3_5ModelArgs):

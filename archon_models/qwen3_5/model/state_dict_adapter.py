@@ -1,10 +1,10 @@
 """Qwen3.5 (text) state dicts: Archon names <-> HuggingFace checkpoint names.
 
-The conversion is qwen2's (every key renamed, no tensor changed, an unknown key refused by
-name, completeness checked against the model these args build) with Qwen3.5's names: the
-gated attention of the full-attention layers, the Gated DeltaNet of the linear-attention
-layers. A layer has one of the two, so each layer's keys are checked against the model,
-not the map.
+The conversion is qwen3's (every key renamed, the MoE experts stacked from and split into
+one 2D tensor per expert, an unknown key refused by name, completeness checked against the
+model these args build) with Qwen3.5's names: the gated attention of the full-attention
+layers, the Gated DeltaNet of the linear-attention layers. A layer has one of the two, so
+each layer's keys are checked against the model, not the map.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from archon_models.base import BaseStateDictAdapter
-from archon_models.qwen2.model.state_dict_adapter import Qwen2StateDictAdapter, _abstract
+from archon_models.moe_weight_converter import MoEConversionState, MoEWeightConverter
+from archon_models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter, _abstract
 from archon_models.qwen3_5.model.args import Qwen3_5ModelArgs
 from archon_models.qwen3_5.model.model import Qwen3_5Model
 
@@ -37,10 +38,11 @@ def _checkpoint_keys(hf_assets_path: str | None, index: dict[str, int] | None) -
     return keys
 
 
-class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
+class Qwen3_5StateDictAdapter(Qwen3StateDictAdapter):
     """Renames Qwen3.5 (text) weights between Archon and HF checkpoints.
 
-    ``model_config`` is a transformers ``Qwen3_5TextConfig`` or a :class:`Qwen3_5ModelArgs`.
+    ``model_config`` is a transformers ``Qwen3_5TextConfig``/``Qwen3_5MoeTextConfig`` or a
+    :class:`Qwen3_5ModelArgs`.
     Released checkpoints are multimodal: the text model's keys sit under
     ``model.language_model.`` (as transformers 5.3's ``save_pretrained`` writes them too) beside
     the vision tower (``model.visual.*``) and multi-token-prediction blocks (``mtp.*``), which
@@ -72,10 +74,18 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
         "model.layers.{}.linear_attn.A_log": "layers.{}.linear_attn.A_log",
         "model.layers.{}.linear_attn.norm.weight": "layers.{}.linear_attn.norm.weight",
         "model.layers.{}.linear_attn.out_proj.weight": "layers.{}.linear_attn.out_proj.weight",
-        # Every layer.
+        # Every layer: a dense MLP, or a MoE with one gated shared expert.
         "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
         "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
         "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+        "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
+        "model.layers.{}.mlp.experts.{}.gate_proj.weight": "layers.{}.moe.experts.w1",
+        "model.layers.{}.mlp.experts.{}.up_proj.weight": "layers.{}.moe.experts.w3",
+        "model.layers.{}.mlp.experts.{}.down_proj.weight": "layers.{}.moe.experts.w2",
+        "model.layers.{}.mlp.shared_expert.gate_proj.weight": "layers.{}.moe.shared_experts.w1.weight",
+        "model.layers.{}.mlp.shared_expert.up_proj.weight": "layers.{}.moe.shared_experts.w3.weight",
+        "model.layers.{}.mlp.shared_expert.down_proj.weight": "layers.{}.moe.shared_experts.w2.weight",
+        "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.moe.shared_expert_gate.weight",
         "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
         "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
         "model.norm.weight": "norm.weight",
@@ -90,7 +100,7 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
     composite_prefix: ClassVar[str] = "model.language_model."
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None):
-        # qwen2's constructor would build qwen2's args: set up what it sets, with Qwen3.5's.
+        # qwen3's constructor would build qwen3's args: set up what it sets, with Qwen3.5's.
         BaseStateDictAdapter.__init__(self, model_config, hf_assets_path)
         self.from_hf_map = dict(type(self).from_hf_map)
         self.to_hf_map = {archon: hf for hf, archon in self.from_hf_map.items() if archon is not None}
@@ -99,6 +109,13 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
         else:
             self.model_args = Qwen3_5ModelArgs.from_hf_config(model_config)
         self.enable_weight_tying = self.model_args.enable_weight_tying
+        self.moe_enabled = self.model_args.moe_enabled
+        self.num_experts = self.model_args.moe_args.num_experts if self.model_args.moe_args is not None else 0
+        self._expert_templates = {
+            archon: hf for hf, archon in self.from_hf_map.items() if archon is not None and hf.count("{}") == 2
+        }
+        self._moe_converter = MoEWeightConverter()
+        self._moe_state = MoEConversionState()
         self._expected_keys = None
         # Written back in the namespace the checkpoint uses (its keys say, or from_hf saw): AReaL's
         # engine loads a checkpoint by the keys to_hf writes.
@@ -134,7 +151,22 @@ class Qwen3_5StateDictAdapter(Qwen2StateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         if any(key.startswith(self.composite_prefix) for key in hf_state_dict):
             self.composite_namespace = True
-        return super().from_hf(hf_state_dict)
+        # qwen3's conversion reads text-only names; keys only transformers' load drops go first.
+        text_only = {self._text_key(k): v for k, v in hf_state_dict.items() if self._archon_key(k) is not None}
+        try:
+            return super().from_hf(text_only)
+        except KeyError as exc:
+            if not self.composite_namespace:
+                raise
+            # Name the keys as the checkpoint does.
+            message = re.sub(r"'model\.(?!language_model\.)", f"'{self.composite_prefix}", str(exc.args[0]))
+            raise KeyError(message) from None
+
+    def _split_experts(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        experts = super()._split_experts(name, tensor)
+        if experts is None:
+            return None
+        return [(self._maybe_composite_hf_key(key), piece) for key, piece in experts]
 
     def _expected_archon_keys(self) -> frozenset[str]:
         """The state-dict keys of the model these args build (on the meta device: no memory)."""
