@@ -46,6 +46,12 @@ ARCHON_FIELDS: dict[str, str] = {
     "n_group": "moe_args.num_expert_groups",
     "topk_group": "moe_args.num_limited_groups",
     "num_labels": "num_labels",
+    # The Gated DeltaNet layers of a hybrid (the qwen3_5 reference's args).
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
 }
 _EPS_SUFFIXES = ("_eps", "_epsilon")
 # Bookkeeping of PretrainedConfig itself, not architecture.
