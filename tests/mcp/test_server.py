@@ -165,6 +165,7 @@ def test_resources_and_the_add_model_prompt(workspace: Path):
         "qwen2": ["qwen2"],
         "qwen3": ["qwen3", "qwen3_moe"],
         "deepseek_v3": ["deepseek_v3"],
+        "qwen3_5": ["qwen3_5_moe_text", "qwen3_5_text"],
     }
     qwen3 = next(r for r in table["references"] if r["reference"] == "qwen3")
     deepseek = next(r for r in table["references"] if r["reference"] == "deepseek_v3")
