@@ -57,8 +57,8 @@ DEFAULT_RUN_FAMILIES = frozenset(
 STAGE5_VARIANTS_BEYOND_DEFAULT_RUN = frozenset({"deepseek_v3-yarn", "mixtral-head_dim-None", "qwen3_moe-mixed"})
 EVERY_FAMILY_MARKER = "every_family"
 EVERY_FAMILY_HELP = (
-    "stage 5 and the AReaL tier of the committed families, and the composition and fuzzer-found families' ports, "
-    "beyond the default run's representative few (.ci/run runs them)"
+    "stage 5 and the AReaL tier of the committed families, the composition and fuzzer-found families' ports, and "
+    "the pairs of QK norm and block norm kinds, beyond the default run's representative few (.ci/run runs them)"
 )
 
 
