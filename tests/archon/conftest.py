@@ -108,7 +108,21 @@ def _with_mark(param: Any, mark: pytest.MarkDecorator) -> Any:
     return pytest.param(*param.values, marks=(*param.marks, mark), id=param.id)
 
 
+# The verdict of _skip_if_inexpressible per case object: a test file's six stage tests share one
+# CASES list, and each verdict builds the case's tiny HF config (847 builds at collection in each
+# xdist worker, 141 distinct: 4-6 s of every worker's collection on the 2-core machine).
+_EXPRESSIBLE: dict[int, tuple[ModelCase, Any]] = {}
+
+
 def _skip_if_inexpressible(case: ModelCase) -> Any:
+    """:func:`_judge_expressible`'s verdict on ``case``, judged once per case."""
+    seen = _EXPRESSIBLE.get(id(case))
+    if seen is None or seen[0] is not case:
+        seen = _EXPRESSIBLE[id(case)] = (case, _judge_expressible(case))
+    return seen[1]
+
+
+def _judge_expressible(case: ModelCase) -> Any:
     """The case, skipped (not failed) when the installed transformers cannot express it.
 
     pyproject.toml accepts transformers from 5.3.0 on; a family newer than the installed
