@@ -7,10 +7,19 @@ worker. Measured on the 2-core machine under load: stage 4 of qwen2_moe took 3.2
 2 threads and 0.5-1.1 s on 1. ``OMP_NUM_THREADS`` carries the setting into the child
 processes the tests start (the AReaL checker, a stage run by ``archon-port add``).
 ``ARCHON_TEST_THREADS`` overrides it.
+
+The cyclic garbage collector, once collection has imported the suite's modules: those are
+frozen (``gc.freeze``: never traversed again, never collected) and a young generation is
+collected after 20000 net allocations instead of 700. The engine's libcst edits allocate
+millions of short-lived nodes, and every full collection walked the millions of objects of
+torch, transformers and the suite's modules: measured on the 2-core machine, the collector's
+time over the 88 QK-norm edit tests went from 5.9 s to 1.6 s (of 55 s), over stage tests
+from 2.9 s to 1.9 s. Nothing a test checks depends on when garbage is collected.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -47,3 +56,14 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = configured_threads()
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+# The young generation's threshold (CPython's default is 700); the older ones keep theirs.
+GC_YOUNG_THRESHOLD = 20000
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)

@@ -25,12 +25,13 @@ from skill.harness.models import installed_model_refused, unhonoured_overrides, 
 
 _PROPERTY = "archon_stage_result"
 
-# The families the default run proves in full: one per reference and per structure a TP/FSDP/
-# EP/PP/CP plan or AReaL's engine treats differently (dense without and with QK norm, q/k/v
-# bias, a hybrid of linear and full attention, MoE with shared experts and with a sigmoid
-# router, MLA, sinks, ALiBi, a parallel block, fused q/k/v, soft-capped windowed attention).
-# Stage 5 and the AReaL tier of every other family carry the ``every_family`` marker, which the
-# default run leaves out and .ci/run runs as its own step.
+# The families the default run proves in full (but for the stage 5 of three variant cases,
+# below): one per reference and per structure a TP/FSDP/EP/PP/CP plan or AReaL's engine treats
+# differently (dense without and with QK norm, q/k/v bias, a hybrid of linear and full
+# attention, MoE with shared experts and with a sigmoid router, MLA, sinks, ALiBi, a parallel
+# block, fused q/k/v, soft-capped windowed attention). Stage 5 and the AReaL tier of every other
+# family (and stage 5 of the cases in STAGE5_VARIANTS_BEYOND_DEFAULT_RUN) carry the
+# ``every_family`` marker, which the default run leaves out and .ci/run runs as its own step.
 DEFAULT_RUN_FAMILIES = frozenset(
     {
         "llama",
@@ -47,10 +48,17 @@ DEFAULT_RUN_FAMILIES = frozenset(
         "gemma2",
     }
 )
+# Cases of those families whose stage 5 runs under ``every_family`` too: variants whose structure
+# another case's stage 5 in the default run covers (each MoE case's stage 5 costs 7-11
+# worker-seconds). deepseek_v3-yarn: YaRN changes cos/sin and the softmax scale, not a module or
+# a plan entry (stage 4 proves the numbers); mixtral-head_dim-None: head_dim derived from the
+# widths, the modules of the first case; qwen3_moe-mixed: a dense layer among MoE layers, which
+# deepseek_v3's leading dense layer puts under EP and PP already.
+STAGE5_VARIANTS_BEYOND_DEFAULT_RUN = frozenset({"deepseek_v3-yarn", "mixtral-head_dim-None", "qwen3_moe-mixed"})
 EVERY_FAMILY_MARKER = "every_family"
 EVERY_FAMILY_HELP = (
-    "stage 5 and the AReaL tier of the committed families, and the composition and fuzzer-found families' ports, "
-    "beyond the default run's representative few (.ci/run runs them)"
+    "stage 5 and the AReaL tier of the committed families, the composition and fuzzer-found families' ports, and "
+    "the pairs of QK norm and block norm kinds, beyond the default run's representative few (.ci/run runs them)"
 )
 
 
@@ -71,6 +79,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         params = [_skip_if_inexpressible(c) for c in cases]
         if beyond_default:
             params = [_with_mark(p, pytest.mark.every_family) for p in params]
+        elif metafunc.definition.get_closest_marker("stage5") is not None:
+            params = [
+                _with_mark(p, pytest.mark.every_family) if c.id in STAGE5_VARIANTS_BEYOND_DEFAULT_RUN else p
+                for c, p in zip(cases, params, strict=True)
+            ]
         metafunc.parametrize("case", params, ids=[c.id for c in cases])
 
 
@@ -95,7 +108,21 @@ def _with_mark(param: Any, mark: pytest.MarkDecorator) -> Any:
     return pytest.param(*param.values, marks=(*param.marks, mark), id=param.id)
 
 
+# The verdict of _skip_if_inexpressible per case object: a test file's six stage tests share one
+# CASES list, and each verdict builds the case's tiny HF config (847 builds at collection in each
+# xdist worker, 141 distinct: 4-6 s of every worker's collection on the 2-core machine).
+_EXPRESSIBLE: dict[int, tuple[ModelCase, Any]] = {}
+
+
 def _skip_if_inexpressible(case: ModelCase) -> Any:
+    """:func:`_judge_expressible`'s verdict on ``case``, judged once per case."""
+    seen = _EXPRESSIBLE.get(id(case))
+    if seen is None or seen[0] is not case:
+        seen = _EXPRESSIBLE[id(case)] = (case, _judge_expressible(case))
+    return seen[1]
+
+
+def _judge_expressible(case: ModelCase) -> Any:
     """The case, skipped (not failed) when the installed transformers cannot express it.
 
     pyproject.toml accepts transformers from 5.3.0 on; a family newer than the installed

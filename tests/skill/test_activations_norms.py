@@ -354,9 +354,34 @@ QK_CASES = [
         if block != qk or qk.startswith("layernorm")
     ),
 ]
+# The default run's pairs (each costs about a second: three edit runs and a model): on each
+# reference, each kind once as the block norm and once as the QK norm, beside another kind (the
+# next in sorted order), and one full-width LayerNorm beside LayerNorm block norms. The other 73
+# pairs carry the ``every_family`` marker, which .ci/run runs as its own step.
+_KINDS = sorted(VARIANTS)
+QK_CASES_BY_DEFAULT = {
+    *(
+        (reference, width, after_rope, block, _KINDS[(i + 1) % len(_KINDS)])
+        for reference, width, after_rope in (("qwen2", "per_head", True), ("qwen3", "full", False))
+        for i, block in enumerate(_KINDS)
+    ),
+    ("qwen3", "full", False, "layernorm", "layernorm"),
+}
 
 
-@pytest.mark.parametrize(("reference", "width", "after_rope", "block", "qk"), QK_CASES)
+def _qk_param(case: tuple[str, str, bool, str, str]):  # type: ignore[no-untyped-def]
+    return case if case in QK_CASES_BY_DEFAULT else pytest.param(*case, marks=pytest.mark.every_family)
+
+
+def test_the_default_run_s_qk_norm_pairs_cover_every_kind_on_both_sides():
+    assert set(QK_CASES) >= QK_CASES_BY_DEFAULT
+    for reference in ("qwen2", "qwen3"):
+        pairs = [(block, qk) for r, *_, block, qk in QK_CASES_BY_DEFAULT if r == reference]
+        assert {block for block, qk in pairs if block != qk} == set(VARIANTS), reference
+        assert {qk for block, qk in pairs if block != qk} == set(VARIANTS), reference
+
+
+@pytest.mark.parametrize(("reference", "width", "after_rope", "block", "qk"), [_qk_param(c) for c in QK_CASES])
 def test_qk_norms_compute_their_own_kind_beside_any_block_norm(reference, width, after_rope, block, qk) -> None:
     """q_norm/k_norm compute the QK norm's kind, the block norms theirs, in any edit order;
     a second run changes nothing."""

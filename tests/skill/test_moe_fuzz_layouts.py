@@ -11,6 +11,10 @@ ported through ``port_model`` with ``trust_remote_code``, as ``archon-port add <
 - a fused q/k/v projection in a MoE family: the same split as a dense family's, at the head
   of the MoE adapter's loops (bench seeds 4, 68 were refused);
 - both at once, and the q/k/v rows grouped per KV head (bench seeds 6, 71).
+
+A full port costs 15-20 worker-seconds: the default run ports the last of these (both layouts
+at once, :func:`test_grouped_fused_qkv_and_fused_experts_compose`); every other port here carries
+the ``every_family`` marker, which ``.ci/run`` runs as its own step.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def _ported(tmp_path: Path, spec: FamilySpec, stages: list[int]) -> None:
     assert [r.stage for r in result.stage_results] == stages
 
 
+@pytest.mark.every_family  # a full port; .ci/run runs it
 @pytest.mark.fuzz
 @pytest.mark.slow
 def test_moe_block_named_feed_forward_ports(tmp_path):
