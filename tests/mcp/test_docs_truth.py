@@ -277,20 +277,43 @@ def test_skill_md_says_what_an_absent_hand_edit_places_means_as_the_report_seria
     assert marker_place("something else").where("M") == "TransformerBlock.forward"
 
 
-def _collected(*args: str) -> list[str]:
-    """The test ids ``python -m pytest --collect-only`` selects with ``args``."""
+def _collected(*commands: list[str]) -> list[list[str]]:
+    """The test ids ``python -m pytest --collect-only`` selects with each of ``commands``' arguments.
+
+    One interpreter runs the collections one after the other (``pytest.main`` per command, as
+    ``python -m pytest`` runs it): each start imports torch, transformers and the engine, 6-10 s
+    on the 2-core machine."""
+    import json
     import subprocess
     import sys
 
+    script = (
+        "import json, sys, pytest\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    code = pytest.main(['-p', 'no:cacheprovider', '--collect-only', '-q', *args])\n"
+        "    print(sys.argv[2], int(code), flush=True)\n"
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        [sys.executable, "-c", script, json.dumps(commands), _SEPARATOR],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert run.returncode in (0, 5), run.stdout + run.stderr  # 5: nothing collected
-    return [line for line in run.stdout.splitlines() if "::" in line]
+    assert run.returncode == 0, run.stdout + run.stderr
+    selected: list[list[str]] = [[]]
+    for line in run.stdout.splitlines():
+        if line.startswith(_SEPARATOR):
+            code = int(line.removeprefix(_SEPARATOR))
+            assert code in (0, 5), run.stdout + run.stderr  # 5: nothing collected
+            selected.append([])
+        elif "::" in line:
+            selected[-1].append(line)
+    assert len(selected) == len(commands) + 1 and not selected[-1], run.stdout + run.stderr
+    return selected[:-1]
+
+
+_SEPARATOR = "=== end of one collection, exit"
 
 
 @pytest.mark.slow
@@ -323,10 +346,11 @@ def test_the_docs_commands_for_one_family_s_replay_and_regeneration_select_what_
         r.model_name for r in generated if (sessions / f"{r.model_name}.jsonl").is_file()
     )
     family = next(name for name in pool if name not in REPRESENTATIVE and name not in REGENERATED_BY_DEFAULT)
-    assert _collected("tests/mcp/test_e2e.py", "-m", "replay", "-k", family) == [
-        f"tests/mcp/test_e2e.py::test_committed_sessions_replay[{family}]"
-    ]
-    regenerated = _collected("tests/skill/test_regenerate.py", "-m", "regenerate", "-k", family)
+    replayed, regenerated = _collected(
+        ["tests/mcp/test_e2e.py", "-m", "replay", "-k", family],
+        ["tests/skill/test_regenerate.py", "-m", "regenerate", "-k", family],
+    )
+    assert replayed == [f"tests/mcp/test_e2e.py::test_committed_sessions_replay[{family}]"]
     assert regenerated == (
         []
         if hand_ports

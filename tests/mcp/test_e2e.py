@@ -16,13 +16,13 @@ from tests.mcp.scripted_client import SESSIONS, add_source, port_over_stdio, por
 
 COMMITTED = sorted(SESSIONS.glob("*.jsonl"))
 E2E_FAMILY = "llama"
-# Replayed in the default run (each replay costs 5-15 worker-seconds): gpt_oss (qwen3 reference,
-# MoE, sinks) and bloom (qwen2 reference, ALiBi, tied head); test_a_skill_md_client_ports_a_family_over_stdio
-# records llama's session again and compares it with the committed one. The default run also
-# regenerates minicpm3 (deepseek_v3 reference, MLA) and gemma2 (soft-capped, windowed flex
-# attention) byte for byte (tests/skill/test_regenerate.py). Every other committed session
-# replays under the `replay` marker, which .ci/run runs as its own step.
-REPRESENTATIVE = {"gpt_oss", "bloom"}
+# Replayed in the default run (a replay costs 5-20 worker-seconds): gpt_oss (qwen3 reference, MoE,
+# sinks). test_a_skill_md_client_ports_a_family_over_stdio records llama's session (the qwen2
+# reference) again over stdio and compares it call for call with the committed one, and the
+# default run regenerates llama, gpt_oss, minicpm3 (deepseek_v3 reference, MLA) and gemma2
+# (soft-capped, windowed flex attention) byte for byte (tests/skill/test_regenerate.py). Every
+# other committed session replays under the `replay` marker, which .ci/run runs as its own step.
+REPRESENTATIVE = {"gpt_oss"}
 
 
 def _replay_param(session: Path):
