@@ -126,7 +126,7 @@ def analyse(resolved: ResolvedSource, trust_remote_code: bool, attention_twin: b
             f"{config.model_type!r}: a tiny instance cannot be built ({exc}); "
             "check the config's sizes, or report the family to the archon-port maintainers"
         ) from exc
-    if evidence or not attention_twin:
+    if not attention_twin:
         hybrid = _hybrid_stack(config, tiny, model, evidence)
         if hybrid is not None:
             twin = analyse(replace(resolved, config=hybrid.attention_only), trust_remote_code, attention_twin=True)

@@ -12,6 +12,7 @@ from torch import nn
 from archon_models.attention import SDPAWrapper, VarlenAttentionWrapper
 from archon_models.base import BaseArchonModel
 from archon_models.moe import MoE
+from archon_models.qwen3.model.model import FeedForward
 from archon_models.qwen3_5.model.args import Qwen3_5ModelArgs
 from archon_models.qwen3_5.model.gated_delta import causal_conv_silu, gated_delta_rule
 from archon_models.qwen3_5.model.rope import apply_rotary_emb, precompute_rope_cache, repeat_kv
@@ -200,24 +201,6 @@ class GatedAttention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(bs, seqlen, -1) * torch.sigmoid(gate.reshape(bs, seqlen, -1))
         return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP ``w2(silu(w1(x)) * w3(x))``; ``w1`` is HF's gate_proj, ``w3`` up_proj, ``w2`` down_proj."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
 class TransformerBlock(nn.Module):

@@ -127,17 +127,15 @@ class Qwen3_5StateDictAdapter(Qwen3StateDictAdapter):
             return "model." + hf_key.removeprefix(self.composite_prefix)
         return hf_key
 
+    def _dropped(self, hf_key: str) -> bool:
+        """A key no map entry covers that transformers' load drops too (an ignore pattern finds it)."""
+        template, _ = _abstract(self._text_key(hf_key))
+        return template not in self.from_hf_map and any(
+            re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns
+        )
+
     def _archon_key(self, hf_key: str) -> str | None:
-        template, indices = _abstract(self._text_key(hf_key))
-        if template not in self.from_hf_map:
-            if any(re.search(pattern, hf_key) for pattern in self.ignored_hf_key_patterns):
-                return None  # transformers' load drops it too
-            raise KeyError(
-                f"HF checkpoint key {hf_key!r} (pattern {template!r}) is not in "
-                f"{type(self).__name__}.from_hf_map; map it to an Archon key, or to None to drop it."
-            )
-        target = self.from_hf_map[template]
-        return None if target is None else target.format(*indices)
+        return None if self._dropped(hf_key) else super()._archon_key(self._text_key(hf_key))
 
     def _maybe_composite_hf_key(self, hf_key: str) -> str:
         """A text-only HF key in the checkpoint's namespace (AReaL's hook, read by its engine)."""
@@ -151,8 +149,8 @@ class Qwen3_5StateDictAdapter(Qwen3StateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         if any(key.startswith(self.composite_prefix) for key in hf_state_dict):
             self.composite_namespace = True
-        # qwen3's conversion reads text-only names; keys only transformers' load drops go first.
-        text_only = {self._text_key(k): v for k, v in hf_state_dict.items() if self._archon_key(k) is not None}
+        # qwen3's conversion reads text-only names; keys transformers' load drops go first.
+        text_only = {self._text_key(k): v for k, v in hf_state_dict.items() if not self._dropped(k)}
         try:
             return super().from_hf(text_only)
         except KeyError as exc:
