@@ -12,6 +12,13 @@ does (passes, refuses, fails at a step, raises) is one row of the table:
 programming error such as ``AttributeError``, or a worker that died or ran out of time).
 Uncommitted changes are not swept: commit them first.
 
+The clone is thrown away, so a family whose package is committed is ported with
+``overwrite``: the row says whether the engine ported it, and ``committed`` whether what it
+wrote is the committed package byte for byte (``same``), differs from it (``differs:
+<files>``: under another transformers the engine measures another fact, and ``add`` without
+``--overwrite`` refuses to replace the package), or is new (``new``; ``-`` where nothing
+was written).
+
     python bench/port_all.py [--families llama,gpt2] [--jobs N] [--stages 1,2,3,4,5,6] [--json OUT.json]
 """
 
@@ -66,6 +73,9 @@ class FamilyRow(BaseModel):
     outcome: Outcome
     detail: str = Field(default="", description="refused features, the failed step's reason, or the exception")
     seconds: float = 0.0
+    committed: str = Field(
+        default="-", description="what was written against the committed package: same, differs: <files>, new, or -"
+    )
 
     @property
     def result(self) -> str:
@@ -102,7 +112,7 @@ def port_one(family: str, stages: list[int], workspace: Path) -> FamilyRow:
     try:
         from skill.porting.port_model import PortModelRequest, run_port
 
-        result = run_port(PortModelRequest(source=family, stages=stages, workspace=workspace))
+        result = run_port(PortModelRequest(source=family, stages=stages, workspace=workspace, overwrite=True))
     except Exception as exc:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({Path(frame.filename).name}:{frame.lineno})"
@@ -116,7 +126,14 @@ def port_one(family: str, stages: list[int], workspace: Path) -> FamilyRow:
     reached = result.steps[-1].step if result.steps else ""
     seconds = time.perf_counter() - start
     if result.passed:
-        return FamilyRow(family=family, reference=result.reference, reached=reached, outcome="ported", seconds=seconds)
+        return FamilyRow(
+            family=family,
+            reference=result.reference,
+            reached=reached,
+            outcome="ported",
+            seconds=seconds,
+            committed=against_committed(workspace, result.model_name, result.changed_files),
+        )
     refused = _refused_features(result)
     if refused is not None:
         return FamilyRow(
@@ -137,6 +154,25 @@ def port_one(family: str, stages: list[int], workspace: Path) -> FamilyRow:
         detail=error,
         seconds=seconds,
     )
+
+
+def against_committed(workspace: Path, model_name: str, changed_files: list[str]) -> str:
+    """``same``, ``differs: <files>`` or ``new``: the package just written against HEAD's (``-``: nothing written)."""
+    package = f"archon_models/{model_name}"
+    tracked = subprocess.run(
+        ["git", "-C", str(workspace), "ls-files", "--", package], check=True, capture_output=True, text=True
+    ).stdout.split()
+    if not tracked:
+        return "new" if changed_files else "-"
+    differing = subprocess.run(
+        ["git", "-C", str(workspace), "diff", "--name-only", "HEAD", "--", package],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    if not differing:
+        return "same"
+    return "differs: " + ", ".join(path.removeprefix(package + "/") for path in differing)
 
 
 def worker_main(family: str, stages: list[int], out: Path) -> int:
@@ -220,8 +256,11 @@ def accepted_families() -> list[str]:
 
 
 def format_table(rows: list[FamilyRow]) -> str:
-    header = ("family", "reference", "reached", "result", "seconds")
-    cells = [(r.family, r.reference or "-", r.reached or "-", r.result[:140], f"{r.seconds:.1f}") for r in rows]
+    header = ("family", "reference", "reached", "result", "committed", "seconds")
+    cells = [
+        (r.family, r.reference or "-", r.reached or "-", r.result[:140], r.committed[:60], f"{r.seconds:.1f}")
+        for r in rows
+    ]
     widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
     lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -231,6 +270,9 @@ def format_table(rows: list[FamilyRow]) -> str:
     }
     lines.append("")
     lines.append(f"{len(rows)} families: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
+    differing = [r.family for r in rows if r.committed.startswith("differs")]
+    if differing:
+        lines.append(f"written otherwise than committed: {', '.join(differing)}")
     return "\n".join(lines)
 
 
