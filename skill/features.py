@@ -231,6 +231,36 @@ class ChunkedAttention(_Frozen):
     )
 
 
+# The Gated DeltaNet's projections in the qwen3_5 reference, and the row blocks ("parts") each
+# stacks, in order: q, k (linear_num_key_heads x linear_key_head_dim each), v, z
+# (linear_num_value_heads x linear_value_head_dim each), b, a (linear_num_value_heads each).
+DELTANET_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "in_proj_qkv": ("q", "k", "v"),
+    "in_proj_z": ("z",),
+    "in_proj_b": ("b",),
+    "in_proj_a": ("a",),
+}
+
+
+class FusedMixerWeight(_Frozen):
+    """A checkpoint weight of the mixer that stacks several of the reference's Gated DeltaNet
+    projections (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``), measured by loading it,
+    split, into the reference's ``GatedDeltaNet`` and comparing outputs."""
+
+    hf_name: str = Field(description="the parameter's name in the HF mixer (in_proj_qkvz.weight)")
+    parts: list[str] = Field(description="the row blocks it stacks, in order (q, k, v, z / b, a)")
+    grouped: bool = Field(
+        description="rows grouped by key head (each of linear_num_key_heads holds its slice of every part, "
+        "in order), not whole parts one after another"
+    )
+
+    @property
+    def projections(self) -> list[str]:
+        """The reference projections it holds, in the order their first part appears."""
+        names = [name for part in self.parts for name, held in DELTANET_PROJECTIONS.items() if part in held]
+        return list(dict.fromkeys(names))
+
+
 class LinearAttentionLayers(_Frozen):
     """Layers whose token mixer is a Gated DeltaNet instead of softmax attention (Qwen3.5's
     hybrid stack). Measured on a tiny model: which layers hold the mixer, the per-layer config
@@ -244,6 +274,11 @@ class LinearAttentionLayers(_Frozen):
     attention_kind: str = Field(description="its value on the softmax-attention layers")
     mixer_name: str = Field(description="the mixer's module name in an HF layer (linear_attn)")
     layers: list[int] = Field(description="the linear-attention layers of the analysed config")
+    fused: list[FusedMixerWeight] = Field(
+        default_factory=list,
+        exclude_if=is_empty,
+        description="checkpoint weights that stack several of the reference's projections (none: one each)",
+    )
 
 
 class QueryPositionScale(_Frozen):
@@ -1108,6 +1143,15 @@ def _nope_rule(att: AttentionFeatures) -> str:
     return "true"
 
 
+def _linear_attention_value(layers: LinearAttentionLayers) -> str:
+    """The mixer, and how its checkpoint stores the reference's projections where it stacks them."""
+    fused = [
+        f"{weight.hf_name} stacks {'/'.join(weight.parts)}{' by key head' if weight.grouped else ''}"
+        for weight in layers.fused
+    ]
+    return ", ".join([layers.kind, *fused])
+
+
 def _layer_pattern(moe: MoEFeatures) -> str:
     if not moe.moe_layers:
         return "none"
@@ -1217,7 +1261,7 @@ def feature_values(checklist: Checklist) -> dict[Feature, str]:
     if ffn.sub_norm is not None:
         values[Feature.FFN_SUB_NORM] = ffn.sub_norm.value
     if checklist.linear_attention is not None:
-        values[Feature.LINEAR_ATTENTION] = checklist.linear_attention.kind
+        values[Feature.LINEAR_ATTENTION] = _linear_attention_value(checklist.linear_attention)
     if pos.kind is PositionKind.ROPE:
         # RoPE details only mean something for a rotary family.
         values.update(

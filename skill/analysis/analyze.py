@@ -117,7 +117,7 @@ def analyze_hf_model(request: AnalyzeInput) -> ArchitectureReport:
         analysis = analyse(resolved, request.trust_remote_code)
         reference, deltas = nearest_reference(analysis.checklist)
     config = resolved.config
-    unsupported = unsupported_names(analysis.checklist, deltas)
+    unsupported = unsupported_names(analysis.checklist, deltas, config.model_type)
     return ArchitectureReport(
         model_type=config.model_type,
         config_class=type(config).__name__,

@@ -18,6 +18,7 @@ other children (norms, MLP) of the same classes, or the stack is refused by name
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from skill.analysis import modules as mt
-from skill.features import LinearAttentionLayers
+from skill.features import DELTANET_PROJECTIONS, FusedMixerWeight, LinearAttentionLayers
 
 logger = logging.getLogger(__name__)
 
@@ -133,19 +134,56 @@ def _reference_mixer(tiny: PretrainedConfig) -> nn.Module:
     return GatedDeltaNet(args)
 
 
-def _compare_mixer(hf_mixer: nn.Module, tiny: PretrainedConfig, class_name: str) -> None:
-    """Load the HF mixer's parameters into the reference's GatedDeltaNet by name and compare outputs."""
-    reference = _reference_mixer(tiny).to(torch.float32)
-    theirs = dict(hf_mixer.state_dict())
-    ours = reference.state_dict()
-    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    shapes = [n for n in sorted(set(ours) & set(theirs)) if ours[n].shape != theirs[n].shape]
-    if missing or unexpected or shapes:
-        raise HybridRefused(
-            f"its {class_name} holds {sorted(theirs)}, not the qwen3_5 reference's Gated DeltaNet parameters "
-            f"{sorted(ours)}" + (f" (shapes differ: {shapes})" if shapes else "")
-        )
-    reference.load_state_dict(theirs)
+def _part_rows(tiny: PretrainedConfig, grouped: bool) -> dict[str, int]:
+    """Rows of each part of the reference's projections, whole or per key-head group."""
+    groups = tiny.linear_num_key_heads if grouped else 1
+    value_heads = tiny.linear_num_value_heads // groups
+    key_rows = tiny.linear_num_key_heads // groups * tiny.linear_key_head_dim
+    value_rows = value_heads * tiny.linear_value_head_dim
+    return {"q": key_rows, "k": key_rows, "v": value_rows, "z": value_rows, "b": value_heads, "a": value_heads}
+
+
+def split_fused(weight: torch.Tensor, fused: FusedMixerWeight, tiny: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A fused checkpoint weight -> each of its parts, whole (every key head's rows in turn)."""
+    rows = _part_rows(tiny, fused.grouped)
+    groups = tiny.linear_num_key_heads if fused.grouped else 1
+    blocks = weight.reshape(groups, -1, *weight.shape[1:])
+    pieces = torch.split(blocks, [rows[part] for part in fused.parts], dim=1)
+    return {part: piece.reshape(-1, *weight.shape[1:]) for part, piece in zip(fused.parts, pieces, strict=True)}
+
+
+def _candidates(name: str, rows: int, free: list[str], tiny: PretrainedConfig) -> list[FusedMixerWeight]:
+    """Every way ``rows`` rows could stack whole reference projections of ``free``, in any order of
+    their parts, whole or grouped by key head."""
+    found: list[FusedMixerWeight] = []
+    for count in range(2, len(free) + 1):
+        for projections in itertools.combinations(free, count):
+            parts = [part for projection in projections for part in DELTANET_PROJECTIONS[projection]]
+            for grouped in (False, True):
+                per_part = _part_rows(tiny, grouped)
+                groups = tiny.linear_num_key_heads if grouped else 1
+                if groups * sum(per_part[part] for part in parts) != rows:
+                    continue
+                for order in itertools.permutations(parts):
+                    found.append(FusedMixerWeight(hf_name=name, parts=list(order), grouped=grouped))
+    return found
+
+
+def _reference_weights(
+    theirs: dict[str, torch.Tensor], fused: Sequence[FusedMixerWeight], tiny: PretrainedConfig
+) -> dict[str, torch.Tensor]:
+    """The reference mixer's state dict from the HF mixer's, its fused weights split."""
+    weights = {name: value for name, value in theirs.items() if name not in {f.hf_name for f in fused}}
+    for weight in fused:
+        parts = split_fused(theirs[weight.hf_name], weight, tiny)
+        for projection in weight.projections:
+            held = DELTANET_PROJECTIONS[projection]
+            weights[f"{projection}.weight"] = torch.cat([parts[part] for part in held], dim=0)
+    return weights
+
+
+def _same_output(hf_mixer: nn.Module, reference: nn.Module, tiny: PretrainedConfig) -> tuple[float, float]:
+    """Max abs difference of the two mixers' outputs on one random document, and their scale."""
     generator = torch.Generator().manual_seed(0)
     length = 12
     x = torch.randn(1, length, tiny.hidden_size, generator=generator)
@@ -153,13 +191,68 @@ def _compare_mixer(hf_mixer: nn.Module, tiny: PretrainedConfig, class_name: str)
         expected = hf_mixer(x)
         expected = expected[0] if isinstance(expected, tuple) else expected
         got = reference(x, torch.tensor([0, length], dtype=torch.int32))
-    scale = float(expected.abs().max())
-    diff = float((got - expected).abs().max())
-    if not diff <= _ULPS * torch.finfo(torch.float32).eps * max(scale, 1e-6):
+    return float((got - expected).abs().max()), float(expected.abs().max())
+
+
+def _close(diff: float, scale: float) -> bool:
+    return diff <= _ULPS * torch.finfo(torch.float32).eps * max(scale, 1e-6)
+
+
+def _fused_layout(
+    hf_mixer: nn.Module, reference: nn.Module, theirs: dict[str, torch.Tensor], tiny: PretrainedConfig
+) -> list[FusedMixerWeight] | None:
+    """The fused weights of the HF mixer, by what loads into the reference and computes its
+    outputs; ``None`` when no layout of the unexpected weights does."""
+    ours = reference.state_dict()
+    unexpected = sorted(set(theirs) - set(ours))
+    free = [p for p in DELTANET_PROJECTIONS if f"{p}.weight" in ours and f"{p}.weight" not in theirs]
+    if not unexpected or not free or any(theirs[name].dim() != 2 for name in unexpected):
+        return None
+    options = [_candidates(name, theirs[name].shape[0], free, tiny) for name in unexpected]
+    for layout in itertools.product(*options):
+        held = [projection for weight in layout for projection in weight.projections]
+        if sorted(held) != sorted(free):
+            continue
+        try:
+            reference.load_state_dict(_reference_weights(theirs, layout, tiny))
+        except RuntimeError:
+            continue
+        if _close(*_same_output(hf_mixer, reference, tiny)):
+            return list(layout)
+    return None
+
+
+def _compare_mixer(hf_mixer: nn.Module, tiny: PretrainedConfig, class_name: str) -> list[FusedMixerWeight]:
+    """Load the HF mixer's parameters into the reference's GatedDeltaNet and compare outputs: by
+    name, or, where the HF mixer stacks several of the reference's projections in one weight, by
+    the layout that computes the same (returned; empty when every weight loads by name)."""
+    reference = _reference_mixer(tiny).to(torch.float32)
+    theirs = dict(hf_mixer.state_dict())
+    ours = reference.state_dict()
+    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    shapes = [n for n in sorted(set(ours) & set(theirs)) if ours[n].shape != theirs[n].shape]
+    if shapes or ((missing or unexpected) and not all(n.endswith(".weight") for n in missing + unexpected)):
+        raise HybridRefused(
+            f"its {class_name} holds {sorted(theirs)}, not the qwen3_5 reference's Gated DeltaNet parameters "
+            f"{sorted(ours)}" + (f" (shapes differ: {shapes})" if shapes else "")
+        )
+    if missing or unexpected:
+        fused = _fused_layout(hf_mixer, reference, theirs, tiny)
+        if fused is None:
+            raise HybridRefused(
+                f"its {class_name} holds {sorted(theirs)}, not the qwen3_5 reference's Gated DeltaNet parameters "
+                f"{sorted(ours)}, and no stacking of the reference's projections in {unexpected} (whole or "
+                "grouped by key head, in any order) computes its outputs"
+            )
+        return fused
+    reference.load_state_dict(theirs)
+    diff, scale = _same_output(hf_mixer, reference, tiny)
+    if not _close(diff, scale):
         raise HybridRefused(
             f"its {class_name} has the qwen3_5 reference's Gated DeltaNet parameters but computes something else "
             f"(max abs diff {diff:.2e} on outputs of magnitude {scale:.2e})"
         )
+    return []
 
 
 def measure_hybrid(
@@ -171,7 +264,7 @@ def measure_hybrid(
     classes = sorted({type(module).__name__ for _, module in mixed.values()})
     if len(names) != 1 or len(classes) != 1:
         raise HybridRefused(f"its layers hold several kinds of non-attention mixer ({', '.join(classes)})")
-    _compare_mixer(mixed[min(mixed)][1], tiny, classes[0])
+    fused = _compare_mixer(mixed[min(mixed)][1], tiny, classes[0])
     if len(mixed) == len(layers):
         raise HybridRefused(f"no layer of its tiny stack ({len(layers)} layers) is a softmax-attention layer")
     field, linear_kind, attention_kind = _kind_field(tiny, set(mixed), len(layers))
@@ -187,6 +280,7 @@ def measure_hybrid(
             attention_kind=attention_kind,
             mixer_name=names.pop(),
             layers=[i for i, kind in enumerate(kinds) if kind == linear_kind],
+            fused=fused,
         ),
         attention_only=attention_only,
     )

@@ -318,9 +318,25 @@ def engine_limits(checklist: Checklist) -> list[str]:
     return limits
 
 
-def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta]) -> list[str]:
+def hybrid_limits(checklist: Checklist, model_type: str) -> list[str]:
+    """What a hybrid needs that the engine cannot write: a package of its own. The qwen3_5
+    reference serves its own types as it is; no edit applies to its copy yet, so any other type
+    is refused, with the MoE layer rule the reference would also lack (its MoE is on every layer)."""
+    if checklist.linear_attention is None or model_type in REFERENCES["qwen3_5"]:
+        return []
+    served = " and ".join(REFERENCES["qwen3_5"])
+    limits = [f"a hybrid package of its own (no edit applies to the qwen3_5 reference yet, which serves {served})"]
+    moe = checklist.moe
+    if moe is not None and moe.moe_layer_rule not in (None, "all"):
+        fields = ", ".join(moe.moe_layer_fields) or moe.moe_layer_rule
+        limits.append(f"MoE layers chosen by {fields} in a hybrid (the qwen3_5 reference routes every layer)")
+    return limits
+
+
+def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta], model_type: str) -> list[str]:
     """Plain names of what no reference or edit covers: "unsupported: attention sinks"."""
-    names = [f"unsupported: {limit}" for limit in engine_limits(checklist)]
+    limits = engine_limits(checklist) + hybrid_limits(checklist, model_type)
+    names = [f"unsupported: {limit}" for limit in limits]
     for delta in deltas:
         if delta.supported:
             continue

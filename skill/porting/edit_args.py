@@ -48,7 +48,7 @@ from skill.porting.common import (
 from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
 from skill.porting.mla_router import router_args
-from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
+from skill.porting.plan import PortPlan, plan_for, refuse_unedited_reference, refuse_unsupported, skipped_features
 from skill.porting.reference_choice import check_reference_fits
 from skill.porting.snippets import snippet, snippet_method
 from skill.porting.snippets.args import (
@@ -1145,6 +1145,7 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(profile, "edit_args")
+    refuse_unedited_reference(profile, "edit_args")
     skipped = skipped_features(profile, request.allow_unsupported)
     check_reference_fits(profile, text)
     config = load_config(request.source, request.trust_remote_code)

@@ -25,7 +25,7 @@ from skill.porting.common import (
     write_if_changed,
 )
 from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_catalogue, edit_document, select_edits
-from skill.porting.plan import PortPlan, plan_for, refuse_unsupported, skipped_features
+from skill.porting.plan import PortPlan, plan_for, refuse_unedited_reference, refuse_unsupported, skipped_features
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(plan, "edit_model")
+    refuse_unedited_reference(plan, "edit_model")
     foreign = [name for name in request.edits or () if name not in MLA_MODEL_EDITS]
     if plan.reference not in EDITABLE_REFERENCES and foreign:
         # Only the block-contract edits of MLA_MODEL_EDITS target this reference's modules.

@@ -77,9 +77,21 @@ AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
 
 
-def unsupported_error(model_type: str, features: list[str], step: str) -> UnsupportedFeatureError:
+# References whose copy no edit of edit_args or edit_model applies to: a family that needs
+# one is ported from them by hand (copy_reference copies and renames the package).
+UNEDITED_REFERENCES = ("qwen3_5",)
+
+
+def unsupported_error(model_type: str, features: list[str], step: str, reference: str = "") -> UnsupportedFeatureError:
     """The one refusal: every unsupported feature of the report, and the way past it."""
     names = ", ".join(f.removeprefix("unsupported: ") for f in features)
+    if reference in UNEDITED_REFERENCES:
+        return UnsupportedFeatureError(
+            f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. No edit applies to a "
+            f"copy of the {reference} reference: a hand port runs copy_reference {reference} (it copies and "
+            "renames the package) and writes the differences by hand.",
+            features,
+        )
     if step in ALLOW_UNSUPPORTED_STEPS:
         way = f"Pass allow_unsupported=true to {step}"
     else:
@@ -701,7 +713,17 @@ def plan_for(source: str, trust_remote_code: bool = False) -> PortPlan:
 def refuse_unsupported(plan: PortPlan, step: str) -> None:
     """The one refusal: raise naming every unsupported feature of the report."""
     if plan.unsupported:
-        raise unsupported_error(plan.model_type, plan.unsupported, step)
+        raise unsupported_error(plan.model_type, plan.unsupported, step, plan.reference)
+
+
+def refuse_unedited_reference(plan: PortPlan, step: str) -> None:
+    """Refuse an edit step on a copy of a reference no edit applies to, in one line."""
+    if plan.reference in UNEDITED_REFERENCES:
+        raise UnsupportedFeatureError(
+            f"{step} applies no edit to a copy of the {plan.reference} reference ({plan.model_type}): after "
+            f"copy_reference {plan.reference}, write the family's differences by hand.",
+            list(plan.unsupported),
+        )
 
 
 def skipped_features(plan: PortPlan, allow_unsupported: bool) -> list[str]:

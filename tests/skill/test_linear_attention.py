@@ -7,6 +7,8 @@ family is measured on its attention-only twin. Anything else is refused with wha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -14,9 +16,18 @@ from transformers import AutoConfig
 from skill.analysis import modules as mt
 from skill.analysis.analyze import analyze_hf_model
 from skill.analysis.inputs import AnalysisError
-from skill.analysis.linear_attention import HybridRefused, measure_hybrid, mixer_layers
+from skill.analysis.linear_attention import (
+    HybridRefused,
+    _part_rows,
+    _reference_mixer,
+    _reference_weights,
+    measure_hybrid,
+    mixer_layers,
+)
 from skill.analysis.report import AnalyzeInput
-from skill.features import Feature
+from skill.features import DELTANET_PROJECTIONS, Feature, FusedMixerWeight
+from skill.porting.plan import UNEDITED_REFERENCES, plan_for, refuse_unedited_reference
+from skill.porting.port_model import PortModelRequest, run_port
 from skill.tiny_model import build_tiny_model, tiny_config
 
 
@@ -63,8 +74,6 @@ def test_layers_that_differ_beyond_their_mixer_are_refused():
 @pytest.mark.parametrize(
     ("model_type", "named"),
     [
-        # Qwen3-Next's Gated DeltaNet fuses q/k/v/z and b/a into other projections.
-        ("qwen3_next", "in_proj_qkvz.weight"),
         # OLMo-Hybrid's Gated DeltaNet projects q, k, v apart (and its layers norm differently).
         ("olmo_hybrid", "q_proj.weight"),
         # A state-space model: no Gated DeltaNet sizes at all.
@@ -82,3 +91,125 @@ def test_the_moe_variant_is_served_by_the_same_reference():
     assert report.reference == "qwen3_5" and report.checklist.linear_attention is not None
     assert report.checklist.moe is not None and report.deltas == [] and report.unsupported == []
     assert Feature.LINEAR_ATTENTION not in {d.feature for d in report.deltas}
+
+
+def test_qwen3_next_fused_projections_are_measured_and_its_port_refused_by_name():
+    """Qwen3-Next stores the reference's projections stacked per key head (in_proj_qkvz: q, k,
+    v, z; in_proj_ba: b, a): the analysis finds that layout by what computes HF's outputs, and
+    names it, with the rest the engine cannot write, as the features no edit supports."""
+    report = analyze_hf_model(AnalyzeInput(source="qwen3_next"))
+    hybrid = report.checklist.linear_attention
+    assert hybrid is not None and report.reference == "qwen3_5"
+    assert hybrid.fused == [
+        FusedMixerWeight(hf_name="in_proj_ba.weight", parts=["b", "a"], grouped=True),
+        FusedMixerWeight(hf_name="in_proj_qkvz.weight", parts=["q", "k", "v", "z"], grouped=True),
+    ]
+    [delta] = [d for d in report.deltas if d.feature is Feature.LINEAR_ATTENTION]
+    assert not delta.supported and "in_proj_qkvz.weight stacks q/k/v/z by key head" in delta.target
+    unsupported = " | ".join(report.unsupported)
+    assert "a hybrid package of its own" in unsupported
+    assert "MoE layers chosen by decoder_sparse_step, mlp_only_layers" in unsupported
+
+
+class _FusedMixer(torch.nn.Module):
+    """A Gated DeltaNet whose checkpoint stacks the reference's projections in ``layout``: it
+    computes the reference's outputs from its fused weights split that way."""
+
+    def __init__(self, tiny, layout: list[FusedMixerWeight]):
+        super().__init__()
+        reference = _reference_mixer(tiny)
+        self.tiny, self.layout, self._reference = tiny, layout, [reference]  # not a submodule
+        fused = {projection for weight in layout for projection in weight.projections}
+        for name, module in reference.named_children():
+            if name not in fused:
+                self.add_module(name, module)
+        for name, param in reference.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        generator = torch.Generator().manual_seed(1)
+        for weight in layout:
+            rows = _part_rows(tiny, weight.grouped)
+            groups = tiny.linear_num_key_heads if weight.grouped else 1
+            projection = torch.nn.Linear(
+                tiny.hidden_size, groups * sum(rows[part] for part in weight.parts), bias=False
+            )
+            torch.nn.init.normal_(projection.weight, std=0.2, generator=generator)
+            self.add_module(weight.hf_name.removesuffix(".weight"), projection)
+
+    def forward(self, x, **_):
+        weights = _reference_weights(dict(self.state_dict()), self.layout, self.tiny)
+        cu_seqlens = torch.tensor([0, x.shape[1]], dtype=torch.int32)
+        return torch.func.functional_call(self._reference[0], weights, (x, cu_seqlens))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [
+            FusedMixerWeight(hf_name="in_proj_qkvz.weight", parts=["q", "k", "v", "z"], grouped=False),
+            FusedMixerWeight(hf_name="in_proj_ba.weight", parts=["a", "b"], grouped=False),
+        ],
+        [FusedMixerWeight(hf_name="in_proj_zqkv.weight", parts=["z", "q", "k", "v"], grouped=True)],
+        [FusedMixerWeight(hf_name="in_proj_all.weight", parts=["b", "q", "k", "v", "a", "z"], grouped=True)],
+    ],
+    ids=["whole-parts", "z-first-by-key-head", "all-six-by-key-head"],
+)
+def test_any_stacking_of_the_reference_projections_is_found_by_what_it_computes(layout):
+    tiny, layers = _tiny_qwen3_5()
+    mixed = mixer_layers(layers)
+    for index in mixed:
+        name = mixed[index][0]
+        setattr(layers[index], name, _FusedMixer(tiny, layout))
+    mixed = mixer_layers(layers)
+    measured = measure_hybrid(tiny, tiny, layers, mixed).layers.fused
+    assert sorted(measured, key=lambda w: w.hf_name) == sorted(layout, key=lambda w: w.hf_name)
+    assert {p for w in measured for p in w.projections} <= set(DELTANET_PROJECTIONS)
+
+
+_OTHER_HYBRID_CONFIG = """from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+
+class OtherHybridConfig(Qwen3_5TextConfig):
+    model_type = "other_hybrid"
+"""
+_OTHER_HYBRID_MODEL = """from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+from .configuration_other_hybrid import OtherHybridConfig
+
+
+class OtherHybridForCausalLM(Qwen3_5ForCausalLM):
+    config_class = OtherHybridConfig
+"""
+
+
+def test_a_hybrid_of_another_model_type_is_refused_by_name_before_anything_is_written(tmp_path):
+    """A family identical to Qwen3.5 but for its model_type (remote code): the engine writes no
+    hybrid package yet, so add refuses it naming that before writing anything, and the edit
+    steps refuse a qwen3_5 copy in one line."""
+    folder = tmp_path / "other_hybrid"
+    folder.mkdir()
+    (folder / "configuration_other_hybrid.py").write_text(_OTHER_HYBRID_CONFIG)
+    (folder / "modeling_other_hybrid.py").write_text(_OTHER_HYBRID_MODEL)
+    config = tiny_config("qwen3_5_text").to_dict()
+    config.update(
+        model_type="other_hybrid",
+        architectures=["OtherHybridForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_other_hybrid.OtherHybridConfig",
+            "AutoModelForCausalLM": "modeling_other_hybrid.OtherHybridForCausalLM",
+        },
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    plan = plan_for(str(folder), trust_remote_code=True)
+    assert plan.reference in UNEDITED_REFERENCES
+    served = "which serves qwen3_5_text and qwen3_5_moe_text"
+    assert plan.unsupported == [
+        f"unsupported: a hybrid package of its own (no edit applies to the qwen3_5 reference yet, {served})"
+    ]
+    with pytest.raises(ValueError, match="edit_args applies no edit to a copy of the qwen3_5 reference"):
+        refuse_unedited_reference(plan, "edit_args")
+    workspace = tmp_path / "workspace"
+    (workspace / "archon_models").mkdir(parents=True)
+    result = run_port(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[1], workspace=workspace))
+    assert not result.passed and result.changed_files == []
+    assert "a hybrid package of its own" in (result.error or "")
+    assert sorted(p.name for p in (workspace / "archon_models").iterdir()) == []
