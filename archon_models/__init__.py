@@ -94,6 +94,7 @@ from archon_models.qwen2 import spec as qwen2_spec  # noqa: F401
 from archon_models.qwen2_moe import spec as qwen2_moe_spec  # noqa: F401
 from archon_models.qwen3 import spec as qwen3_spec  # noqa: F401
 from archon_models.qwen3_5 import spec as qwen3_5_spec  # noqa: F401
+from archon_models.qwen3_next import spec as qwen3_next_spec  # noqa: F401
 from archon_models.seed_oss import spec as seed_oss_spec  # noqa: F401
 from archon_models.smollm3 import spec as smollm3_spec  # noqa: F401
 from archon_models.solar_open import spec as solar_open_spec  # noqa: F401

@@ -1144,12 +1144,17 @@ def _nope_rule(att: AttentionFeatures) -> str:
 
 
 def _linear_attention_value(layers: LinearAttentionLayers) -> str:
-    """The mixer, and how its checkpoint stores the reference's projections where it stacks them."""
-    fused = [
-        f"{weight.hf_name} stacks {'/'.join(weight.parts)}{' by key head' if weight.grouped else ''}"
-        for weight in layers.fused
-    ]
-    return ", ".join([layers.kind, *fused])
+    """The mixer, and how its checkpoint stacks the reference's projections where it does
+    (the layout itself is ``layers.fused``)."""
+    kinds = sorted({"by key head" if weight.grouped else "whole" for weight in layers.fused})
+    return layers.kind + (f", stacked {' and '.join(kinds)}" if kinds else "")
+
+
+# The linear-attention values a port from the qwen3_5 reference writes: its own, and the
+# checkpoint stacking its projections one way (skill.porting.hybrid_package).
+HYBRID_LINEAR_ATTENTION = frozenset(
+    {"gated_deltanet", "gated_deltanet, stacked by key head", "gated_deltanet, stacked whole"}
+)
 
 
 def _layer_pattern(moe: MoEFeatures) -> str:

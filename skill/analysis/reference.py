@@ -21,6 +21,7 @@ from skill.activations import ACTIVATIONS
 from skill.analysis.measure import build_checklist, build_variant_checklist
 from skill.features import (
     FEATURE_TITLES,
+    HYBRID_LINEAR_ATTENTION,
     MLA_SUPPORTED_EDITS,
     Checklist,
     ExpertLayout,
@@ -49,7 +50,14 @@ REFERENCES: dict[str, tuple[str, ...]] = {
 EDITABLE_REFERENCES = ("qwen2", "qwen3")
 # Of a reference no edit of the whole table targets, the feature values the edits that do
 # apply to it produce (skill.features.MLA_SUPPORTED_EDITS, model_edits.MLA_MODEL_EDITS).
-REFERENCE_EDITS: dict[str, dict[Feature, frozenset[str]]] = {"deepseek_v3": MLA_SUPPORTED_EDITS}
+REFERENCE_EDITS: dict[str, dict[Feature, frozenset[str]]] = {
+    "deepseek_v3": MLA_SUPPORTED_EDITS,
+    # A hybrid's package (skill.porting.hybrid_package): stacked mixer weights, a MoE layer rule.
+    "qwen3_5": {
+        Feature.LINEAR_ATTENTION: HYBRID_LINEAR_ATTENTION,
+        Feature.MOE_LAYER_PATTERN: frozenset({"all", "interleaved", "leading_dense"}),
+    },
+}
 # Config fields a reference's own code reads, set otherwise than in its default config: the
 # values measured on these variants are values the reference produces without an edit
 # (each variant is a case of the reference's stage tests, tests/archon/test_<reference>.py).
@@ -319,18 +327,18 @@ def engine_limits(checklist: Checklist) -> list[str]:
 
 
 def hybrid_limits(checklist: Checklist, model_type: str) -> list[str]:
-    """What a hybrid needs that the engine cannot write: a package of its own. The qwen3_5
-    reference serves its own types as it is; no edit applies to its copy yet, so any other type
-    is refused, with the MoE layer rule the reference would also lack (its MoE is on every layer)."""
+    """What a hybrid of another model type than the qwen3_5 reference's needs that the engine
+    cannot write (skill.porting.hybrid_package writes the rest): a package without experts (the
+    reference's MoE machinery would stay), and a router renormalising otherwise than Qwen3.5's
+    (always) or as ``norm_topk_prob`` says."""
     if checklist.linear_attention is None or model_type in REFERENCES["qwen3_5"]:
         return []
-    served = " and ".join(REFERENCES["qwen3_5"])
-    limits = [f"a hybrid package of its own (no edit applies to the qwen3_5 reference yet, which serves {served})"]
     moe = checklist.moe
-    if moe is not None and moe.moe_layer_rule not in (None, "all"):
-        fields = ", ".join(moe.moe_layer_fields) or moe.moe_layer_rule
-        limits.append(f"MoE layers chosen by {fields} in a hybrid (the qwen3_5 reference routes every layer)")
-    return limits
+    if moe is None:
+        return ["a hybrid without experts under its own model type (the qwen3_5 reference's MoE machinery would stay)"]
+    if moe.norm_topk_prob_ignored and moe.renormalises_when_ignored is not True:
+        return ["a hybrid's router that never renormalises its top-k weights, whatever norm_topk_prob says"]
+    return []
 
 
 def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta], model_type: str) -> list[str]:

@@ -303,12 +303,23 @@ def _check_config_attrs(args_text: str, source: str, trust_remote_code: bool = F
     )
 
 
+# A model class that names TP among the parallelisms its parallelize refuses (the qwen3_5
+# reference's hybrids): it has no TP plan to check.
+_REFUSES_TP = re.compile(r"unsupported_parallelisms\b[^=]*=\s*\{[^}]*[\"']tp[\"']\s*:", re.S)
+
+
+def _refuses_tp(model_text: str) -> bool:
+    return _REFUSES_TP.search(model_text) is not None
+
+
 def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
     """``use_local_output=False`` on wq/wk and SequenceParallel on q/k norm iff QK norm.
 
     Under multi-head latent attention (``wkv_a``) ``q_norm``/``kv_norm`` normalise the
     latents, which every TP rank holds whole: the plan replicates them.
     """
+    if _refuses_tp(model_text):
+        return _check("tp_plan_qk_norm", True, "no TP plan: the model refuses TP by name (unsupported_parallelisms)")
     if "self.wkv_a" in model_text:
         planned = all(f'"attention.{name}": ReplicateParallel()' in parallelize_text for name in ("wkv_a", "kv_norm"))
         return _check(
@@ -343,6 +354,8 @@ def _check_tp_plan_modules(
     for a module the model lacks (``attention.q_norm`` without QK norm) otherwise passes
     every stage.
     """
+    if _refuses_tp(tree.read_text(layout.model) or ""):
+        return _check("tp_plan_modules", True, "no TP plan: the model refuses TP by name (unsupported_parallelisms)")
     try:
         trace = trace_tp_plan(tree, model_name, sources)
     except PlanTraceError as e:

@@ -16,7 +16,10 @@ logger = logging.getLogger(__name__)
 # The hand-written packages every port is copied from: never written over by a step.
 REFERENCES = tuple(_REFERENCE_TYPES)
 # How a reference's prose names its family, where that is not its class-name prefix.
-DISPLAY_NAMES = {"deepseek_v3": "DeepSeek-V3"}
+DISPLAY_NAMES = {"deepseek_v3": "DeepSeek-V3", "qwen3_5": "Qwen3.5"}
+# A reference whose classes are named otherwise than its package's camel case (AReaL's
+# Qwen3_5Model, not Qwen35Model).
+CLASS_PREFIXES = {"qwen3_5": "Qwen3_5"}
 
 
 def refuse_reference(model_name: str) -> None:
@@ -71,6 +74,8 @@ def renamed_reference_files(tree: StagedTree, reference: str, model_name: str) -
             f"reference package {source_dir}/ not found or empty; references are {', '.join(REFERENCES)}"
         )
     old, new = ModelNames.from_name(reference), ModelNames.from_name(model_name)
+    if reference in CLASS_PREFIXES:
+        old = old.model_copy(update={"camel": CLASS_PREFIXES[reference]})
     pairs = old.rename_pairs(new)
     if reference in DISPLAY_NAMES:
         # Prose names the reference's family as its authors write it ("DeepSeek-V3").

@@ -43,6 +43,7 @@ from skill.porting.common import (
 )
 from skill.porting.dense_mla import dense_adapter, is_moe_entry
 from skill.porting.hf_source import checkpoint_keys, generalise_key, load_config
+from skill.porting.hybrid_package import STACKED_MIXER_REGROUP, apply_mixer_row_blocks, stacked_mixer_map, text_adapter
 from skill.porting.mla_router import is_correction_bias_entry, no_correction_bias_adapter
 from skill.porting.snippets import snippet
 from skill.porting.snippets.differential import DifferentialLambda
@@ -603,23 +604,37 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
         # A reference no edit targets keeps its whole map (its modules serve every config
         # variant it reads); the family's checkpoint must fit it.
         keys = sorted({generalise_key(k) for k in checkpoint_keys(request.source, request.trust_remote_code)})
+        report = report_for(request.source, request.trust_remote_code)
+        stacked: dict[str, list[str]] = {}
+        hybrid = report.checklist.linear_attention
+        if hybrid is not None:
+            # A hybrid's package (skill/porting/hybrid_package.py): the text model's conversion,
+            # and the checkpoint's stacked mixer weights split into the reference's projections.
+            text = text_adapter(text, layout, report.config_class)
+            stacked = stacked_mixer_map(hybrid, _layer_template(report.checkpoint.layer_prefix))
+            held = {part for parts in stacked.values() for part in parts}
+            remove |= {k for k, v in current.items() if v in held}
+            # Where older transformers saved a layer's rotary table: dropped, as every family's adapter does.
+            wanted.update(dict.fromkeys(rotary_buffer_keys(report)))
         # A module an edit of the block wrote (the norm on the MoE's output) is in the analysis'
         # module map; the caller's own entries (a hand edit's parameter, named with `add`) count too.
-        edited = _module_map_entries(
-            [k for k in keys if k not in current],
-            report_for(request.source, request.trust_remote_code).checkpoint.module_map,
-        )
+        edited = _module_map_entries([k for k in keys if k not in current], report.checkpoint.module_map)
         wanted.update(edited)
-        unmapped = [k for k in keys if k not in current and k not in edited and k not in request.add]
+        mapped = set(current) | set(edited) | set(request.add) | set(stacked)
+        unmapped = [k for k in keys if k not in mapped]
         if unmapped:
             raise unmapped_keys_error(
                 unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
             )
         mla_plan = plan_for(request.source, request.trust_remote_code)
-        mla_checkpoint = report_for(request.source, request.trust_remote_code).checkpoint
+        mla_checkpoint = report.checkpoint
         text = apply_ignored_keys_adapter(text, layout, mla_checkpoint.ignored_unexpected)
         text = apply_ignore_patterns_adapter(text, layout, mla_checkpoint.load_ignore_patterns)
-        if not mla_plan.moe:
+        if hybrid is not None:
+            if stacked:
+                text = apply_fused_adapter(text, layout, stacked, regroup=STACKED_MIXER_REGROUP)
+                text = apply_mixer_row_blocks(text, layout, hybrid, _layer_template(report.checkpoint.layer_prefix))
+        elif not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)
             remove |= {k for k, v in current.items() if is_moe_entry(v)}
@@ -898,6 +913,7 @@ def apply_fused_adapter(
     fused: dict[str, list[str]],
     grouped: bool = False,
     blocked: tuple[int, str] | None = None,
+    regroup: tuple[str, str, tuple[str, ...]] | None = None,
 ) -> Document:
     """Teach a copied adapter a fused on-disk layout: ``from_hf`` splits each fused key
     along dim 0 by its parts' sizes, ``to_hf`` concatenates them back, and
@@ -905,7 +921,10 @@ def apply_fused_adapter(
     ``grouped``: the fused q/k/v rows are grouped by KV head (the analysis' probed
     layout), so the split regroups them into q, k, v first and the concat back.
     ``blocked``: ``(blocks, order)``, the fused rows form that many blocks, each a share of
-    q, k, v in that order (CodeGen's 4 blocks of q, v, k); the split unblocks them."""
+    q, k, v in that order (CodeGen's 4 blocks of q, v, k); the split unblocks them.
+    ``regroup``: another reordering, as ``(split code, concat code, helper snippets)``: the code
+    runs in ``_split_fused`` before the split (on ``value``, with ``template`` and ``parts``)
+    and in ``_concat_fused`` on ``stacked`` (returning the checkpoint's tensor where it applies)."""
     if not fused:
         return text
     cls = layout.adapter_class
@@ -953,7 +972,6 @@ def apply_fused_adapter(
         after="_expected_archon_keys",
     )
     split, concat = _SPLIT.format().strip() + "\n", _CONCAT.format().strip() + "\n"
-    regroup: tuple[str, str, tuple[str, str]] | None = None
     if grouped:
         regroup = (_GROUPED_SPLIT, _GROUPED_CONCAT, ("_ungroup_qkv", "_group_qkv"))
     elif blocked is not None:

@@ -47,6 +47,7 @@ from skill.porting.common import (
 )
 from skill.porting.dense_mla import dense_args
 from skill.porting.hf_source import load_config
+from skill.porting.hybrid_package import HYBRID_REFERENCE, hybrid_args
 from skill.porting.mla_router import router_args
 from skill.porting.plan import PortPlan, plan_for, refuse_unedited_reference, refuse_unsupported, skipped_features
 from skill.porting.reference_choice import check_reference_fits
@@ -1145,7 +1146,8 @@ def apply_edit_args(tree: StagedTree, request: EditArgsRequest, profile: PortPla
     profile = profile or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(profile, "edit_args")
-    refuse_unedited_reference(profile, "edit_args")
+    elif profile.unsupported:
+        refuse_unedited_reference(profile, "edit_args")
     skipped = skipped_features(profile, request.allow_unsupported)
     check_reference_fits(profile, text)
     config = load_config(request.source, request.trust_remote_code)
@@ -1450,7 +1452,7 @@ def _reference_mapping_args(
     config: Any,
     skipped: list[str],
 ) -> EditArgsResult:
-    """Args of a family copied from a reference no edit targets (deepseek_v3): its mapping as is.
+    """Args of a family copied from a reference no edit targets (deepseek_v3, qwen3_5): its mapping as is.
 
     The analysis found no feature the reference does not produce from the config (beyond
     ``skipped``, the unsupported features a hand edit writes), so the copied
@@ -1460,18 +1462,27 @@ def _reference_mapping_args(
     the default and on the tiny config.
     """
     doc = Document(text)
-    if profile.moe_layer_types_field is not None:
-        doc = _moe_layers_by_type(doc, profile.moe_layer_types_field)
-    if not profile.moe:
-        # A dense family keeps none of the reference's MoE machinery.
-        doc = dense_args(doc, layout.args_class)
-    doc = router_args(doc, profile, layout.names.camel)
-    doc = mla_scalar_fields(doc, layout.args_class, profile, config)
-    doc = indexer_args(doc, layout.args_class, profile)
-    if profile.rotary_style_field is None:
-        # The config has no switch of the rotation's pairing: the measured one is fixed.
-        interleaved = "True" if profile.rotary_interleaved else "False"
-        doc = set_call_kwarg(doc, "cls", "rope_interleave", interleaved)
+    if profile.reference == HYBRID_REFERENCE:
+        rule = moe_layer_fields(profile, config) if "moe_layer_rule" in profile.hybrid_edits else []
+        doc = hybrid_args(doc, layout.args_class, profile, rule)
+        doc = set_docstring(
+            doc,
+            None,
+            f"{layout.names.camel} hyper-parameters and their mapping from a transformers ``{profile.config_class}``.",
+        )
+    else:
+        if profile.moe_layer_types_field is not None:
+            doc = _moe_layers_by_type(doc, profile.moe_layer_types_field)
+        if not profile.moe:
+            # A dense family keeps none of the reference's MoE machinery.
+            doc = dense_args(doc, layout.args_class)
+        doc = router_args(doc, profile, layout.names.camel)
+        doc = mla_scalar_fields(doc, layout.args_class, profile, config)
+        doc = indexer_args(doc, layout.args_class, profile)
+        if profile.rotary_style_field is None:
+            # The config has no switch of the rotation's pairing: the measured one is fixed.
+            interleaved = "True" if profile.rotary_interleaved else "False"
+            doc = set_call_kwarg(doc, "cls", "rope_interleave", interleaved)
     if profile.tying_field != "tie_word_embeddings":
         # HF's tying follows another field, or none (probed): the reference reads tie_word_embeddings.
         doc = set_call_kwarg(doc, "cls", "enable_weight_tying", _tying_arg(profile, config).expression)

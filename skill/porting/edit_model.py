@@ -24,6 +24,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
+from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.model_edits import MLA_MODEL_EDITS, EditContext, edit_catalogue, edit_document, select_edits
 from skill.porting.plan import PortPlan, plan_for, refuse_unedited_reference, refuse_unsupported, skipped_features
 
@@ -136,8 +137,15 @@ def apply_edit_model(tree: StagedTree, request: EditModelRequest, plan: PortPlan
     plan = plan or plan_for(request.source, request.trust_remote_code)
     if not request.allow_unsupported:
         refuse_unsupported(plan, "edit_model")
-    refuse_unedited_reference(plan, "edit_model")
+    elif plan.unsupported:
+        refuse_unedited_reference(plan, "edit_model")
     foreign = [name for name in request.edits or () if name not in MLA_MODEL_EDITS]
+    if plan.reference == HYBRID_REFERENCE and request.edits:
+        # The analysis took the hybrid only where the reference's modules compute it.
+        raise ValueError(
+            f"no model edit targets the {plan.reference} reference's modules; {', '.join(request.edits)} cannot "
+            f"apply to {request.model_name}."
+        )
     if plan.reference not in EDITABLE_REFERENCES and foreign:
         # Only the block-contract edits of MLA_MODEL_EDITS target this reference's modules.
         raise ValueError(

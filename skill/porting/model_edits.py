@@ -2349,9 +2349,14 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
     """The edits the family's features call for, given the copied reference's ``model.py``.
 
     On deepseek_v3 only the edits of :data:`MLA_MODEL_EDITS` apply (the analysis refuses a
-    feature no other edit produces there).
+    feature no other edit produces there); on qwen3_5 none does (a hybrid's package differs from
+    the reference in its args and adapter only: skill.porting.hybrid_package).
     """
-    allowed = list(EDITS_BY_NAME) if profile.reference in EDITABLE_REFERENCES else MLA_MODEL_EDITS
+    allowed: Collection[str]
+    if profile.reference in EDITABLE_REFERENCES:
+        allowed = list(EDITS_BY_NAME)
+    else:
+        allowed = MLA_MODEL_EDITS if profile.reference == "deepseek_v3" else []
     return [edit.name for edit in MODEL_EDITS if edit.name in allowed and edit.applies(profile) and edit.needed(text)]
 
 
@@ -2386,6 +2391,10 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
         "no RoPE" if profile.positions == "rope" and "remove_rope" in edits else POSITION_NAMES[profile.positions]
     )
     attention = ["multi-head latent attention"] if profile.reference == "deepseek_v3" else ["GQA"]
+    if profile.output_gate is not None:
+        function, _, per = profile.output_gate.partition("_")
+        function = function if function in ("sigmoid", "softplus") else "learned"
+        attention.append(f"a {function} gate on the attention output" + (" per head" if "per_head" in per else ""))
     if profile.indexer is not None:
         attention.append("a sparse-attention indexer choosing each query's top-k keys")
     if profile.qkv_bias:
@@ -2461,8 +2470,15 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
+    if profile.reference == "qwen3_5":
+        # A hybrid: its other layers' mixer is the reference's Gated DeltaNet.
+        block = (
+            f"hybrid {BLOCK_NAMES[profile.block]} decoder whose layers mix tokens by a Gated DeltaNet or by attention"
+        )
+    else:
+        block = f"{BLOCK_NAMES[profile.block]} decoder"
     sentence = (
-        f"{camel}: a {BLOCK_NAMES[profile.block]} decoder with {', '.join(attention)}, "
+        f"{camel}: a {block} with {', '.join(attention)}, "
         f"{positions}, {norm} and a {mlp} MLP" + (f"; {tail}" if tail else "") + ", over packed documents."
     )
     lines = textwrap.wrap(sentence, width=92, break_on_hyphens=False)

@@ -44,6 +44,7 @@ from skill.features import (
     SparseIndexer,
     is_empty,
 )
+from skill.porting.hybrid_package import hybrid_edit_names
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,8 @@ AREAL_MOE_TOP_K_FIELD = "num_experts_per_tok"
 ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
 
 
-# References whose copy no edit of edit_args or edit_model applies to: a family that needs
-# one is ported from them by hand (copy_reference copies and renames the package).
+# References whose modules no edit targets and whose copy gets no hand-edit markers: a family
+# with a feature no edit supports is ported from them by hand (copy_reference copies and renames).
 UNEDITED_REFERENCES = ("qwen3_5",)
 
 
@@ -87,8 +88,8 @@ def unsupported_error(model_type: str, features: list[str], step: str, reference
     names = ", ".join(f.removeprefix("unsupported: ") for f in features)
     if reference in UNEDITED_REFERENCES:
         return UnsupportedFeatureError(
-            f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. No edit applies to a "
-            f"copy of the {reference} reference: a hand port runs copy_reference {reference} (it copies and "
+            f"{model_type} has feature(s) no edit supports: {names}. Nothing was written. No edit targets the "
+            f"modules of the {reference} reference: a hand port runs copy_reference {reference} (it copies and "
             "renames the package) and writes the differences by hand.",
             features,
         )
@@ -281,6 +282,11 @@ class PortPlan(BaseModel):
     absent_shared_experts_field: str | None = Field(
         default=None,
         description="config field counting shared experts that is 0 here: the port has none and refuses more",
+    )
+    hybrid_edits: list[str] = Field(
+        default_factory=list,
+        exclude_if=is_empty,
+        description="what a hybrid's package writes on its qwen3_5 copy (skill.porting.hybrid_package)",
     )
     moe_layer_rule: str = Field(
         default="all", description="the config rule naming the MoE layers (the analysis' moe_layer_rule)"
@@ -510,7 +516,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         ),
         None,
     )
-    return PortPlan(
+    plan = PortPlan(
         source=source,
         trust_remote_code=trust_remote_code,
         model_type=report.model_type,
@@ -683,6 +689,9 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
         scalar_sources=derived,
         rotary_style_field="rope_interleave" if "rope_interleave" in values else None,
     )
+    if report.checklist.linear_attention is not None:
+        plan = plan.model_copy(update={"hybrid_edits": hybrid_edit_names(plan, report.checklist.linear_attention)})
+    return plan
 
 
 def _source_stamp(source: str) -> float:
@@ -717,10 +726,11 @@ def refuse_unsupported(plan: PortPlan, step: str) -> None:
 
 
 def refuse_unedited_reference(plan: PortPlan, step: str) -> None:
-    """Refuse an edit step on a copy of a reference no edit applies to, in one line."""
+    """Refuse, in one line, to mark hand edits in a copy of a reference whose modules no edit
+    targets (``allow_unsupported`` with features no edit supports)."""
     if plan.reference in UNEDITED_REFERENCES:
         raise UnsupportedFeatureError(
-            f"{step} applies no edit to a copy of the {plan.reference} reference ({plan.model_type}): after "
+            f"{step} marks no hand edit in a copy of the {plan.reference} reference ({plan.model_type}): after "
             f"copy_reference {plan.reference}, write the family's differences by hand.",
             list(plan.unsupported),
         )

@@ -76,6 +76,8 @@ def header_lines(plan: PortPlan, model_name: str, reference_model_text: str, edi
     """The header of a package's files. ``edits``: those ``edit_model`` applied when a caller named
     them (recorded in ``model.py``, :mod:`skill.porting.applied_edits`); else the plan's selection."""
     edits = edits if edits is not None else select_edits(plan, reference_model_text)
+    # A hybrid's package is edited in its args and adapter, never its modules.
+    edits = edits or plan.hybrid_edits
     generated = generated_line(plan.reference, edits)
     if plan.unsupported:
         model_class = PackageLayout.for_name(model_name).model_class

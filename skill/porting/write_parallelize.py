@@ -41,6 +41,7 @@ from skill.porting.common import (
     staged,
     write_if_changed,
 )
+from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.plan import PortPlan, plan_for
 from skill.porting.snippets import snippet
 
@@ -436,6 +437,10 @@ def apply_write_parallelize(
     require_package(tree, layout)
     text = Document(require_file(tree, layout.parallelize, "run copy_reference first."))
     profile = profile or plan_for(request.source, request.trust_remote_code)
+    if profile.reference == HYBRID_REFERENCE:
+        # A hybrid's package has no TP plan: its layers are not tensor-parallel (the reference
+        # refuses TP, CP and EP by name), and no edit changed its modules.
+        return WriteParallelizeResult(layer_plan=[], changed_files=[])
     if profile.reference not in EDITABLE_REFERENCES:
         # The reference's plan follows its modules as the config builds them; of the edits, only
         # the block's norm on the MoE output adds a module to plan.

@@ -23,6 +23,7 @@ from skill.analysis.linear_attention import (
     _reference_weights,
     measure_hybrid,
     mixer_layers,
+    split_fused,
 )
 from skill.analysis.report import AnalyzeInput
 from skill.features import DELTANET_PROJECTIONS, Feature, FusedMixerWeight
@@ -93,10 +94,11 @@ def test_the_moe_variant_is_served_by_the_same_reference():
     assert Feature.LINEAR_ATTENTION not in {d.feature for d in report.deltas}
 
 
-def test_qwen3_next_fused_projections_are_measured_and_its_port_refused_by_name():
+def test_qwen3_next_stacked_projections_are_measured_and_ported_from_the_reference():
     """Qwen3-Next stores the reference's projections stacked per key head (in_proj_qkvz: q, k,
     v, z; in_proj_ba: b, a): the analysis finds that layout by what computes HF's outputs, and
-    names it, with the rest the engine cannot write, as the features no edit supports."""
+    the port writes it, with Qwen3-Next's MoE layer rule and renormalisation, on a copy of the
+    reference (nothing unsupported)."""
     report = analyze_hf_model(AnalyzeInput(source="qwen3_next"))
     hybrid = report.checklist.linear_attention
     assert hybrid is not None and report.reference == "qwen3_5"
@@ -105,10 +107,10 @@ def test_qwen3_next_fused_projections_are_measured_and_its_port_refused_by_name(
         FusedMixerWeight(hf_name="in_proj_qkvz.weight", parts=["q", "k", "v", "z"], grouped=True),
     ]
     [delta] = [d for d in report.deltas if d.feature is Feature.LINEAR_ATTENTION]
-    assert not delta.supported and "in_proj_qkvz.weight stacks q/k/v/z by key head" in delta.target
-    unsupported = " | ".join(report.unsupported)
-    assert "a hybrid package of its own" in unsupported
-    assert "MoE layers chosen by decoder_sparse_step, mlp_only_layers" in unsupported
+    assert delta.supported and delta.target == "gated_deltanet, stacked by key head"
+    assert report.unsupported == []
+    plan = plan_for("qwen3_next")
+    assert plan.hybrid_edits == ["stacked_mixer_weights", "moe_layer_rule", "router_norm_from_config"]
 
 
 class _FusedMixer(torch.nn.Module):
@@ -181,10 +183,10 @@ class OtherHybridForCausalLM(Qwen3_5ForCausalLM):
 """
 
 
-def test_a_hybrid_of_another_model_type_is_refused_by_name_before_anything_is_written(tmp_path):
-    """A family identical to Qwen3.5 but for its model_type (remote code): the engine writes no
-    hybrid package yet, so add refuses it naming that before writing anything, and the edit
-    steps refuse a qwen3_5 copy in one line."""
+def test_a_dense_hybrid_of_another_model_type_is_refused_by_name_before_anything_is_written(tmp_path):
+    """A family identical to dense Qwen3.5 but for its model_type (remote code): a copy of the
+    reference would keep its MoE machinery, so add refuses it naming that before writing
+    anything, and the edit steps refuse to mark hand edits in a qwen3_5 copy, in one line."""
     folder = tmp_path / "other_hybrid"
     folder.mkdir()
     (folder / "configuration_other_hybrid.py").write_text(_OTHER_HYBRID_CONFIG)
@@ -201,15 +203,32 @@ def test_a_hybrid_of_another_model_type_is_refused_by_name_before_anything_is_wr
     (folder / "config.json").write_text(json.dumps(config))
     plan = plan_for(str(folder), trust_remote_code=True)
     assert plan.reference in UNEDITED_REFERENCES
-    served = "which serves qwen3_5_text and qwen3_5_moe_text"
-    assert plan.unsupported == [
-        f"unsupported: a hybrid package of its own (no edit applies to the qwen3_5 reference yet, {served})"
-    ]
-    with pytest.raises(ValueError, match="edit_args applies no edit to a copy of the qwen3_5 reference"):
+    why = "the qwen3_5 reference's MoE machinery would stay"
+    assert plan.unsupported == [f"unsupported: a hybrid without experts under its own model type ({why})"]
+    with pytest.raises(ValueError, match="edit_args marks no hand edit in a copy of the qwen3_5 reference"):
         refuse_unedited_reference(plan, "edit_args")
     workspace = tmp_path / "workspace"
     (workspace / "archon_models").mkdir(parents=True)
     result = run_port(PortModelRequest(source=str(folder), trust_remote_code=True, stages=[1], workspace=workspace))
     assert not result.passed and result.changed_files == []
-    assert "a hybrid package of its own" in (result.error or "")
+    assert "a hybrid without experts under its own model type" in (result.error or "")
     assert sorted(p.name for p in (workspace / "archon_models").iterdir()) == []
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["whole", "by-key-head"])
+def test_the_adapter_unstacks_rows_as_the_analysis_measured_them(grouped: bool):
+    """One layout, two readers: the package's adapter helper (skill/porting/snippets/adapter.py)
+    unstacks a stacked weight into the parts the analysis split it into, in the projections'
+    order, and stacks them back bit for bit."""
+    from skill.porting.snippets.adapter import _stack_rows, _unstack_rows
+
+    tiny, _ = _tiny_qwen3_5()
+    weight = FusedMixerWeight(hf_name="w", parts=["z", "q", "v", "k"], grouped=grouped)
+    rows = _part_rows(tiny, grouped)
+    groups = tiny.linear_num_key_heads if grouped else 1
+    value = torch.randn(groups * sum(rows[p] for p in weight.parts), 8)
+    parts = split_fused(value, weight, tiny)
+    order = sorted(range(4), key=lambda i: "qkvzba".index(weight.parts[i]))
+    unstacked = _unstack_rows(value, groups, [rows[p] for p in weight.parts], order)
+    assert torch.equal(unstacked, torch.cat([parts[p] for p in "qkvz"]))
+    assert torch.equal(_stack_rows(unstacked, groups, [rows[p] for p in weight.parts], order), value)

@@ -1,11 +1,11 @@
 """How a Qwen3.5 (text, dense or MoE) model is laid out over devices: FSDP, activation
 checkpointing and torch.compile (an MoE block piecewise around its experts, as qwen3's), as
-AReaL's Qwen3.5 does.
+AReaL's hybrid model does.
 
 The Gated DeltaNet layers have no tensor- or context-parallel plan: their fused ``in_proj_qkv``
 stacks queries, keys and values of every head along one dimension, which a row split would
 cut across kinds, and their convolution and recurrence run along the whole sequence. AReaL's
-Qwen3.5 logs a warning and ignores a TP, CP or EP degree; here they are refused by name, so a
+hybrid model logs a warning and ignores a TP, CP or EP degree; here they are refused by name, so a
 configuration is never silently run otherwise than asked.
 """
 

@@ -50,8 +50,8 @@ def _check_supported(hf_config: Any) -> None:
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(
-            f"rope_parameters['rope_type']={rope_type!r} is not supported by the Qwen3.5 reference; only the "
-            "default RoPE is."
+            f"rope_parameters['rope_type']={rope_type!r} is not supported: Qwen3.5 in Archon implements the "
+            "default RoPE only."
         )
     unknown = sorted(set(hf_config.layer_types) - set(LAYER_TYPES))
     if unknown:
@@ -88,10 +88,12 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     ``linear_num_value_heads`` value heads of ``linear_value_head_dim``, after a causal
     depthwise convolution of ``linear_conv_kernel_dim`` taps.
 
-    MoE (``qwen3_5_moe_text``, when the config has experts): every layer's MLP is a MoE of
-    ``moe_inter_dim``-wide experts whose top-k softmax weights are always renormalised, beside
-    one shared expert scaled by ``sigmoid(shared_expert_gate(x))``. HF's router auxiliary loss
-    is a training objective, not part of the forward pass, and is not computed here.
+    MoE (when the config has experts): the MLP of each layer ``is_moe_layer`` names is a MoE of
+    ``moe_inter_dim``-wide experts under top-k softmax routing (``moe_args.route_norm``: the
+    top-k weights renormalised), beside one shared expert scaled by
+    ``sigmoid(shared_expert_gate(x))``; any other layer's MLP is dense, ``hidden_dim`` wide.
+    HF's router auxiliary loss is a training objective, not part of the forward pass, and is not
+    computed here.
 
     ``pad_id`` (the config's ``pad_token_id``) is the embedding row HF's
     ``nn.Embedding(padding_idx=...)`` gives no gradient; so does ``tok_embeddings`` here.
@@ -110,7 +112,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     max_seq_len: int = 32768
     depth_init: bool = True
     attention_bias: bool = False
-    eos_id: int = 151645  # as AReaL's Qwen3_5ModelArgs; from_hf_config takes the config's
+    eos_id: int = 151645  # AReaL's default; from_hf_config takes the config's
     pad_id: int | None = None
     enable_weight_tying: bool = False
     is_critic: bool = False
@@ -140,6 +142,11 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     def moe_enabled(self) -> bool:
         return self.moe_args is not None
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` (0-based) routes its tokens to experts: every layer, when the
+        config has experts (Qwen3.5-MoE's rule)."""
+        return self.moe_args is not None
+
     @property
     def rotary_dim(self) -> int:
         """How many leading features of each head RoPE rotates (HF: ``int(head_dim * factor)``)."""
@@ -147,7 +154,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False, **kwargs: Any) -> Qwen3_5ModelArgs:
-        """Map a ``Qwen3_5TextConfig``.
+        """Map the text config (dense, or with experts).
 
         Keyword arguments: ``attn_type`` (``"varlen"`` or ``"sdpa"``), ``num_labels``
         (outputs of a critic's ``score`` head, default 1) and ``router_dtype`` (dtype of the
@@ -159,17 +166,17 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         missing = [name for name in required if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(
-                f"{type(hf_config).__name__} lacks required field(s) {missing}; a Qwen3.5 text config "
+                f"{type(hf_config).__name__} lacks required field(s) {missing}; a Qwen3.5 config "
                 f"must set all of {list(required)}."
             )
         _check_supported(hf_config)
         moe_args = None
         if moe:
             moe_args = MoEArgs.from_hf_config(hf_config)
-            # Qwen3.5-MoE's router renormalises its top-k weights whatever the config says, and
-            # one shared expert, gated by sigmoid(shared_expert_gate(x)), runs beside the routed
-            # ones; AReaL's MoEArgs.from_hf_config reads none of it, so the package sets it.
+            # Qwen3.5-MoE's router renormalises its top-k weights whatever the config says.
             moe_args.route_norm = True
+            # One shared expert, gated by sigmoid(shared_expert_gate(x)), runs beside the routed
+            # ones; AReaL's MoEArgs.from_hf_config reads neither.
             moe_args.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size
             moe_args.use_shared_expert_gate = True
             router_dtype: torch.dtype | None = kwargs.get("router_dtype")

@@ -14,7 +14,7 @@ document boundary: packing must not change a document's outputs.
 
 Two implementations, one maths:
 
-- on CUDA, when installed, the fused kernels AReaL's Qwen3.5 uses:
+- on CUDA, when installed, the fused kernels AReaL's hybrid model uses:
   ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention; one
   launch over all documents through ``cu_seqlens``) and ``causal_conv1d.causal_conv1d_fn``
   (documents through ``seq_idx``);

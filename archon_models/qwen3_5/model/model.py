@@ -206,8 +206,8 @@ class GatedAttention(nn.Module):
 class TransformerBlock(nn.Module):
     """``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer is ``attention`` on a
     ``"full_attention"`` layer and ``linear_attn`` on a ``"linear_attention"`` one (the
-    other is ``None``), as in AReaL's Qwen3.5. The MLP is ``moe`` when ``moe_enabled``, else
-    ``feed_forward`` (the other is ``None``)."""
+    other is ``None``), as in AReaL's hybrid model. The MLP is ``moe`` on a layer the args' ``is_moe_layer``
+    names (``moe_enabled``), else ``feed_forward`` (the other is ``None``)."""
 
     def __init__(self, layer_id: int, model_args: Qwen3_5ModelArgs):
         super().__init__()
@@ -220,10 +220,11 @@ class TransformerBlock(nn.Module):
             self.linear_attn = GatedDeltaNet(model_args)
         self.attention_norm = Qwen3_5RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.ffn_norm = Qwen3_5RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.moe_enabled = model_args.moe_args is not None
+        self.moe_enabled = model_args.is_moe_layer(layer_id)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
-        if model_args.moe_args is not None:
+        if self.moe_enabled:
+            assert model_args.moe_args is not None
             self.moe = MoE(model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim)
         else:
             self.feed_forward = FeedForward(model_args.dim, model_args.hidden_dim)
@@ -271,13 +272,13 @@ class Qwen3_5Model(BaseArchonModel):
     layers; the forward then passes hidden states through.
     """
 
-    # Parallelisms this package's parallelize_qwen3_5 does not apply, and why (AReaL's
-    # Qwen3.5 applies neither).
+    # Parallelisms this package's parallelize_qwen3_5 does not apply, and why (AReaL's hybrid
+    # model applies neither).
     unsupported_parallelisms: ClassVar[dict[str, str]] = {
-        "tp": "the Gated DeltaNet layers have no tensor-parallel plan (AReaL's Qwen3.5 applies none either)",
-        "cp": "the Gated DeltaNet layers have no context-parallel plan (AReaL's Qwen3.5 applies none either)",
-        "ep": "parallelize_qwen3_5 applies no expert parallelism (AReaL's Qwen3.5 applies none either)",
-        "ep_tp": "parallelize_qwen3_5 applies no expert or tensor parallelism (AReaL's Qwen3.5 applies neither)",
+        "tp": "the Gated DeltaNet layers have no tensor-parallel plan (nor does AReaL's hybrid model)",
+        "cp": "the Gated DeltaNet layers have no context-parallel plan (nor does AReaL's hybrid model)",
+        "ep": "parallelize_qwen3_5 applies no expert parallelism (nor does AReaL's hybrid model)",
+        "ep_tp": "parallelize_qwen3_5 applies no expert or tensor parallelism (nor does AReaL's hybrid model)",
     }
 
     def __init__(self, model_args: Qwen3_5ModelArgs):

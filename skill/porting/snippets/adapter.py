@@ -81,3 +81,22 @@ def _unpair_halves(value: torch.Tensor, block: int) -> torch.Tensor:
     """The inverse of :func:`_pair_halves`: pairs side by side -> the first halves, then the second."""
     rest = value.shape[1:]
     return value.reshape(-1, 2, block, *rest).transpose(0, 1).reshape(value.shape)
+
+
+def _unstack_rows(value: torch.Tensor, groups: int, blocks: list[int], order: list[int]) -> torch.Tensor:
+    """Rows stored as ``groups`` groups that each hold their share of several blocks in turn
+    (Qwen3-Next's ``in_proj_qkvz``: per key head, its q, k, v and z rows) -> each block whole,
+    the blocks in ``order`` (positions in ``blocks``), as the Archon projections stack them."""
+    rest = value.shape[1:]
+    pieces = torch.split(value.reshape(groups, sum(blocks), *rest), blocks, dim=1)
+    return torch.cat([pieces[i].reshape(-1, *rest) for i in order], dim=0)
+
+
+def _stack_rows(value: torch.Tensor, groups: int, blocks: list[int], order: list[int]) -> torch.Tensor:
+    """The inverse of :func:`_unstack_rows`: whole blocks in ``order`` -> ``groups`` groups."""
+    rest = value.shape[1:]
+    whole = torch.split(value, [groups * blocks[i] for i in order], dim=0)
+    pieces = [torch.empty(0)] * len(blocks)
+    for i, block in zip(order, whole, strict=True):
+        pieces[i] = block.reshape(groups, blocks[i], *rest)
+    return torch.cat(pieces, dim=1).reshape(-1, *rest)
