@@ -77,8 +77,7 @@ def _replace_all(text: str, pairs: Sequence[tuple[str, str]]) -> str:
 
 
 def rename_identifiers(doc: Document, pairs: Sequence[tuple[str, str]]) -> Document:
-    """Rename every identifier, dotted module path, string (f-strings' text too) and comment by
-    substring pairs.
+    """Rename every identifier, dotted module path, string and comment by substring pairs.
 
     ``[("Qwen2", "Mistral"), ("QWEN2", "MISTRAL"), ("qwen2", "mistral")]`` turns
     ``Qwen2Model`` into ``MistralModel``, ``archon_models.qwen2.model`` into
@@ -88,7 +87,7 @@ def rename_identifiers(doc: Document, pairs: Sequence[tuple[str, str]]) -> Docum
     def renamed(stmt: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
         found: dict[cst.CSTNode, cst.CSTNode] = {}
         for node in walk(stmt):
-            if isinstance(node, (cst.Name, cst.SimpleString, cst.FormattedStringText, cst.Comment)):
+            if isinstance(node, (cst.Name, cst.SimpleString, cst.Comment)):
                 value = _replace_all(node.value, pairs)
                 if value != node.value:
                     found[node] = node.with_changes(value=value)

@@ -51,8 +51,8 @@ def parallelize_qwen3_5(
     refused = [name for name in ("tp", "cp", "ep") if getattr(parallel_dims, f"{name}_enabled")]
     if refused:
         raise ValueError(
-            f"Qwen3.5 in Archon has no plan for {', '.join(refused).upper()}: its Gated DeltaNet layers "
-            "are not tensor-, context- or expert-parallel. Use FSDP (dp_shard) and pipeline parallelism."
+            f"this package has no plan for {', '.join(refused).upper()}: its Gated DeltaNet layers are not "
+            "tensor-, context- or expert-parallel. Use FSDP (dp_shard) and pipeline parallelism."
         )
 
     if ac_config is not None and ac_config.mode != "none":

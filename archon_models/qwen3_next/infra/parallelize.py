@@ -54,8 +54,8 @@ def parallelize_qwen3_next(
     refused = [name for name in ("tp", "cp", "ep") if getattr(parallel_dims, f"{name}_enabled")]
     if refused:
         raise ValueError(
-            f"Qwen3Next in Archon has no plan for {', '.join(refused).upper()}: its Gated DeltaNet layers "
-            "are not tensor-, context- or expert-parallel. Use FSDP (dp_shard) and pipeline parallelism."
+            f"this package has no plan for {', '.join(refused).upper()}: its Gated DeltaNet layers are not "
+            "tensor-, context- or expert-parallel. Use FSDP (dp_shard) and pipeline parallelism."
         )
 
     if ac_config is not None and ac_config.mode != "none":

@@ -41,19 +41,19 @@ def _check_supported(hf_config: Any) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(
-            f"Qwen3Next in Archon implements the SwiGLU MLP and the Gated DeltaNet's convolution with silu; "
+            "Qwen3Next in Archon implements the SwiGLU MLP and the Gated DeltaNet's convolution with silu; "
             f"hidden_act={act!r} is not supported."
         )
     rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(
-            f"rope_parameters['rope_type']={rope_type!r} is not supported: Qwen3Next in Archon implements the "
-            "default RoPE only."
+            f"rope_parameters['rope_type']={rope_type!r} is not supported: "
+            "Qwen3Next in Archon implements the default RoPE only."
         )
     unknown = sorted(set(hf_config.layer_types) - set(LAYER_TYPES))
     if unknown:
-        raise ValueError(f"layer_types holds {unknown}; Qwen3Next in Archon implements {list(LAYER_TYPES)} only.")
+        raise ValueError(f"layer_types holds {unknown}; this package implements {list(LAYER_TYPES)} only.")
     if hf_config.linear_num_value_heads % hf_config.linear_num_key_heads != 0:
         raise ValueError(
             f"linear_num_value_heads ({hf_config.linear_num_value_heads}) must be a multiple of "
@@ -169,8 +169,8 @@ class Qwen3NextModelArgs(BaseModelArgs):
         missing = [name for name in required if getattr(hf_config, name, None) is None]
         if missing:
             raise ValueError(
-                f"{type(hf_config).__name__} lacks required field(s) {missing}; a Qwen3Next config "
-                f"must set all of {list(required)}."
+                f"{type(hf_config).__name__} lacks required field(s) {missing}; "
+                f"this package's config must set all of {list(required)}."
             )
         _check_supported(hf_config)
         moe_args = None
