@@ -64,6 +64,7 @@ from skill.codemod.cst import (
     upsert_method,
 )
 from skill.features import IN_QUERY_SUFFIX
+from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.plan import PortPlan
 from skill.porting.snippets import snippet
 
@@ -2356,7 +2357,7 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
     if profile.reference in EDITABLE_REFERENCES:
         allowed = list(EDITS_BY_NAME)
     else:
-        allowed = MLA_MODEL_EDITS if profile.reference == "deepseek_v3" else []
+        allowed = MLA_MODEL_EDITS if profile.reference != HYBRID_REFERENCE else []
     return [edit.name for edit in MODEL_EDITS if edit.name in allowed and edit.applies(profile) and edit.needed(text)]
 
 
@@ -2470,7 +2471,7 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
     if profile.tied:
         extras.append("tied embeddings")
     tail = ", ".join(extras)
-    if profile.reference == "qwen3_5":
+    if profile.reference == HYBRID_REFERENCE:
         # A hybrid: its other layers' mixer is the reference's Gated DeltaNet.
         block = (
             f"hybrid {BLOCK_NAMES[profile.block]} decoder whose layers mix tokens by a Gated DeltaNet or by attention"

@@ -44,7 +44,7 @@ from skill.features import (
     SparseIndexer,
     is_empty,
 )
-from skill.porting.hybrid_package import hybrid_edit_names
+from skill.porting.hybrid_package import HYBRID_REFERENCE, hybrid_edit_names
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ ALLOW_UNSUPPORTED_STEPS = ("edit_args", "edit_model")
 
 # References whose modules no edit targets and whose copy gets no hand-edit markers: a family
 # with a feature no edit supports is ported from them by hand (copy_reference copies and renames).
-UNEDITED_REFERENCES = ("qwen3_5",)
+UNEDITED_REFERENCES = (HYBRID_REFERENCE,)
 
 
 def unsupported_error(model_type: str, features: list[str], step: str, reference: str = "") -> UnsupportedFeatureError:
