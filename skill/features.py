@@ -256,9 +256,8 @@ class FusedMixerWeight(_Frozen):
 
     @property
     def projections(self) -> list[str]:
-        """The reference projections it holds, in the order their first part appears."""
-        names = [name for part in self.parts for name, held in DELTANET_PROJECTIONS.items() if part in held]
-        return list(dict.fromkeys(names))
+        """The reference projections it holds, in the reference's order (as they stack once unstacked)."""
+        return [name for name, held in DELTANET_PROJECTIONS.items() if set(held) & set(self.parts)]
 
 
 class LinearAttentionLayers(_Frozen):

@@ -199,13 +199,17 @@ def _close(diff: float, scale: float) -> bool:
 
 
 def _fused_layout(
-    hf_mixer: nn.Module, reference: nn.Module, theirs: dict[str, torch.Tensor], tiny: PretrainedConfig
+    hf_mixer: nn.Module,
+    reference: nn.Module,
+    theirs: dict[str, torch.Tensor],
+    missing: list[str],
+    unexpected: list[str],
+    tiny: PretrainedConfig,
 ) -> list[FusedMixerWeight] | None:
-    """The fused weights of the HF mixer, by what loads into the reference and computes its
+    """The fused weights of the HF mixer (``unexpected``: its weights the reference lacks;
+    ``missing``: the reference's it lacks), by what loads into the reference and computes its
     outputs; ``None`` when no layout of the unexpected weights does."""
-    ours = reference.state_dict()
-    unexpected = sorted(set(theirs) - set(ours))
-    free = [p for p in DELTANET_PROJECTIONS if f"{p}.weight" in ours and f"{p}.weight" not in theirs]
+    free = [p for p in DELTANET_PROJECTIONS if f"{p}.weight" in missing]
     if not unexpected or not free or any(theirs[name].dim() != 2 for name in unexpected):
         return None
     options = [_candidates(name, theirs[name].shape[0], free, tiny) for name in unexpected]
@@ -237,7 +241,7 @@ def _compare_mixer(hf_mixer: nn.Module, tiny: PretrainedConfig, class_name: str)
             f"{sorted(ours)}" + (f" (shapes differ: {shapes})" if shapes else "")
         )
     if missing or unexpected:
-        fused = _fused_layout(hf_mixer, reference, theirs, tiny)
+        fused = _fused_layout(hf_mixer, reference, theirs, missing, unexpected, tiny)
         if fused is None:
             raise HybridRefused(
                 f"its {class_name} holds {sorted(theirs)}, not the qwen3_5 reference's Gated DeltaNet parameters "

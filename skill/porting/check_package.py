@@ -131,9 +131,16 @@ def run_checks(tree: StagedTree, request: CheckPackageRequest) -> CheckPackageRe
     checks.append(
         _check("moe_conversion", moe_ok, "" if moe_ok else "per-expert HF keys but the adapter converts no experts")
     )
-    checks.append(_check_tp_plan(sources["model/model.py"] or "", sources["infra/parallelize.py"] or ""))
-    if not missing:
-        checks.append(_check_tp_plan_modules(tree, request.model_name, [source, *model_types], layout))
+    model_text = sources["model/model.py"] or ""
+    if _refuses_tp(model_text):
+        no_plan = "no TP plan: the model refuses TP by name (unsupported_parallelisms)"
+        checks.append(_check("tp_plan_qk_norm", True, no_plan))
+        if not missing:
+            checks.append(_check("tp_plan_modules", True, no_plan))
+    else:
+        checks.append(_check_tp_plan(model_text, sources["infra/parallelize.py"] or ""))
+        if not missing:
+            checks.append(_check_tp_plan_modules(tree, request.model_name, [source, *model_types], layout))
     init_text = tree.read_text(ARCHON_INIT) or ""
     line_ok = _has_import(init_text, layout.names.package)
     checks.append(
@@ -318,8 +325,6 @@ def _check_tp_plan(model_text: str, parallelize_text: str) -> PackageCheck:
     Under multi-head latent attention (``wkv_a``) ``q_norm``/``kv_norm`` normalise the
     latents, which every TP rank holds whole: the plan replicates them.
     """
-    if _refuses_tp(model_text):
-        return _check("tp_plan_qk_norm", True, "no TP plan: the model refuses TP by name (unsupported_parallelisms)")
     if "self.wkv_a" in model_text:
         planned = all(f'"attention.{name}": ReplicateParallel()' in parallelize_text for name in ("wkv_a", "kv_norm"))
         return _check(
@@ -354,8 +359,6 @@ def _check_tp_plan_modules(
     for a module the model lacks (``attention.q_norm`` without QK norm) otherwise passes
     every stage.
     """
-    if _refuses_tp(tree.read_text(layout.model) or ""):
-        return _check("tp_plan_modules", True, "no TP plan: the model refuses TP by name (unsupported_parallelisms)")
     try:
         trace = trace_tp_plan(tree, model_name, sources)
     except PlanTraceError as e:

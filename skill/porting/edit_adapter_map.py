@@ -611,7 +611,8 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
             # A hybrid's package (skill/porting/hybrid_package.py): the text model's conversion,
             # and the checkpoint's stacked mixer weights split into the reference's projections.
             text = text_adapter(text, layout, report.config_class)
-            stacked = stacked_mixer_map(hybrid, _layer_template(report.checkpoint.layer_prefix))
+            layer_template = _layer_template(report.checkpoint.layer_prefix)
+            stacked = stacked_mixer_map(hybrid, layer_template)
             held = {part for parts in stacked.values() for part in parts}
             remove |= {k for k, v in current.items() if v in held}
             # Where older transformers saved a layer's rotary table: dropped, as every family's adapter does.
@@ -627,13 +628,12 @@ def apply_edit_adapter_map(tree: StagedTree, request: EditAdapterMapRequest) -> 
                 unmapped, "the reference's from_hf_map lacks them, and no adapter edit targets that reference"
             )
         mla_plan = plan_for(request.source, request.trust_remote_code)
-        mla_checkpoint = report.checkpoint
-        text = apply_ignored_keys_adapter(text, layout, mla_checkpoint.ignored_unexpected)
-        text = apply_ignore_patterns_adapter(text, layout, mla_checkpoint.load_ignore_patterns)
+        text = apply_ignored_keys_adapter(text, layout, report.checkpoint.ignored_unexpected)
+        text = apply_ignore_patterns_adapter(text, layout, report.checkpoint.load_ignore_patterns)
         if hybrid is not None:
             if stacked:
                 text = apply_fused_adapter(text, layout, stacked, regroup=STACKED_MIXER_REGROUP)
-                text = apply_mixer_row_blocks(text, layout, hybrid, _layer_template(report.checkpoint.layer_prefix))
+                text = apply_mixer_row_blocks(text, layout, hybrid, layer_template)
         elif not mla_plan.moe:
             # A dense family: no expert stacking, no MoE keys (skill/porting/dense_mla.py).
             text = dense_adapter(text, layout.adapter_class)

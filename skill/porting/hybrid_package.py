@@ -118,9 +118,8 @@ def stacked_mixer_map(layers: LinearAttentionLayers, layer_template: str) -> dic
     in the order they stack once unstacked (``layer_template``: ``"model.layers.{}."``)."""
     stacked: dict[str, list[str]] = {}
     for weight in layers.fused:
-        projections = [p for p in DELTANET_PROJECTIONS if p in weight.projections]
         key = f"{layer_template}{layers.mixer_name}.{weight.hf_name}"
-        stacked[key] = [f"layers.{{}}.linear_attn.{projection}.weight" for projection in projections]
+        stacked[key] = [f"layers.{{}}.linear_attn.{projection}.weight" for projection in weight.projections]
     return stacked
 
 

@@ -62,10 +62,8 @@ def _unstack_rows(value: torch.Tensor, groups: int, blocks: list[int], order: li
 def _stack_rows(value: torch.Tensor, groups: int, blocks: list[int], order: list[int]) -> torch.Tensor:
     """The inverse of :func:`_unstack_rows`: whole blocks in ``order`` -> ``groups`` groups."""
     rest = value.shape[1:]
-    whole = torch.split(value, [groups * blocks[i] for i in order], dim=0)
-    pieces = [torch.empty(0)] * len(blocks)
-    for i, block in zip(order, whole, strict=True):
-        pieces[i] = block.reshape(groups, blocks[i], *rest)
+    whole = dict(zip(order, torch.split(value, [groups * blocks[i] for i in order], dim=0), strict=True))
+    pieces = [whole[i].reshape(groups, blocks[i], *rest) for i in range(len(blocks))]
     return torch.cat(pieces, dim=1).reshape(-1, *rest)
 
 
