@@ -663,6 +663,18 @@ class NormFeatures(_Frozen):
     )
 
 
+# The Archon block norm that plays each role ``NormFeatures.block_norms`` probes. Post-LN: the
+# norm of each residual sum keeps the pre-norm block's name.
+BLOCK_NORM_NAMES = {
+    "pre_attention": "attention_norm",
+    "post_attention": "post_attention_norm",
+    "pre_ffn": "ffn_norm",
+    "post_ffn": "post_ffn_norm",
+    "attention_residual": "attention_norm",
+    "ffn_residual": "ffn_norm",
+}
+
+
 class ScalarFeatures(_Frozen):
     embedding_scale: float | None = Field(None, description="factor on embeddings before layer 0 (tiny probe)")
     embedding_scale_kind: str = Field(
@@ -708,6 +720,15 @@ class ScalarFeatures(_Frozen):
     embedding_projection_out: str | None = Field(None, description="module path of the projection out (no bias)")
 
 
+class NamedFact(_Frozen):
+    """A measured fact outside the vocabulary (an ``other`` entry of the checklist), keyed so
+    that the feature module porting it (:mod:`skill.feature_modules`) can claim it; ``data``
+    holds what the detector measured, so the module reads the fact instead of measuring it again."""
+
+    key: str = Field(description="the fact's kind, the ``claims`` of the feature module that ports it")
+    data: dict[str, Any] = Field(default_factory=dict, description="the measured values, JSON")
+
+
 class Checklist(_Frozen):
     """The guide's step-1 checklist for one family, in the fixed vocabulary."""
 
@@ -739,6 +760,12 @@ class Checklist(_Frozen):
     other: list[str] = Field(default_factory=list, description="features outside this vocabulary, named")
     linear_attention: LinearAttentionLayers | None = _optional_fact(
         "layers mixing tokens by a Gated DeltaNet, beside softmax-attention ones (a hybrid); None: attention only"
+    )
+    feature_modules: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        exclude_if=is_empty,
+        description="facts outside the fixed vocabulary that a feature module ports (skill.feature_modules): the "
+        "module's name -> the value it read off the measured fact",
     )
 
 
@@ -1103,7 +1130,7 @@ MLA_SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
 class FeatureDelta(_Frozen):
     """One feature whose value differs between the reference and the target family."""
 
-    feature: Feature
+    feature: Feature | str = Field(description="a Feature, or the name of the feature module porting it")
     title: str
     reference: str
     target: str

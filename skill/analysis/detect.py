@@ -56,6 +56,7 @@ from skill.features import (
     GateUpOrder,
     HandEditPlace,
     MoEFeatures,
+    NamedFact,
     NormFeatures,
     NormKind,
     NormPlacement,
@@ -105,6 +106,9 @@ class Context:
     other: list[str] = field(default_factory=list)
     # An ``other`` feature -> where its hand edit goes in the Archon contract (measured).
     places: dict[str, HandEditPlace] = field(default_factory=dict)
+    # An ``other`` feature -> its kind and what was measured, for a feature module that ports
+    # it (skill.feature_modules claims it by the key).
+    facts: dict[str, NamedFact] = field(default_factory=dict)
     # A norm inside a layer's module that an edit writes -> its Archon module inside the layer
     # (``attention.sub_norm``), for the checkpoint's module map.
     contract_norms: dict[nn.Module, str] = field(default_factory=dict)
@@ -3033,6 +3037,7 @@ def _sinusoidal_table(ctx: Context, name: str) -> tuple[int, str | None]:
             )
             ctx.other.append(feature)
             ctx.places[feature] = SINUSOIDAL_TABLE_BUILT
+            ctx.facts[feature] = NamedFact(key="sinusoidal_formula", data={"formula": "vaswani", "offset": vaswani})
             return vaswani, None
         ctx.other.append(f"sinusoidal positions that are no [sin | cos] table rows (probe of {name})")
         return 0, None
@@ -3270,8 +3275,8 @@ def constant_eps_norms(ctx: Context, eps_field: str) -> dict[str, float]:
     """The norms of the tiny model whose epsilon does not follow ``eps_field``, measured: a
     tiny model built with the field moved holds a new epsilon in every norm that reads it; one
     that keeps its value is a constant of the modeling code (CTRL's block ``LayerNorm(d_model,
-    eps=1e-6)`` beside a final norm that reads ``layer_norm_epsilon``). Module path (layer
-    index as ``{}``) -> the constant."""
+    eps=1e-6)`` beside a final norm that reads ``layer_norm_epsilon``), whether or not it equals
+    the field's value. Module path (layer index as ``{}``) -> the constant."""
     value = getattr(ctx.tiny, eps_field, None)
     if not isinstance(value, float):
         return {}
@@ -3287,16 +3292,17 @@ def constant_eps_norms(ctx: Context, eps_field: str) -> dict[str, float]:
     for name, module in ctx.model.named_modules():
         held = _norm_eps(module) if mt.is_norm(module) else None
         twin = moved_modules.get(name)
-        if held is None or twin is None or not math.isclose(held, value):
+        if held is None or twin is None:
             continue
         if (after := _norm_eps(twin)) is not None and math.isclose(after, held):
             constants[re.sub(r"\.\d+\.", ".{}.", name, count=1)] = held
     return constants
 
 
-def _name_constant_block_norm_eps(ctx: Context, eps_field: str) -> None:
+def _name_constant_block_norm_eps(ctx: Context, eps_field: str, roles: dict[str, str]) -> None:
     """Name the block or final norms whose epsilon is a constant beside ``eps_field`` (the port
-    gives every norm ``norm_eps``, read from that field: right only while the two agree)."""
+    gives every norm ``norm_eps``, read from that field: right only while the two agree).
+    ``roles``: layer 0's block norms (name inside the layer) -> the role probed for each."""
     block = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}" for name in ctx.anatomy.norms}
     final = {name for name, module in ctx.model.named_modules() if module is ctx.anatomy.final_norm}
     constants = {name: value for name, value in constant_eps_norms(ctx, eps_field).items() if name in block | final}
@@ -3307,6 +3313,16 @@ def _name_constant_block_norm_eps(ctx: Context, eps_field: str) -> None:
     feature = f"norms whose epsilon is a constant, not {eps_field}: {held}"
     ctx.other.append(feature)
     ctx.places[feature] = BLOCK_NORMS_BUILT if set(constants) & block else FINAL_NORM_BUILT
+    layer_norm_roles = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}": role for name, role in roles.items()}
+    ctx.facts[feature] = NamedFact(
+        key="constant_norm_eps",
+        data={
+            "field": eps_field,
+            "constants": {n: v for n, v in constants.items() if n in layer_norm_roles},
+            "block_roles": {n: layer_norm_roles[n] for n in constants if n in layer_norm_roles},
+            "other_norms": {n: v for n, v in constants.items() if n not in layer_norm_roles},
+        },
+    )
 
 
 def _norm_eps_field(config: PretrainedConfig) -> str | None:
@@ -3321,8 +3337,8 @@ def norm_features(ctx: Context) -> NormFeatures:
     norm = ctx.anatomy.final_norm or next(iter(ctx.anatomy.norms.values()), None)
     kind = probes.probe_norm_kind(norm, ctx.tiny.hidden_size) if norm is not None else NormKind.OTHER
     eps_field = _norm_eps_field(ctx.config)
-    placement, block_norms = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
-    block_norms = _saved_block_norm_names(ctx, block_norms)
+    placement, probed_roles = probes.probe_block_norms(ctx.model, ctx.anatomy, ctx.tiny)
+    block_norms = _saved_block_norm_names(ctx, probed_roles)
     if placement is None:
         placement = NormPlacement.PRE
         ctx.evidence.append("norm placement: the layer probe was inconclusive; assumed pre-norm")
@@ -3337,7 +3353,7 @@ def norm_features(ctx: Context) -> NormFeatures:
     eps: float | None
     if eps_field is not None:
         eps = float(ctx.get(eps_field))
-        _name_constant_block_norm_eps(ctx, eps_field)
+        _name_constant_block_norm_eps(ctx, eps_field, probed_roles)
     elif held is not None:
         eps = held
         ctx.evidence.append(f"norm epsilon {held:g}: a constant of the modeling code, no config field")

@@ -33,6 +33,7 @@ from skill.analysis.inputs import (
 from skill.analysis.linear_attention import HybridRefused, HybridStack, measure_hybrid, mixer_layers
 from skill.analysis.rope_layer_qk_norm import qk_norm_on_rope_layers
 from skill.analysis.source_scan import scan_model_source
+from skill.feature_modules import MODULES_BY_NAME, claim_facts
 from skill.features import Checklist
 from skill.tiny_model import (
     TinyModelError,
@@ -233,6 +234,9 @@ def _inspect(
         # The switch of a query scale the tiny model's positions never reach: pinned like the others.
         switches[scale.switch_field] = True
     nullable = detect.nullable_fields(ctx)
+    other, ported = claim_facts(ctx.other, ctx.facts)
+    for name in ported:
+        ctx.evidence.append(f"{MODULES_BY_NAME[name].title}: ported by the feature module {name}")
     checklist = Checklist(
         attention=attention,
         ffn=ffn,
@@ -244,7 +248,8 @@ def _inspect(
         pinned_nested_fields=pinned,
         nullable_fields=nullable,
         forward_switches=switches,
-        other=sorted(set(ctx.other)),
+        other=sorted(set(other)),
+        feature_modules=ported,
     )
     return Analysis(resolved, checklist, ctx)
 

@@ -19,6 +19,7 @@ import logging
 
 from skill.activations import ACTIVATIONS
 from skill.analysis.measure import build_checklist, build_variant_checklist
+from skill.feature_modules import MODULES_BY_NAME
 from skill.features import (
     FEATURE_TITLES,
     HYBRID_LINEAR_ATTENTION,
@@ -126,7 +127,8 @@ def all_reference_values(references: tuple[str, ...] = EDITABLE_REFERENCES) -> d
 
 
 def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
-    """Features whose value differs from ``reference``, in :class:`Feature` order."""
+    """Features whose value differs from ``reference``, in :class:`Feature` order, then those a
+    feature module ports (none of which a reference has)."""
     target = feature_values(checklist)
     ref = _values_for(reference, checklist.moe is not None)
     editable = reference in EDITABLE_REFERENCES
@@ -152,6 +154,17 @@ def deltas_from(reference: str, checklist: Checklist) -> list[FeatureDelta]:
                 supported=is_supported(feature, want, frozenset(covered.get(feature, set())))
                 if editable
                 else want in covered.get(feature, set()) | REFERENCE_EDITS.get(reference, {}).get(feature, set()),
+            )
+        )
+    for name, value in checklist.feature_modules.items():
+        module = MODULES_BY_NAME[name]
+        deltas.append(
+            FeatureDelta(
+                feature=name,
+                title=module.title,
+                reference="none",
+                target=module.describe(value),
+                supported=reference in module.references,
             )
         )
     return deltas

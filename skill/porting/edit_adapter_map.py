@@ -30,7 +30,7 @@ from skill.codemod.cst import (
     upsert_method,
 )
 from skill.errors import HAND_PORT_POINTER
-from skill.features import ExpertLayout, GateUpOrder, MoEFeatures, PositionKind, WeightOrientation
+from skill.features import BLOCK_NORM_NAMES, ExpertLayout, GateUpOrder, MoEFeatures, PositionKind, WeightOrientation
 from skill.porting.adapter_ignore_patterns import apply_ignore_patterns_adapter
 from skill.porting.common import (
     PackageLayout,
@@ -287,18 +287,6 @@ def _norm_names(layer_modules: set[str]) -> dict[str, str]:
     return names
 
 
-# Archon's name for a block norm, by the role the analysis probed it in.
-NORM_ROLE_NAMES = {
-    "pre_attention": "attention_norm",
-    "post_attention": "post_attention_norm",
-    "pre_ffn": "ffn_norm",
-    "post_ffn": "post_ffn_norm",
-    # Post-LN: the norm of each residual sum keeps the pre-norm block's name.
-    "attention_residual": "attention_norm",
-    "ffn_residual": "ffn_norm",
-}
-
-
 def rotary_buffer_keys(report: ArchitectureReport) -> list[str]:
     """The checkpoint keys (``{}`` for the layer) where older transformers versions saved a
     layer's rotary table: ``rotary_emb.inv_freq`` under each attention module of the analysis'
@@ -403,7 +391,7 @@ def derive_from_hf_map(
     # The analysis' probed roles name the block norms; the checkpoint's names are the
     # fallback for a caller without a report.
     norms = (
-        {name: NORM_ROLE_NAMES[role] for name, role in norm_roles.items() if role in NORM_ROLE_NAMES}
+        {name: BLOCK_NORM_NAMES[role] for name, role in norm_roles.items() if role in BLOCK_NORM_NAMES}
         if norm_roles
         else _norm_names(layer_modules)
     )

@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field, JsonValue
 import skill
 from skill.codemod import Workspace
 from skill.errors import WorkerFailedError, last_error_line
+from skill.features import BLOCK_NORM_NAMES
 from skill.porting.child_process import run_python_module
 from skill.porting.common import PackageLayout, PackageRequest
 from skill.porting.overrides import ConfigOverrides, ModelTypeName
@@ -236,18 +237,6 @@ class _Recorder:
             handle.remove()
 
 
-# Roles probed for layer 0's norms (skill.analysis.probes.probe_block_norms) -> the Archon
-# block's norm that plays it.
-_NORM_ROLES = {
-    "pre_attention": "attention_norm",
-    "pre_ffn": "ffn_norm",
-    "post_attention": "post_attention_norm",
-    "post_ffn": "post_ffn_norm",
-    "attention_residual": "attention_norm",
-    "ffn_residual": "ffn_norm",
-}
-
-
 def hf_module_roles(hf_model: Any, model: Any) -> dict[str, str]:
     """Archon module -> HF module, by role, from the HF model's anatomy as the analysis
     reads it: each layer's attention, feed-forward (``moe`` for an MoE block) and norms
@@ -283,8 +272,8 @@ def hf_module_roles(hf_model: Any, model: Any) -> dict[str, str]:
         ffn = children.get(anatomy.ffn_name or "")
         pair(f"{prefix}.moe" if f"{prefix}.moe" in archon else f"{prefix}.feed_forward", ffn)
         for hf_norm, role in block_roles.items():
-            if role in _NORM_ROLES:
-                pair(f"{prefix}.{_NORM_ROLES[role]}", children.get(hf_norm))
+            if role in BLOCK_NORM_NAMES:
+                pair(f"{prefix}.{BLOCK_NORM_NAMES[role]}", children.get(hf_norm))
         if attention is not None:
             q_norm, k_norm = mt.qk_norms(attention)
             pair(f"{prefix}.attention.q_norm", q_norm[1] if q_norm else None)

@@ -63,6 +63,7 @@ from skill.codemod.cst import (
     set_docstring,
     upsert_method,
 )
+from skill.feature_modules import FEATURE_MODULES, MODULES_BY_NAME
 from skill.features import IN_QUERY_SUFFIX
 from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.plan import PortPlan
@@ -2341,9 +2342,13 @@ MLA_MODEL_EDITS = (
 
 
 def edit_catalogue() -> str:
-    """Every edit ``edit_model`` takes, ``name: what it writes``, in the canonical order: the one
-    list the tool's ``edits`` field, hence ``archon-port edit-model --help``, shows."""
-    return "; ".join(f"{edit.name}: {edit.description}" for edit in MODEL_EDITS)
+    """Every edit ``edit_model`` takes, ``name: what it writes``, in the canonical order (the
+    feature modules' last): the one list the tool's ``edits`` field, hence
+    ``archon-port edit-model --help``, shows."""
+    return "; ".join(
+        [f"{edit.name}: {edit.description}" for edit in MODEL_EDITS]
+        + [f"{module.name}: {module.description}" for module in FEATURE_MODULES]
+    )
 
 
 def select_edits(profile: PortPlan, text: str) -> list[str]:
@@ -2358,7 +2363,15 @@ def select_edits(profile: PortPlan, text: str) -> list[str]:
         allowed = list(EDITS_BY_NAME)
     else:
         allowed = MLA_MODEL_EDITS if profile.reference != HYBRID_REFERENCE else []
-    return [edit.name for edit in MODEL_EDITS if edit.name in allowed and edit.applies(profile) and edit.needed(text)]
+    built_in = [
+        edit.name for edit in MODEL_EDITS if edit.name in allowed and edit.applies(profile) and edit.needed(text)
+    ]
+    # The feature modules that port the family, where their edit applies (else it was refused).
+    return built_in + [
+        module.name
+        for module in FEATURE_MODULES
+        if module.name in profile.feature_modules and profile.reference in module.references
+    ]
 
 
 NORM_TITLES = {
@@ -2466,6 +2479,7 @@ def describe(profile: PortPlan, camel: str, edits: Collection[str] = ()) -> str:
         extras.append(f"embeddings projected to and from {profile.embedding_projection_field}")
     if profile.lm_head_bias:
         extras.append("an LM head with a bias")
+    extras.extend(MODULES_BY_NAME[name].describe(value) for name, value in profile.feature_modules.items())
     if not profile.final_norm:
         extras.append("no final norm")
     if profile.tied:
@@ -2561,13 +2575,22 @@ def apply_model_edits(text: str, ctx: EditContext, names: list[str]) -> str:
 
 def edit_document(text: Document, ctx: EditContext, names: list[str]) -> Document:
     """:func:`apply_model_edits` on a parsed ``model.py``: its one tree edited, not printed."""
-    unknown = [name for name in names if name not in EDITS_BY_NAME]
-    if unknown:
-        raise ValueError(f"unknown model edit(s) {unknown}; known: {sorted(EDITS_BY_NAME)}")
-    order = list(EDITS_BY_NAME)
-    for name in sorted(dict.fromkeys(names), key=order.index):
-        text = EDITS_BY_NAME[name].apply(text, ctx)
     profile = ctx.profile
+    unknown = [name for name in names if name not in EDITS_BY_NAME and name not in MODULES_BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown model edit(s) {unknown}; known: {sorted([*EDITS_BY_NAME, *MODULES_BY_NAME])}")
+    unmeasured = [name for name in names if name in MODULES_BY_NAME and name not in profile.feature_modules]
+    if unmeasured:
+        raise ValueError(
+            f"the feature module(s) {unmeasured} port a fact the analysis did not measure for {profile.model_type}; "
+            "leave them out (edit_model selects the modules the analysis names)"
+        )
+    order = list(EDITS_BY_NAME)
+    for name in sorted(dict.fromkeys(n for n in names if n in EDITS_BY_NAME), key=order.index):
+        text = EDITS_BY_NAME[name].apply(text, ctx)
+    for module in FEATURE_MODULES:
+        if module.name in names:
+            text = module.edit_model(text, profile.feature_modules[module.name], ctx)
     if profile.block != "pre_norm" or _block_wiring(profile)[1] or "dense_layers" in names:
         # The block's wiring as the edits composed it (the reference's own otherwise).
         text = _set_block_doc(text, profile)

@@ -115,6 +115,11 @@ class PortPlan(BaseModel):
     config_class: str
     reference: Literal["qwen2", "qwen3", "deepseek_v3", "qwen3_5"]
     unsupported: list[str] = Field(description="the report's unsupported features, verbatim")
+    feature_modules: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        exclude_if=is_empty,
+        description="the feature modules that port this family (skill.feature_modules): name -> value",
+    )
     hand_edit_places: dict[str, HandEditPlace] = Field(
         default_factory=dict,
         exclude_if=is_empty,
@@ -528,6 +533,7 @@ def plan_from_report(report: ArchitectureReport, source: str, trust_remote_code:
             hybrid=report.checklist.linear_attention is not None,
         ),
         unsupported=list(report.unsupported),
+        feature_modules=dict(report.checklist.feature_modules),
         hand_edit_places=dict(report.hand_edit_places),
         qkv_bias=att.q_bias or att.k_bias or att.v_bias,
         o_bias=att.o_bias,

@@ -10,6 +10,7 @@ import textwrap
 from typing import Any
 
 from skill.codemod.literals import python_string
+from skill.feature_modules import MODULES_BY_NAME
 from skill.porting.plan import PortPlan
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,11 @@ def test_file_source(
     if profile.moe_layer_rule == "first_k_dense":
         overrides[profile.moe_layer_fields[0] if profile.moe_layer_fields else "first_k_dense_replace"] = 1
         comments.append("# One leading dense layer before the MoE layers, so both kinds are exercised.")
+    for module_name, module_value in profile.feature_modules.items():
+        module_overrides, why = MODULES_BY_NAME[module_name].test_overrides(module_value)
+        overrides.update(module_overrides)
+        if why:
+            comments.append(why)
     extra_cases: list[dict[str, Any]] = []
     if profile.expert_group_switch is not None:
         # The switch's other values (topk_method="greedy": every expert competes) get a case each.

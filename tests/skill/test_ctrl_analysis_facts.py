@@ -78,6 +78,39 @@ def test_ctrl_block_norm_eps_is_a_constant_named_by_the_analysis() -> None:
     assert (place.class_name, place.function, place.anchor) == ("TransformerBlock", "__init__", "self.attention_norm")
 
 
+def test_a_constant_epsilon_other_than_the_field_s_value_is_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # tests/composition/epsmoe builds its four block norms with eps=1e-5 while rms_norm_eps is
+    # 1e-6 (the final and QK norms read it). The norms then hold two values, so the field is
+    # used; moving it leaves the block norms' 1e-5: a constant, named (not ported silently with
+    # norm_eps, as when only a constant equal to the field's value was looked for).
+    from tests.skill.test_composition_families import make_checkpoint
+
+    folder = make_checkpoint(tmp_path, "epsmoe")
+    import skill.feature_modules
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    monkeypatch.setattr(skill.feature_modules, "FEATURE_MODULES", ())
+    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    named = [line for line in report.unsupported if "epsilon is a constant" in line]
+    assert named == [
+        "unsupported: norms whose epsilon is a constant, not rms_norm_eps: "
+        + ", ".join(
+            f"model.layers.{{}}.{n} eps=1e-05"
+            for n in sorted(
+                (
+                    "input_layernorm",
+                    "post_attention_layernorm",
+                    "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm",
+                )
+            )
+        )
+    ]
+
+
 def test_mla_latent_norms_are_not_named_as_block_norms() -> None:
     # DeepseekV3Attention's q_a_layernorm / kv_a_layernorm keep 1e-6 too, but they are the
     # latent norms (latent_norm_eps_field), not the block norms that norm_eps builds.

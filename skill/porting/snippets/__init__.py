@@ -20,11 +20,14 @@ HERE = Path(__file__).parent
 
 
 @functools.cache
-def _module(name: str) -> cst.Module:
-    path = HERE / f"{name}.py"
+def _parsed(path: Path) -> cst.Module:
     if not path.is_file():
-        raise CodemodError(f"no snippet module {name!r} in {HERE}")
+        raise CodemodError(f"no snippet module {path.stem!r} in {path.parent}")
     return cst.parse_module(path.read_text())
+
+
+def _module(name: str) -> cst.Module:
+    return _parsed(HERE / f"{name}.py")
 
 
 class _ExactRenamer(cst.CSTTransformer):
@@ -40,7 +43,16 @@ def snippet(module: str, name: str, *, rename: str | None = None, names: dict[st
     """The source of top-level class or function ``name`` of ``snippets/<module>.py``,
     optionally renamed (``rename``) and with the names it uses renamed exactly
     (``names``: ``{"interleaved_rotate_half": "rotate_half"}``), no leading blank lines."""
-    tree = _module(module)
+    return _definition(_module(module), module, name, rename, names)
+
+
+def snippet_in(path: Path, name: str, *, rename: str | None = None) -> str:
+    """:func:`snippet` from the module file ``path`` (a feature module keeps the code it
+    inserts beside its edit: skill.feature_modules)."""
+    return _definition(_parsed(path), path.stem, name, rename, None)
+
+
+def _definition(tree: cst.Module, module: str, name: str, rename: str | None, names: dict[str, str] | None) -> str:
     for stmt in tree.body:
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value == name:
             node = stmt.with_changes(leading_lines=[])
