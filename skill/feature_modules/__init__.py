@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from skill.feature_modules.base import FeatureModule
+from skill.feature_modules.constant_norm_eps import ConstantNormEps
 from skill.features import NamedFact
 
-FEATURE_MODULES: tuple[FeatureModule, ...] = ()
+FEATURE_MODULES: tuple[FeatureModule, ...] = (ConstantNormEps(),)
 
 MODULES_BY_NAME: dict[str, FeatureModule] = {module.name: module for module in FEATURE_MODULES}
 

@@ -25,6 +25,8 @@ from those files through the adapter).
 |          |           | norm kept on the first pipeline stage (the package's own pipelining_fn)           |
 | diffmoe  | qwen3     | differential attention (written with doubled values, its own names) + GQA +      |
 |          |           | per-head QK RMSNorm + sliding window on every other layer + MoE                  |
+| epsmoe   | qwen3     | block norms with a constant epsilon (feature module constant_norm_eps) +       |
+|          |           | sandwich norms + full-width QK RMSNorm + MoE + residual multiplier               |
 """
 
 from __future__ import annotations
@@ -149,6 +151,18 @@ FAMILIES: dict[str, dict] = {
             "infra/parallelize.py": [
                 '"attention.diff_lambda": ReplicateParallel(local_output_grad_placements=(Partial(),))'
             ],
+        },
+    },
+    "epsmoe": {
+        "reference": "qwen3",
+        "edits": {"constant_norm_eps", "sandwich_norm", "full_width_qk_norm", "residual_multiplier", "all_layers_moe"},
+        "files": {
+            "model/model.py": [
+                "BLOCK_NORM_EPS = 1e-05  # a constant of the modeling code, not rms_norm_eps (norm_eps)",
+                "self.post_ffn_norm = RMSNorm(model_args.dim, eps=BLOCK_NORM_EPS)",
+                "self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)",
+            ],
+            "../../tests/archon/test_epsmoe.py": ['"rms_norm_eps": 0.01'],
         },
     },
     "headgate": {

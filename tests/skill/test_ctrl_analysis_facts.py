@@ -61,20 +61,46 @@ def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
 # ------------------------------------------- 2. each norm's epsilon, by perturbation
 
 
-def test_ctrl_block_norm_eps_is_a_constant_named_by_the_analysis() -> None:
+def _without_feature_modules(monkeypatch: pytest.MonkeyPatch, model_type: str) -> Any:
+    """The report as the engine gave it before CTRL's two hand edits became feature modules:
+    the facts the modules port, refused by name with their hand-edit places."""
+    import skill.feature_modules
+    from skill.analysis.analyze import analyze_hf_model
+    from skill.analysis.report import AnalyzeInput
+
+    monkeypatch.setattr(skill.feature_modules, "FEATURE_MODULES", ())
+    return analyze_hf_model(AnalyzeInput(source=model_type))
+
+
+EPS_FACT = (
+    "norms whose epsilon is a constant, not layer_norm_epsilon: "
+    "transformer.h.{}.layernorm1 eps=1e-06, transformer.h.{}.layernorm2 eps=1e-06"
+)
+
+
+def test_ctrl_block_norm_eps_is_a_constant_the_feature_module_ports() -> None:
     # EncoderLayer: LayerNorm(d_model, eps=1e-6) twice; CTRLModel.layernorm reads
     # layer_norm_epsilon. Equal by default, so only moving the field tells them apart.
     report = report_for("ctrl")
     assert report.checklist.norm.eps_field == "layer_norm_epsilon"
+    assert report.checklist.feature_modules["constant_norm_eps"] == {
+        "eps": 1e-06,
+        "field": "layer_norm_epsilon",
+        "norms": ["attention_norm", "ffn_norm"],
+    }
+    assert not [line for line in report.unsupported if "epsilon is a constant" in line]
+    delta = next(d for d in report.deltas if d.feature == "constant_norm_eps")
+    assert delta.supported and delta.target == "block norms with a constant epsilon of 1e-06"
+
+
+def test_ctrl_block_norm_eps_without_its_module_is_refused_at_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _without_feature_modules(monkeypatch, "ctrl")
+    assert not report.checklist.feature_modules
     named = [line for line in report.unsupported if "epsilon is a constant" in line]
-    expected = (
-        "unsupported: norms whose epsilon is a constant, not layer_norm_epsilon: "
-        "transformer.h.{}.layernorm1 eps=1e-06, transformer.h.{}.layernorm2 eps=1e-06"
-    )
-    assert named == [expected]
+    assert named == [f"unsupported: {EPS_FACT}"]
     # Its hand edit sets the eps where the block norms are built, not in the forward (the ctrl
     # agent found the marker in TransformerBlock.forward while the eps is set in __init__).
-    place = report.hand_edit_places[expected.removeprefix("unsupported: ")]
+    place = report.hand_edit_places[EPS_FACT]
     assert (place.class_name, place.function, place.anchor) == ("TransformerBlock", "__init__", "self.attention_norm")
 
 
@@ -231,12 +257,13 @@ def test_check_package_reads_a_literal_sequential_position_as_mapped(tmp_path: P
     assert not keys.passed and "transformer.h.{}.ffn.{}.weight" in keys.detail
 
 
-def test_analyze_text_names_each_hand_edit_place() -> None:
+def test_analyze_text_names_each_hand_edit_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second ctrl agent needed `analyze --json` for `hand_edit_places`, which SKILL.md's hand
-    port reads: the text output lists each place too."""
+    port reads: the text output lists each place too (ctrl's, without the modules that port them)."""
     from skill.cli.analyze import format_report
 
-    report = report_for("ctrl")
+    report = _without_feature_modules(monkeypatch, "ctrl")
+    assert len(report.hand_edit_places) == 2
     text = format_report(report)
     assert "hand edit places (hand_edit_places):" in text
     for feature, place in report.hand_edit_places.items():
