@@ -11,9 +11,10 @@ from typing import Any
 
 from skill.feature_modules.base import FeatureModule
 from skill.feature_modules.constant_norm_eps import ConstantNormEps
+from skill.feature_modules.vaswani_positions import VaswaniPositions
 from skill.features import NamedFact
 
-FEATURE_MODULES: tuple[FeatureModule, ...] = (ConstantNormEps(),)
+FEATURE_MODULES: tuple[FeatureModule, ...] = (ConstantNormEps(), VaswaniPositions())
 
 MODULES_BY_NAME: dict[str, FeatureModule] = {module.name: module for module in FEATURE_MODULES}
 

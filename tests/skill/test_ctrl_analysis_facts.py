@@ -158,14 +158,21 @@ def test_ctrl_sinusoidal_buffer_and_sqrt_dim_scale_are_reported() -> None:
     scalars = report.checklist.scalars
     assert scalars.embedding_scale_kind == "sqrt_dim"
     assert scalars.embedding_scale == pytest.approx(AutoConfig.for_model("ctrl").n_embd ** 0.5)
+    # The paper's rates, not fairseq's: the vaswani_positions feature module ports them.
+    assert report.checklist.feature_modules["vaswani_positions"] == {"offset": 0}
+    assert not [line for line in report.unsupported if "sinusoidal" in line]
+    assert not [line for line in report.unsupported if "position encoding = none" in line]
+    assert not [line for line in report.unsupported if "beyond a constant scale" in line]
+
+
+def test_ctrl_sinusoidal_formula_without_its_module_is_refused_at_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _without_feature_modules(monkeypatch, "ctrl")
     formula = [line for line in report.unsupported if "sinusoidal" in line]
     assert len(formula) == 1 and "10000^(-2i/d)" in formula[0] and "offset 0" in formula[0]
     # Its hand edit changes the table's frequencies: marked above the call that builds it (the
     # ctrl agent found the marker in the model's forward, above the embedding).
     place = report.hand_edit_places[formula[0].removeprefix("unsupported: ")]
     assert (place.class_name, place.function, place.anchor) == ("SinusoidalPositions", "build", "sinusoidal_positions(")
-    assert not [line for line in report.unsupported if "position encoding = none" in line]
-    assert not [line for line in report.unsupported if "beyond a constant scale" in line]
 
 
 def test_xglm_fairseq_sinusoidal_table_still_matches_the_edit() -> None:

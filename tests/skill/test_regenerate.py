@@ -89,14 +89,21 @@ def test_a_hand_edit_to_a_generated_package_is_reported(tmp_path: Path, capsys) 
     assert "-class RMSNorm(nn.Module):  # tuned\n+class RMSNorm(nn.Module):\n" in diff
 
 
-def test_naming_a_hand_port_says_to_replay_its_session(capsys) -> None:
+def test_naming_a_hand_port_says_to_replay_its_session(tmp_path: Path, capsys) -> None:
     """The ctrl agent got 'no generated package ['ctrl']' for a committed hand port: the drift check
-    names it as hand-edited and gives the replay command that proves it instead."""
-    _, hand_ports = committed_regenerations(Workspace(REPO))
-    assert "ctrl" in hand_ports
+    names a hand-edited package as such and gives the replay command that proves it instead.
+    (ctrl itself is generated since its two hand edits became feature modules; xglm stands in.)"""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "archon_models", root / "archon_models", ignore=shutil.ignore_patterns("__pycache__"))
+    model = root / "archon_models/xglm/model/model.py"
+    text = model.read_text()
+    stamp = "# Hand-written in the recorded session: model/model.py (XglmModel.forward). Regenerate by\n"
+    model.write_text(text.replace('"""', stamp + '"""', 1))
+    _, hand_ports = committed_regenerations(Workspace(root))
+    assert hand_ports == ["xglm"]
     with pytest.raises(SystemExit) as exited:
-        main(["ctrl"])
+        main(["xglm", "--workspace", str(root)])
     assert exited.value.code == 2
     error = capsys.readouterr().err
-    assert "ctrl: hand-edited in a recorded session" in error
-    assert "python -m pytest tests/mcp/test_e2e.py -m replay -k ctrl" in error
+    assert "xglm: hand-edited in a recorded session" in error
+    assert "python -m pytest tests/mcp/test_e2e.py -m replay -k xglm" in error

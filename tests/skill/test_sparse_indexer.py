@@ -129,9 +129,18 @@ def test_a_stage_failure_against_another_indexer_names_it(monkeypatch: pytest.Mo
     assert refused is not None and "indexer (GlmMoeDsaIndexer)" in refused
 
 
-def test_a_hand_port_failure_is_never_excused() -> None:
-    """ctrl's analysis refuses what its recorded session wrote by hand: not a reason to skip."""
-    from skill.harness.models import installed_model_refused
+def test_a_hand_port_failure_is_never_excused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hand-edited package's analysis refuses what its recorded session wrote by hand: not a
+    reason to skip its failure. (No committed package is hand-edited since ctrl's edits became
+    feature modules; xglm, its analysis made to refuse a feature, is marked hand-edited here.)"""
+    from skill.harness import models
+    from skill.porting import hand_written
 
-    assert analyze_hf_model(AnalyzeInput(source="ctrl")).unsupported
-    assert installed_model_refused(ModelCase(model_type="ctrl")) is None
+    refusing = analyze_hf_model(AnalyzeInput(source="xglm")).model_copy(
+        update={"unsupported": ["unsupported: a feature its session wrote by hand"]}
+    )
+    monkeypatch.setattr("skill.analysis.analyze.analyze_hf_model", lambda request: refusing)
+    case = ModelCase(model_type="xglm")
+    assert models.installed_model_refused(case) is not None  # generated: the refusal excuses it
+    monkeypatch.setattr(hand_written, "is_hand_edited", lambda text: True)
+    assert models.installed_model_refused(case) is None
