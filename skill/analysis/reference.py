@@ -361,7 +361,7 @@ def unsupported_names(checklist: Checklist, deltas: list[FeatureDelta], model_ty
     for delta in deltas:
         if delta.supported:
             continue
-        if delta.feature is Feature.OTHER:
+        if delta.feature == Feature.OTHER:
             names.extend(f"unsupported: {item}" for item in checklist.other)
         elif delta.target in ("true", "false"):
             names.append(f"unsupported: {delta.title}" + ("" if delta.target == "true" else " (absent)"))
