@@ -1,6 +1,6 @@
 """Forward + backward time of the packed-document attention paths, per variant, on this machine.
 
-The question it answers: which path should a package's kernel (skill/porting/snippets/
+The question it answers: which path should a package's kernel (skill/snippets/
 attention.py) take where no flash kernel runs (CPU, fp32)? Compared, on the same packed
 documents: one call per document, the documents as one zero-padded batch, one SDPA
 call with a dense ``[T, T]`` document mask (no soft-cap or sink possible), and flex
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from skill.porting.snippets.attention import (
+from skill.snippets.attention import (
     AlibiAttention,
     EagerAttention,
     SinkAttention,

@@ -9,7 +9,7 @@ name is the value ``FFNFeatures.activation`` reports and ``SUPPORTED_EDITS`` lis
 ``call`` is the expression the generated ``FeedForward.forward`` computes, ``{}`` standing
 for the pre-activation. An activation the call needs a helper for (one that reads its
 input twice, or holds learned parameters) names a class or function of
-``skill/porting/snippets/activations.py`` in ``snippet``; a ``module`` entry is an
+``skill/snippets/activations.py`` in ``snippet``; a ``module`` entry is an
 ``nn.Module`` the feed-forward holds as ``self.act_fn`` (its parameters are checkpoint
 keys ``<mlp>.act_fn.<name>``).
 """

@@ -75,8 +75,8 @@ from skill.features import (
     SparseIndexer,
     WeightOrientation,
 )
-from skill.porting.snippets.attention import alibi_slopes
-from skill.porting.snippets.positions import sinusoidal_positions
+from skill.snippets.attention import alibi_slopes
+from skill.snippets.positions import sinusoidal_positions
 from skill.tiny_model import build_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -2053,7 +2053,7 @@ def _clamped_glu_measured(ctx: Context, mlp: nn.Module, features: FFNFeatures) -
     alpha, limit = (ctx.tiny.to_dict().get(constants.get(k, "")) for k in ("alpha", "limit"))
     if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)):
         return features
-    from skill.porting.snippets.experts import clamped_swiglu
+    from skill.snippets.experts import clamped_swiglu
 
     if not _gated_mlp_computes(mlp, hidden, lambda gate, up: clamped_swiglu(gate, up, float(alpha), float(limit))):
         return features

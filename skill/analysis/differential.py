@@ -32,7 +32,7 @@ from torch import nn
 from skill.analysis import modules as mt
 from skill.analysis import probes
 from skill.features import DifferentialAttention, NormKind
-from skill.porting.snippets.differential import differential_lambda_init
+from skill.snippets.differential import differential_lambda_init
 
 PROBE_LENGTH = 8
 # The one lambda_init schedule the port writes (the Differential Transformer's, DiffLlama's): the

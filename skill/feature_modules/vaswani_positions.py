@@ -18,7 +18,7 @@ import torch
 
 from skill.codemod.cst import replace_function, top_level_names
 from skill.feature_modules.base import FeatureModule
-from skill.porting.snippets import snippet_in
+from skill.snippets import snippet_in
 
 if TYPE_CHECKING:
     from skill.codemod.document import Document

@@ -45,8 +45,8 @@ from skill.porting.dense_mla import dense_adapter, is_moe_entry
 from skill.porting.hf_source import checkpoint_keys, generalise_key, load_config
 from skill.porting.hybrid_package import STACKED_MIXER_REGROUP, apply_mixer_row_blocks, stacked_mixer_map, text_adapter
 from skill.porting.mla_router import is_correction_bias_entry, no_correction_bias_adapter
-from skill.porting.snippets import snippet
-from skill.porting.snippets.differential import DifferentialLambda
+from skill.snippets import snippet
+from skill.snippets.differential import DifferentialLambda
 from skill.tiny_model import tiny_config
 
 if TYPE_CHECKING:

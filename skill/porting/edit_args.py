@@ -51,13 +51,13 @@ from skill.porting.hybrid_package import HYBRID_REFERENCE, hybrid_args
 from skill.porting.mla_router import router_args
 from skill.porting.plan import PortPlan, plan_for, refuse_unedited_reference, refuse_unsupported, skipped_features
 from skill.porting.reference_choice import check_reference_fits
-from skill.porting.snippets import snippet, snippet_method
-from skill.porting.snippets.args import (
+from skill.snippets import snippet, snippet_method
+from skill.snippets.args import (
     _layer_partial_rotary_factor,
     _layer_rope_freq_scaling,
     _layer_rope_parameters,
 )
-from skill.porting.snippets.moe_layers import RULES as MOE_LAYER_RULES
+from skill.snippets.moe_layers import RULES as MOE_LAYER_RULES
 from skill.tiny_model import tiny_config
 
 logger = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from skill.codemod.cst import (
 from skill.codemod.document import Document
 from skill.features import DELTANET_PROJECTIONS, LinearAttentionLayers
 from skill.porting.common import PackageLayout
-from skill.porting.snippets import snippet_method
-from skill.porting.snippets.moe_layers import RULES as MOE_LAYER_RULES
+from skill.snippets import snippet_method
+from skill.snippets.moe_layers import RULES as MOE_LAYER_RULES
 
 if TYPE_CHECKING:
     from skill.porting.edit_args import ArgField

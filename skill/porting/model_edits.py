@@ -6,7 +6,7 @@ block's residual branches, the norm and feed-forward classes, the embedding and 
 head; see ``skill.codemod.contract``), and is a no-op when already applied. Two edits on
 one place compose: the sandwich norms and the residual multiplier both wrap the same
 residual branch, the logit divisor and the final soft-cap both transform the logits, on
-either reference. The code an edit inserts is a class of ``skill/porting/snippets/``,
+either reference. The code an edit inserts is a class of ``skill/snippets/``,
 never a string. What remains reads like hand-written code for the family: an edit that
 removes a feature deletes its code instead of adding a flag.
 """
@@ -67,7 +67,7 @@ from skill.feature_modules import FEATURE_MODULES, MODULES_BY_NAME
 from skill.features import IN_QUERY_SUFFIX
 from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.plan import PortPlan
-from skill.porting.snippets import snippet
+from skill.snippets import snippet
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from skill.errors import HAND_PORT_POINTER
 from skill.porting.applied_edits import applies_rope, recorded_edits
 from skill.porting.common import PackageLayout, SourceRequest, StepResult, require_package, staged, write_if_changed
 from skill.porting.plan import PortPlan, plan_for
-from skill.porting.snippets import snippet
+from skill.snippets import snippet
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def reexport_source(camel: str, rotary: bool = True) -> str:
 def composed_source(camel: str, rope_type: str, partial: bool, interleaved: bool = False) -> str:
     """A rope.py for any combination of the pairing (halves or adjacent pairs), the
     checkpoint's frequency scaling (``rope_type`` other than default) and partial rotary,
-    assembled from the tested functions of ``skill/porting/snippets/rope.py``; what equals
+    assembled from the tested functions of ``skill/snippets/rope.py``; what equals
     Qwen2's is re-exported from it."""
     scaled = rope_type != "default"
     what = []

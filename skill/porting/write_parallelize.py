@@ -43,7 +43,7 @@ from skill.porting.common import (
 )
 from skill.porting.hybrid_package import HYBRID_REFERENCE
 from skill.porting.plan import PortPlan, plan_for
-from skill.porting.snippets import snippet
+from skill.snippets import snippet
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from skill.codemod.cst import Document
 from skill.features import EXPERT_ACTIVATIONS, SUPPORTED_EDITS, Feature, NormKind
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import plan_for
-from skill.porting.snippets import activations as activation_snippets
-from skill.porting.snippets import norms as norm_snippets
+from skill.snippets import activations as activation_snippets
+from skill.snippets import norms as norm_snippets
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCES = {name: (REPO / f"archon_models/{name}/model/model.py").read_text() for name in ("qwen2", "qwen3")}

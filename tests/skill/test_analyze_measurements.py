@@ -446,7 +446,7 @@ def test_no_embedding_projection_where_the_widths_agree(model_type: str) -> None
 def test_alibi_slopes_by_probe(model_type: str) -> None:
     # BloomModel: build_alibi_tensor (slopes from _get_alibi_slopes); MptModel:
     # build_mpt_alibi_tensor (alibi_bias_max=8): both the standard 2**(-8 i / n) sequence.
-    from skill.porting.snippets.attention import alibi_slopes
+    from skill.snippets.attention import alibi_slopes
 
     report = report_for(model_type)
     positions = report.checklist.positions

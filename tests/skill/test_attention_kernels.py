@@ -1,4 +1,4 @@
-"""The packed-document attention kernels the edits copy into packages (skill/porting/snippets/attention.py).
+"""The packed-document attention kernels the edits copy into packages (skill/snippets/attention.py).
 
 Every kernel, on every path it can take, against one plain computation over the whole
 packed row with a ``[T, T]`` document mask: the CPU path (one call per document), flex
@@ -18,8 +18,8 @@ import types
 import pytest
 import torch
 
-from skill.porting.snippets import attention
-from skill.porting.snippets.attention import (
+from skill.snippets import attention
+from skill.snippets.attention import (
     AlibiAttention,
     EagerAttention,
     SinkAttention,

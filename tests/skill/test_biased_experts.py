@@ -26,14 +26,14 @@ from skill.features import SUPPORTED_EDITS, ExpertLayout, Feature, FFNKind, feat
 from skill.porting.edit_args import _rope_scaling_of
 from skill.porting.model_edits import EditContext, apply_model_edits, select_edits
 from skill.porting.plan import plan_for, report_for
-from skill.porting.snippets.args import _rope_freq_scaling
-from skill.porting.snippets.experts import (
+from skill.snippets.args import _rope_freq_scaling
+from skill.snippets.experts import (
     BiasedGroupedExperts,
     ClampedSwiGLUExperts,
     clamped_swiglu,
     split_interleaved_gate_up,
 )
-from skill.porting.snippets.router import BiasedRouterGate
+from skill.snippets.router import BiasedRouterGate
 
 REPO = Path(__file__).resolve().parents[2]
 

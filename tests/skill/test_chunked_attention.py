@@ -11,7 +11,7 @@ import torch
 
 from skill.analysis.chunked import chunk_mask
 from skill.features import ChunkedAttention
-from skill.porting.snippets.attention import chunk_documents
+from skill.snippets.attention import chunk_documents
 
 
 def _visible(bounds: torch.Tensor, total: int) -> torch.Tensor:

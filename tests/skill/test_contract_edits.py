@@ -421,7 +421,7 @@ def test_alibi_slopes_follow_the_tensor_parallel_head_block():
 
     import torch
 
-    from skill.porting.snippets.attention import alibi_slopes, local_alibi_slopes
+    from skill.snippets.attention import alibi_slopes, local_alibi_slopes
 
     slopes = alibi_slopes(12)
     for head_offset, cp_rank, sp, n_local, start in [(0, 0, False, 12, 0), (6, 0, False, 6, 6), (6, 1, True, 3, 9)]:

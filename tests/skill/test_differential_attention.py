@@ -16,7 +16,7 @@ import torch
 from skill.analysis.differential import LAMBDA_INIT, differential_parts, lambda_init, measure_differential
 from skill.analysis.reference import engine_limits
 from skill.porting.plan import report_for
-from skill.porting.snippets.adapter import _pair_halves, _unpair_halves
+from skill.snippets.adapter import _pair_halves, _unpair_halves
 from skill.tiny_model import build_tiny_model, tiny_config
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 16

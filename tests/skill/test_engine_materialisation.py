@@ -21,8 +21,8 @@ from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.harness.models import get_spec
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import PortPlan, plan_from_report
-from skill.porting.snippets import snippet
-from skill.porting.snippets.moe import CorrectionBiasMoE
+from skill.snippets import snippet
+from skill.snippets.moe import CorrectionBiasMoE
 from skill.tiny_model import tiny_config
 
 hf_logging.set_verbosity_error()

@@ -16,7 +16,7 @@ from skill.codemod.cst import Document
 from skill.features import SUPPORTED_EDITS, Feature, FusedQKVLayout
 from skill.harness import ModelCase, run_adapter_stage, run_parity_stage
 from skill.porting.plan import plan_for
-from skill.porting.snippets.adapter import _block_qkv, _group_qkv, _unblock_qkv, _ungroup_qkv
+from skill.snippets.adapter import _block_qkv, _group_qkv, _unblock_qkv, _ungroup_qkv
 from tests.skill.test_analyze_families import report_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from skill.analysis import AnalyzeInput, ArchitectureReport, analyze_hf_model
 from skill.porting.edit_args import arg_fields, check_supported_source
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import plan_for, plan_from_report
-from skill.porting.snippets.args import _layer_rope_parameters
+from skill.snippets.args import _layer_rope_parameters
 
 hf_logging.set_verbosity_error()
 

@@ -217,10 +217,10 @@ def test_a_dense_hybrid_of_another_model_type_is_refused_by_name_before_anything
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["whole", "by-key-head"])
 def test_the_adapter_unstacks_rows_as_the_analysis_measured_them(grouped: bool):
-    """One layout, two readers: the package's adapter helper (skill/porting/snippets/adapter.py)
+    """One layout, two readers: the package's adapter helper (skill/snippets/adapter.py)
     unstacks a stacked weight into the parts the analysis split it into, in the projections'
     order, and stacks them back bit for bit."""
-    from skill.porting.snippets.adapter import _stack_rows, _unstack_rows
+    from skill.snippets.adapter import _stack_rows, _unstack_rows
 
     tiny, _ = _tiny_qwen3_5()
     weight = FusedMixerWeight(hf_name="w", parts=["z", "q", "v", "k"], grouped=grouped)

@@ -28,7 +28,7 @@ from skill.harness.models import build_hf_config, build_hf_model, load_archon_mo
 from skill.harness.models import unknown_model_type as _unknown
 from skill.porting.model_edits import select_edits
 from skill.porting.plan import plan_for, report_for
-from skill.porting.snippets.experts import (
+from skill.snippets.experts import (
     ClampedSwiGLUFeedForward,
     ClampedSwiGLUGroupedExperts,
     clamped_swiglu,

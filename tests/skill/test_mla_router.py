@@ -28,7 +28,7 @@ from skill.features import Feature, feature_values
 from skill.porting.mla_router import router_args
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import PortPlan, plan_from_report
-from skill.porting.snippets.router import MaxGroupTopKRouter
+from skill.snippets.router import MaxGroupTopKRouter
 from skill.tiny_model import build_tiny_model, tiny_config
 
 hf_logging.set_verbosity_error()

@@ -37,13 +37,13 @@ from skill.porting.plan import (
     plan_for,
     report_for,  # cached: each family is analysed once
 )
-from skill.porting.snippets.experts import (
+from skill.snippets.experts import (
     merge_concatenated_gate_up,
     merge_interleaved_gate_up,
     split_concatenated_gate_up,
     split_interleaved_gate_up,
 )
-from skill.porting.snippets.router import SparseMixerRouter
+from skill.snippets.router import SparseMixerRouter
 
 REPO = Path(__file__).resolve().parents[2]
 E, DIM, HIDDEN = 3, 8, 5

@@ -25,7 +25,7 @@ from skill.codemod.cst import Document
 from skill.features import Feature, MoEFeatures, feature_values, is_supported
 from skill.porting.edit_args import BALANCING_KWARG, router_setup
 from skill.porting.plan import plan_from_report
-from skill.porting.snippets.moe_layers import FirstKDenseRule, LayerTypesRule, SparseStepRule, StartEndIntervalRule
+from skill.snippets.moe_layers import FirstKDenseRule, LayerTypesRule, SparseStepRule, StartEndIntervalRule
 from skill.tiny_model import build_tiny_model, tiny_config
 
 hf_logging.set_verbosity_error()

@@ -19,7 +19,7 @@ from skill.features import SUPPORTED_EDITS, Feature, FusedQKVLayout, NormPlaceme
 from skill.porting.edit_adapter_map import derive_from_hf_map, fused_from_report
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import plan_for, plan_from_report
-from skill.porting.snippets.adapter import _group_qkv, _ungroup_qkv
+from skill.snippets.adapter import _group_qkv, _ungroup_qkv
 from tests.skill.test_analyze_families import report_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -240,7 +240,7 @@ def test_per_layer_type_rope_reads_nested_and_shared_parameters():
     type from it instead of failing with a KeyError."""
     from types import SimpleNamespace
 
-    from skill.porting.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
+    from skill.snippets.args import _layer_rope_freq_scaling, _layer_rope_parameters
 
     nested = SimpleNamespace(
         rope_parameters={

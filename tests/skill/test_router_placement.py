@@ -39,7 +39,7 @@ from skill.porting.edit_args import check_supported_source
 from skill.porting.hf_source import load_config
 from skill.porting.model_edits import EditContext, apply_model_edits
 from skill.porting.plan import plan_from_report
-from skill.porting.snippets.router import LogitBiasRouter
+from skill.snippets.router import LogitBiasRouter
 from skill.tiny_model import tiny_config
 
 hf_logging.set_verbosity_error()

@@ -5,6 +5,11 @@ test_snippets.py`` runs every class against a plain reference computation). An e
 never holds the code it inserts in a string: it asks :func:`snippet` for the source of
 a class or function defined here, so what a generated package contains is exactly what
 was tested.
+
+The package sits beside ``skill.analysis`` and ``skill.porting``, in neither: the analysis
+measures HF's modules against these same functions (ALiBi slopes, sinusoidal tables, the
+differential lambda, clamped SwiGLU) and the porting edits insert them, so neither side
+imports the other for them.
 """
 
 from __future__ import annotations
