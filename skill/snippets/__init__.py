@@ -1,7 +1,8 @@
 """Code the porting edits insert into generated packages, kept as real Python.
 
 Each module here is ordinary, importable, linted and tested code (``tests/skill/
-test_snippets.py`` runs every class against a plain reference computation). An edit
+test_attention_kernels.py``, ``test_moe_experts.py``, ``test_moe_routers.py`` and others run
+them against plain reference computations and HF's modules). An edit
 never holds the code it inserts in a string: it asks :func:`snippet` for the source of
 a class or function defined here, so what a generated package contains is exactly what
 was tested.
