@@ -1098,6 +1098,10 @@ SUPPORTED_EDITS: dict[Feature, frozenset[str]] = {
     Feature.PROJECTION_ORIENTATION: frozenset({WeightOrientation.OUT_IN, WeightOrientation.IN_OUT}),
 }
 
+# The references the engine's edits are written against (their attention and MoE contract):
+# the built-in edits and the feature modules (skill.feature_modules) target these.
+EDITABLE_REFERENCES = ("qwen2", "qwen3")
+
 # The values an edit produces on the deepseek_v3 (MLA) reference, whose attention, router and
 # RoPE no edit targets: only edits written against the block, embedding and logits contract
 # that model_edits.MLA_MODEL_EDITS / edit_args apply there. Everything else from deepseek_v3

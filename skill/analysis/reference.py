@@ -21,6 +21,7 @@ from skill.activations import ACTIVATIONS
 from skill.analysis.measure import build_checklist, build_variant_checklist
 from skill.feature_modules import MODULES_BY_NAME
 from skill.features import (
+    EDITABLE_REFERENCES,
     FEATURE_TITLES,
     HYBRID_LINEAR_ATTENTION,
     MLA_SUPPORTED_EDITS,
@@ -47,8 +48,6 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("deepseek_v3",),
     "qwen3_5": ("qwen3_5_text", "qwen3_5_moe_text"),
 }
-# The references the engine's edits are written against (their attention and MoE contract).
-EDITABLE_REFERENCES = ("qwen2", "qwen3")
 # Of a reference no edit of the whole table targets, the feature values the edits that do
 # apply to it produce (skill.features.MLA_SUPPORTED_EDITS, model_edits.MLA_MODEL_EDITS).
 REFERENCE_EDITS: dict[str, dict[Feature, frozenset[str]]] = {

@@ -18,13 +18,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from skill.features import EDITABLE_REFERENCES
+
 if TYPE_CHECKING:
     from skill.codemod.document import Document
     from skill.features import NamedFact
     from skill.porting.model_edits import EditContext
-
-# The references whose modules follow the contract the engine's edits are written against.
-CONTRACT_REFERENCES = frozenset({"qwen2", "qwen3"})
 
 
 class FeatureModule(ABC):
@@ -34,7 +33,7 @@ class FeatureModule(ABC):
     title: ClassVar[str]  # how the reference deltas name the feature
     description: ClassVar[str]  # what the edit writes, for the edit catalogue
     claims: ClassVar[str]  # the NamedFact key it ports
-    references: ClassVar[frozenset[str]] = CONTRACT_REFERENCES
+    references: ClassVar[tuple[str, ...]] = EDITABLE_REFERENCES
 
     @abstractmethod
     def read(self, fact: NamedFact) -> dict[str, Any] | None:
