@@ -3301,9 +3301,11 @@ def constant_eps_norms(ctx: Context, eps_field: str) -> dict[str, float]:
 
 def _name_constant_block_norm_eps(ctx: Context, eps_field: str, roles: dict[str, str]) -> None:
     """Name the block or final norms whose epsilon is a constant beside ``eps_field`` (the port
-    gives every norm ``norm_eps``, read from that field: right only while the two agree).
+    gives every norm ``norm_eps``, read from that field: right only while the two agree), and key
+    the fact with each constant and the role probed for each block norm among them.
     ``roles``: layer 0's block norms (name inside the layer) -> the role probed for each."""
-    block = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}" for name in ctx.anatomy.norms}
+    layer = ctx.layer_prefix.replace(".0.", ".{}.", 1)
+    block = {f"{layer}{name}" for name in ctx.anatomy.norms}
     final = {name for name, module in ctx.model.named_modules() if module is ctx.anatomy.final_norm}
     constants = {name: value for name, value in constant_eps_norms(ctx, eps_field).items() if name in block | final}
     if not constants:
@@ -3313,14 +3315,13 @@ def _name_constant_block_norm_eps(ctx: Context, eps_field: str, roles: dict[str,
     feature = f"norms whose epsilon is a constant, not {eps_field}: {held}"
     ctx.other.append(feature)
     ctx.places[feature] = BLOCK_NORMS_BUILT if set(constants) & block else FINAL_NORM_BUILT
-    layer_norm_roles = {f"{ctx.layer_prefix.replace('.0.', '.{}.', 1)}{name}": role for name, role in roles.items()}
+    probed = {f"{layer}{name}": role for name, role in roles.items()}
     ctx.facts[feature] = NamedFact(
         key="constant_norm_eps",
         data={
             "field": eps_field,
-            "constants": {n: v for n, v in constants.items() if n in layer_norm_roles},
-            "block_roles": {n: layer_norm_roles[n] for n in constants if n in layer_norm_roles},
-            "other_norms": {n: v for n, v in constants.items() if n not in layer_norm_roles},
+            "constants": constants,
+            "roles": {name: probed[name] for name in constants if name in probed},
         },
     )
 

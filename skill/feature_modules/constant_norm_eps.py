@@ -36,14 +36,12 @@ class ConstantNormEps(FeatureModule):
     claims = "constant_norm_eps"
 
     def read(self, fact: NamedFact) -> dict[str, Any] | None:
-        """Ported: block norms only (a final norm's constant would need the field dropped, which
-        the analysis does when every norm ignores it), one constant, each of a known role."""
-        roles: dict[str, str] = fact.data.get("block_roles", {})
-        constants: dict[str, float] = fact.data.get("constants", {})
-        if fact.data.get("other_norms") or not roles or set(roles) != set(constants):
-            return None
+        """Ported: block norms of a probed role only (a final norm's constant would need the field
+        dropped, which the analysis does when every norm ignores it), all of one constant."""
+        constants: dict[str, float] = fact.data["constants"]
+        roles: dict[str, str] = fact.data["roles"]
         values = set(constants.values())
-        if len(values) != 1 or any(role not in BLOCK_NORM_NAMES for role in roles.values()):
+        if set(roles) != set(constants) or len(values) != 1 or not set(roles.values()) <= set(BLOCK_NORM_NAMES):
             return None
         norms = sorted({BLOCK_NORM_NAMES[role] for role in roles.values()})
         return {"eps": values.pop(), "field": fact.data["field"], "norms": norms}
