@@ -2,7 +2,8 @@
 features across both references, port with zero hand edits and pass stages 1-6.
 
 The families live in ``tests/composition/<name>/`` as a ``configuration_<name>.py`` +
-``modeling_<name>.py`` pair written the way HF remote code is. Each test copies one into
+``modeling_<name>.py`` pair written the way HF remote code is (a family in ``DERIVED`` is
+another's pair, renamed, with a few lines of its modeling code replaced). Each test copies one into
 a temporary checkpoint folder, writes its ``config.json`` (with ``auto_map``) and tiny
 noisy random weights with ``save_pretrained``, and runs ``port_model`` on that folder
 in a scratch workspace. Stage 4 then also compares the folder's own weights
@@ -25,8 +26,8 @@ from those files through the adapter).
 |          |           | norm kept on the first pipeline stage (the package's own pipelining_fn)           |
 | diffmoe  | qwen3     | differential attention (written with doubled values, its own names) + GQA +      |
 |          |           | per-head QK RMSNorm + sliding window on every other layer + MoE                  |
-| epsmoe   | qwen3     | block norms with a constant epsilon (feature module constant_norm_eps) +       |
-|          |           | sandwich norms + full-width QK RMSNorm + MoE + residual multiplier               |
+| epsmoe   | qwen3     | sandmoe (derived: DERIVED) with block norms of a constant epsilon (feature module |
+|          |           | constant_norm_eps) + sandwich norms + full-width QK RMSNorm + MoE + residual multiplier |
 """
 
 from __future__ import annotations
@@ -199,10 +200,49 @@ def _camel(name: str) -> str:
     return name[0].upper() + name[1:]
 
 
+# Families written as another family's code, renamed, with a few lines changed: the family, and
+# its source family with the replacements in its modeling file.
+DERIVED: dict[str, tuple[str, dict[str, str]]] = {
+    # sandmoe with the four block norms built with a constant eps=1e-5 (the final and QK norms
+    # still read rms_norm_eps, 1e-6 by default).
+    "epsmoe": (
+        "sandmoe",
+        {
+            f"self.{norm} = SandmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)": (
+                f"self.{norm} = SandmoeRMSNorm(config.hidden_size, eps=1e-5)"
+            )
+            for norm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        },
+    ),
+}
+
+
+def _write_family(folder: Path, name: str) -> None:
+    """The family's ``configuration_<name>.py`` and ``modeling_<name>.py`` in ``folder``."""
+    if name not in DERIVED:
+        shutil.copytree(FAMILIES_DIR / name, folder, ignore=shutil.ignore_patterns("__pycache__"))
+        return
+    source, replacements = DERIVED[name]
+    folder.mkdir(parents=True)
+    for part in ("configuration", "modeling"):
+        text = (FAMILIES_DIR / source / f"{part}_{source}.py").read_text()
+        if part == "modeling":
+            for old, new in replacements.items():
+                assert old in text, f"{source}'s modeling code no longer has {old!r}"
+                text = text.replace(old, new)
+        renamed = text.replace(_camel(source), _camel(name)).replace(source, name)
+        (folder / f"{part}_{name}.py").write_text(renamed)
+
+
 def make_checkpoint(tmp_path: Path, name: str) -> Path:
     """The family's folder with ``config.json`` (auto_map) and tiny noisy weights."""
     folder = tmp_path / f"{name}-checkpoint"
-    shutil.copytree(FAMILIES_DIR / name, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    _write_family(folder, name)
     camel = _camel(name)
     # A config.json naming only the family's code: every value comes from the config
     # class's defaults, which the tiny config then shrinks.

@@ -61,15 +61,22 @@ def test_tiny_config_shrinks_a_width_field_the_names_miss() -> None:
 # ------------------------------------------- 2. each norm's epsilon, by perturbation
 
 
-def _without_feature_modules(monkeypatch: pytest.MonkeyPatch, model_type: str) -> Any:
+def _without_feature_modules(source: str, trust_remote_code: bool = False) -> Any:
     """The report as the engine gave it before CTRL's two hand edits became feature modules:
     the facts the modules port, refused by name with their hand-edit places."""
     import skill.feature_modules
     from skill.analysis.analyze import analyze_hf_model
     from skill.analysis.report import AnalyzeInput
 
-    monkeypatch.setattr(skill.feature_modules, "FEATURE_MODULES", ())
-    return analyze_hf_model(AnalyzeInput(source=model_type))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(skill.feature_modules, "FEATURE_MODULES", ())
+        return analyze_hf_model(AnalyzeInput(source=source, trust_remote_code=trust_remote_code))
+
+
+@pytest.fixture(scope="module")
+def ctrl_without_modules() -> Any:
+    """ctrl's report without the feature modules, analysed once for the tests that read it."""
+    return _without_feature_modules("ctrl")
 
 
 EPS_FACT = (
@@ -93,8 +100,8 @@ def test_ctrl_block_norm_eps_is_a_constant_the_feature_module_ports() -> None:
     assert delta.supported and delta.target == "block norms with a constant epsilon of 1e-06"
 
 
-def test_ctrl_block_norm_eps_without_its_module_is_refused_at_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    report = _without_feature_modules(monkeypatch, "ctrl")
+def test_ctrl_block_norm_eps_without_its_module_is_refused_at_its_place(ctrl_without_modules: Any) -> None:
+    report = ctrl_without_modules
     assert not report.checklist.feature_modules
     named = [line for line in report.unsupported if "epsilon is a constant" in line]
     assert named == [f"unsupported: {EPS_FACT}"]
@@ -104,22 +111,14 @@ def test_ctrl_block_norm_eps_without_its_module_is_refused_at_its_place(monkeypa
     assert (place.class_name, place.function, place.anchor) == ("TransformerBlock", "__init__", "self.attention_norm")
 
 
-def test_a_constant_epsilon_other_than_the_field_s_value_is_measured(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # tests/composition/epsmoe builds its four block norms with eps=1e-5 while rms_norm_eps is
+def test_a_constant_epsilon_other_than_the_field_s_value_is_measured(tmp_path: Path) -> None:
+    # The composition family epsmoe builds its four block norms with eps=1e-5 while rms_norm_eps is
     # 1e-6 (the final and QK norms read it). The norms then hold two values, so the field is
     # used; moving it leaves the block norms' 1e-5: a constant, named (not ported silently with
     # norm_eps, as when only a constant equal to the field's value was looked for).
     from tests.skill.test_composition_families import make_checkpoint
 
-    folder = make_checkpoint(tmp_path, "epsmoe")
-    import skill.feature_modules
-    from skill.analysis.analyze import analyze_hf_model
-    from skill.analysis.report import AnalyzeInput
-
-    monkeypatch.setattr(skill.feature_modules, "FEATURE_MODULES", ())
-    report = analyze_hf_model(AnalyzeInput(source=str(folder), trust_remote_code=True))
+    report = _without_feature_modules(str(make_checkpoint(tmp_path, "epsmoe")), trust_remote_code=True)
     named = [line for line in report.unsupported if "epsilon is a constant" in line]
     assert named == [
         "unsupported: norms whose epsilon is a constant, not rms_norm_eps: "
@@ -165,8 +164,8 @@ def test_ctrl_sinusoidal_buffer_and_sqrt_dim_scale_are_reported() -> None:
     assert not [line for line in report.unsupported if "beyond a constant scale" in line]
 
 
-def test_ctrl_sinusoidal_formula_without_its_module_is_refused_at_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    report = _without_feature_modules(monkeypatch, "ctrl")
+def test_ctrl_sinusoidal_formula_without_its_module_is_refused_at_its_place(ctrl_without_modules: Any) -> None:
+    report = ctrl_without_modules
     formula = [line for line in report.unsupported if "sinusoidal" in line]
     assert len(formula) == 1 and "10000^(-2i/d)" in formula[0] and "offset 0" in formula[0]
     # Its hand edit changes the table's frequencies: marked above the call that builds it (the
@@ -264,12 +263,12 @@ def test_check_package_reads_a_literal_sequential_position_as_mapped(tmp_path: P
     assert not keys.passed and "transformer.h.{}.ffn.{}.weight" in keys.detail
 
 
-def test_analyze_text_names_each_hand_edit_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_analyze_text_names_each_hand_edit_place(ctrl_without_modules: Any) -> None:
     """The second ctrl agent needed `analyze --json` for `hand_edit_places`, which SKILL.md's hand
     port reads: the text output lists each place too (ctrl's, without the modules that port them)."""
     from skill.cli.analyze import format_report
 
-    report = _without_feature_modules(monkeypatch, "ctrl")
+    report = ctrl_without_modules
     assert len(report.hand_edit_places) == 2
     text = format_report(report)
     assert "hand edit places (hand_edit_places):" in text
